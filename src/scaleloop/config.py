@@ -1,0 +1,210 @@
+"""Run configuration: one frozen dataclass, read from a TOML file and overridden by CLI flags.
+
+This module imports no torch, so that ``scaleloop --help`` answers quickly.
+
+Every field carries its own help text and (where it has them) its choices, so the CLI, the
+config file, the validation and the saved ``config.toml`` all come from one definition.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union, get_args, get_origin, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on 3.10
+    import tomli as tomllib
+
+from scaleloop.errors import UsageError
+
+STRATEGIES = ("auto", "single")
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] = (), group: str = "training") -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "group": group})
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a training run. Sizes are global (across all workers)."""
+
+    # what to train
+    model: str = _opt("simplenet", "model: simplenet, biggernet, convnet, tinygpt, or package.module:factory", group="model and data")
+    data: str = _opt("digits", "dataset: digits, random, mnist, images, tokens, or package.module:factory", group="model and data")
+    data_dir: Optional[str] = _opt(None, "directory holding the MNIST IDX files (for --data mnist; never downloads)", group="model and data")
+    hidden_dim: int = _opt(128, "hidden width of simplenet/biggernet", group="model and data")
+    n_samples: int = _opt(10_000, "training samples for generated datasets (random, images, tokens)", group="model and data")
+    input_dim: int = _opt(20, "features per sample for --data random", group="model and data")
+    image_size: int = _opt(32, "side of the square images for --data images", group="model and data")
+    seq_len: int = _opt(64, "tokens per sample for --data tokens", group="model and data")
+    vocab_size: int = _opt(256, "vocabulary size for --data tokens", group="model and data")
+    test_fraction: float = _opt(0.2, "share held out as the test set (digits, generated datasets)", group="model and data")
+
+    # how to train
+    epochs: int = _opt(20, "passes over the training set")
+    max_steps: Optional[int] = _opt(None, "stop after this many optimizer steps (default: no limit)")
+    batch_size: int = _opt(64, "GLOBAL batch size: per-device batch = batch_size / (world size x accumulate)")
+    accumulate: int = _opt(1, "micro-batches accumulated into each optimizer step")
+    lr: float = _opt(0.01, "learning rate")
+    optimizer: str = _opt("adam", "optimizer", OPTIMIZERS)
+    weight_decay: float = _opt(0.0, "weight decay")
+    momentum: float = _opt(0.9, "momentum (sgd only)")
+    clip_grad: Optional[float] = _opt(None, "clip the global gradient norm to this value (default: off)")
+    drop_last: bool = _opt(False, "drop the last, smaller step of each epoch instead of training on it")
+    seed: int = _opt(0, "random seed (model init, data order, generated data)")
+
+    # where to run it
+    device: str = _opt("auto", "device: auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", group="hardware")
+    strategy: str = _opt("auto", "how to use the hardware", STRATEGIES, group="hardware")
+    precision: str = _opt("fp32", "numeric precision (bf16/fp16 use torch.amp autocast; fp16 adds a GradScaler)", PRECISIONS, group="hardware")
+    num_workers: int = _opt(0, "DataLoader worker processes (only for datasets that are not in-memory tensors)", group="hardware")
+
+    # what to write
+    out: Optional[str] = _opt(None, "run directory (default: runs/<date>-<time>-<model>-<data>)", group="output")
+    log_every: int = _opt(10, "optimizer steps between metric rows in metrics.csv", group="output")
+    progress: bool = _opt(True, "show a progress bar", group="output")
+    tensorboard: bool = _opt(True, "write TensorBoard event files when tensorboard is installed", group="output")
+
+    def validate(self) -> "TrainConfig":
+        """Check every value; raise UsageError naming the flag and what to use instead."""
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise UsageError(f"{flag(f.name)} {value!r} is not one of: {', '.join(choices)}")
+        positive = ("hidden_dim", "n_samples", "input_dim", "image_size", "seq_len", "vocab_size",
+                    "epochs", "batch_size", "accumulate", "log_every")
+        for name in positive:
+            _require(getattr(self, name) >= 1, name, "a positive integer")
+        _require(self.max_steps is None or self.max_steps >= 1, "max_steps", "a positive integer")
+        _require(self.lr > 0, "lr", "a positive number")
+        _require(self.weight_decay >= 0, "weight_decay", "zero or positive")
+        _require(self.momentum >= 0, "momentum", "zero or positive")
+        _require(self.clip_grad is None or self.clip_grad > 0, "clip_grad", "a positive number")
+        _require(0 <= self.test_fraction < 1, "test_fraction", "in [0, 1)")
+        _require(self.num_workers >= 0, "num_workers", "zero or positive")
+        if self.batch_size % self.accumulate:
+            raise UsageError(
+                f"--batch-size {self.batch_size} does not split into --accumulate {self.accumulate} "
+                f"equal micro-batches; use a multiple of {self.accumulate} such as "
+                f"{_near_multiples(self.batch_size, self.accumulate)}")
+        return self
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        """A copy with ``changes`` applied (the dataclass is frozen)."""
+        return dataclasses.replace(self, **changes)
+
+
+def flag(name: str) -> str:
+    """The CLI flag for a field name: ``batch_size`` -> ``--batch-size``."""
+    return "--" + name.replace("_", "-")
+
+
+def _require(ok: bool, name: str, what: str) -> None:
+    if not ok:
+        raise UsageError(f"{flag(name)} must be {what}")
+
+
+def _near_multiples(value: int, unit: int) -> str:
+    below = (value // unit) * unit
+    above = below + unit
+    return f"{below} or {above}" if below > 0 else str(above)
+
+
+def field_types() -> dict[str, type]:
+    """Each field's scalar type (``Optional[int]`` -> ``int``)."""
+    hints = get_type_hints(TrainConfig)
+    out: dict[str, type] = {}
+    for f in dataclasses.fields(TrainConfig):
+        tp = hints[f.name]
+        if get_origin(tp) is Union:
+            tp = next(a for a in get_args(tp) if a is not type(None))
+        out[f.name] = tp
+    return out
+
+
+def coerce(name: str, value: Any, source: str) -> Any:
+    """Convert ``value`` to the field's type, or raise UsageError naming where it came from."""
+    tp = field_types()[name]
+    if value is None or (isinstance(value, str) and value.lower() == "none"
+                         and TrainConfig.__dataclass_fields__[name].default is None):
+        return None
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+                return value.lower() in ("true", "yes", "1")
+            raise ValueError
+        if tp is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if tp is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if tp is str:
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+    except (TypeError, ValueError):
+        pass
+    raise UsageError(f"{source}: {name} must be {tp.__name__}, got {value!r}")
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a config file into field values; UsageError for a missing, unreadable or bad file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"config file {str(p)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"config file {str(p)!r} cannot be read: {exc}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+    # Accept both a flat file and one whose settings sit under [train].
+    if set(raw) == {"train"} and isinstance(raw["train"], dict):
+        raw = raw["train"]
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UsageError(f"config file {str(p)!r}: unknown setting {key!r}{hint}")
+        values[name] = coerce(name, value, f"config file {str(p)!r}")
+    return values
+
+
+def resolve(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> TrainConfig:
+    """Defaults, then the config file, then CLI flags; validated."""
+    merged = {**file_values, **flag_values}
+    return TrainConfig(**merged).validate()
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The resolved config as TOML that ``--config`` reads back to the same run."""
+    lines = ["# scaleloop resolved configuration; rerun with: scaleloop train --config <this file>"]
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if value is None:
+            lines.append(f"# {f.name} = (not set)")
+        elif isinstance(value, bool):
+            lines.append(f"{f.name} = {'true' if value else 'false'}")
+        elif isinstance(value, str):
+            escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+            lines.append(f'{f.name} = "{escaped}"')
+        else:
+            lines.append(f"{f.name} = {value!r}")
+    return "\n".join(lines) + "\n"

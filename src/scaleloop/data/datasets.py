@@ -1,0 +1,251 @@
+"""Built-in datasets, and user dataset factories given as ``package.module:factory``.
+
+Every built-in returns ``TensorDataset``s of CPU tensors: the loader's in-memory fast path
+gathers whole batches from ``.tensors`` with an index tensor instead of per-sample calls.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from scaleloop.data.info import DataInfo, Datasets
+from scaleloop.errors import UsageError
+from scaleloop.plugins import call_factory, is_factory_spec, resolve_factory
+
+DATASET_NAMES = ("digits", "random", "mnist", "images", "tokens")
+
+# Token streams are built from a fixed vocabulary of short random "phrases", so that a
+# language model can lower its loss by memorising them, while generation stays vectorised.
+_PHRASE_COUNT = 64
+_PHRASE_LEN = 8
+
+
+class RandomDataset(TensorDataset):
+    """The tutorial's toy binary task: Gaussian inputs, label = whether their sum is positive.
+
+    ``X`` is ``(n_samples, input_dim)`` float32 drawn from ``generator`` (the global RNG when
+    None); ``y = (X.sum(dim=1, keepdim=True) > 0).float()`` has shape ``(n_samples, 1)``.
+    """
+
+    def __init__(self, n_samples: int, input_dim: int,
+                 generator: Optional[torch.Generator] = None) -> None:
+        X = torch.randn(n_samples, input_dim, generator=generator)
+        y = (X.sum(dim=1, keepdim=True) > 0).float()
+        super().__init__(X, y)
+        self.X = X
+        self.y = y
+
+
+def build_datasets(name: str, *, data_dir: str | None = None, n_samples: int = 10_000,
+                   input_dim: int = 20, image_size: int = 32, num_classes: int = 10,
+                   seq_len: int = 64, vocab_size: int = 256, test_fraction: float = 0.2,
+                   seed: int = 0) -> Datasets:
+    """Build the train/test datasets named ``name`` (see ``DATASET_NAMES``) or a user factory.
+
+    Built-ins are deterministic for a given ``seed``. With ``test_fraction == 0`` there is no
+    test set. A user factory ``pkg.module:factory`` is called with no arguments, or with one
+    dict of the keyword options here; it may return a ``Datasets``, a ``(train, test)`` tuple
+    (``test`` may be None) or a single ``Dataset``, and for the last two the ``DataInfo`` is
+    inferred from the first training sample. Bad input raises ``UsageError``.
+    """
+    sizes = {"n_samples": n_samples, "input_dim": input_dim, "image_size": image_size,
+             "num_classes": num_classes, "seq_len": seq_len, "vocab_size": vocab_size}
+    for key, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"--{key.replace('_', '-')} must be a positive integer, got {value!r}")
+    if (isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float))
+            or not 0 <= test_fraction < 1):
+        raise UsageError(f"--test-fraction must be in [0, 1), got {test_fraction!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise UsageError(f"--seed must be a non-negative integer, got {seed!r}")
+
+    if is_factory_spec(name):
+        options = dict(sizes, test_fraction=test_fraction, seed=seed, data_dir=data_dir)
+        return _from_factory(name, options)
+    n_test = max(1, int(n_samples * test_fraction)) if test_fraction > 0 else 0
+    if name == "digits":
+        return _digits(test_fraction, seed)
+    if name == "random":
+        gen = torch.Generator().manual_seed(seed)
+        train = RandomDataset(n_samples, input_dim, generator=gen)
+        test = RandomDataset(n_test, input_dim, generator=gen) if n_test else None
+        return Datasets(train, test, DataInfo("random", "binary", (input_dim,), 1))
+    if name == "mnist":
+        if not data_dir:
+            raise UsageError("dataset 'mnist' reads IDX files from a directory: "
+                             "pass --data-dir DIR (it never downloads)")
+        from scaleloop.data.mnist import load_mnist
+        return load_mnist(data_dir)
+    if name == "images":
+        return _images(n_samples, n_test, image_size, num_classes, seed)
+    if name == "tokens":
+        return _tokens(n_samples, n_test, seq_len, vocab_size, seed)
+    raise UsageError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}, "
+                     "or give 'package.module:factory'")
+
+
+def _digits(test_fraction: float, seed: int) -> Datasets:
+    """scikit-learn's bundled 8x8 digits with a stratified, seeded held-out split."""
+    from sklearn.datasets import load_digits  # slow import: only pay for it when used
+
+    bunch = load_digits()
+    x = torch.from_numpy((bunch.data / 16.0).astype(np.float32)).reshape(-1, 1, 8, 8)
+    labels = np.asarray(bunch.target, dtype=np.int64)
+    y = torch.from_numpy(labels)
+    info = DataInfo("digits", "classification", (1, 8, 8), 10)
+    if test_fraction == 0:
+        return Datasets(TensorDataset(x, y), None, info)
+    # Per-class shuffles keep each digit's share the same in both splits.
+    rng = np.random.default_rng(seed)
+    test_parts = []
+    for label in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == label))
+        k = min(len(members) - 1, max(1, round(len(members) * test_fraction)))
+        test_parts.append(members[:k])
+    is_test = np.zeros(len(labels), dtype=bool)
+    is_test[np.concatenate(test_parts)] = True
+    train_idx = torch.from_numpy(np.flatnonzero(~is_test))
+    test_idx = torch.from_numpy(np.flatnonzero(is_test))
+    return Datasets(TensorDataset(x[train_idx], y[train_idx]),
+                    TensorDataset(x[test_idx], y[test_idx]), info)
+
+
+def _images(n_train: int, n_test: int, size: int, num_classes: int, seed: int) -> Datasets:
+    """Gaussian images labelled by the argmax of a fixed random linear map (learnable)."""
+    gen = torch.Generator().manual_seed(seed)
+    features = 3 * size * size
+    weight = torch.randn(features, num_classes, generator=gen)
+    # Equal-norm columns make every class equally likely, so accuracy is not skewed.
+    weight /= weight.norm(dim=0, keepdim=True)
+
+    def draw(n: int) -> TensorDataset:
+        x = torch.randn(n, 3, size, size, generator=gen)
+        return TensorDataset(x, (x.reshape(n, features) @ weight).argmax(dim=1))
+
+    train = draw(n_train)
+    test = draw(n_test) if n_test else None
+    return Datasets(train, test, DataInfo("images", "classification", (3, size, size),
+                                          num_classes))
+
+
+def _tokens(n_train: int, n_test: int, seq_len: int, vocab_size: int, seed: int) -> Datasets:
+    """Windows of a token stream made of repeated random phrases; y is x shifted by one."""
+    gen = torch.Generator().manual_seed(seed)
+    phrases = torch.randint(0, vocab_size, (_PHRASE_COUNT, _PHRASE_LEN), generator=gen)
+
+    def draw(n: int) -> TensorDataset:
+        window = seq_len + 1
+        n_phrases = -(-n * window // _PHRASE_LEN)  # ceil: enough phrases to fill n windows
+        picks = torch.randint(0, _PHRASE_COUNT, (n_phrases,), generator=gen)
+        stream = phrases[picks].reshape(-1)[: n * window]
+        w = stream.reshape(n, window)
+        return TensorDataset(w[:, :-1].contiguous(), w[:, 1:].contiguous())
+
+    train = draw(n_train)
+    test = draw(n_test) if n_test else None
+    return Datasets(train, test, DataInfo("tokens", "lm", (seq_len,), vocab_size))
+
+
+def _from_factory(spec: str, options: dict[str, Any]) -> Datasets:
+    """Call a user factory and normalise what it returns into ``Datasets``."""
+    result = call_factory(resolve_factory(spec, "data"), options)
+    if isinstance(result, Datasets):
+        return result
+    if isinstance(result, (tuple, list)) and len(result) == 2:
+        train, test = result
+    elif isinstance(result, Dataset):
+        train, test = result, None
+    else:
+        raise UsageError(
+            f"--data {spec!r}: the factory returned {type(result).__name__}; expected a "
+            "scaleloop Datasets, a (train, test) tuple, or a single torch Dataset"
+        )
+    for role, ds in (("train", train), ("test", test)):
+        if ds is not None and not (isinstance(ds, Dataset) and hasattr(ds, "__len__")):
+            raise UsageError(f"--data {spec!r}: the {role} set is a {type(ds).__name__}, "
+                             "expected a map-style torch Dataset with __len__")
+    if len(train) == 0:
+        raise UsageError(f"--data {spec!r}: the training set is empty")
+    return Datasets(train, test, infer_info(spec, train, test))
+
+
+def infer_info(name: str, train: Dataset, test: Optional[Dataset] = None) -> DataInfo:
+    """Guess a ``DataInfo`` from the first ``(x, y)`` sample of ``train``.
+
+    ``y`` a float tensor of shape ``(1,)`` means binary; an integer scalar means
+    classification (``num_classes`` = largest label + 1); an integer 1-d tensor shaped like an
+    integer 1-d ``x`` means a language model (``num_classes`` = largest token + 1).
+    """
+    sample = train[0]
+    if not isinstance(sample, (tuple, list)) or len(sample) != 2:
+        raise UsageError(f"--data {name!r}: a sample must be an (x, y) pair, got "
+                         f"{type(sample).__name__}")
+    x, y = (_as_tensor(v) for v in sample)
+    if x is None or y is None:
+        raise UsageError(f"--data {name!r}: x and y must be tensors, arrays or numbers, got "
+                         f"{type(sample[0]).__name__} and {type(sample[1]).__name__}")
+    shape = tuple(x.shape)
+    if y.is_floating_point() and tuple(y.shape) == (1,):
+        info = DataInfo(name, "binary", shape, 1)
+    elif _is_int(y) and y.dim() == 0:
+        info = DataInfo(name, "classification", shape, _max_value(name, train, test, (1,)) + 1)
+    elif _is_int(y) and _is_int(x) and y.dim() == 1 and y.shape == x.shape:
+        info = DataInfo(name, "lm", shape, _max_value(name, train, test, (0, 1)) + 1)
+    else:
+        raise UsageError(
+            f"--data {name!r}: cannot tell the task from the first sample (x {list(x.shape)} "
+            f"{x.dtype}, y {list(y.shape)} {y.dtype}); expected y as a float tensor of shape "
+            "[1] (binary), an integer class index (classification), or an int64 tensor shaped "
+            "like a 1-d int64 x (lm); or return a scaleloop Datasets with your own DataInfo"
+        )
+    if test is not None and len(test) > 0:
+        test_x = _as_tensor(test[0][0])
+        if test_x is None or tuple(test_x.shape) != shape:
+            raise UsageError(f"--data {name!r}: test samples have x shape "
+                             f"{None if test_x is None else list(test_x.shape)}, "
+                             f"but training samples have {list(shape)}")
+    return info
+
+
+def _as_tensor(value: Any) -> Optional[torch.Tensor]:
+    """View a sample field as a tensor for inspection; None when it is not numeric."""
+    if isinstance(value, torch.Tensor):
+        return value
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+
+
+def _is_int(t: torch.Tensor) -> bool:
+    return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+
+
+def _max_value(name: str, train: Dataset, test: Optional[Dataset],
+               fields: tuple[int, ...]) -> int:
+    """Largest integer in the given sample fields over both sets; negatives are an error.
+
+    Scanning the test set too keeps the model's output wide enough for every test label.
+    """
+    low, high = 0, 0
+    for ds in (train, test):
+        if ds is None or len(ds) == 0:
+            continue
+        if isinstance(ds, TensorDataset):
+            values = [ds.tensors[f] for f in fields]
+        else:
+            # A generic dataset can only be read one sample at a time.
+            values = []
+            for i in range(len(ds)):
+                sample = ds[i]
+                values.extend(torch.as_tensor(sample[f]).reshape(-1) for f in fields)
+            values = [torch.cat(values)]
+        for v in values:
+            low, high = min(low, int(v.min())), max(high, int(v.max()))
+    if low < 0:
+        raise UsageError(f"--data {name!r}: found a negative class index or token ({low}); "
+                         "labels and tokens must be integers from 0 upward")
+    return high

@@ -1,0 +1,34 @@
+"""What a model needs to know about a dataset, and the bundle a dataset builder returns."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from torch.utils.data import Dataset
+
+Task = Literal["classification", "binary", "lm"]
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    """Shape of one sample and the kind of target.
+
+    - ``classification``: x has ``input_shape``; y is an int64 class index in ``[0, num_classes)``.
+    - ``binary``: y is a float tensor of shape ``(1,)`` holding 0.0 or 1.0; ``num_classes == 1``.
+    - ``lm``: x and y are int64 token tensors of shape ``(seq_len,)`` (y is x shifted by one);
+      ``input_shape == (seq_len,)`` and ``num_classes`` is the vocabulary size.
+    """
+
+    name: str
+    task: Task
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+
+@dataclass
+class Datasets:
+    """A training set, an optional held-out test set, and their ``DataInfo``."""
+
+    train: Dataset
+    test: Optional[Dataset]
+    info: DataInfo

@@ -1,0 +1,100 @@
+"""Which samples each rank sees, in which micro-batch, for every optimizer step.
+
+The plan is defined on the GLOBAL batch so that the maths does not depend on the world size:
+
+1. Each epoch has one permutation of ``range(n)``, drawn from ``seed + epoch`` (the same on
+   every rank, like ``DistributedSampler.set_epoch``).
+2. Step ``s`` covers ``perm[s*B : (s+1)*B]`` — the same samples whatever the world size W or
+   accumulation K, so N workers with global batch B train on exactly what 1 worker does.
+3. The step's samples are cut into W contiguous blocks, one per rank (a disjoint shard), and
+   each rank's block into K contiguous micro-batches.
+4. The last step of an epoch may be smaller than B. It is kept (each sample exactly once per
+   epoch) and split as evenly as possible; micro-batches then differ by at most one sample,
+   and ``loss_scale`` weights each by its share so the update is still the mean over the step.
+   Only a tail too small to give every rank and micro-step one sample (fewer than W*K samples)
+   is dropped, and reported; ``drop_last`` drops any smaller last step instead. Nothing is
+   padded, so no sample is ever counted twice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` contiguous pieces of ``n`` items; the first ``n % parts`` get one more."""
+    base, extra = divmod(n, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The indices one rank trains on in one micro-step, and how to weight its loss."""
+
+    step: int            # optimizer step within the epoch
+    micro: int           # micro-step within the optimizer step, 0..K-1
+    last_micro: bool     # the micro-step after which the optimizer steps
+    indices: torch.Tensor  # global sample indices (CPU int64)
+    step_samples: int    # samples in the whole step, over all ranks
+    loss_scale: float    # multiply the micro-batch's mean loss by this before backward
+
+
+class StepPlan:
+    """The per-epoch, per-rank, per-micro-step sample plan described in the module docstring."""
+
+    def __init__(self, n: int, global_batch: int, *, world_size: int = 1, rank: int = 0,
+                 accumulate: int = 1, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False) -> None:
+        if n < 1:
+            raise ValueError("dataset is empty")
+        self.n = n
+        self.global_batch = global_batch
+        self.world_size = world_size
+        self.rank = rank
+        self.accumulate = accumulate
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        full, tail = divmod(n, global_batch)
+        pieces = world_size * accumulate
+        keep_tail = tail > 0 and not drop_last and tail >= pieces
+        self.steps_per_epoch = full + (1 if keep_tail else 0)
+        self.dropped_per_epoch = 0 if keep_tail else tail
+        self.used_per_epoch = n - self.dropped_per_epoch
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The epoch's sample order (a permutation, or ``arange`` without shuffling)."""
+        if not self.shuffle:
+            return torch.arange(self.n)
+        g = torch.Generator()
+        g.manual_seed(self.seed + epoch)
+        return torch.randperm(self.n, generator=g)
+
+    def step_indices(self, epoch: int, step: int, order: torch.Tensor | None = None) -> torch.Tensor:
+        """All samples of one optimizer step, over all ranks."""
+        order = self.order(epoch) if order is None else order
+        return order[step * self.global_batch: min((step + 1) * self.global_batch, self.used_per_epoch)]
+
+    def micro_batches(self, epoch: int, start_step: int = 0) -> Iterator[MicroBatch]:
+        """This rank's micro-batches for ``epoch``, beginning at optimizer step ``start_step``."""
+        order = self.order(epoch)
+        k = self.accumulate
+        for step in range(start_step, self.steps_per_epoch):
+            chunk = self.step_indices(epoch, step, order)
+            rank_sizes = split_sizes(len(chunk), self.world_size)
+            start = sum(rank_sizes[: self.rank])
+            mine = chunk[start: start + rank_sizes[self.rank]]
+            offset = 0
+            for micro, size in enumerate(split_sizes(len(mine), k)):
+                # Each rank's gradient is averaged over W ranks (DDP divides by W), so a
+                # micro-batch with share size/len(chunk) of the step is weighted by W * share.
+                scale = self.world_size * size / len(chunk)
+                yield MicroBatch(step=step, micro=micro, last_micro=micro == k - 1,
+                                 indices=mine[offset: offset + size], step_samples=len(chunk),
+                                 loss_scale=scale)
+                offset += size
+
+    def micro_batches_per_epoch(self, start_step: int = 0) -> int:
+        return max(0, self.steps_per_epoch - start_step) * self.accumulate

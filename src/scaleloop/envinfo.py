@@ -1,0 +1,232 @@
+"""What ``scaleloop env`` prints: the machine, torch build, backends and strategies.
+
+torch is imported inside :func:`collect_env`, not at module level, so that
+importing the CLI stays fast for commands that never touch torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import sys
+from typing import Any
+
+__all__ = ["collect_env", "format_env", "STRATEGY_NAMES"]
+
+STRATEGY_NAMES: tuple[str, ...] = ("single", "dp", "ddp", "allreduce", "fsdp", "pipeline")
+
+
+def _importable(module: str, attr: str | None = None) -> bool:
+    # Probing by import catches both torch builds without the feature and
+    # builds where the module exists but fails to load on this platform.
+    try:
+        mod = importlib.import_module(module)
+    except Exception:
+        return False
+    return attr is None or hasattr(mod, attr)
+
+
+def _gpus(torch: Any) -> list[dict[str, object]]:
+    gpus: list[dict[str, object]] = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        gpus.append(
+            {
+                "index": index,
+                "name": props.name,
+                "memory_gib": round(props.total_memory / 2**30, 1),
+                "capability": f"{props.major}.{props.minor}",
+            }
+        )
+    return gpus
+
+
+def _nccl_version(torch: Any) -> str | None:
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:
+        # Raised on builds without NCCL or when the library cannot be loaded.
+        return None
+    if isinstance(version, tuple):
+        return ".".join(str(part) for part in version)
+    return str(version)
+
+
+def _strategies(
+    gpu_count: int, gloo: bool, nccl: bool, fsdp_api: bool, pipelining_api: bool
+) -> dict[str, tuple[bool, str]]:
+    backend = gloo or nccl
+    if gloo and nccl and gpu_count:
+        process_note = f"one process per GPU via NCCL ({gpu_count} here), or N on CPU via Gloo"
+    elif gloo:
+        process_note = "N processes on CPU via Gloo, one per GPU via NCCL"
+    elif nccl:
+        process_note = "one process per GPU via NCCL (Gloo missing: no CPU multi-process)"
+    else:
+        process_note = "needs the Gloo or NCCL backend in torch.distributed"
+
+    if gpu_count >= 1:
+        dp_reason = (
+            f"{gpu_count} CUDA GPU(s)"
+            + ("; with one GPU it is a no-op wrapper" if gpu_count == 1 else "")
+        )
+    else:
+        dp_reason = "needs >= 1 CUDA GPU; with one GPU it is a no-op wrapper"
+
+    if not fsdp_api:
+        fsdp_reason = "torch.distributed.fsdp.fully_shard is not importable"
+    elif not backend:
+        fsdp_reason = "no Gloo or NCCL backend"
+    else:
+        fsdp_reason = "fully_shard available; " + process_note
+
+    return {
+        "single": (True, "one process on the best device"),
+        "dp": (gpu_count >= 1, dp_reason),
+        "ddp": (backend, process_note),
+        "allreduce": (backend, process_note),
+        "fsdp": (fsdp_api and backend, fsdp_reason),
+        "pipeline": (
+            pipelining_api,
+            "torch.distributed.pipelining available"
+            if pipelining_api
+            else "torch.distributed.pipelining is not importable",
+        ),
+    }
+
+
+def collect_env() -> dict[str, object]:
+    """Describe this machine and torch build as a plain dict.
+
+    Keys: python, platform, torch, torch_cuda, cuda_available, gpu_count, gpus
+    (list of dicts with index, name, memory_gib, capability), nccl_available,
+    nccl_version, gloo_available, mpi_available, mps_available, cpu_count,
+    cpu_affinity, torch_threads, bf16_cpu, bf16_cuda, best_device and
+    strategies (name -> (runnable, reason)).
+    """
+    import torch
+    import torch.distributed as dist
+
+    cuda = bool(torch.cuda.is_available())
+    gpus = _gpus(torch) if cuda else []
+    dist_ok = dist.is_available()
+    nccl = dist_ok and dist.is_nccl_available()
+    gloo = dist_ok and dist.is_gloo_available()
+    mpi = dist_ok and dist.is_mpi_available()
+    mps_backend = getattr(torch.backends, "mps", None)
+    mps = bool(mps_backend is not None and mps_backend.is_available())
+
+    try:
+        affinity: int | None = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        # sched_getaffinity does not exist on macOS or Windows.
+        affinity = None
+
+    bf16_cuda: bool | None = None
+    if cuda:
+        try:
+            bf16_cuda = bool(torch.cuda.is_bf16_supported())
+        except Exception:
+            bf16_cuda = False
+
+    best_device = "cuda" if cuda else "mps" if mps else "cpu"
+    fsdp_api = dist_ok and _importable("torch.distributed.fsdp", "fully_shard")
+    pipelining_api = dist_ok and _importable("torch.distributed.pipelining")
+
+    return {
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": cuda,
+        "gpu_count": len(gpus),
+        "gpus": gpus,
+        "nccl_available": nccl,
+        "nccl_version": _nccl_version(torch) if cuda and nccl else None,
+        "gloo_available": gloo,
+        "mpi_available": mpi,
+        "mps_available": mps,
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": affinity,
+        "torch_threads": torch.get_num_threads(),
+        # Every torch CPU build can compute in bf16 (emulated where the ISA lacks it).
+        "bf16_cpu": True,
+        "bf16_cuda": bf16_cuda,
+        "best_device": best_device,
+        "strategies": _strategies(len(gpus), gloo, nccl, fsdp_api, pipelining_api),
+    }
+
+
+def _yes_no(flag: object) -> str:
+    if flag is None:
+        return "n/a"
+    return "yes" if flag else "no"
+
+
+def _section(title: str, rows: list[tuple[str, str]]) -> list[str]:
+    width = max((len(key) for key, _ in rows), default=0)
+    lines = [title]
+    lines += [f"  {key:<{width}}  {value}".rstrip() for key, value in rows]
+    return lines
+
+
+def format_env(info: dict[str, Any]) -> str:
+    """Render :func:`collect_env` output as plain-ASCII text in four sections."""
+    cpu = str(info.get("cpu_count"))
+    if info.get("cpu_affinity") is not None and info.get("cpu_affinity") != info.get("cpu_count"):
+        cpu += f" ({info['cpu_affinity']} usable by this process)"
+
+    python_rows = [
+        ("python", str(info.get("python"))),
+        ("platform", str(info.get("platform"))),
+        ("torch", str(info.get("torch"))),
+        ("torch CUDA build", str(info.get("torch_cuda") or "none (CPU-only build)")),
+        ("CPU cores", cpu),
+        ("torch threads", str(info.get("torch_threads"))),
+    ]
+
+    device_rows = [
+        ("best device", str(info.get("best_device"))),
+        ("CUDA available", _yes_no(info.get("cuda_available"))),
+        ("GPU count", str(info.get("gpu_count", 0))),
+    ]
+    for gpu in info.get("gpus") or []:
+        device_rows.append(
+            (
+                f"GPU {gpu['index']}",
+                f"{gpu['name']}, {gpu['memory_gib']} GiB, compute {gpu['capability']}",
+            )
+        )
+    device_rows += [
+        ("MPS available", _yes_no(info.get("mps_available"))),
+        ("bf16 on CPU", _yes_no(info.get("bf16_cpu"))),
+        ("bf16 on CUDA", _yes_no(info.get("bf16_cuda"))),
+    ]
+
+    nccl = _yes_no(info.get("nccl_available"))
+    if info.get("nccl_version"):
+        nccl += f" (version {info['nccl_version']})"
+    backend_rows = [
+        ("NCCL", nccl),
+        ("Gloo", _yes_no(info.get("gloo_available"))),
+        ("MPI", _yes_no(info.get("mpi_available"))),
+    ]
+
+    strategies: dict[str, tuple[bool, str]] = info.get("strategies") or {}
+    strategy_rows = [
+        (name, f"{_yes_no(ok):<3}  {reason}") for name, (ok, reason) in strategies.items()
+    ]
+
+    lines: list[str] = []
+    for title, rows in (
+        ("Python / torch", python_rows),
+        ("Devices", device_rows),
+        ("Distributed backends", backend_rows),
+        ("Strategies runnable here", strategy_rows),
+    ):
+        if lines:
+            lines.append("")
+        lines += _section(title, rows)
+    return "\n".join(lines)

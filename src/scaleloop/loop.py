@@ -1,0 +1,205 @@
+"""The training loop behind ``scaleloop train``, written with the public strategy API.
+
+Read it top to bottom: build data and model, let the strategy place them, then for every
+micro-batch run forward and backward, and after the last micro-batch of a step clip, step
+the optimizer and log. Everything that differs between 1 and N workers is the strategy's.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import numpy as np
+import torch
+
+from scaleloop.config import TrainConfig, to_toml
+from scaleloop.data.datasets import build_datasets
+from scaleloop.devices import describe_device
+from scaleloop.dist import DistEnv
+from scaleloop.evaluate import EvalResult, evaluate
+from scaleloop.metrics import MetricsLogger, plot_curves
+from scaleloop.models import build_model, count_parameters
+from scaleloop.precision import Precision
+from scaleloop.rundir import prepare_run_dir, write_atomic
+from scaleloop.strategies import make_strategy
+from scaleloop.tasks import loss_fn
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a finished run reports (the numbers are reduced over all ranks)."""
+
+    run_dir: Optional[Path]
+    device: str
+    strategy: str
+    world_size: int
+    precision: str
+    epochs: int
+    steps: int
+    samples: int
+    train_loss: float
+    test: Optional[EvalResult]
+    samples_per_s: float
+    train_s: float
+    wall_s: float
+    parameters: int
+    dropped_per_epoch: int
+    in_memory_data: bool
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: identical initial weights, identical data order."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer named by ``cfg.optimizer`` with its hyperparameters."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def _progress(total: int, desc: str, enabled: bool):  # -> tqdm | None
+    if not enabled:
+        return None
+    from tqdm import tqdm  # imported here: only rank 0 with a progress bar needs it
+
+    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, leave=True)
+
+
+def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None) -> RunResult:
+    """Run the training that ``cfg`` describes on ``env``; rank 0 writes the run directory."""
+    started = time.perf_counter()
+    say: Log = (log or print) if env.is_main else (lambda _msg: None)
+
+    # 1. Data and model: built identically on every rank from the same seed.
+    seed_everything(cfg.seed)
+    data = build_datasets(cfg.data, data_dir=cfg.data_dir, n_samples=cfg.n_samples,
+                          input_dim=cfg.input_dim, image_size=cfg.image_size, seq_len=cfg.seq_len,
+                          vocab_size=cfg.vocab_size, test_fraction=cfg.test_fraction, seed=cfg.seed)
+    info = data.info
+    model = build_model(cfg.model, info, hidden_dim=cfg.hidden_dim)
+    n_params = count_parameters(model)
+
+    # 2. The strategy places the model, builds the optimizer on the placed parameters, and
+    #    decides which samples this rank loads.
+    precision = Precision(cfg.precision, env.device)
+    strategy = make_strategy(cfg.strategy, env, precision, cfg.accumulate)
+    model, optimizer = strategy.setup(model, lambda params: build_optimizer(cfg, params))
+    loader = strategy.loader(data.train, cfg.batch_size, shuffle=True, seed=cfg.seed,
+                             drop_last=cfg.drop_last, num_workers=cfg.num_workers)
+    plan = loader.plan
+
+    # 3. Rank 0 owns the run directory.
+    run_dir = prepare_run_dir(cfg.out, cfg.model, cfg.data) if env.is_main else None
+    metrics = MetricsLogger(run_dir, tensorboard=cfg.tensorboard) if run_dir is not None else None
+    if run_dir is not None:
+        write_atomic(run_dir / "config.toml", to_toml(cfg).encode())
+    say(f"scaleloop: {cfg.model} ({n_params:,} parameters) on {info.name} "
+        f"({len(data.train):,} train / {len(data.test) if data.test is not None else 0:,} test), "
+        f"{strategy.describe()} x {env.world_size} on {describe_device(env.device)}, {cfg.precision}")
+    if plan.dropped_per_epoch:
+        say(f"note: the last {plan.dropped_per_epoch} sample(s) of each shuffled epoch are dropped "
+            f"({'--drop-last' if cfg.drop_last else 'too few to give every worker and micro-step one'})")
+
+    # 4. The loop.
+    model.train()
+    step = samples = 0
+    train_s = 0.0
+    epoch_loss = torch.zeros(2, dtype=torch.float64, device=env.device)  # (sum of loss * n, n)
+    window = torch.zeros(2, dtype=torch.float64, device=env.device)
+    window_start, window_samples = time.perf_counter(), 0
+    train_loss = float("nan")
+    test: Optional[EvalResult] = None
+    epochs_run = 0
+    done = False
+    try:
+        for epoch in range(cfg.epochs):
+            loader.set_epoch(epoch)
+            epoch_loss.zero_()
+            bar = _progress(plan.steps_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}", cfg.progress and env.is_main)
+            epoch_start = time.perf_counter()
+            for batch in loader:
+                x, y = batch
+                with strategy.accumulate(model, batch):
+                    with strategy.autocast():
+                        loss = loss_fn(info, model(x), y)
+                    strategy.backward(loss, batch)
+                n = len(batch)
+                contrib = torch.stack([loss.detach().double() * n, torch.tensor(float(n), dtype=torch.float64, device=env.device)])
+                epoch_loss += contrib
+                window += contrib
+                if not batch.last_micro:
+                    continue
+                if cfg.clip_grad is not None:
+                    strategy.clip_grad_norm(model, optimizer, cfg.clip_grad)
+                strategy.optimizer_step(optimizer)
+                step += 1
+                samples += batch.plan.step_samples
+                window_samples += batch.plan.step_samples
+                if bar is not None:
+                    bar.update(1)
+                if step % cfg.log_every == 0:
+                    # A collective on every rank at the same step: the reported loss is global.
+                    total = strategy.reduce_sum(window.clone())
+                    now = time.perf_counter()
+                    rate = window_samples / max(now - window_start, 1e-9)
+                    step_loss = float(total[0] / total[1])
+                    if metrics is not None:
+                        metrics.log_step(step, epoch + 1, samples, train_loss=step_loss,
+                                         lr=optimizer.param_groups[0]["lr"], samples_per_s=rate,
+                                         wall_s=now - started)
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{step_loss:.4f}", samples_s=f"{rate:,.0f}")
+                    window.zero_()
+                    window_start, window_samples = now, 0
+                if cfg.max_steps is not None and step >= cfg.max_steps:
+                    done = True
+                    break
+            train_s += time.perf_counter() - epoch_start
+            if bar is not None:
+                bar.close()
+            epochs_run = epoch + 1
+            total = strategy.reduce_sum(epoch_loss.clone())
+            train_loss = float(total[0] / total[1]) if float(total[1]) > 0 else float("nan")
+            test = evaluate(model, data.test, info, strategy) if data.test is not None and len(data.test) else None
+            window_start = time.perf_counter()  # evaluation is not training time
+            if metrics is not None:
+                metrics.log_epoch(epoch + 1, step, samples, train_loss=train_loss,
+                                  test_loss=test.loss if test else None,
+                                  test_acc=test.accuracy if test else None,
+                                  lr=optimizer.param_groups[0]["lr"],
+                                  samples_per_s=samples / max(train_s, 1e-9),
+                                  wall_s=time.perf_counter() - started)
+            say(f"epoch {epoch + 1}: train loss {train_loss:.4f}"
+                + (f", test loss {test.loss:.4f}, test accuracy {test.accuracy:.2%}" if test else ""))
+            if done:
+                break
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+    # 5. Results: final weights (of the user's own module, without wrappers) and curves.
+    if run_dir is not None:
+        import io
+
+        buf = io.BytesIO()
+        torch.save(strategy.unwrap(model).state_dict(), buf)
+        write_atomic(run_dir / "model.pt", buf.getvalue())
+        plot_curves(run_dir / "metrics.csv", run_dir / "curves.png")
+    return RunResult(
+        run_dir=run_dir, device=describe_device(env.device), strategy=strategy.describe(),
+        world_size=env.world_size, precision=cfg.precision, epochs=epochs_run, steps=step,
+        samples=samples, train_loss=train_loss, test=test,
+        samples_per_s=samples / max(train_s, 1e-9), train_s=train_s,
+        wall_s=time.perf_counter() - started, parameters=n_params,
+        dropped_per_epoch=plan.dropped_per_epoch, in_memory_data=loader.in_memory)

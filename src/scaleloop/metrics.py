@@ -1,0 +1,274 @@
+"""Rank-0 writers for a run directory: a metrics CSV, TensorBoard events and a PNG.
+
+Only the process with rank 0 should create a :class:`MetricsLogger`; the other
+ranks have nothing to write.  matplotlib and TensorBoard are imported lazily
+inside the functions that need them, because importing either costs far more
+start-up time than the training script itself on a small CPU run.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+__all__ = [
+    "METRIC_COLUMNS",
+    "MetricsLogger",
+    "read_metrics",
+    "plot_curves",
+    "format_summary",
+    "format_rate",
+    "format_seconds",
+]
+
+METRIC_COLUMNS: tuple[str, ...] = (
+    "kind",
+    "epoch",
+    "step",
+    "samples",
+    "train_loss",
+    "test_loss",
+    "test_acc",
+    "lr",
+    "samples_per_s",
+    "wall_s",
+)
+
+# Columns a caller may pass as keyword values; the others are positional.
+_VALUE_COLUMNS = frozenset(METRIC_COLUMNS) - {"kind", "epoch", "step", "samples"}
+
+# CSV column -> TensorBoard tag.  Grouping by "train/" and "test/" makes
+# TensorBoard put them in two collapsible sections.
+_TB_TAGS = {
+    "train_loss": "train/loss",
+    "test_loss": "test/loss",
+    "test_acc": "test/acc",
+    "lr": "train/lr",
+    "samples_per_s": "train/samples_per_s",
+    "wall_s": "train/wall_s",
+}
+
+
+def _format_cell(value: float) -> str:
+    # repr() of a float round-trips exactly, so reading the CSV back loses nothing.
+    if isinstance(value, bool):
+        raise TypeError("metric values must be numbers, not bool")
+    if isinstance(value, int):
+        return str(value)
+    return repr(float(value))
+
+
+class MetricsLogger:
+    """Append step and epoch metrics to ``run_dir/metrics.csv`` and TensorBoard.
+
+    Every row is flushed as soon as it is written, so an interrupted run keeps
+    everything it logged.  TensorBoard events go to ``run_dir/tensorboard/``
+    when ``tensorboard`` is true and the TensorBoard package is installed;
+    :attr:`tensorboard_dir` is ``None`` otherwise.
+    """
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.csv_path = self.run_dir / "metrics.csv"
+        self._file: IO[str] | None = open(self.csv_path, "w", newline="", encoding="utf-8")
+        self._writer = csv.DictWriter(self._file, fieldnames=METRIC_COLUMNS, restval="")
+        self._writer.writeheader()
+        self._file.flush()
+
+        self.tensorboard_dir: Path | None = None
+        self._tb: Any = None
+        if tensorboard:
+            self._tb = self._open_tensorboard(self.run_dir / "tensorboard")
+            if self._tb is not None:
+                self.tensorboard_dir = self.run_dir / "tensorboard"
+
+    @staticmethod
+    def _open_tensorboard(log_dir: Path) -> Any:
+        try:
+            # torch raises ImportError from this module when tensorboard is absent.
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            return None
+        return SummaryWriter(log_dir=str(log_dir))
+
+    def log_step(self, step: int, epoch: int, samples: int, **values: float) -> None:
+        """Record one optimizer step; ``values`` are keys of :data:`METRIC_COLUMNS`."""
+        self._write("step", epoch=epoch, step=step, samples=samples, values=values)
+
+    def log_epoch(self, epoch: int, step: int, samples: int, **values: float) -> None:
+        """Record the end of an epoch; ``values`` are keys of :data:`METRIC_COLUMNS`."""
+        self._write("epoch", epoch=epoch, step=step, samples=samples, values=values)
+
+    def _write(
+        self, kind: str, *, epoch: int, step: int, samples: int, values: dict[str, float]
+    ) -> None:
+        unknown = sorted(set(values) - _VALUE_COLUMNS)
+        if unknown:
+            raise ValueError(
+                f"unknown metric(s) {unknown}; expected some of {sorted(_VALUE_COLUMNS)}"
+            )
+        if self._file is None:
+            raise ValueError("MetricsLogger is closed")
+        row: dict[str, str] = {
+            "kind": kind,
+            "epoch": str(int(epoch)),
+            "step": str(int(step)),
+            "samples": str(int(samples)),
+        }
+        for key, value in values.items():
+            if value is not None:
+                row[key] = _format_cell(value)
+        self._writer.writerow(row)
+        self._file.flush()
+
+        if self._tb is not None:
+            for key, value in values.items():
+                if value is None:
+                    continue
+                # Per-step train loss is noisy; keep epoch means under their own tag
+                # so both curves stay readable in one TensorBoard panel.
+                tag = _TB_TAGS[key]
+                if kind == "epoch" and key == "train_loss":
+                    tag = "train/epoch_loss"
+                self._tb.add_scalar(tag, float(value), global_step=int(step))
+            if kind == "epoch":
+                self._tb.flush()
+
+    def close(self) -> None:
+        """Flush and close the CSV file and the TensorBoard writer; safe to call twice."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def read_metrics(csv_path: Path) -> list[dict[str, str]]:
+    """Return the rows of a metrics CSV as dicts of strings (empty cells are "")."""
+    with open(csv_path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def _floats(rows: list[dict[str, str]], x_key: str, y_key: str) -> tuple[list[float], list[float]]:
+    xs: list[float] = []
+    ys: list[float] = []
+    for row in rows:
+        x, y = row.get(x_key, ""), row.get(y_key, "")
+        if x and y:
+            xs.append(float(x))
+            ys.append(float(y))
+    return xs, ys
+
+
+def plot_curves(csv_path: Path, png_path: Path) -> Path | None:
+    """Plot loss and accuracy curves from ``csv_path`` into ``png_path``.
+
+    Left panel: train loss per step (thin line) plus per-epoch train and test
+    loss (markers), all against the global step.  Right panel: test accuracy in
+    percent per epoch.  Returns ``png_path``, or ``None`` when matplotlib is not
+    installed or the CSV holds nothing to plot.
+    """
+    rows = read_metrics(Path(csv_path))
+    steps = [r for r in rows if r.get("kind") == "step"]
+    epochs = [r for r in rows if r.get("kind") == "epoch"]
+    step_loss = _floats(steps, "step", "train_loss")
+    epoch_train = _floats(epochs, "step", "train_loss")
+    epoch_test = _floats(epochs, "step", "test_loss")
+    acc_epoch, acc = _floats(epochs, "epoch", "test_acc")
+    if not (step_loss[0] or epoch_train[0] or epoch_test[0] or acc):
+        return None
+
+    try:
+        # Figure + the Agg canvas avoids pyplot's global state and any GUI backend.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        return None
+
+    fig = Figure(figsize=(11, 4.5))
+    FigureCanvasAgg(fig)
+    ax_loss, ax_acc = fig.subplots(1, 2)
+
+    if step_loss[0]:
+        ax_loss.plot(*step_loss, linewidth=0.8, alpha=0.6, label="train loss (step)")
+    if epoch_train[0]:
+        ax_loss.plot(*epoch_train, marker="o", label="train loss (epoch)")
+    if epoch_test[0]:
+        ax_loss.plot(*epoch_test, marker="s", label="test loss (epoch)")
+    ax_loss.set_title("Loss")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss")
+    ax_loss.grid(True, alpha=0.3)
+    if ax_loss.has_data():
+        ax_loss.legend()
+
+    # Accept accuracy stored either as a fraction or already as a percentage.
+    scale = 100.0 if acc and max(acc) <= 1.0 else 1.0
+    if acc:
+        ax_acc.plot(acc_epoch, [a * scale for a in acc], marker="o", color="tab:green")
+        ax_acc.set_ylim(0, 100)
+    # Epochs are whole numbers; without this a 2-epoch run gets ticks at 0.2, 0.4, ...
+    ax_acc.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_acc.set_title("Test accuracy")
+    ax_acc.set_xlabel("epoch")
+    ax_acc.set_ylabel("accuracy (%)")
+    ax_acc.grid(True, alpha=0.3)
+
+    fig.suptitle(f"Training curves - {Path(csv_path).parent.name}")
+    fig.tight_layout()
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=100)
+    return png_path
+
+
+def format_summary(rows: list[tuple[str, str]]) -> str:
+    """Align ``(key, value)`` pairs into a two-column block, indented two spaces."""
+    if not rows:
+        return ""
+    width = max(len(key) for key, _ in rows)
+    return "\n".join(f"  {key:<{width}}  {value}".rstrip() for key, value in rows)
+
+
+def format_rate(samples_per_s: float) -> str:
+    """Human-readable throughput, e.g. ``"850 samples/s"`` or ``"12.3k samples/s"``."""
+    rate = float(samples_per_s)
+    if not math.isfinite(rate):
+        return f"{rate} samples/s"
+    if abs(rate) >= 999_950:
+        return f"{rate / 1e6:.1f}M samples/s"
+    if abs(rate) >= 999.5:
+        return f"{rate / 1e3:.1f}k samples/s"
+    if abs(rate) >= 10:
+        return f"{rate:.0f} samples/s"
+    return f"{rate:.1f} samples/s"
+
+
+def format_seconds(s: float) -> str:
+    """Human-readable duration, e.g. ``"41.2 s"``, ``"3 min 05 s"``, ``"1 h 02 min"``."""
+    s = float(s)
+    if not math.isfinite(s) or s < 59.95:
+        return f"{s:.1f} s"
+    total = int(round(s))
+    if total < 3600:
+        minutes, secs = divmod(total, 60)
+        return f"{minutes} min {secs:02d} s"
+    hours, rest = divmod(total, 3600)
+    return f"{hours} h {rest // 60:02d} min"

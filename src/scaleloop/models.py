@@ -1,0 +1,267 @@
+"""Built-in models, and ``build_model`` which picks one (or a user factory) for a dataset.
+
+The MLPs and the ConvNet keep their layers as a flat run of top-level modules and offer
+``as_sequential()``, so that a pipeline-parallel strategy can cut them into stages without
+knowing each class. ``TinyGPT`` keeps its transformer blocks in ``blocks`` so that a sharding
+strategy can wrap one block at a time.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scaleloop.data.info import DataInfo
+from scaleloop.errors import UsageError
+from scaleloop.plugins import call_factory, is_factory_spec, resolve_factory
+
+MODEL_NAMES: tuple[str, ...] = ("simplenet", "biggernet", "convnet", "tinygpt")
+
+
+class _FlatMLP(nn.Module):
+    """Shared behaviour of the MLPs: flatten the sample, then run ``self.net``."""
+
+    net: nn.Sequential
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map ``(batch, *input_shape)`` to ``(batch, output_dim)``."""
+        return self.net(x.flatten(1))
+
+    def as_sequential(self) -> nn.Sequential:
+        """The same computation as one flat ``nn.Sequential`` sharing this model's parameters."""
+        return nn.Sequential(nn.Flatten(1), *self.net)
+
+
+class SimpleNet(_FlatMLP):
+    """The tutorial's MLP: Linear -> ReLU -> Linear, flattening image-shaped input first."""
+
+    def __init__(self, input_dim: int, hidden_dim: int, output_dim: int) -> None:
+        super().__init__()
+        # Kept under the tutorial's attribute name so its state_dict keys ("net.0.weight")
+        # load into this class unchanged.
+        self.net = nn.Sequential(
+            nn.Linear(input_dim, hidden_dim),
+            nn.ReLU(),
+            nn.Linear(hidden_dim, output_dim),
+        )
+
+
+class BiggerNet(_FlatMLP):
+    """SimpleNet with one more hidden layer: Linear-ReLU-Linear-ReLU-Linear."""
+
+    def __init__(self, input_dim: int, hidden_dim: int, output_dim: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(input_dim, hidden_dim),
+            nn.ReLU(),
+            nn.Linear(hidden_dim, hidden_dim),
+            nn.ReLU(),
+            nn.Linear(hidden_dim, output_dim),
+        )
+
+
+class ConvNet(nn.Sequential):
+    """MNIST-style CNN: two Conv3x3-BatchNorm-ReLU-MaxPool2 blocks, then a linear head.
+
+    Being an ``nn.Sequential`` (children ``features`` then ``head``), it runs as-is and can be
+    split into stages; ``as_sequential()`` gives the finer, flat layer list.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        num_classes: int,
+        image_size: tuple[int, int],
+        width: int = 32,
+    ) -> None:
+        height, breadth = image_size
+        if height < 4 or breadth < 4:
+            # Two 2x2 poolings would shrink a smaller image to nothing.
+            raise ValueError(f"ConvNet needs images at least 4x4, got {height}x{breadth}")
+        features = nn.Sequential(
+            nn.Conv2d(in_channels, width, kernel_size=3, padding=1),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, kernel_size=3, padding=1),
+            nn.BatchNorm2d(2 * width),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        # MaxPool2d floors, so odd sizes (e.g. 7 -> 3) are handled the same way here.
+        flat = 2 * width * (height // 4) * (breadth // 4)
+        head = nn.Sequential(nn.Flatten(1), nn.Linear(flat, num_classes))
+        super().__init__()
+        self.features = features
+        self.head = head
+
+    def as_sequential(self) -> nn.Sequential:
+        """The same computation as one flat ``nn.Sequential`` sharing this model's parameters."""
+        return nn.Sequential(*self.features, *self.head)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention where each position sees only itself and earlier ones."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.dropout = dropout
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map ``(batch, seq, d_model)`` to the same shape."""
+        batch, seq, d_model = x.shape
+        q, k, v = self.qkv(x).split(d_model, dim=2)
+        # (batch, heads, seq, head_dim): the layout scaled_dot_product_attention expects.
+        q, k, v = (t.view(batch, seq, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, d_model))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads, dropout)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model),
+            nn.GELU(),
+            nn.Linear(4 * d_model, d_model),
+            nn.Dropout(dropout),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map ``(batch, seq, d_model)`` to the same shape."""
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """A small decoder-only transformer language model.
+
+    Input ``(batch, seq)`` int64 tokens with ``seq <= seq_len``; output ``(batch, seq, vocab)``
+    logits for the next token at each position. The LM head shares the token embedding's
+    weight, which saves ``vocab * d_model`` parameters.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        d_model: int = 128,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        self.seq_len = seq_len
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(seq_len, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        self.apply(self._init_weights)
+        # Residual output projections are scaled down so the residual stream's variance
+        # does not grow with depth (GPT-2's initialisation).
+        for block in self.blocks:
+            for proj in (block.attn.proj, block.mlp[2]):
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * n_layers))
+        # Tied after init so the shared tensor keeps the embedding's initialisation.
+        self.lm_head.weight = self.tok_emb.weight
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        # PyTorch's default (uniform, fan-in) init trains a small transformer noticeably
+        # slower than the usual N(0, 0.02).
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Map ``(batch, seq)`` tokens to ``(batch, seq, vocab_size)`` logits."""
+        seq = tokens.shape[1]
+        if seq > self.seq_len:
+            raise ValueError(f"sequence length {seq} exceeds the model's seq_len {self.seq_len}")
+        positions = torch.arange(seq, device=tokens.device)
+        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def build_model(name: str, info: DataInfo, hidden_dim: int = 128) -> nn.Module:
+    """Build the model called ``name`` (or from a ``pkg.module:factory`` spec) for ``info``.
+
+    Built-in names are case-insensitive (see ``MODEL_NAMES``); ``hidden_dim`` sizes the MLPs.
+    A factory is called with ``info`` if it takes a required argument, else with none, and
+    must return an ``nn.Module``. Raises ``UsageError`` when the model cannot fit the data.
+    """
+    if is_factory_spec(name):
+        model = call_factory(resolve_factory(name, "model"), info)
+        if not isinstance(model, nn.Module):
+            raise UsageError(
+                f"--model {name!r} returned {type(model).__name__} ({model!r:.60}), "
+                "not a torch.nn.Module; make the factory return the model"
+            )
+        return model
+
+    key = name.lower()
+    if key not in MODEL_NAMES:
+        raise UsageError(
+            f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}, "
+            "or give 'package.module:factory'"
+        )
+    if key == "tinygpt":
+        if info.task != "lm":
+            raise UsageError(
+                f"model 'tinygpt' needs token data (task 'lm'); dataset {info.name!r} is a "
+                f"{info.task} task; use --data tokens or a {info.task} model such as simplenet"
+            )
+        return TinyGPT(vocab_size=info.num_classes, seq_len=info.input_shape[0])
+    if info.task == "lm":
+        raise UsageError(
+            f"model {key!r} cannot model token sequences from dataset {info.name!r}; "
+            "use --model tinygpt"
+        )
+
+    output_dim = 1 if info.task == "binary" else info.num_classes
+    if key == "convnet":
+        shape = info.input_shape
+        if len(shape) != 3:
+            raise UsageError(
+                f"model 'convnet' needs image data shaped (channels, height, width); dataset "
+                f"{info.name!r} gives samples shaped {_shape(shape)}; use --model simplenet "
+                "or an image dataset (digits, mnist, images)"
+            )
+        if shape[1] < 4 or shape[2] < 4:
+            raise UsageError(
+                f"model 'convnet' needs images at least 4x4; dataset {info.name!r} gives "
+                f"{shape[1]}x{shape[2]}; use --model simplenet"
+            )
+        return ConvNet(shape[0], output_dim, (shape[1], shape[2]))
+
+    input_dim = math.prod(info.input_shape)
+    mlp = SimpleNet if key == "simplenet" else BiggerNet
+    return mlp(input_dim, hidden_dim, output_dim)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of distinct trainable parameter elements (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)

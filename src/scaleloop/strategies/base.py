@@ -1,0 +1,117 @@
+"""The small interface every strategy implements, with the single-process behaviour as default.
+
+A strategy owns what changes between "one process" and "many": how the model is wrapped,
+which samples this rank loads, how gradients are synchronised, and how numbers reported by
+rank 0 are reduced over all ranks. The training loop only talks to this interface.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional, Union
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from scaleloop.data.loader import Batch, ShardedLoader
+from scaleloop.data.sampler import StepPlan
+from scaleloop.dist import DistEnv
+from scaleloop.errors import UsageError
+from scaleloop.precision import Precision
+
+OptimizerLike = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
+
+
+class Strategy:
+    """Single-process defaults; subclasses override what their parallelism changes."""
+
+    name = "base"
+
+    def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1) -> None:
+        self.env = env
+        self.precision = precision or Precision("fp32", env.device)
+        self.accumulate_steps = accumulate
+
+    # --- set-up -------------------------------------------------------------------------
+    def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Move/wrap the model; ``optimizer`` is an optimizer or a ``params -> optimizer`` factory."""
+        model = self.wrap(model.to(self.env.device))
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = optimizer(model.parameters())
+        return model, optimizer
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Wrap the (already moved) model for this strategy."""
+        return model
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's own module inside whatever wrapper ``setup`` added."""
+        return getattr(model, "module", model)
+
+    def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+               drop_last: bool = False, num_workers: int = 0) -> ShardedLoader:
+        """Batches for this rank; ``batch_size`` is the GLOBAL batch of one optimizer step."""
+        pieces = self.env.world_size * self.accumulate_steps
+        if batch_size % pieces:
+            below = (batch_size // pieces) * pieces
+            options = f"{below} or {below + pieces}" if below else str(pieces)
+            raise UsageError(
+                f"--batch-size {batch_size} does not split into {self.env.world_size} worker(s) x "
+                f"{self.accumulate_steps} accumulation step(s) = {pieces} equal micro-batches; "
+                f"use a multiple of {pieces}, such as {options}")
+        plan = StepPlan(len(dataset), batch_size, world_size=self.env.world_size, rank=self.env.rank,
+                        accumulate=self.accumulate_steps, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        return ShardedLoader(dataset, plan, self.env.device, num_workers=num_workers,
+                             pin_memory=self.env.device.type == "cuda")
+
+    # --- one step -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module, batch: Union[Batch, int]) -> Iterator[None]:
+        """Context for one micro-step's forward and backward (strategies skip sync inside it)."""
+        yield
+
+    def is_sync_step(self, batch: Union[Batch, int]) -> bool:
+        """True on the micro-step after which gradients are synchronised and the optimizer steps."""
+        if isinstance(batch, Batch):
+            return batch.last_micro
+        return (batch + 1) % self.accumulate_steps == 0
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor, batch: Optional[Batch] = None) -> None:
+        """Backward on the loss weighted for accumulation (and fp16 loss scaling).
+
+        With a ``Batch`` the weight is its exact share of the global step; without one, the
+        micro-batches are assumed equal (weight ``1 / accumulate``).
+        """
+        scale = batch.loss_scale if batch is not None else self.env.world_size / (
+            self.env.world_size * self.accumulate_steps)
+        self.precision.scale(loss * scale).backward()
+        if batch is None or batch.last_micro:
+            self.after_backward()
+
+    def after_backward(self) -> None:
+        """Hook after the last micro-step's backward (manual gradient synchronisation goes here)."""
+
+    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Unscale (fp16) and clip the global gradient norm; returns the norm before clipping."""
+        self.precision.unscale_(optimizer)
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step (skipped by the fp16 scaler on overflow) and zero the gradients. True if stepped."""
+        stepped = self.precision.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        return stepped
+
+    # --- numbers rank 0 reports ---------------------------------------------------------
+    def reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over all ranks (every rank must call it)."""
+        return values
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+
+    def describe(self) -> str:
+        return self.name

@@ -1,0 +1,205 @@
+"""Tests for scaleloop.metrics: CSV/TensorBoard logging, plotting and formatting."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scaleloop.metrics import (
+    METRIC_COLUMNS,
+    MetricsLogger,
+    format_rate,
+    format_seconds,
+    format_summary,
+    plot_curves,
+    read_metrics,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _raw_rows(path: Path) -> list[list[str]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.reader(f))
+
+
+def _log_small_run(run_dir: Path, tensorboard: bool = False) -> Path:
+    with MetricsLogger(run_dir, tensorboard=tensorboard) as logger:
+        for step in range(1, 7):
+            epoch = (step - 1) // 3
+            logger.log_step(step, epoch, step * 32, train_loss=2.0 / step, lr=0.1)
+            if step % 3 == 0:
+                logger.log_epoch(
+                    epoch, step, step * 32, train_loss=1.5 / step, test_loss=1.8 / step,
+                    test_acc=0.4 + 0.2 * epoch, samples_per_s=1000.0, wall_s=float(step),
+                )
+    return run_dir / "metrics.csv"
+
+
+def test_header_and_rows(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        logger.log_step(1, 0, 64, train_loss=0.5, lr=0.01)
+        logger.log_epoch(0, 1, 64, test_loss=0.75, test_acc=0.9, wall_s=2.5)
+    raw = _raw_rows(tmp_path / "metrics.csv")
+    assert tuple(raw[0]) == METRIC_COLUMNS
+    assert len(raw) == 3
+
+    step, epoch = read_metrics(tmp_path / "metrics.csv")
+    assert step["kind"] == "step"
+    assert (step["epoch"], step["step"], step["samples"]) == ("0", "1", "64")
+    assert float(step["train_loss"]) == 0.5
+    assert float(step["lr"]) == 0.01
+    # Values not passed stay as empty cells rather than being dropped or zeroed.
+    assert step["test_loss"] == step["test_acc"] == step["wall_s"] == ""
+
+    assert epoch["kind"] == "epoch"
+    assert float(epoch["test_loss"]) == 0.75
+    assert float(epoch["test_acc"]) == 0.9
+    assert float(epoch["wall_s"]) == 2.5
+    assert epoch["train_loss"] == "" and epoch["lr"] == ""
+
+
+def test_float_values_round_trip_exactly(tmp_path: Path) -> None:
+    value = 1.0 / 3.0
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        logger.log_step(7, 1, 700, train_loss=value)
+    (row,) = read_metrics(tmp_path / "metrics.csv")
+    assert float(row["train_loss"]) == value
+
+
+def test_unknown_key_raises_and_writes_nothing(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        with pytest.raises(ValueError, match="bogus"):
+            logger.log_step(1, 0, 8, bogus=1.0)
+        # Positional columns cannot be smuggled in as values either.
+        with pytest.raises(ValueError):
+            logger.log_epoch(0, 1, 8, kind=1.0)
+    assert read_metrics(tmp_path / "metrics.csv") == []
+
+
+def test_rows_visible_before_close(tmp_path: Path) -> None:
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    try:
+        logger.log_step(1, 0, 16, train_loss=1.25)
+        rows = read_metrics(tmp_path / "metrics.csv")
+        assert len(rows) == 1 and float(rows[0]["train_loss"]) == 1.25
+        logger.log_epoch(0, 1, 16, test_acc=0.5)
+        assert [r["kind"] for r in read_metrics(tmp_path / "metrics.csv")] == ["step", "epoch"]
+    finally:
+        logger.close()
+    logger.close()  # closing twice must be harmless
+
+
+def test_log_after_close_raises(tmp_path: Path) -> None:
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.close()
+    with pytest.raises(ValueError):
+        logger.log_step(1, 0, 1, train_loss=1.0)
+
+
+def test_tensorboard_events_written(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    _log_small_run(tmp_path, tensorboard=True)
+    tb_dir = tmp_path / "tensorboard"
+    events = list(tb_dir.glob("events.out.tfevents.*"))
+    assert events, "no TensorBoard event file written"
+    assert events[0].stat().st_size > 0
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "test/loss", "test/acc", "train/lr", "train/samples_per_s"} <= tags
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in acc.Scalars("test/acc")] == [3, 6]
+
+
+def test_tensorboard_dir_attribute(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    with MetricsLogger(tmp_path / "on") as logger:
+        assert logger.tensorboard_dir == tmp_path / "on" / "tensorboard"
+    with MetricsLogger(tmp_path / "off", tensorboard=False) as logger:
+        assert logger.tensorboard_dir is None
+    assert not (tmp_path / "off" / "tensorboard").exists()
+    assert (tmp_path / "off" / "metrics.csv").exists()
+
+
+def test_plot_curves_writes_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    csv_path = _log_small_run(tmp_path / "run")
+    png = tmp_path / "run" / "curves.png"
+    assert plot_curves(csv_path, png) == png
+    data = png.read_bytes()
+    assert data.startswith(PNG_MAGIC)
+    assert len(data) > 5000  # a real two-panel figure, not an empty stub
+
+
+def test_plot_curves_empty_csv_returns_none(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, tensorboard=False):
+        pass
+    png = tmp_path / "curves.png"
+    assert plot_curves(tmp_path / "metrics.csv", png) is None
+    assert not png.exists()
+
+
+def test_format_summary_aligns_values() -> None:
+    text = format_summary([("device", "cpu"), ("strategy", "single"), ("wall time", "41.2 s")])
+    lines = text.splitlines()
+    assert lines == [
+        "  device     cpu",
+        "  strategy   single",
+        "  wall time  41.2 s",
+    ]
+    # All values start in the same column.
+    assert len({line.index(v) for line, v in zip(lines, ["cpu", "single", "41.2"])}) == 1
+    assert format_summary([]) == ""
+
+
+@pytest.mark.parametrize(
+    ("rate", "expected"),
+    [
+        (12345.0, "12.3k samples/s"),
+        (850.0, "850 samples/s"),
+        (1000.0, "1.0k samples/s"),
+        (2_500_000.0, "2.5M samples/s"),
+        (3.14159, "3.1 samples/s"),
+    ],
+)
+def test_format_rate(rate: float, expected: str) -> None:
+    assert format_rate(rate) == expected
+
+
+@pytest.mark.parametrize(
+    ("seconds", "expected"),
+    [
+        (41.23, "41.2 s"),
+        (0.04, "0.0 s"),
+        (185, "3 min 05 s"),
+        (59.97, "1 min 00 s"),
+        (3725, "1 h 02 min"),
+    ],
+)
+def test_format_seconds(seconds: float, expected: str) -> None:
+    assert format_seconds(seconds) == expected
+
+
+def test_import_does_not_load_plotting_or_tensorboard() -> None:
+    code = (
+        "import sys, scaleloop.metrics\n"
+        "heavy = [m for m in ('matplotlib', 'tensorboard', 'torch.utils.tensorboard')"
+        " if m in sys.modules]\n"
+        "print(','.join(heavy))\n"
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert result.stdout.strip() == ""
