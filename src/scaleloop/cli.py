@@ -9,7 +9,7 @@ import dataclasses
 import sys
 from typing import Any, NoReturn, Optional, Sequence
 
-from scaleloop.config import TrainConfig, coerce, field_types, flag, load_toml, resolve
+from scaleloop.config import TrainConfig, coerce, field_types, flag, load_toml, resolve, to_toml
 from scaleloop.errors import UsageError
 
 EXIT_USAGE = 2
@@ -17,7 +17,15 @@ EXIT_INTERRUPTED = 130
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports bad flags in one line (no usage dump) with exit code 2."""
+    """argparse that reports bad flags in one line (no usage dump) with exit code 2.
+
+    Abbreviated flags are refused: otherwise a typo such as ``--epoch 3`` would silently
+    set ``--epochs``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see: {self.prog} --help)")
@@ -32,7 +40,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         group_name = meta.get("group", "training")
         group = groups.get(group_name) or groups.setdefault(group_name, parser.add_argument_group(group_name))
         default = "not set" if f.default is None else f.default
-        help_text = f"{meta['help']} (default: {default})"
+        # Help that already explains its default ("default: off") is not given a second one.
+        help_text = meta["help"] if "(default:" in meta["help"] else f"{meta['help']} (default: {default})"
         kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
         if types[f.name] is bool:
             group.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, **kwargs)
@@ -68,19 +77,62 @@ def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
     return {k: coerce(k, v, flag(k)) for k, v in vars(args).items() if k in names}
 
 
-def cmd_train(args: argparse.Namespace) -> int:
+def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     file_values = load_toml(args.config) if args.config else {}
     cfg = resolve(file_values, _flag_values(args))
 
-    from scaleloop.dist import DistEnv
-    from scaleloop.loop import train
+    from scaleloop import dist
+    from scaleloop.launch import run_under_torchrun
+    from scaleloop.loop import preflight, train
+    from scaleloop.rundir import default_run_dir, prepare_run_dir, write_atomic
     from scaleloop.summary import format_result
 
-    env = DistEnv.from_env(device=cfg.device)
-    result = train(cfg, env)
+    if not dist.launched_by_torchrun():
+        cfg = _auto_processes(cfg)
+        argv = list(argv)
+        if cfg.world_size > 1:
+            # Check what can be checked before starting N processes, then hand the workers
+            # the fully resolved config (run directory included) as a file: every worker and
+            # node then trains with exactly the same settings.
+            preflight(cfg)
+            if cfg.out is None:
+                cfg = cfg.replace(out=str(default_run_dir(cfg.model, cfg.data)))
+            run_dir = prepare_run_dir(cfg.out, cfg.model, cfg.data)
+            resolved = run_dir / "config.toml"
+            write_atomic(resolved, to_toml(cfg).encode())
+            argv = ["train", "--config", str(resolved)]
+            code = run_under_torchrun(cfg, argv)
+            if code != 0:
+                raise _WorkerFailure(code)
+            return 0
+
+    env = dist.DistEnv.from_env(device=cfg.device, backend=cfg.backend)
+    dist.init_process_group(env)
+    try:
+        result = train(cfg, env)
+    finally:
+        dist.destroy_process_group()
     if env.is_main:
         print(format_result(result))
     return 0
+
+
+class _WorkerFailure(Exception):
+    """The workers started under torchrun failed; their own messages were already printed."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"the worker processes failed (torchrun exit code {code}); the messages above say why")
+        self.code = code
+
+
+def _auto_processes(cfg: TrainConfig) -> TrainConfig:
+    """``--strategy auto`` on a machine with several GPUs: one DDP process per GPU."""
+    if cfg.strategy != "auto" or cfg.world_size > 1 or cfg.device not in ("auto", "cuda"):
+        return cfg
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return cfg.replace(nproc=gpus, strategy="ddp") if gpus > 1 else cfg
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -103,11 +155,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command is None:
             parser.print_help()
             return EXIT_USAGE
-        handler = {"train": cmd_train, "env": cmd_env}[args.command]
-        return handler(args)
+        if args.command == "train":
+            return cmd_train(args, list(argv if argv is not None else sys.argv[1:]))
+        return cmd_env(args)
     except UsageError as exc:
         print(f"scaleloop: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except _WorkerFailure as exc:
+        print(f"scaleloop: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\nscaleloop: interrupted; everything written so far is kept", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -19,9 +19,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
+from scaleloop.batching import check_batch_split
 from scaleloop.errors import UsageError
 
-STRATEGIES = ("auto", "single")
+STRATEGIES = ("auto", "single", "dp", "ddp", "allreduce")
+BACKENDS = ("gloo", "nccl")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 
@@ -64,6 +66,18 @@ class TrainConfig:
     strategy: str = _opt("auto", "how to use the hardware", STRATEGIES, group="hardware")
     precision: str = _opt("fp32", "numeric precision (bf16/fp16 use torch.amp autocast; fp16 adds a GradScaler)", PRECISIONS, group="hardware")
     num_workers: int = _opt(0, "DataLoader worker processes (only for datasets that are not in-memory tensors)", group="hardware")
+    sync_batchnorm: bool = _opt(False, "compute BatchNorm statistics over the global batch (all ranks), as one process would", group="hardware")
+
+    # how many processes, on how many machines (N > 1 re-launches under torch.distributed.run)
+    nproc: int = _opt(1, "worker processes on this machine (one per GPU on CUDA)", group="launch")
+    nnodes: int = _opt(1, "machines in the job", group="launch")
+    node_rank: int = _opt(0, "this machine's index, 0..nnodes-1 (with --master-addr)", group="launch")
+    master_addr: Optional[str] = _opt(None, "address of node 0 (static rendezvous; default: single-node standalone)", group="launch")
+    master_port: int = _opt(29500, "port on node 0 for --master-addr", group="launch")
+    rdzv_endpoint: Optional[str] = _opt(None, "host:port of a c10d rendezvous (elastic; instead of --master-addr/--node-rank)", group="launch")
+    rdzv_id: str = _opt("scaleloop", "job id shared by all nodes of one --rdzv-endpoint job", group="launch")
+    max_restarts: int = _opt(0, "times torchrun restarts the worker group after a failure", group="launch")
+    backend: Optional[str] = _opt(None, "process-group backend (default: nccl on CUDA, gloo on CPU)", BACKENDS, group="launch")
 
     # what to write
     out: Optional[str] = _opt(None, "run directory (default: runs/<date>-<time>-<model>-<data>)", group="output")
@@ -76,7 +90,7 @@ class TrainConfig:
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
-            if choices and value not in choices:
+            if choices and value is not None and value not in choices:
                 raise UsageError(f"{flag(f.name)} {value!r} is not one of: {', '.join(choices)}")
         positive = ("hidden_dim", "n_samples", "input_dim", "image_size", "seq_len", "vocab_size",
                     "epochs", "batch_size", "accumulate", "log_every")
@@ -89,12 +103,29 @@ class TrainConfig:
         _require(self.clip_grad is None or self.clip_grad > 0, "clip_grad", "a positive number")
         _require(0 <= self.test_fraction < 1, "test_fraction", "in [0, 1)")
         _require(self.num_workers >= 0, "num_workers", "zero or positive")
-        if self.batch_size % self.accumulate:
-            raise UsageError(
-                f"--batch-size {self.batch_size} does not split into --accumulate {self.accumulate} "
-                f"equal micro-batches; use a multiple of {self.accumulate} such as "
-                f"{_near_multiples(self.batch_size, self.accumulate)}")
+        _require(self.nproc >= 1, "nproc", "a positive integer")
+        _require(self.nnodes >= 1, "nnodes", "a positive integer")
+        _require(0 <= self.node_rank < self.nnodes, "node_rank", f"in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
+        _require(1 <= self.master_port <= 65535, "master_port", "a port number in 1..65535")
+        _require(self.max_restarts >= 0, "max_restarts", "zero or positive")
+        if self.nnodes > 1 and not (self.master_addr or self.rdzv_endpoint):
+            raise UsageError(f"--nnodes {self.nnodes} needs where to meet: --master-addr HOST (with --node-rank) "
+                             "or --rdzv-endpoint HOST:PORT")
+        if self.rdzv_endpoint and self.master_addr:
+            raise UsageError("give either --master-addr (static) or --rdzv-endpoint (elastic), not both")
+        if self.strategy == "single" and self.world_size > 1:
+            raise UsageError(f"--strategy single runs one process, but --nproc x --nnodes = {self.world_size}; "
+                             "use --strategy ddp or allreduce")
+        if self.strategy == "dp" and self.world_size > 1:
+            raise UsageError("--strategy dp (nn.DataParallel) runs ONE process that drives all GPUs; "
+                             "drop --nproc/--nnodes, or use --strategy ddp for one process per GPU")
+        check_batch_split(self.batch_size, self.world_size, self.accumulate)
         return self
+
+    @property
+    def world_size(self) -> int:
+        """Processes the launch flags ask for (``--nproc`` x ``--nnodes``)."""
+        return self.nproc * self.nnodes
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """A copy with ``changes`` applied (the dataclass is frozen)."""
@@ -109,12 +140,6 @@ def flag(name: str) -> str:
 def _require(ok: bool, name: str, what: str) -> None:
     if not ok:
         raise UsageError(f"{flag(name)} must be {what}")
-
-
-def _near_multiples(value: int, unit: int) -> str:
-    below = (value // unit) * unit
-    above = below + unit
-    return f"{below} or {above}" if below > 0 else str(above)
 
 
 def field_types() -> dict[str, type]:

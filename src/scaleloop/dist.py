@@ -62,6 +62,18 @@ class DistEnv:
                    local_world_size=local_world_size, device=dev, backend=backend)
 
 
+def launched_by_torchrun(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True inside a worker started by torchrun / torch.distributed.run (or a compatible launcher)."""
+    env = os.environ if environ is None else environ
+    return "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env)
+
+
+def restart_count(environ: Optional[Mapping[str, str]] = None) -> int:
+    """How many times torchrun's elastic agent has restarted this worker group."""
+    env = os.environ if environ is None else environ
+    return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def init_process_group(env: DistEnv, timeout_s: float = 300.0) -> None:
     """Join the job's process group (a no-op for one process).
 

@@ -19,6 +19,7 @@ from scaleloop.config import TrainConfig, to_toml
 from scaleloop.data.datasets import build_datasets
 from scaleloop.devices import describe_device
 from scaleloop.dist import DistEnv
+from scaleloop.errors import UsageError
 from scaleloop.evaluate import EvalResult, evaluate
 from scaleloop.metrics import MetricsLogger, plot_curves
 from scaleloop.models import build_model, count_parameters
@@ -76,6 +77,24 @@ def _progress(total: int, desc: str, enabled: bool):  # -> tqdm | None
     return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, leave=True)
 
 
+def preflight(cfg: TrainConfig) -> None:
+    """Checks worth doing once, before N worker processes start: names, user code, run directory."""
+    from scaleloop.data.datasets import DATASET_NAMES
+    from scaleloop.models import MODEL_NAMES
+    from scaleloop.plugins import is_factory_spec, resolve_factory
+
+    for what, name, known in (("model", cfg.model, MODEL_NAMES), ("data", cfg.data, DATASET_NAMES)):
+        if is_factory_spec(name):
+            resolve_factory(name, what)
+        elif name.lower() not in known:
+            raise UsageError(f"unknown {'dataset' if what == 'data' else what} {name!r}; choose one of "
+                             f"{', '.join(known)}, or give 'package.module:factory'")
+    if cfg.data == "mnist" and not cfg.data_dir:
+        raise UsageError("dataset 'mnist' reads IDX files from a directory: pass --data-dir DIR (it never downloads)")
+    if cfg.out is not None:
+        prepare_run_dir(cfg.out, cfg.model, cfg.data)
+
+
 def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None) -> RunResult:
     """Run the training that ``cfg`` describes on ``env``; rank 0 writes the run directory."""
     started = time.perf_counter()
@@ -93,8 +112,11 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None) -> RunResul
     # 2. The strategy places the model, builds the optimizer on the placed parameters, and
     #    decides which samples this rank loads.
     precision = Precision(cfg.precision, env.device)
-    strategy = make_strategy(cfg.strategy, env, precision, cfg.accumulate)
+    strategy = make_strategy(cfg.strategy, env, precision, cfg.accumulate, cfg.sync_batchnorm)
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(cfg, params))
+    # From here on each rank draws its own random numbers (dropout, augmentation), like
+    # independent workers would; the data order stays shared, drawn from cfg.seed + epoch.
+    torch.manual_seed(cfg.seed + env.rank)
     loader = strategy.loader(data.train, cfg.batch_size, shuffle=True, seed=cfg.seed,
                              drop_last=cfg.drop_last, num_workers=cfg.num_workers)
     plan = loader.plan

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from scaleloop.data.sampler import MicroBatch, StepPlan
 
@@ -52,7 +52,11 @@ class Batch(tuple):
 
 
 def tensors_of(dataset: Dataset) -> Optional[Sequence[torch.Tensor]]:
-    """The dataset's tensors when it is an in-memory ``TensorDataset``-like object, else None."""
+    """The dataset's ``(x, y)`` tensors when it is an in-memory ``TensorDataset``, else None."""
+    # A subclass that overrides __getitem__ (augmentation, transforms) must be read through
+    # it, so only datasets that index their tensors exactly as TensorDataset does qualify.
+    if getattr(type(dataset), "__getitem__", None) is not TensorDataset.__getitem__:
+        return None
     tensors = getattr(dataset, "tensors", None)
     if isinstance(tensors, (tuple, list)) and len(tensors) == 2 and all(
             isinstance(t, torch.Tensor) for t in tensors):

@@ -6,8 +6,10 @@ The plan is defined on the GLOBAL batch so that the maths does not depend on the
    every rank, like ``DistributedSampler.set_epoch``).
 2. Step ``s`` covers ``perm[s*B : (s+1)*B]`` — the same samples whatever the world size W or
    accumulation K, so N workers with global batch B train on exactly what 1 worker does.
-3. The step's samples are cut into W contiguous blocks, one per rank (a disjoint shard), and
-   each rank's block into K contiguous micro-batches.
+3. The step's samples are cut into K contiguous micro-steps, and each micro-step into W
+   contiguous blocks, one per rank (disjoint shards). So micro-step k of step s also covers the
+   same samples whatever W is, which keeps BatchNorm statistics (synchronised over ranks)
+   identical to one process running the same accumulation.
 4. The last step of an epoch may be smaller than B. It is kept (each sample exactly once per
    epoch) and split as evenly as possible; micro-batches then differ by at most one sample,
    and ``loss_scale`` weights each by its share so the update is still the mean over the step.
@@ -83,18 +85,17 @@ class StepPlan:
         k = self.accumulate
         for step in range(start_step, self.steps_per_epoch):
             chunk = self.step_indices(epoch, step, order)
-            rank_sizes = split_sizes(len(chunk), self.world_size)
-            start = sum(rank_sizes[: self.rank])
-            mine = chunk[start: start + rank_sizes[self.rank]]
-            offset = 0
-            for micro, size in enumerate(split_sizes(len(mine), k)):
+            micro_start = 0
+            for micro, micro_size in enumerate(split_sizes(len(chunk), k)):
+                rank_sizes = split_sizes(micro_size, self.world_size)
+                start = micro_start + sum(rank_sizes[: self.rank])
+                size = rank_sizes[self.rank]
                 # Each rank's gradient is averaged over W ranks (DDP divides by W), so a
-                # micro-batch with share size/len(chunk) of the step is weighted by W * share.
-                scale = self.world_size * size / len(chunk)
+                # micro-batch holding share size/len(chunk) of the step is weighted W * share.
                 yield MicroBatch(step=step, micro=micro, last_micro=micro == k - 1,
-                                 indices=mine[offset: offset + size], step_samples=len(chunk),
-                                 loss_scale=scale)
-                offset += size
+                                 indices=chunk[start: start + size], step_samples=len(chunk),
+                                 loss_scale=self.world_size * size / len(chunk))
+                micro_start += micro_size
 
     def micro_batches_per_epoch(self, start_step: int = 0) -> int:
         return max(0, self.steps_per_epoch - start_step) * self.accumulate

@@ -6,29 +6,41 @@ from typing import Optional
 from scaleloop.dist import DistEnv
 from scaleloop.errors import UsageError
 from scaleloop.precision import Precision
-from scaleloop.strategies.base import Strategy
+from scaleloop.strategies.allreduce import ManualAllReduce
+from scaleloop.strategies.base import ProcessGroupStrategy, Strategy
+from scaleloop.strategies.dataparallel import DataParallel
+from scaleloop.strategies.ddp import DDP
 from scaleloop.strategies.single import SingleDevice
 
-__all__ = ["Strategy", "SingleDevice", "make_strategy", "resolve_strategy_name"]
+__all__ = ["Strategy", "ProcessGroupStrategy", "SingleDevice", "DataParallel", "DDP",
+           "ManualAllReduce", "STRATEGY_CLASSES", "make_strategy", "resolve_strategy_name"]
+
+STRATEGY_CLASSES: dict[str, type[Strategy]] = {
+    "single": SingleDevice,
+    "dp": DataParallel,
+    "ddp": DDP,
+    "allreduce": ManualAllReduce,
+}
 
 
 def resolve_strategy_name(name: str, env: DistEnv) -> str:
-    """``auto`` becomes a concrete strategy for this environment."""
+    """``auto`` becomes DDP when this job has several processes, else single-device."""
     if name == "auto":
-        return "single"
+        return "ddp" if env.is_distributed else "single"
     return name
 
 
 def make_strategy(name: str, env: DistEnv, precision: Optional[Precision | str] = None,
-                  accumulate: int = 1) -> Strategy:
+                  accumulate: int = 1, sync_batchnorm: bool = False) -> Strategy:
     """Build a strategy by name (``auto`` picks one for ``env``)."""
     if isinstance(precision, str) or precision is None:
         precision = Precision(precision or "fp32", env.device)
     concrete = resolve_strategy_name(name, env)
-    if concrete == "single":
-        if env.is_distributed:
-            raise UsageError(
-                f"--strategy single runs one process, but this job has {env.world_size}; "
-                "use a data-parallel strategy or launch one process")
-        return SingleDevice(env, precision, accumulate)
-    raise UsageError(f"unknown strategy {name!r}; choose one of: auto, single")
+    cls = STRATEGY_CLASSES.get(concrete)
+    if cls is None:
+        raise UsageError(f"unknown strategy {name!r}; choose one of: auto, {', '.join(STRATEGY_CLASSES)}")
+    if concrete in ("single", "dp") and env.is_distributed:
+        raise UsageError(
+            f"--strategy {concrete} runs one process, but this job has {env.world_size}; "
+            "use --strategy ddp or allreduce")
+    return cls(env, precision, accumulate, sync_batchnorm)

@@ -10,13 +10,14 @@ import contextlib
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
+import torch.distributed as torch_dist
 from torch import nn
 from torch.utils.data import Dataset
 
+from scaleloop.batching import check_batch_split
 from scaleloop.data.loader import Batch, ShardedLoader
 from scaleloop.data.sampler import StepPlan
 from scaleloop.dist import DistEnv
-from scaleloop.errors import UsageError
 from scaleloop.precision import Precision
 
 OptimizerLike = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
@@ -27,10 +28,16 @@ class Strategy:
 
     name = "base"
 
-    def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1) -> None:
+    def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
+                 sync_batchnorm: bool = False) -> None:
         self.env = env
         self.precision = precision or Precision("fp32", env.device)
         self.accumulate_steps = accumulate
+        self.sync_batchnorm = sync_batchnorm
+        self.check()
+
+    def check(self) -> None:
+        """Raise UsageError if this strategy cannot run in ``env`` (and say what to do instead)."""
 
     # --- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -51,14 +58,7 @@ class Strategy:
     def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                drop_last: bool = False, num_workers: int = 0) -> ShardedLoader:
         """Batches for this rank; ``batch_size`` is the GLOBAL batch of one optimizer step."""
-        pieces = self.env.world_size * self.accumulate_steps
-        if batch_size % pieces:
-            below = (batch_size // pieces) * pieces
-            options = f"{below} or {below + pieces}" if below else str(pieces)
-            raise UsageError(
-                f"--batch-size {batch_size} does not split into {self.env.world_size} worker(s) x "
-                f"{self.accumulate_steps} accumulation step(s) = {pieces} equal micro-batches; "
-                f"use a multiple of {pieces}, such as {options}")
+        check_batch_split(batch_size, self.env.world_size, self.accumulate_steps)
         plan = StepPlan(len(dataset), batch_size, world_size=self.env.world_size, rank=self.env.rank,
                         accumulate=self.accumulate_steps, shuffle=shuffle, seed=seed, drop_last=drop_last)
         return ShardedLoader(dataset, plan, self.env.device, num_workers=num_workers,
@@ -115,3 +115,20 @@ class Strategy:
 
     def describe(self) -> str:
         return self.name
+
+
+class ProcessGroupStrategy(Strategy):
+    """A strategy with one process per device in a ``torch.distributed`` process group."""
+
+    def check(self) -> None:
+        if self.env.is_distributed and not torch_dist.is_initialized():
+            raise RuntimeError(f"{self.name}: call scaleloop.init_process_group(env) before building the strategy")
+
+    def reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        if self.env.is_distributed:
+            torch_dist.all_reduce(values, op=torch_dist.ReduceOp.SUM)
+        return values
+
+    def barrier(self) -> None:
+        if self.env.is_distributed:
+            torch_dist.barrier()

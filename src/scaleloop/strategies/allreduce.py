@@ -1,0 +1,48 @@
+"""Data parallelism written out by hand: what DDP does, in a few lines you can read.
+
+1. Every rank starts from rank 0's weights (a broadcast).
+2. Every rank runs forward and backward on its own shard of the global batch.
+3. After the last micro-step's backward, every gradient is summed over ranks with
+   ``all_reduce`` and divided by the number of ranks: each rank now holds the gradient of the
+   whole global batch, so the identical optimizer step keeps the replicas identical.
+
+DDP does the same, but in buckets that are reduced while backward is still running.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+from scaleloop.strategies.base import ProcessGroupStrategy
+from scaleloop.strategies.syncbn import convert_batchnorm
+
+
+class ManualAllReduce(ProcessGroupStrategy):
+    """A plain model plus an explicit gradient all-reduce after backward."""
+
+    name = "allreduce"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        self._model = model
+        if not self.env.is_distributed:
+            return model
+        if self.sync_batchnorm:
+            model = convert_batchnorm(model, self.env.device)
+        with torch.no_grad():
+            for tensor in list(model.parameters()) + list(model.buffers()):
+                torch_dist.broadcast(tensor, src=0)
+        self._model = model
+        return model
+
+    def after_backward(self) -> None:
+        world = self.env.world_size
+        if world == 1:
+            return
+        for param in self._model.parameters():
+            if param.grad is None:
+                # A parameter this rank did not use still takes part, or the collectives
+                # of different ranks would no longer line up.
+                param.grad = torch.zeros_like(param)
+            torch_dist.all_reduce(param.grad, op=torch_dist.ReduceOp.SUM)
+            param.grad.div_(world)

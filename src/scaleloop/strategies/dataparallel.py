@@ -1,0 +1,34 @@
+"""``nn.DataParallel``: one process scatters each batch over all visible GPUs.
+
+The model is replicated to every GPU on every forward, inputs are split along the batch,
+outputs gathered on GPU 0 and gradients summed back there. It is the tutorial's first step;
+DDP (one process per GPU) is faster and is what PyTorch recommends.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from scaleloop.errors import UsageError
+from scaleloop.strategies.base import Strategy
+
+
+class DataParallel(Strategy):
+    """Single process, all visible CUDA GPUs."""
+
+    name = "dp"
+
+    def check(self) -> None:
+        if self.env.device.type != "cuda":
+            raise UsageError(
+                "--strategy dp needs CUDA GPUs (nn.DataParallel splits each batch over the GPUs of "
+                f"one process) and this run is on {self.env.device.type}; use --strategy single, or "
+                "--strategy ddp --nproc N for N processes on the CPU")
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if self.sync_batchnorm:
+            raise UsageError("--sync-batchnorm needs one process per device; use --strategy ddp with it")
+        return nn.DataParallel(model)
+
+    def describe(self) -> str:
+        return f"dp ({torch.cuda.device_count()} GPUs)"

@@ -1,0 +1,135 @@
+"""Tests for scaleloop.data.loader: the in-memory fast path and the DataLoader path agree."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from scaleloop.data.loader import Batch, ShardedLoader, tensors_of
+from scaleloop.data.sampler import StepPlan
+
+CPU = torch.device("cpu")
+
+
+class PlainDataset(Dataset):
+    """A map-style dataset that is not a TensorDataset: read one sample at a time."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+        self.calls = 0
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        self.calls += 1
+        return self.x[i], self.y[i]
+
+
+class Doubled(TensorDataset):
+    """A TensorDataset subclass whose __getitem__ transforms the sample (like augmentation)."""
+
+    def __getitem__(self, i: int):
+        x, y = super().__getitem__(i)
+        return x * 2, y
+
+
+def _data(n: int = 37) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 3, generator=g), torch.randint(0, 5, (n,), generator=g)
+
+
+def _collect(loader: ShardedLoader) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
+    return [(x, y, b.indices.tolist()) for b in loader for x, y in [b]]
+
+
+@pytest.mark.parametrize("world,rank,acc", [(1, 0, 1), (1, 0, 3), (2, 1, 2), (3, 2, 1)])
+def test_fast_path_and_dataloader_path_agree(world: int, rank: int, acc: int) -> None:
+    x, y = _data()
+    plan = StepPlan(len(x), 12, world_size=world, rank=rank, accumulate=acc, seed=4)
+    fast = ShardedLoader(TensorDataset(x, y), plan, CPU)
+    slow_ds = PlainDataset(x, y)
+    slow = ShardedLoader(slow_ds, plan, CPU)
+    assert fast.in_memory is True
+    assert slow.in_memory is False
+    for epoch in (0, 1):
+        fast.set_epoch(epoch)
+        slow.set_epoch(epoch)
+        a, b = _collect(fast), _collect(slow)
+        assert len(a) == len(b) > 0
+        for (xa, ya, ia), (xb, yb, ib) in zip(a, b):
+            assert ia == ib
+            assert torch.equal(xa, xb) and torch.equal(ya, yb)
+            assert torch.equal(xa, x[ia]) and torch.equal(ya, y[ia])
+    assert slow_ds.calls > 0  # the DataLoader path really read through __getitem__
+
+
+def test_batch_unpacks_and_exposes_its_plan() -> None:
+    x, y = _data(20)
+    plan = StepPlan(20, 8, accumulate=2, shuffle=False)
+    batches = list(ShardedLoader(TensorDataset(x, y), plan, CPU))
+    first = batches[0]
+    assert isinstance(first, Batch)
+    bx, by = first
+    assert torch.equal(bx, x[:4]) and torch.equal(by, y[:4])
+    assert len(first) == 4
+    assert first.step == 0 and first.last_micro is False and first.loss_scale == pytest.approx(0.5)
+    assert first.indices.tolist() == [0, 1, 2, 3]
+    assert batches[1].last_micro is True
+    # the last step holds 4 samples (20 = 2 * 8 + 4): two micro-batches of 2, each half the step
+    last = batches[-1]
+    assert last.step == 2 and len(last) == 2 and last.plan.step_samples == 4
+    assert last.loss_scale == pytest.approx(0.5)
+    assert sum(len(b) for b in batches) == 20
+
+
+def test_set_epoch_changes_the_order() -> None:
+    x, y = _data(40)
+    loader = ShardedLoader(TensorDataset(x, y), StepPlan(40, 10, seed=1), CPU)
+    loader.set_epoch(0)
+    e0 = [b.indices.tolist() for b in loader]
+    again = [b.indices.tolist() for b in loader]
+    loader.set_epoch(1)
+    e1 = [b.indices.tolist() for b in loader]
+    assert e0 == again
+    assert e0 != e1
+    assert sorted(sum(e0, [])) == sorted(sum(e1, [])) == list(range(40))
+
+
+def test_set_epoch_with_start_step_resumes() -> None:
+    x, y = _data(40)
+    loader = ShardedLoader(TensorDataset(x, y), StepPlan(40, 8, accumulate=2, seed=1), CPU)
+    loader.set_epoch(2)
+    full = [b.indices.tolist() for b in loader]
+    loader.set_epoch(2, start_step=3)
+    resumed = list(loader)
+    assert resumed[0].step == 3
+    assert [b.indices.tolist() for b in resumed] == full[6:]
+    assert len(loader) == len(resumed) == 4
+
+
+@pytest.mark.parametrize("n,batch,world,acc,drop", [(37, 12, 1, 1, False), (37, 12, 2, 2, False),
+                                                    (37, 12, 3, 2, False), (37, 12, 1, 1, True),
+                                                    (36, 12, 2, 3, False)])
+def test_len_matches_batches_yielded(n: int, batch: int, world: int, acc: int, drop: bool) -> None:
+    x, y = _data(n)
+    for rank in range(world):
+        plan = StepPlan(n, batch, world_size=world, rank=rank, accumulate=acc, drop_last=drop)
+        for ds in (TensorDataset(x, y), PlainDataset(x, y)):
+            loader = ShardedLoader(ds, plan, CPU)
+            assert len(loader) == len(list(loader)) == plan.steps_per_epoch * acc
+
+
+def test_tensordataset_subclass_with_its_own_getitem_is_read_through_it() -> None:
+    x, y = _data(10)
+    loader = ShardedLoader(Doubled(x, y), StepPlan(10, 5, shuffle=False), CPU)
+    assert loader.in_memory is False
+    bx, _ = next(iter(loader))
+    assert torch.equal(bx, x[:5] * 2)
+
+
+def test_tensors_of() -> None:
+    x, y = _data(5)
+    assert tensors_of(TensorDataset(x, y)) is not None
+    assert tensors_of(TensorDataset(x)) is None  # not an (x, y) pair
+    assert tensors_of(PlainDataset(x, y)) is None

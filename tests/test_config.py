@@ -1,0 +1,259 @@
+"""Tests for scaleloop.config: validation, TOML loading, precedence and the saved config."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+
+from scaleloop.config import (
+    OPTIMIZERS,
+    PRECISIONS,
+    STRATEGIES,
+    TrainConfig,
+    coerce,
+    field_types,
+    flag,
+    load_toml,
+    resolve,
+    to_toml,
+)
+from scaleloop.errors import UsageError
+
+
+def _write(tmp_path: Path, text: str, name: str = "cfg.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+# --- defaults and validation ------------------------------------------------------------
+
+def test_defaults_validate() -> None:
+    cfg = TrainConfig()
+    assert cfg.validate() is cfg
+    assert cfg.model == "simplenet" and cfg.data == "digits"
+    assert cfg.optimizer in OPTIMIZERS and cfg.precision in PRECISIONS and cfg.strategy in STRATEGIES
+
+
+def test_flag_names() -> None:
+    assert flag("batch_size") == "--batch-size"
+    assert flag("lr") == "--lr"
+
+
+def test_field_types_unwrap_optional() -> None:
+    types = field_types()
+    assert types["max_steps"] is int
+    assert types["clip_grad"] is float
+    assert types["data_dir"] is str
+    assert types["progress"] is bool
+    assert set(types) == {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+@pytest.mark.parametrize("name", ["hidden_dim", "n_samples", "input_dim", "image_size", "seq_len",
+                                  "vocab_size", "epochs", "batch_size", "accumulate", "log_every",
+                                  "max_steps"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_non_positive_sizes_are_rejected(name: str, value: int) -> None:
+    with pytest.raises(UsageError, match=f"{flag(name)} must be a positive integer"):
+        TrainConfig(**{name: value}).validate()
+
+
+@pytest.mark.parametrize("name,value,what", [
+    ("lr", 0.0, "a positive number"),
+    ("lr", -0.1, "a positive number"),
+    ("lr", float("nan"), "a positive number"),
+    ("weight_decay", -1e-4, "zero or positive"),
+    ("momentum", -0.5, "zero or positive"),
+    ("num_workers", -1, "zero or positive"),
+    ("clip_grad", 0.0, "a positive number"),
+    ("clip_grad", -1.0, "a positive number"),
+    ("test_fraction", -0.1, r"in \[0, 1\)"),
+    ("test_fraction", 1.0, r"in \[0, 1\)"),
+    ("test_fraction", 1.5, r"in \[0, 1\)"),
+])
+def test_bad_numbers_name_the_flag(name: str, value: float, what: str) -> None:
+    with pytest.raises(UsageError, match=f"^{flag(name)} must be {what}$"):
+        TrainConfig(**{name: value}).validate()
+
+
+def test_edge_values_that_are_allowed() -> None:
+    TrainConfig(test_fraction=0.0, weight_decay=0.0, momentum=0.0, num_workers=0,
+                clip_grad=1e-3, max_steps=1).validate()
+
+
+@pytest.mark.parametrize("batch,acc,suggest", [(10, 4, "8 or 12"), (3, 4, "4"), (65, 2, "64 or 66")])
+def test_batch_not_divisible_by_accumulate_names_multiples(batch: int, acc: int, suggest: str) -> None:
+    with pytest.raises(UsageError) as info:
+        TrainConfig(batch_size=batch, accumulate=acc).validate()
+    msg = str(info.value)
+    assert f"--batch-size {batch}" in msg and f"multiple of {acc}" in msg
+    assert msg.endswith(f"such as {suggest}")
+    # and every value it suggests is accepted
+    for option in suggest.split(" or "):
+        TrainConfig(batch_size=int(option), accumulate=acc).validate()
+
+
+@pytest.mark.parametrize("name,value", [("optimizer", "rmsprop"), ("precision", "fp8"),
+                                        ("strategy", "magic"), ("optimizer", "ADAM")])
+def test_bad_choices_list_the_choices(name: str, value: str) -> None:
+    choices = dataclasses.fields(TrainConfig)
+    allowed = next(f for f in choices if f.name == name).metadata["choices"]
+    with pytest.raises(UsageError) as info:
+        TrainConfig(**{name: value}).validate()
+    msg = str(info.value)
+    assert msg.startswith(f"{flag(name)} {value!r} is not one of")
+    assert all(c in msg for c in allowed)
+
+
+def test_replace_returns_a_new_frozen_config() -> None:
+    cfg = TrainConfig()
+    other = cfg.replace(epochs=3)
+    assert other.epochs == 3 and cfg.epochs == 20
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.epochs = 5  # type: ignore[misc]
+
+
+# --- coerce -----------------------------------------------------------------------------
+
+def test_coerce_converts_strings_from_flags() -> None:
+    assert coerce("batch_size", "32", "--batch-size") == 32
+    assert coerce("lr", "1e-3", "--lr") == pytest.approx(1e-3)
+    assert coerce("progress", "no", "x") is False
+    assert coerce("progress", "True", "x") is True
+    assert coerce("max_steps", "none", "x") is None
+    assert coerce("lr", 1, "x") == 1.0 and isinstance(coerce("lr", 1, "x"), float)
+    assert coerce("epochs", 3.0, "x") == 3
+
+
+@pytest.mark.parametrize("name,value", [("batch_size", "abc"), ("batch_size", 2.5), ("batch_size", True),
+                                        ("lr", "fast"), ("lr", True), ("progress", "maybe"),
+                                        ("progress", 1), ("model", 3), ("epochs", "none")])
+def test_coerce_rejects_wrong_types(name: str, value: object) -> None:
+    with pytest.raises(UsageError, match=f"^SRC: {name} must be "):
+        coerce(name, value, "SRC")
+
+
+# --- TOML loading -----------------------------------------------------------------------
+
+def test_load_flat_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, 'model = "biggernet"\nbatch_size = 128\nlr = 0.5\nprogress = false\n'
+                            "clip_grad = 1\n")
+    values = load_toml(path)
+    assert values == {"model": "biggernet", "batch_size": 128, "lr": 0.5, "progress": False,
+                      "clip_grad": 1.0}
+    assert isinstance(values["clip_grad"], float)
+
+
+def test_load_train_table(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[train]\nepochs = 3\ndata = \"random\"\n")
+    assert load_toml(path) == {"epochs": 3, "data": "random"}
+
+
+def test_load_hyphenated_keys(tmp_path: Path) -> None:
+    path = _write(tmp_path, "batch-size = 32\nn-samples = 100\ndrop-last = true\n")
+    assert load_toml(path) == {"batch_size": 32, "n_samples": 100, "drop_last": True}
+
+
+def test_unknown_key_suggests_the_closest(tmp_path: Path) -> None:
+    path = _write(tmp_path, "epoch = 3\n")
+    with pytest.raises(UsageError, match=r"unknown setting 'epoch' \(did you mean 'epochs'\?\)"):
+        load_toml(path)
+
+
+def test_unknown_key_without_a_close_match(tmp_path: Path) -> None:
+    path = _write(tmp_path, "zzzzzz = 3\n")
+    with pytest.raises(UsageError) as info:
+        load_toml(path)
+    assert "unknown setting 'zzzzzz'" in str(info.value)
+    assert "did you mean" not in str(info.value)
+
+
+@pytest.mark.parametrize("text,name", [('epochs = "three"\n', "epochs"), ("lr = true\n", "lr"),
+                                       ("model = 5\n", "model"), ("progress = 1\n", "progress"),
+                                       ("batch_size = 2.5\n", "batch_size")])
+def test_wrong_type_names_file_and_setting(tmp_path: Path, text: str, name: str) -> None:
+    path = _write(tmp_path, text)
+    with pytest.raises(UsageError) as info:
+        load_toml(path)
+    msg = str(info.value)
+    assert str(path) in msg and f"{name} must be" in msg
+
+
+def test_invalid_toml(tmp_path: Path) -> None:
+    path = _write(tmp_path, "epochs = = 3\n")
+    with pytest.raises(UsageError, match="is not valid TOML"):
+        load_toml(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="does not exist"):
+        load_toml(tmp_path / "missing.toml")
+
+
+def test_directory_as_file_cannot_be_read(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="cannot be read"):
+        load_toml(tmp_path)
+
+
+def test_unreadable_file(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("running as root: chmod 000 does not stop root from reading the file")
+    path = _write(tmp_path, "epochs = 3\n")
+    path.chmod(0)
+    try:
+        with pytest.raises(UsageError, match="cannot be read"):
+            load_toml(path)
+    finally:
+        path.chmod(0o644)
+
+
+def test_non_utf8_file_cannot_be_read(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b'model = "caf\xe9"\n')
+    with pytest.raises(UsageError, match="cannot be read"):
+        load_toml(path)
+
+
+# --- precedence and round trip ----------------------------------------------------------
+
+def test_resolve_precedence() -> None:
+    cfg = resolve({"epochs": 3, "lr": 0.5}, {"epochs": 1})
+    assert cfg.epochs == 1          # flag beats file
+    assert cfg.lr == 0.5            # file beats default
+    assert cfg.batch_size == 64     # default where nobody said anything
+
+
+def test_resolve_validates_the_merged_result() -> None:
+    # each part is fine alone; only together do they conflict
+    with pytest.raises(UsageError, match="does not split"):
+        resolve({"batch_size": 10}, {"accumulate": 4})
+
+
+def test_resolve_from_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[train]\nepochs = 3\nbatch-size = 32\n")
+    assert resolve(load_toml(path), {"batch_size": 16}) == TrainConfig(epochs=3, batch_size=16)
+
+
+@pytest.mark.parametrize("cfg", [
+    TrainConfig(),
+    TrainConfig(lr=1e-05, weight_decay=1e-16, momentum=0.0, clip_grad=0.5, max_steps=7,
+                data_dir="/tmp/some dir", out='we"ird\\path', drop_last=True, progress=False,
+                tensorboard=False, test_fraction=0.0, optimizer="sgd", precision="bf16"),
+    TrainConfig(lr=3.0, clip_grad=1e20, data="pkg.mod:make", model="a.b:c"),
+])
+def test_to_toml_round_trips(tmp_path: Path, cfg: TrainConfig) -> None:
+    text = to_toml(cfg)
+    path = _write(tmp_path, text)
+    back = resolve(load_toml(path), {})
+    assert back == cfg
+    for f in dataclasses.fields(cfg):
+        assert type(getattr(back, f.name)) is type(getattr(cfg, f.name)), f.name
+
+
+def test_to_toml_marks_unset_fields() -> None:
+    text = to_toml(TrainConfig())
+    assert "# max_steps = (not set)" in text
+    assert "progress = true" in text
+    assert 'model = "simplenet"' in text
