@@ -242,6 +242,8 @@ def test_resolve_from_file(tmp_path: Path) -> None:
                 data_dir="/tmp/some dir", out='we"ird\\path', drop_last=True, progress=False,
                 tensorboard=False, test_fraction=0.0, optimizer="sgd", precision="bf16"),
     TrainConfig(lr=3.0, clip_grad=1e20, data="pkg.mod:make", model="a.b:c"),
+    # control characters must be escaped (TOML forbids them raw); non-ASCII stays as it is
+    TrainConfig(out="runs/line\nbreak\ttab\x7fdel\x01", data_dir="données/数字 😀"),
 ])
 def test_to_toml_round_trips(tmp_path: Path, cfg: TrainConfig) -> None:
     text = to_toml(cfg)

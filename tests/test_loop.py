@@ -86,6 +86,7 @@ def test_same_seed_gives_bitwise_identical_weights(tmp_path: Path) -> None:
 @pytest.mark.parametrize("n_samples,batch,layouts", [
     (256, 64, (1, 2)),         # every step full
     (100, 32, (1, 2, 4)),      # 100 = 3 * 32 + 4: the last step has 4 samples
+    (103, 32, (1, 2, 4)),      # last step of 7: micro-batches of 4+3 and 2+2+2+1, weighted by size
 ])
 def test_accumulation_gives_the_same_weights(tmp_path: Path, n_samples: int, batch: int,
                                              layouts: tuple[int, ...]) -> None:
@@ -220,3 +221,36 @@ def test_evaluate_splits_the_test_set_over_ranks_without_overlap(world: int) -> 
     assert int(totals[2]) == len(y)
     assert int(totals[1]) == int((out.argmax(1) == y).sum())
     assert float(totals[0]) / len(y) == pytest.approx(float(F.cross_entropy(out, y)), rel=1e-5)
+
+
+def test_evaluate_with_fewer_test_samples_than_ranks() -> None:
+    """Ranks with no test sample still take part (and a DataLoader-backed set does not crash)."""
+    from torch.utils.data import Dataset
+
+    from scaleloop.data.info import DataInfo
+
+    class Plain(Dataset):
+        def __init__(self) -> None:
+            g = torch.Generator().manual_seed(0)
+            self.x, self.y = torch.randn(2, 3, generator=g), torch.tensor([0, 1])
+
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, i: int):
+            return self.x[i], self.y[i]
+
+    ds, info = Plain(), DataInfo("plain", "classification", (3,), 2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    totals = torch.zeros(3, dtype=torch.float64)
+    for rank in range(3):
+        strategy = Recording(DistEnv(rank=rank, world_size=3, local_rank=rank, local_world_size=3))
+        result = evaluate(model, ds, info, strategy)
+        assert result.samples == 2
+        totals += strategy.reduced[0]
+    with torch.no_grad():
+        out = model(ds.x)
+    assert int(totals[2]) == 2
+    assert int(totals[1]) == int((out.argmax(1) == ds.y).sum())
+    assert float(totals[0]) / 2 == pytest.approx(float(F.cross_entropy(out, ds.y)), rel=1e-6)

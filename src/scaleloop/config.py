@@ -228,8 +228,21 @@ def to_toml(cfg: TrainConfig) -> str:
         elif isinstance(value, bool):
             lines.append(f"{f.name} = {'true' if value else 'false'}")
         elif isinstance(value, str):
-            escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-            lines.append(f'{f.name} = "{escaped}"')
+            lines.append(f'{f.name} = {_toml_string(value)}')
         else:
             lines.append(f"{f.name} = {value!r}")
     return "\n".join(lines) + "\n"
+
+
+def _toml_string(value: str) -> str:
+    """A TOML basic string: backslash and quote escaped, and control characters (which TOML
+    forbids raw, e.g. a newline in a path) written as ``\\uXXXX``."""
+    out = []
+    for ch in value:
+        if ch in ('"', "\\"):
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'

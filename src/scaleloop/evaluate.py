@@ -35,12 +35,15 @@ def evaluate(model: nn.Module, dataset: Dataset, info: DataInfo, strategy: Strat
     plan = StepPlan(n, n, world_size=env.world_size, rank=env.rank,
                     accumulate=min(local_batches, max(1, n // env.world_size)), shuffle=False)
     loader = ShardedLoader(dataset, plan, env.device)
+    # With fewer test samples than ranks some ranks hold none; they still join the reduction
+    # below, but skip loading (a DataLoader cannot collate an empty batch).
+    mine = sum(mb.indices.numel() for mb in plan.micro_batches(0))
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
     correct = total = 0
     with torch.no_grad():
-        for x, y in loader:
+        for x, y in (loader if mine else ()):
             if y.shape[0] == 0:
                 continue
             with strategy.autocast():

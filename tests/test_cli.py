@@ -1,0 +1,235 @@
+"""Tests for the ``scaleloop`` command: bad input gives one line and exit 2; a run writes its directory."""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from scaleloop.cli import main
+from scaleloop.config import TrainConfig, flag, load_toml, resolve
+from scaleloop.models import SimpleNet
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_subprocess(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    return subprocess.run([sys.executable, "-m", "scaleloop", *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def assert_usage_error(code: int, out: str, err: str, *needles: str) -> None:
+    assert code == 2
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("scaleloop: error: ")
+    assert "Traceback" not in err and "Traceback" not in out
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One real, small run through the CLI, shared by the tests that inspect its output."""
+    out_dir = tmp_path_factory.mktemp("cli") / "run"
+    import io
+    from contextlib import redirect_stderr, redirect_stdout
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with redirect_stdout(stdout), redirect_stderr(stderr):
+        code = main(["train", "--data", "random", "--n-samples", "512", "--epochs", "2",
+                     "--batch-size", "64", "--out", str(out_dir), "--no-progress", "--device", "cpu"])
+    assert code == 0, stderr.getvalue()
+    return out_dir, stdout.getvalue()
+
+
+# --- bad input: exit 2 with one line --------------------------------------------------------
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--model", "nosuchmodel"], ["unknown model 'nosuchmodel'", "simplenet"]),
+    (["--data", "nosuchdata"], ["unknown dataset 'nosuchdata'", "digits"]),
+    (["--model", "nosuchmod:make"], ["cannot import module 'nosuchmod'"]),
+    (["--data", "nosuchmod:make"], ["cannot import module 'nosuchmod'"]),
+    (["--batch-size", "0"], ["--batch-size must be a positive integer"]),
+    (["--epochs", "-1"], ["--epochs must be a positive integer"]),
+    (["--lr", "0"], ["--lr must be a positive number"]),
+    (["--epoch", "3"], ["unrecognized arguments: --epoch 3"]),
+    (["--batch-size", "abc"], ["batch_size must be int", "'abc'"]),
+    (["--optimizer", "rmsprop"], ["invalid choice: 'rmsprop'"]),
+    (["--batch-size", "10", "--accumulate", "4"], ["--batch-size 10", "8 or 12"]),
+    (["--data", "mnist"], ["--data-dir"]),
+    (["--model", "convnet", "--data", "random"], ["convnet", "image"]),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                          argv: list[str], needles: list[str]) -> None:
+    out_dir = tmp_path / "never"
+    code, out, err = run_cli(capsys, "train", *argv, "--out", str(out_dir), "--no-progress",
+                             "--device", "cpu", "--n-samples", "64")
+    assert_usage_error(code, out, err, *needles)
+    assert not out_dir.exists()  # refused before anything was written
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here, so --device cuda works")
+def test_device_cuda_without_cuda(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, err = run_cli(capsys, "train", "--device", "cuda", "--out", str(tmp_path / "r"))
+    assert_usage_error(code, out, err, "CUDA is not available")
+
+
+def test_missing_config_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, err = run_cli(capsys, "train", "--config", str(tmp_path / "missing.toml"))
+    assert_usage_error(code, out, err, "missing.toml", "does not exist")
+
+
+def test_invalid_toml_config(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("epochs = [1,\n")
+    code, out, err = run_cli(capsys, "train", "--config", str(path))
+    assert_usage_error(code, out, err, "is not valid TOML")
+
+
+def test_config_with_unknown_key(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "typo.toml"
+    path.write_text("[train]\nbatchsize = 32\n")
+    code, out, err = run_cli(capsys, "train", "--config", str(path))
+    assert_usage_error(code, out, err, "unknown setting 'batchsize'", "did you mean 'batch_size'")
+
+
+def test_out_holding_a_run_is_refused_and_left_alone(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_dir = tmp_path / "old"
+    out_dir.mkdir()
+    metrics = out_dir / "metrics.csv"
+    metrics.write_text("kind,epoch\nepoch,1\n")
+    stat = metrics.stat()
+    code, out, err = run_cli(capsys, "train", "--data", "random", "--n-samples", "64", "--epochs", "1",
+                             "--out", str(out_dir), "--no-progress", "--device", "cpu")
+    assert_usage_error(code, out, err, "already holds a run")
+    assert metrics.read_text() == "kind,epoch\nepoch,1\n"
+    assert metrics.stat().st_mtime_ns == stat.st_mtime_ns
+    assert sorted(p.name for p in out_dir.iterdir()) == ["metrics.csv"]
+
+
+def test_subprocess_bad_input_has_real_exit_code_and_no_traceback(tmp_path: Path) -> None:
+    proc = run_subprocess("train", "--model", "nosuchmod:make", "--out", str(tmp_path / "r"))
+    assert proc.returncode == 2
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("scaleloop: error: ") and "Traceback" not in proc.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_subprocess_unknown_flag(tmp_path: Path) -> None:
+    proc = run_subprocess("train", "--epoch", "3", "--out", str(tmp_path / "r"))
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [proc.stderr.strip()] and "--epoch" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+# --- help, no command, env ----------------------------------------------------------------
+
+def test_train_help_lists_every_field(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    for f in dataclasses.fields(TrainConfig):
+        assert flag(f.name) in text, f.name
+    assert "--no-progress" in text and "--config" in text
+    assert text.count("default") >= len(dataclasses.fields(TrainConfig))
+
+
+def test_top_level_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "train" in out and "env" in out
+
+
+def test_no_command_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys)
+    assert code == 2
+    assert "train" in out + err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from scaleloop import __version__
+
+    code, out, _ = run_cli(capsys, "--version")
+    assert code == 0 and out.strip() == f"scaleloop {__version__}"
+
+
+def test_env(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "env")
+    assert code == 0 and err == ""
+    assert torch.__version__ in out
+    assert "gloo" in out.lower()
+
+
+# --- a real run ---------------------------------------------------------------------------
+
+def test_run_prints_a_summary(finished_run: tuple[Path, str]) -> None:
+    out_dir, stdout = finished_run
+    summary = stdout[stdout.index("summary"):]
+    for key in ("device", "strategy", "world size", "epochs", "final train loss", "test accuracy",
+                "throughput", "wall time", "run directory"):
+        assert key in summary, key
+    assert "samples/s" in summary
+    assert str(out_dir) in summary
+    assert "cpu" in summary and "single" in summary
+
+
+def test_run_directory_contents(finished_run: tuple[Path, str]) -> None:
+    out_dir, _ = finished_run
+    with open(out_dir / "metrics.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    kinds = {r["kind"] for r in rows}
+    assert kinds == {"step", "epoch"}
+    assert [r["epoch"] for r in rows if r["kind"] == "epoch"] == ["1", "2"]
+    assert (out_dir / "curves.png").read_bytes()[:8] == PNG_MAGIC
+    state = torch.load(out_dir / "model.pt", weights_only=True)
+    model = SimpleNet(20, 128, 1)
+    model.load_state_dict(state)  # strict: same keys and shapes
+    assert torch.equal(model.net[0].weight, state["net.0.weight"])
+    events = list((out_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+
+
+def test_saved_config_loads_back_to_the_same_settings(capsys: pytest.CaptureFixture[str],
+                                                      finished_run: tuple[Path, str]) -> None:
+    out_dir, _ = finished_run
+    saved = resolve(load_toml(out_dir / "config.toml"), {})
+    assert saved == TrainConfig(data="random", n_samples=512, epochs=2, batch_size=64,
+                                out=str(out_dir), progress=False, device="cpu")
+    # ... and the CLI accepts it (it stops only because the run directory is taken)
+    code, out, err = run_cli(capsys, "train", "--config", str(out_dir / "config.toml"))
+    assert_usage_error(code, out, err, "already holds a run")
+
+
+def test_flags_override_the_config_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    cfg_file = tmp_path / "settings.toml"
+    cfg_file.write_text('[train]\ndata = "random"\nn-samples = 128\nepochs = 3\nbatch_size = 64\n'
+                        "progress = false\ntensorboard = false\n")
+    out_dir = tmp_path / "run"
+    code, out, err = run_cli(capsys, "train", "--config", str(cfg_file), "--epochs", "1",
+                             "--out", str(out_dir), "--device", "cpu")
+    assert code == 0, err
+    saved = load_toml(out_dir / "config.toml")
+    assert saved["epochs"] == 1           # the flag won
+    assert saved["n_samples"] == 128      # the file's value was kept
+    assert saved["log_every"] == 10       # default where neither said anything
+    assert "epoch 1: train loss" in out and "epoch 2:" not in out
+    assert "epochs = 1\n" in (out_dir / "config.toml").read_text()
