@@ -51,6 +51,9 @@ class RunResult:
     parameters: int
     dropped_per_epoch: int
     in_memory_data: bool
+    train_samples: int = 0
+    steps_per_epoch: int = 0
+    last_step_samples: int = 0
 
 
 def seed_everything(seed: int) -> None:
@@ -224,4 +227,6 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None) -> RunResul
         samples=samples, train_loss=train_loss, test=test,
         samples_per_s=samples / max(train_s, 1e-9), train_s=train_s,
         wall_s=time.perf_counter() - started, parameters=n_params,
-        dropped_per_epoch=plan.dropped_per_epoch, in_memory_data=loader.in_memory)
+        dropped_per_epoch=plan.dropped_per_epoch, in_memory_data=loader.in_memory,
+        train_samples=plan.n, steps_per_epoch=plan.steps_per_epoch,
+        last_step_samples=len(plan.step_indices(0, plan.steps_per_epoch - 1)) if plan.steps_per_epoch else 0)

@@ -19,7 +19,18 @@ def format_result(result: RunResult) -> str:
         ("throughput", format_rate(result.samples_per_s)),
         ("wall time", f"{format_seconds(result.wall_s)} (training {format_seconds(result.train_s)})"),
     ]
-    if result.dropped_per_epoch:
-        rows.append(("dropped per epoch", f"{result.dropped_per_epoch} sample(s) (see --drop-last)"))
+    rows.append(("data per epoch", describe_epoch(result)))
     rows.append(("run directory", str(result.run_dir) if result.run_dir else "-"))
     return "summary\n" + format_summary(rows)
+
+
+def describe_epoch(result: RunResult) -> str:
+    """How the epoch's samples were used: each once, and what happened to an uneven tail."""
+    used = result.train_samples - result.dropped_per_epoch
+    if result.dropped_per_epoch:
+        return (f"{used:,} of {result.train_samples:,} samples in {result.steps_per_epoch} steps, no padding; "
+                f"the last {result.dropped_per_epoch} of each shuffled order dropped")
+    text = f"{used:,} samples in {result.steps_per_epoch} steps, each once, no padding"
+    if result.steps_per_epoch * result.last_step_samples != used:
+        text += f" (last step {result.last_step_samples}, split evenly over workers)"
+    return text
