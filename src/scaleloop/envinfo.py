@@ -14,7 +14,8 @@ from typing import Any
 
 __all__ = ["collect_env", "format_env", "STRATEGY_NAMES"]
 
-STRATEGY_NAMES: tuple[str, ...] = ("single", "dp", "ddp", "allreduce", "fsdp", "pipeline")
+# The strategies scaleloop implements (fsdp and pipeline join when they land).
+STRATEGY_NAMES: tuple[str, ...] = ("single", "dp", "ddp", "allreduce")
 
 
 def _importable(module: str, attr: str | None = None) -> bool:
@@ -53,9 +54,7 @@ def _nccl_version(torch: Any) -> str | None:
     return str(version)
 
 
-def _strategies(
-    gpu_count: int, gloo: bool, nccl: bool, fsdp_api: bool, pipelining_api: bool
-) -> dict[str, tuple[bool, str]]:
+def _strategies(gpu_count: int, gloo: bool, nccl: bool) -> dict[str, tuple[bool, str]]:
     backend = gloo or nccl
     if gloo and nccl and gpu_count:
         process_note = f"one process per GPU via NCCL ({gpu_count} here), or N on CPU via Gloo"
@@ -74,25 +73,11 @@ def _strategies(
     else:
         dp_reason = "needs >= 1 CUDA GPU; with one GPU it is a no-op wrapper"
 
-    if not fsdp_api:
-        fsdp_reason = "torch.distributed.fsdp.fully_shard is not importable"
-    elif not backend:
-        fsdp_reason = "no Gloo or NCCL backend"
-    else:
-        fsdp_reason = "fully_shard available; " + process_note
-
     return {
         "single": (True, "one process on the best device"),
         "dp": (gpu_count >= 1, dp_reason),
         "ddp": (backend, process_note),
         "allreduce": (backend, process_note),
-        "fsdp": (fsdp_api and backend, fsdp_reason),
-        "pipeline": (
-            pipelining_api,
-            "torch.distributed.pipelining available"
-            if pipelining_api
-            else "torch.distributed.pipelining is not importable",
-        ),
     }
 
 
@@ -155,7 +140,7 @@ def collect_env() -> dict[str, object]:
         "bf16_cpu": True,
         "bf16_cuda": bf16_cuda,
         "best_device": best_device,
-        "strategies": _strategies(len(gpus), gloo, nccl, fsdp_api, pipelining_api),
+        "strategies": _strategies(len(gpus), gloo, nccl),
     }
 
 
