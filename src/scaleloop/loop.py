@@ -77,7 +77,8 @@ def _progress(total: int, desc: str, enabled: bool):  # -> tqdm | None
         return None
     from tqdm import tqdm  # imported here: only rank 0 with a progress bar needs it
 
-    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, leave=True)
+    # disable=None: a bar on a terminal, plain epoch lines in a log file or CI.
+    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, leave=True, disable=None)
 
 
 def preflight(cfg: TrainConfig) -> None:
