@@ -85,8 +85,7 @@ class Strategy:
         With a ``Batch`` the weight is its exact share of the global step; without one, the
         micro-batches are assumed equal (weight ``1 / accumulate``).
         """
-        scale = batch.loss_scale if batch is not None else self.env.world_size / (
-            self.env.world_size * self.accumulate_steps)
+        scale = batch.loss_scale if batch is not None else 1.0 / self.accumulate_steps
         self.precision.scale(loss * scale).backward()
         if batch is None or batch.last_micro:
             self.after_backward()
