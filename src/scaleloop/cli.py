@@ -77,7 +77,7 @@ def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
     return {k: coerce(k, v, flag(k)) for k, v in vars(args).items() if k in names}
 
 
-def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def cmd_train(args: argparse.Namespace) -> int:
     file_values = load_toml(args.config) if args.config else {}
     cfg = resolve(file_values, _flag_values(args))
 
@@ -89,7 +89,6 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     if not dist.launched_by_torchrun():
         cfg = _auto_processes(cfg)
-        argv = list(argv)
         if cfg.world_size > 1:
             # Check what can be checked before starting N processes, then hand the workers
             # the fully resolved config (run directory included) as a file: every worker and
@@ -100,8 +99,7 @@ def cmd_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
             run_dir = prepare_run_dir(cfg.out, cfg.model, cfg.data)
             resolved = run_dir / "config.toml"
             write_atomic(resolved, to_toml(cfg).encode())
-            argv = ["train", "--config", str(resolved)]
-            code = run_under_torchrun(cfg, argv)
+            code = run_under_torchrun(cfg, ["train", "--config", str(resolved)])
             if code != 0:
                 raise _WorkerFailure(code)
             return 0
@@ -156,7 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.print_help()
             return EXIT_USAGE
         if args.command == "train":
-            return cmd_train(args, list(argv if argv is not None else sys.argv[1:]))
+            return cmd_train(args)
         return cmd_env(args)
     except UsageError as exc:
         print(f"scaleloop: error: {exc}", file=sys.stderr)

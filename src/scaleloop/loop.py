@@ -82,7 +82,7 @@ def _progress(total: int, desc: str, enabled: bool):  # -> tqdm | None
 
 
 def preflight(cfg: TrainConfig) -> None:
-    """Checks worth doing once, before N worker processes start: names, user code, run directory."""
+    """Checks worth doing once, before N worker processes start: names, user code, data directory."""
     from scaleloop.data.datasets import DATASET_NAMES
     from scaleloop.models import MODEL_NAMES
     from scaleloop.plugins import is_factory_spec, resolve_factory
@@ -95,8 +95,6 @@ def preflight(cfg: TrainConfig) -> None:
                              f"{', '.join(known)}, or give 'package.module:factory'")
     if cfg.data == "mnist" and not cfg.data_dir:
         raise UsageError("dataset 'mnist' reads IDX files from a directory: pass --data-dir DIR (it never downloads)")
-    if cfg.out is not None:
-        prepare_run_dir(cfg.out, cfg.model, cfg.data)
 
 
 def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None) -> RunResult:
