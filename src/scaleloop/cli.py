@@ -78,12 +78,16 @@ def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from scaleloop.checkpoint.resume import config_for_resume
+
     file_values = load_toml(args.config) if args.config else {}
-    cfg = resolve(file_values, _flag_values(args))
+    # Resuming a run starts from that run's saved settings; flags still override them.
+    cfg = config_for_resume(file_values, _flag_values(args))
 
     from scaleloop import dist
     from scaleloop.launch import run_under_torchrun
     from scaleloop.loop import preflight, train
+    from scaleloop.checkpoint.resume import run_dir_for
     from scaleloop.rundir import default_run_dir, prepare_run_dir, write_atomic
     from scaleloop.summary import format_result
 
@@ -94,9 +98,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             # the fully resolved config (run directory included) as a file: every worker and
             # node then trains with exactly the same settings.
             preflight(cfg)
-            if cfg.out is None:
-                cfg = cfg.replace(out=str(default_run_dir(cfg.model, cfg.data)))
-            run_dir = prepare_run_dir(cfg.out, cfg.model, cfg.data)
+            resuming = _check_resume(cfg)
+            out = run_dir_for(cfg) or default_run_dir(cfg.model, cfg.data)
+            cfg = cfg.replace(out=str(out))
+            run_dir = prepare_run_dir(cfg.out, cfg.model, cfg.data, continuing=resuming)
             resolved = run_dir / "config.toml"
             write_atomic(resolved, to_toml(cfg).encode())
             code = run_under_torchrun(cfg, ["train", "--config", str(resolved)])
@@ -113,6 +118,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     if env.is_main:
         print(format_result(result))
     return 0
+
+
+def _check_resume(cfg: TrainConfig) -> bool:
+    """Before starting workers: is there a checkpoint to resume, and does it fit ``cfg``?"""
+    from scaleloop.checkpoint.resume import check_compatible, find_checkpoint
+
+    info = find_checkpoint(cfg, restarting=False, warn=lambda msg: print(f"scaleloop: {msg}", file=sys.stderr))
+    if info is None:
+        return False
+    if isinstance(info.meta.get("config"), dict):
+        check_compatible(info.meta["config"], cfg, str(info.path))
+    return True
 
 
 class _WorkerFailure(Exception):

@@ -26,6 +26,8 @@ STRATEGIES = ("auto", "single", "dp", "ddp", "allreduce")
 BACKENDS = ("gloo", "nccl")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw", "sgd")
+LR_SCHEDULES = ("constant", "cosine", "step")
+LR_SCALINGS = ("none", "linear", "sqrt")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] = (), group: str = "training") -> Any:
@@ -53,7 +55,13 @@ class TrainConfig:
     max_steps: Optional[int] = _opt(None, "stop after this many optimizer steps (default: no limit)")
     batch_size: int = _opt(64, "GLOBAL batch size: per-device batch = batch_size / (world size x accumulate)")
     accumulate: int = _opt(1, "micro-batches accumulated into each optimizer step")
-    lr: float = _opt(0.01, "learning rate")
+    lr: float = _opt(0.01, "learning rate (at --base-batch-size when --lr-scaling is set)")
+    lr_schedule: str = _opt("constant", "learning-rate schedule over the run's optimizer steps "
+                            "(step: x0.1 at half and at three quarters of them)", LR_SCHEDULES)
+    warmup_steps: int = _opt(0, "optimizer steps of linear learning-rate warm-up from lr/N to lr")
+    lr_scaling: str = _opt("none", "scale --lr with the global batch: linear (x B/base) or sqrt "
+                           "(x sqrt(B/base)); needs --base-batch-size", LR_SCALINGS)
+    base_batch_size: Optional[int] = _opt(None, "the global batch that --lr was tuned for (for --lr-scaling)")
     optimizer: str = _opt("adam", "optimizer", OPTIMIZERS)
     weight_decay: float = _opt(0.0, "weight decay")
     momentum: float = _opt(0.9, "momentum (sgd only)")
@@ -78,6 +86,14 @@ class TrainConfig:
     rdzv_id: str = _opt("scaleloop", "job id shared by all nodes of one --rdzv-endpoint job", group="launch")
     max_restarts: int = _opt(0, "times torchrun restarts the worker group after a failure", group="launch")
     backend: Optional[str] = _opt(None, "process-group backend (default: nccl on CUDA, gloo on CPU)", BACKENDS, group="launch")
+
+    # checkpoints: what a run needs to continue exactly after a crash, a kill or Ctrl-C
+    checkpoints: bool = _opt(True, "write checkpoints to <run>/checkpoints (at every epoch end and every "
+                             "--checkpoint-every steps)", group="checkpoints")
+    checkpoint_every: int = _opt(0, "also checkpoint every N optimizer steps (0: only at epoch ends)", group="checkpoints")
+    keep_checkpoints: int = _opt(3, "how many of the newest checkpoints to keep", group="checkpoints")
+    resume: str = _opt("auto", "auto: continue from the newest valid checkpoint in --out if there is one; "
+                       "never; or a checkpoint/run directory to continue from", group="checkpoints")
 
     # what to write
     out: Optional[str] = _opt(None, "run directory (default: runs/<date>-<time>-<model>-<data>)", group="output")
@@ -108,6 +124,14 @@ class TrainConfig:
         _require(0 <= self.node_rank < self.nnodes, "node_rank", f"in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
         _require(1 <= self.master_port <= 65535, "master_port", "a port number in 1..65535")
         _require(self.max_restarts >= 0, "max_restarts", "zero or positive")
+        _require(self.warmup_steps >= 0, "warmup_steps", "zero or positive")
+        _require(self.base_batch_size is None or self.base_batch_size >= 1, "base_batch_size", "a positive integer")
+        if self.lr_scaling != "none" and self.base_batch_size is None:
+            raise UsageError(f"--lr-scaling {self.lr_scaling} scales --lr from the batch it was tuned for: "
+                             "add --base-batch-size N")
+        _require(self.checkpoint_every >= 0, "checkpoint_every", "zero (epoch ends only) or a positive integer")
+        _require(self.keep_checkpoints >= 1, "keep_checkpoints", "a positive integer (use --no-checkpoints to write none)")
+        _require(bool(self.resume.strip()), "resume", "auto, never, or a checkpoint path")
         if self.nnodes > 1 and not (self.master_addr or self.rdzv_endpoint):
             raise UsageError(f"--nnodes {self.nnodes} needs where to meet: --master-addr HOST (with --node-rank) "
                              "or --rdzv-endpoint HOST:PORT")

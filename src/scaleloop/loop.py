@@ -15,16 +15,20 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 import torch
 
+from scaleloop.checkpoint.manager import Checkpointer, Progress
+from scaleloop.checkpoint.resume import run_dir_for
 from scaleloop.config import TrainConfig, to_toml
 from scaleloop.data.datasets import build_datasets
+from scaleloop.data.loader import Batch
 from scaleloop.devices import describe_device
-from scaleloop.dist import DistEnv
+from scaleloop.dist import DistEnv, restart_count
 from scaleloop.errors import UsageError
 from scaleloop.evaluate import EvalResult, evaluate
 from scaleloop.metrics import MetricsLogger, plot_curves
 from scaleloop.models import build_model, count_parameters
 from scaleloop.precision import Precision
 from scaleloop.rundir import prepare_run_dir, write_atomic
+from scaleloop.schedule import build_scheduler, describe_schedule, scaled_lr
 from scaleloop.strategies import make_strategy
 from scaleloop.tasks import loss_fn
 
@@ -54,6 +58,11 @@ class RunResult:
     train_samples: int = 0
     steps_per_epoch: int = 0
     last_step_samples: int = 0
+    lr: str = ""
+    checkpoints_written: int = 0
+    checkpoint_s: float = 0.0
+    last_checkpoint: Optional[Path] = None
+    resumed_from: Optional[Path] = None
 
 
 def seed_everything(seed: int) -> None:
@@ -63,22 +72,24 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer named by ``cfg.optimizer`` with its hyperparameters."""
+def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter],
+                    lr: Optional[float] = None) -> torch.optim.Optimizer:
+    """The optimizer named by ``cfg.optimizer`` with its hyperparameters (``lr`` overrides ``cfg.lr``)."""
+    lr = cfg.lr if lr is None else lr
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
+    return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
 
 
-def _progress(total: int, desc: str, enabled: bool):  # -> tqdm | None
+def _progress(total: int, initial: int, desc: str, enabled: bool):  # -> tqdm | None
     if not enabled:
         return None
     from tqdm import tqdm  # imported here: only rank 0 with a progress bar needs it
 
     # disable=None: a bar on a terminal, plain epoch lines in a log file or CI.
-    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, leave=True, disable=None)
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, leave=True, disable=None)
 
 
 def preflight(cfg: TrainConfig) -> None:
@@ -97,10 +108,15 @@ def preflight(cfg: TrainConfig) -> None:
         raise UsageError("dataset 'mnist' reads IDX files from a directory: pass --data-dir DIR (it never downloads)")
 
 
-def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None) -> RunResult:
-    """Run the training that ``cfg`` describes on ``env``; rank 0 writes the run directory."""
+def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
+          on_batch: Optional[Callable[[Batch], None]] = None) -> RunResult:
+    """Run the training that ``cfg`` describes on ``env``; rank 0 writes the run directory.
+
+    ``on_batch`` (optional) sees every micro-batch this rank trains on, before its forward pass.
+    """
     started = time.perf_counter()
     say: Log = (log or print) if env.is_main else (lambda _msg: None)
+    restarting = restart_count() > 0
 
     # 1. Data and model: built identically on every rank from the same seed.
     seed_everything(cfg.seed)
@@ -115,44 +131,88 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None) -> RunResul
     #    decides which samples this rank loads.
     precision = Precision(cfg.precision, env.device)
     strategy = make_strategy(cfg.strategy, env, precision, cfg.accumulate, cfg.sync_batchnorm)
-    model, optimizer = strategy.setup(model, lambda params: build_optimizer(cfg, params))
+    lr = scaled_lr(cfg)
+    model, optimizer = strategy.setup(model, lambda params: build_optimizer(cfg, params, lr.peak))
     # From here on each rank draws its own random numbers (dropout, augmentation), like
     # independent workers would; the data order stays shared, drawn from cfg.seed + epoch.
     torch.manual_seed(cfg.seed + env.rank)
     loader = strategy.loader(data.train, cfg.batch_size, shuffle=True, seed=cfg.seed,
                              drop_last=cfg.drop_last, num_workers=cfg.num_workers)
     plan = loader.plan
+    total_steps = plan.steps_per_epoch * cfg.epochs
+    if cfg.max_steps is not None:
+        total_steps = min(total_steps, cfg.max_steps)
+    scheduler = build_scheduler(optimizer, cfg, total_steps)
 
-    # 3. Rank 0 owns the run directory.
-    run_dir = prepare_run_dir(cfg.out, cfg.model, cfg.data) if env.is_main else None
-    metrics = MetricsLogger(run_dir, tensorboard=cfg.tensorboard) if run_dir is not None else None
-    if run_dir is not None:
+    # 3. Continue from a checkpoint if --resume (or a torchrun restart) says so: model,
+    #    optimizer, schedule, scaler, RNG states and the position inside the epoch.
+    checkpointer = Checkpointer(strategy, cfg, say=say)
+    resumed = checkpointer.restore(model, optimizer, scheduler, restarting=restarting)
+    progress = resumed.progress if resumed is not None else Progress()
+
+    # 4. Rank 0 owns the run directory.
+    run_dir = None
+    if env.is_main:
+        out = run_dir_for(cfg)
+        run_dir = prepare_run_dir(str(out) if out else None, cfg.model, cfg.data,
+                                  continuing=resumed is not None or restarting)
         write_atomic(run_dir / "config.toml", to_toml(cfg).encode())
+    checkpointer.attach(run_dir)
+    metrics = (MetricsLogger(run_dir, tensorboard=cfg.tensorboard,
+                             keep_until_step=progress.global_step if resumed is not None or restarting else None)
+               if run_dir is not None else None)
     say(f"scaleloop: {cfg.model} ({n_params:,} parameters) on {info.name} "
         f"({len(data.train):,} train / {len(data.test) if data.test is not None else 0:,} test), "
         f"{strategy.describe()} x {env.world_size} on {describe_device(env.device)}, {cfg.precision}")
+    lr_line = describe_schedule(cfg, lr, total_steps)
+    if cfg.lr_scaling != "none" or cfg.lr_schedule != "constant" or cfg.warmup_steps:
+        say(f"learning rate {lr_line}")
     if plan.dropped_per_epoch:
         say(f"note: the last {plan.dropped_per_epoch} sample(s) of each shuffled epoch are dropped "
             f"({'--drop-last' if cfg.drop_last else 'too few to give every worker and micro-step one'})")
+    if resumed is not None:
+        say(f"resuming from {resumed.source} (global step {progress.global_step}: epoch {progress.epoch + 1}, "
+            f"step {progress.step_in_epoch} of {plan.steps_per_epoch}); any steps an interrupted run took "
+            "after it are trained again")
+        for note in resumed.notes:
+            say(note)
+    elif restarting:
+        say(f"restart {restart_count()}: no checkpoint was written before the failure; starting over")
 
-    # 4. The loop.
+    # 5. The loop.
     model.train()
-    step = samples = 0
-    train_s = 0.0
-    epoch_loss = torch.zeros(2, dtype=torch.float64, device=env.device)  # (sum of loss * n, n)
-    window = torch.zeros(2, dtype=torch.float64, device=env.device)
+    step, samples, train_s = progress.global_step, progress.samples, progress.train_s
+    # Running sums (loss x samples, samples) for the epoch and for the current log window;
+    # saved in checkpoints so that a resumed epoch reports the loss of the whole epoch.
+    sums = torch.zeros(4, dtype=torch.float64, device=env.device)
+    if resumed is not None:
+        sums.copy_(resumed.sums)
+    epoch_loss, window = sums[0:2], sums[2:4]
     window_start, window_samples = time.perf_counter(), 0
     train_loss = float("nan")
     test: Optional[EvalResult] = None
-    epochs_run = 0
-    done = False
+    epochs_run = progress.epoch
+    done = cfg.max_steps is not None and step >= cfg.max_steps
+    if done or progress.epoch >= cfg.epochs:
+        say(f"nothing left to train: the checkpoint is at step {step}, epoch {progress.epoch} of {cfg.epochs}"
+            + (f", --max-steps {cfg.max_steps}" if cfg.max_steps is not None else "")
+            + "; raise --epochs or --max-steps to train further")
+        done = True
     try:
-        for epoch in range(cfg.epochs):
-            loader.set_epoch(epoch)
-            epoch_loss.zero_()
-            bar = _progress(plan.steps_per_epoch, f"epoch {epoch + 1}/{cfg.epochs}", cfg.progress and env.is_main)
+        for epoch in range(progress.epoch, cfg.epochs):
+            if done:
+                break
+            first_step = progress.step_in_epoch if epoch == progress.epoch else 0
+            loader.set_epoch(epoch, first_step)
+            if first_step == 0:
+                epoch_loss.zero_()
+            in_epoch = first_step
+            bar = _progress(plan.steps_per_epoch, first_step, f"epoch {epoch + 1}/{cfg.epochs}",
+                            cfg.progress and env.is_main)
             epoch_start = time.perf_counter()
             for batch in loader:
+                if on_batch is not None:
+                    on_batch(batch)
                 x, y = batch
                 with strategy.accumulate(model, batch):
                     with strategy.autocast():
@@ -167,7 +227,9 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None) -> RunResul
                 if cfg.clip_grad is not None:
                     strategy.clip_grad_norm(model, optimizer, cfg.clip_grad)
                 strategy.optimizer_step(optimizer)
+                scheduler.step()
                 step += 1
+                in_epoch = batch.step + 1
                 samples += batch.plan.step_samples
                 window_samples += batch.plan.step_samples
                 if bar is not None:
@@ -189,6 +251,14 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None) -> RunResul
                 if cfg.max_steps is not None and step >= cfg.max_steps:
                     done = True
                     break
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and in_epoch < plan.steps_per_epoch:
+                    pause = time.perf_counter()
+                    checkpointer.save(model, optimizer, scheduler,
+                                      Progress(epoch, in_epoch, step, samples, train_s + pause - epoch_start), sums)
+                    # Checkpoint time is reported on its own, not as training time.
+                    paused = time.perf_counter() - pause
+                    epoch_start += paused
+                    window_start += paused
             train_s += time.perf_counter() - epoch_start
             if bar is not None:
                 bar.close()
@@ -206,13 +276,19 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None) -> RunResul
                                   wall_s=time.perf_counter() - started)
             say(f"epoch {epoch + 1}: train loss {train_loss:.4f}"
                 + (f", test loss {test.loss:.4f}, test accuracy {test.accuracy:.2%}" if test else ""))
-            if done:
-                break
+            # At the epoch's end (or where --max-steps stopped inside it): the next run starts after it.
+            finished_epoch = in_epoch >= plan.steps_per_epoch
+            checkpointer.save(model, optimizer, scheduler,
+                              Progress(epoch + 1 if finished_epoch else epoch, 0 if finished_epoch else in_epoch,
+                                       step, samples, train_s), sums)
+            window_start = time.perf_counter()
     finally:
         if metrics is not None:
             metrics.close()
+    if test is None and data.test is not None and len(data.test):
+        test = evaluate(model, data.test, info, strategy)  # nothing trained: report the checkpoint's model
 
-    # 5. Results: final weights (of the user's own module, without wrappers) and curves.
+    # 6. Results: final weights (of the user's own module, without wrappers) and curves.
     if run_dir is not None:
         import io
 
@@ -228,4 +304,6 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None) -> RunResul
         wall_s=time.perf_counter() - started, parameters=n_params,
         dropped_per_epoch=plan.dropped_per_epoch, in_memory_data=loader.in_memory,
         train_samples=plan.n, steps_per_epoch=plan.steps_per_epoch,
-        last_step_samples=len(plan.step_indices(0, plan.steps_per_epoch - 1)) if plan.steps_per_epoch else 0)
+        last_step_samples=len(plan.step_indices(0, plan.steps_per_epoch - 1)) if plan.steps_per_epoch else 0,
+        lr=lr_line, checkpoints_written=checkpointer.written, checkpoint_s=checkpointer.seconds,
+        last_checkpoint=checkpointer.last_path, resumed_from=resumed.source if resumed is not None else None)

@@ -70,30 +70,49 @@ class MetricsLogger:
     :attr:`tensorboard_dir` is ``None`` otherwise.
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: Path, tensorboard: bool = True, keep_until_step: int | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.csv_path = self.run_dir / "metrics.csv"
-        self._file: IO[str] | None = open(self.csv_path, "w", newline="", encoding="utf-8")
-        self._writer = csv.DictWriter(self._file, fieldnames=METRIC_COLUMNS, restval="")
-        self._writer.writeheader()
+        if keep_until_step is not None and self.csv_path.exists():
+            # A resumed run: keep what was logged up to its checkpoint and append after it;
+            # rows of steps that the resumed run takes again are dropped, not duplicated.
+            self._truncate(keep_until_step)
+            self._file: IO[str] | None = open(self.csv_path, "a", newline="", encoding="utf-8")
+            self._writer = csv.DictWriter(self._file, fieldnames=METRIC_COLUMNS, restval="")
+        else:
+            self._file = open(self.csv_path, "w", newline="", encoding="utf-8")
+            self._writer = csv.DictWriter(self._file, fieldnames=METRIC_COLUMNS, restval="")
+            self._writer.writeheader()
         self._file.flush()
 
         self.tensorboard_dir: Path | None = None
         self._tb: Any = None
         if tensorboard:
-            self._tb = self._open_tensorboard(self.run_dir / "tensorboard")
+            purge = keep_until_step + 1 if keep_until_step is not None else None
+            self._tb = self._open_tensorboard(self.run_dir / "tensorboard", purge)
             if self._tb is not None:
                 self.tensorboard_dir = self.run_dir / "tensorboard"
 
+    def _truncate(self, keep_until_step: int) -> None:
+        rows = [r for r in read_metrics(self.csv_path)
+                if r.get("step", "").isdigit() and int(r["step"]) <= keep_until_step]
+        tmp = self.csv_path.with_name(f".{self.csv_path.name}.tmp")
+        with open(tmp, "w", newline="", encoding="utf-8") as fh:
+            writer = csv.DictWriter(fh, fieldnames=METRIC_COLUMNS, restval="", extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        tmp.replace(self.csv_path)
+
     @staticmethod
-    def _open_tensorboard(log_dir: Path) -> Any:
+    def _open_tensorboard(log_dir: Path, purge_step: int | None = None) -> Any:
         try:
             # torch raises ImportError from this module when tensorboard is absent.
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             return None
-        return SummaryWriter(log_dir=str(log_dir))
+        # purge_step hides events a resumed run writes again (steps after its checkpoint).
+        return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def log_step(self, step: int, epoch: int, samples: int, **values: float) -> None:
         """Record one optimizer step; ``values`` are keys of :data:`METRIC_COLUMNS`."""

@@ -23,13 +23,17 @@ def default_run_dir(model: str, data: str, root: str = "runs") -> Path:
     return path
 
 
-def prepare_run_dir(out: Optional[str], model: str, data: str) -> Path:
-    """Create the run directory; refuse one that already holds a run, so nothing is overwritten."""
+def prepare_run_dir(out: Optional[str], model: str, data: str, *, continuing: bool = False) -> Path:
+    """Create the run directory; refuse one that already holds a run, so nothing is overwritten.
+
+    ``continuing``: this run resumes the run in that directory (or is its restarted worker
+    group), so an existing run there is expected.
+    """
     path = Path(out) if out else default_run_dir(model, data)
     if path.exists() and not path.is_dir():
         raise UsageError(f"--out {str(path)!r} is a file, not a directory; choose another --out")
-    if path.is_dir() and (path / "metrics.csv").exists():
-        raise UsageError(f"--out {str(path)!r} already holds a run (metrics.csv); "
+    if not continuing and path.is_dir() and (path / "metrics.csv").exists():
+        raise UsageError(f"--out {str(path)!r} already holds a run (metrics.csv) and this run does not resume it; "
                          "choose a new --out so that its results are not overwritten")
     try:
         path.mkdir(parents=True, exist_ok=True)

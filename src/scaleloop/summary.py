@@ -20,6 +20,9 @@ def format_result(result: RunResult) -> str:
         ("wall time", f"{format_seconds(result.wall_s)} (training {format_seconds(result.train_s)})"),
     ]
     rows.append(("data per epoch", describe_epoch(result)))
+    if result.lr:
+        rows.append(("learning rate", result.lr))
+    rows.append(("checkpoints", describe_checkpoints(result)))
     rows.append(("run directory", str(result.run_dir) if result.run_dir else "-"))
     return "summary\n" + format_summary(rows)
 
@@ -33,4 +36,17 @@ def describe_epoch(result: RunResult) -> str:
     text = f"{used:,} samples in {result.steps_per_epoch} steps, each once, no padding"
     if result.steps_per_epoch * result.last_step_samples != used:
         text += f" (last step {result.last_step_samples}, split evenly over workers)"
+    return text
+
+
+def describe_checkpoints(result: RunResult) -> str:
+    """How many checkpoints were written, what they cost, where the last one is, and the resume source."""
+    if not result.checkpoints_written:
+        text = "none written"
+    else:
+        text = f"{result.checkpoints_written} written ({format_seconds(result.checkpoint_s)})"
+        if result.last_checkpoint is not None:
+            text += f", last {result.last_checkpoint}"
+    if result.resumed_from is not None:
+        text += f"; resumed from {result.resumed_from}"
     return text

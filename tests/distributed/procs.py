@@ -5,10 +5,17 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Optional, Sequence
 
 SRC = Path(__file__).resolve().parents[2] / "src"
+
+# Every process a test starts carries this mark in its environment, and so do the processes
+# they start in turn (torchrun's workers run in sessions of their own, and outlive a killed
+# torchrun): it is how the tests find, and end, exactly the processes they started.
+OWNER_VAR = "SCALELOOP_TEST_OWNER"
+OWNER = f"pytest-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 def child_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
@@ -16,7 +23,32 @@ def child_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
     env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
+    env[OWNER_VAR] = OWNER
     return env
+
+
+def owned_pids() -> list[int]:
+    """Live processes started (directly or not) by this test session."""
+    mark = f"{OWNER_VAR}={OWNER}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if mark in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def kill_owned() -> None:
+    """SIGKILL every process this test session started that is still alive."""
+    for pid in owned_pids():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def run(cmd: Sequence[str], *, cwd: Path, timeout: float = 240, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
@@ -33,10 +65,12 @@ def run(cmd: Sequence[str], *, cwd: Path, timeout: float = 240, env: Optional[di
 
 
 def kill_group(proc: subprocess.Popen) -> None:
+    """End ``proc``, its process group, and every other process this session started."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    kill_owned()
     try:
         proc.communicate(timeout=10)
     except (subprocess.TimeoutExpired, ValueError):

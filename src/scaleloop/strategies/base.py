@@ -112,6 +112,30 @@ class Strategy:
     def barrier(self) -> None:
         """Wait for every rank."""
 
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank (every rank must call it)."""
+        return [obj]
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (every rank must call it; others pass anything)."""
+        return obj
+
+    # --- checkpoints --------------------------------------------------------------------
+    @property
+    def writes_checkpoint(self) -> bool:
+        """Whether this rank writes the checkpoint file: with replicas, rank 0 holds everything."""
+        return self.env.is_main
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The full model (unwrapped, so it loads into a plain module) and optimizer state."""
+        return {"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                              state: dict[str, Any]) -> None:
+        """Load what :meth:`checkpoint_state` saved (on every rank: replicas start equal)."""
+        self.unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
     def describe(self) -> str:
         return self.name
 
@@ -131,3 +155,17 @@ class ProcessGroupStrategy(Strategy):
     def barrier(self) -> None:
         if self.env.is_distributed:
             torch_dist.barrier()
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        if not self.env.is_distributed:
+            return [obj]
+        out: list[Any] = [None] * self.env.world_size
+        torch_dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        if not self.env.is_distributed:
+            return obj
+        box = [obj]
+        torch_dist.broadcast_object_list(box, src=0)
+        return box[0]

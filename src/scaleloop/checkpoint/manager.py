@@ -1,0 +1,158 @@
+"""Saving and restoring a training run's full state, through the strategy, on every rank.
+
+Save (every rank calls it at the same step, because it holds collectives):
+
+1. the strategy gives the model and optimizer state (for replicas: the full state on rank 0);
+2. every rank's RNG states are all-gathered, and the run's loss sums all-reduced, so the
+   rank that writes holds them all — every rank joins both collectives, none is rank-0-only;
+3. the writing rank puts model, optimizer, scheduler, GradScaler, position, sums, RNG states
+   and the resolved config into one weights-only file, written atomically (see ``store``).
+
+Restore: rank 0 picks and verifies the checkpoint and broadcasts its bytes, so every rank
+loads exactly the same state even without a shared file system, and an error is raised on
+every rank alike instead of leaving the others waiting.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+from torch import nn
+
+from scaleloop.checkpoint.resume import check_compatible, find_checkpoint
+from scaleloop.checkpoint.state import (capture_rng, check_model_state, from_bytes, restore_rng,
+                                        to_bytes)
+from scaleloop.checkpoint.store import (CHECKPOINTS_DIR, FORMAT_VERSION, STATE_FILE, CheckpointError,
+                                        prune, write_checkpoint)
+from scaleloop.config import TrainConfig
+from scaleloop.strategies.base import Strategy
+
+
+@dataclass
+class Progress:
+    """Where a run stands: the next optimizer step to take is step ``step_in_epoch`` of ``epoch``."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+    samples: int = 0
+    train_s: float = 0.0
+
+
+@dataclass
+class Resumed:
+    """What :meth:`Checkpointer.restore` loaded, for the loop to continue from."""
+
+    source: Path
+    progress: Progress
+    sums: torch.Tensor              # the loop's running sums (all ranks' total, on rank 0)
+    saved_world_size: int
+    notes: list[str] = field(default_factory=list)
+
+
+class Checkpointer:
+    """Writes checkpoints of one run (rank 0's ``run_dir``) and restores them on every rank."""
+
+    def __init__(self, strategy: Strategy, cfg: TrainConfig, *, say: Callable[[str], None]) -> None:
+        self.strategy = strategy
+        self.cfg = cfg
+        self.say = say
+        self.root: Optional[Path] = None   # set on the writing rank once the run directory exists
+        self.written = 0
+        self.seconds = 0.0
+        self.last_path: Optional[Path] = None
+        self._last_step: Optional[int] = None
+
+    def attach(self, run_dir: Optional[Path]) -> None:
+        """Write into ``run_dir/checkpoints`` (None on ranks that do not write)."""
+        self.root = run_dir / CHECKPOINTS_DIR if run_dir is not None else None
+
+    # --- save -------------------------------------------------------------------------------
+    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+             progress: Progress, sums: torch.Tensor) -> Optional[Path]:
+        """Checkpoint the run (every rank must call this at the same point). Returns the path written."""
+        if not self.cfg.checkpoints or self._last_step == progress.global_step:
+            return None
+        started = time.perf_counter()
+        strategy = self.strategy
+        env = strategy.env
+        model_and_optim = strategy.checkpoint_state(model, optimizer)
+        rngs = strategy.gather_object(capture_rng(env.device))
+        totals = strategy.reduce_sum(sums.detach().clone()).cpu()
+        self._last_step = progress.global_step
+        path = None
+        if strategy.writes_checkpoint and self.root is not None:
+            config = asdict(self.cfg)
+            state = {
+                "format_version": FORMAT_VERSION,
+                **model_and_optim,
+                "scheduler": scheduler.state_dict() if scheduler is not None else {},
+                "scaler": strategy.precision.state_dict(),
+                "progress": asdict(progress),
+                "sums": totals,
+                "rng": rngs,
+                "world_size": env.world_size,
+                "strategy": strategy.name,
+                "config": config,
+            }
+            meta = {"epoch": progress.epoch, "step_in_epoch": progress.step_in_epoch,
+                    "samples": progress.samples, "world_size": env.world_size,
+                    "strategy": strategy.name, "config": config}
+            path = write_checkpoint(self.root, progress.global_step, {STATE_FILE: to_bytes(state)}, meta)
+            prune(self.root, self.cfg.keep_checkpoints)
+            self.last_path = path
+        self.written += 1
+        self.seconds += time.perf_counter() - started
+        return path
+
+    # --- restore ----------------------------------------------------------------------------
+    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *,
+                restarting: bool) -> Optional[Resumed]:
+        """Find, verify and load the checkpoint that ``cfg.resume`` names (None: fresh start)."""
+        strategy = self.strategy
+        env = strategy.env
+        payload: tuple[Optional[str], Optional[bytes], Optional[str]] = (None, None, None)
+        if env.is_main:
+            try:
+                info = find_checkpoint(self.cfg, restarting=restarting, warn=self.say)
+                if info is not None:
+                    payload = (None, info.state_file.read_bytes(), str(info.path))
+            except (CheckpointError, OSError) as exc:
+                payload = (str(exc), None, None)
+        error, data, source = strategy.broadcast_object(payload)
+        if error is not None:
+            raise CheckpointError(error)
+        if data is None or source is None:
+            return None
+        state = from_bytes(data, source)
+        if isinstance(state.get("config"), Mapping):
+            check_compatible(state["config"], self.cfg, source)
+        check_model_state(strategy.unwrap(model).state_dict(), state["model"], source)
+        try:
+            strategy.load_checkpoint_state(model, optimizer, state)
+            if scheduler is not None and state.get("scheduler"):
+                scheduler.load_state_dict(state["scheduler"])
+            strategy.precision.load_state_dict(state.get("scaler") or {})
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"{source} cannot be loaded into this run: {' '.join(str(exc).split())[:300]}") from None
+
+        notes = []
+        saved_world = int(state.get("world_size", 1))
+        rngs = list(state.get("rng") or [])
+        if rngs:
+            restore_rng(rngs[min(env.rank, len(rngs) - 1)], env.device)
+        progress = Progress(**state["progress"])
+        self._last_step = progress.global_step  # saving this very state again would add nothing
+        if saved_world != env.world_size:
+            notes.append(f"note: the checkpoint was written by {saved_world} process(es), this run has "
+                         f"{env.world_size}; the global batch is unchanged, so step {progress.step_in_epoch} "
+                         "of the epoch holds the same samples, now split over the new ranks")
+            if env.rank >= len(rngs):
+                # A rank that did not exist gets its own fresh stream, as a new worker would.
+                torch.manual_seed(self.cfg.seed + env.rank + 1_000_003 * progress.global_step)
+        sums = state["sums"].to(env.device) if env.is_main else torch.zeros_like(state["sums"], device=env.device)
+        return Resumed(source=Path(source), progress=progress, sums=sums,
+                       saved_world_size=saved_world, notes=notes)

@@ -1,0 +1,96 @@
+"""``--resume auto|never|PATH``: which checkpoint a run continues from, and with which settings.
+
+Torch-free, so that the launching process can check everything before it starts N workers.
+
+Rules:
+
+- ``never`` starts fresh (and refuses a ``--out`` that already holds a run).
+- ``auto`` continues from the newest checkpoint in ``--out`` that verifies; a damaged newer one
+  is skipped with a warning. No checkpoint there: a fresh start.
+- ``PATH`` continues from that checkpoint (a run directory, its ``checkpoints/``, a ``step-N``
+  directory or its ``state.pt``); a damaged one is an error. Without ``--out`` the run goes on
+  in the checkpoint's own run directory.
+- A worker group restarted by torchrun (``--max-restarts``) always takes the newest valid
+  checkpoint of its run directory first: that is where the failed attempt left off.
+
+A resumed run starts from the settings saved with its run (``<run>/config.toml``); flags given
+on the command line override them, except those that fix the data order and model shape
+(:data:`FIXED_ON_RESUME`), which must match the checkpoint.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+from scaleloop.checkpoint.store import (CHECKPOINTS_DIR, CheckpointError, CheckpointInfo, list_checkpoints,
+                                        locate, newest_valid, run_dir_of, verify_checkpoint)
+from scaleloop.config import TrainConfig, flag, load_toml, resolve
+
+# Settings that decide which samples step s holds, the model's shape and the optimizer's state
+# layout: changing one mid-run would not continue the run but start a different one.
+FIXED_ON_RESUME = ("model", "data", "data_dir", "hidden_dim", "n_samples", "input_dim", "image_size",
+                   "seq_len", "vocab_size", "test_fraction", "seed", "batch_size", "drop_last",
+                   "optimizer", "lr", "weight_decay", "momentum", "lr_schedule", "warmup_steps",
+                   "lr_scaling", "base_batch_size")
+
+
+def run_dir_for(cfg: TrainConfig) -> Optional[Path]:
+    """The run directory a resuming run writes to: ``--out``, else the checkpoint's own run."""
+    if cfg.out:
+        return Path(cfg.out)
+    if cfg.resume not in ("auto", "never"):
+        return run_dir_of(locate(Path(cfg.resume)))
+    return None
+
+
+def find_checkpoint(cfg: TrainConfig, *, restarting: bool, warn: Callable[[str], None]) -> Optional[CheckpointInfo]:
+    """The verified checkpoint to continue from, or None for a fresh start (rules in the module doc)."""
+    if restarting and cfg.out:
+        found = newest_valid(Path(cfg.out) / CHECKPOINTS_DIR, warn)
+        if found is not None:
+            return found
+    if cfg.resume == "never":
+        return None
+    if cfg.resume == "auto":
+        if not cfg.out:
+            return None
+        root = Path(cfg.out) / CHECKPOINTS_DIR
+        found = newest_valid(root, warn)
+        if found is None and list_checkpoints(root) and not restarting:
+            raise CheckpointError(f"every checkpoint in {str(root)!r} failed verification (see the warnings); "
+                                  "nothing is deleted — resume one explicitly with --resume PATH, or start "
+                                  "over in a new --out")
+        return found
+    return verify_checkpoint(locate(Path(cfg.resume)))
+
+
+def check_compatible(saved: Mapping[str, Any], cfg: TrainConfig, source: str) -> None:
+    """CheckpointError listing the data-order/model settings in which ``cfg`` differs from ``saved``."""
+    diffs = [(name, saved[name], getattr(cfg, name)) for name in FIXED_ON_RESUME
+             if name in saved and saved[name] != getattr(cfg, name)]
+    if not diffs:
+        return
+    was = " ".join(f"{flag(n)} {old}" for n, old, _ in diffs)
+    now = " ".join(f"{flag(n)} {new}" for n, _, new in diffs)
+    raise CheckpointError(f"cannot resume {source}: it was trained with {was}, this run asks for {now}; "
+                          "these fix the data order, the model or the optimizer, so resume with the checkpoint's values "
+                          "or start a new run (--resume never --out NEW_DIR)")
+
+
+def config_for_resume(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> TrainConfig:
+    """The run's settings: the saved ``config.toml`` of the run being resumed (if any), then
+    ``--config`` values, then flags. Without a run to resume: just ``--config`` then flags."""
+    cfg = resolve(file_values, flag_values)
+    if cfg.resume == "never":
+        return cfg
+    source = Path(cfg.out) if cfg.resume == "auto" and cfg.out else None
+    if cfg.resume not in ("auto", "never"):
+        source = run_dir_of(locate(Path(cfg.resume)))
+    if source is None or not (source / "config.toml").is_file() or not list_checkpoints(source / CHECKPOINTS_DIR):
+        return cfg
+    saved = load_toml(source / "config.toml")
+    # Which checkpoint to take is this invocation's choice, never an old run's.
+    saved.pop("resume", None)
+    # Without --out the run goes on in the directory it came from.
+    saved["out"] = str(source)
+    return resolve({**saved, **file_values}, flag_values)

@@ -1,0 +1,50 @@
+"""A user dataset (``--data recording_data:build``) that records which samples each worker loads.
+
+Every ``__getitem__`` of the training set appends the index to
+``$RECORD_DIR/rank<R>-restart<K>.txt`` (K: torchrun's restart count), and ``pid-rank<R>-restart<K>``
+holds the worker's process id, so a test can kill one worker and later check, attempt by
+attempt, exactly which samples were trained on. A short sleep per sample keeps the run long
+enough to be interrupted.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from scaleloop.data.info import DataInfo, Datasets
+
+N_TRAIN = 1000
+DIM = 20
+
+
+class Recording(Dataset):
+    def __init__(self, n: int, seed: int, record_to: Path | None) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, DIM, generator=g)
+        self.y = (self.x[:, :3].sum(1) > 0).long()
+        self.delay = float(os.environ.get("RECORD_DELAY", "0.002"))
+        self.log = open(record_to, "a") if record_to is not None else None
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        if self.log is not None:
+            self.log.write(f"{i}\n")
+            self.log.flush()
+            time.sleep(self.delay)
+        return self.x[i], self.y[i]
+
+
+def build() -> Datasets:
+    out = Path(os.environ["RECORD_DIR"])
+    tag = f"rank{os.environ.get('RANK', '0')}-restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    (out / f"pid-{tag}").write_text(str(os.getpid()))
+    train = Recording(N_TRAIN, seed=0, record_to=out / f"{tag}.txt")
+    test = Recording(200, seed=1, record_to=None)
+    # Given explicitly, so that nothing reads the training set before training does.
+    return Datasets(train, test, DataInfo("recording", "classification", (DIM,), 2))

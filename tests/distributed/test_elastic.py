@@ -1,0 +1,105 @@
+"""Fault tolerance: SIGKILL one worker mid-run; torchrun restarts the group, which resumes.
+
+``scaleloop train --nproc 2 --max-restarts 3`` runs under torchrun's elastic agent. The test
+waits for the checkpoint of step 8, kills rank 1 with SIGKILL, and lets the agent restart both
+workers; they resume from the newest valid checkpoint and finish. The final weights must equal
+an uninterrupted run's, and the recorded sample indices show exactly what was trained when:
+the first attempt's steps up to the checkpoint, then the restarted attempt's from it to the end
+(the steps between the checkpoint and the kill are trained twice, and only the second time counts).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from procs import SRC, child_env, kill_group, run
+
+from scaleloop.data.sampler import StepPlan
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+BATCH, EPOCHS, N = 64, 3, 1000
+ARGS = ["train", "--data", "recording_data:build", "--model", "simplenet", "--epochs", str(EPOCHS),
+        "--batch-size", str(BATCH), "--optimizer", "sgd", "--lr", "0.05", "--nproc", "2", "--strategy", "ddp",
+        "--checkpoint-every", "4", "--no-progress", "--no-tensorboard", "--log-every", "1"]
+
+
+def env_for(record_dir: Path) -> dict[str, str]:
+    record_dir.mkdir()
+    return child_env({"PYTHONPATH": os.pathsep.join([str(SRC), str(SCRIPTS)]), "RECORD_DIR": str(record_dir)})
+
+
+def recorded(record_dir: Path, rank: int, restart: int) -> list[int]:
+    path = record_dir / f"rank{rank}-restart{restart}.txt"
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+def planned(rank: int, from_step: int = 0) -> list[int]:
+    """The indices rank ``rank`` loads from global step ``from_step`` to the end, by the plan."""
+    plan = StepPlan(N, BATCH, world_size=2, rank=rank, seed=0)
+    out: list[int] = []
+    for epoch in range(EPOCHS):
+        start = max(0, from_step - epoch * plan.steps_per_epoch)
+        for mb in plan.micro_batches(epoch, start):
+            out += mb.indices.tolist()
+    return out
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the run ended before {path.name} appeared:\n{proc.communicate()[0]}"
+        assert time.monotonic() < deadline, f"{path} did not appear in {timeout} s"
+        time.sleep(0.02)
+
+
+def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path: Path) -> None:
+    # The reference: the same run, never interrupted.
+    whole_env = env_for(tmp_path / "whole-records")
+    res = run([sys.executable, "-m", "scaleloop", *ARGS, "--out", str(tmp_path / "whole")],
+              cwd=tmp_path, env=whole_env)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+    records = tmp_path / "records"
+    proc = subprocess.Popen([sys.executable, "-m", "scaleloop", *ARGS, "--max-restarts", "3",
+                             "--out", str(tmp_path / "run")],
+                            cwd=tmp_path, env=env_for(records), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_for(tmp_path / "run" / "checkpoints" / "step-00000008", proc)
+        victim = int((records / "pid-rank1-restart0").read_text())
+        os.kill(victim, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, output
+    assert (records / "pid-rank0-restart1").exists(), f"the group was not restarted:\n{output}"
+
+    # The restarted group resumed from a checkpoint at or after step 8 ...
+    resumed = re.search(r"resuming from \S*step-(\d+)", output)
+    assert resumed, output
+    step = int(resumed.group(1))
+    assert step >= 8
+    # ... and ends with exactly the uninterrupted weights.
+    whole = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
+    final = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    for key in whole:
+        assert torch.equal(whole[key], final[key]), f"{key} differs from the uninterrupted run"
+
+    for rank in (0, 1):
+        first, second = recorded(records, rank, 0), recorded(records, rank, 1)
+        # Nothing skipped, nothing extra: attempt 1 up to the checkpoint, then attempt 2 to the end.
+        done_before = len(planned(rank)) - len(planned(rank, step))
+        assert len(first) > done_before, f"rank {rank}: the kill came before the checkpoint's step"
+        assert first[:done_before] == planned(rank)[:done_before], f"rank {rank}: first attempt off plan"
+        assert second == planned(rank, step), f"rank {rank}: the resumed attempt did not continue exactly"
+        assert first[:done_before] + second == recorded(tmp_path / "whole-records", rank, 0)
