@@ -214,8 +214,12 @@ def test_saved_config_loads_back_to_the_same_settings(capsys: pytest.CaptureFixt
     saved = resolve(load_toml(out_dir / "config.toml"), {})
     assert saved == TrainConfig(data="random", n_samples=512, epochs=2, batch_size=64,
                                 out=str(out_dir), progress=False, device="cpu")
-    # ... and the CLI accepts it (it stops only because the run directory is taken)
+    # ... and the CLI accepts it: it continues that run, which has nothing left to train ...
     code, out, err = run_cli(capsys, "train", "--config", str(out_dir / "config.toml"))
+    assert code == 0, err
+    assert "nothing left to train" in out
+    # ... or, told not to resume, refuses to overwrite it.
+    code, out, err = run_cli(capsys, "train", "--config", str(out_dir / "config.toml"), "--resume", "never")
     assert_usage_error(code, out, err, "already holds a run")
 
 

@@ -136,14 +136,19 @@ def test_no_test_set(tmp_path: Path) -> None:
     assert result.test is None
 
 
-def test_run_dir_of_an_earlier_run_is_refused(tmp_path: Path) -> None:
+def test_run_dir_of_an_earlier_run_is_refused_without_resume(tmp_path: Path) -> None:
     from scaleloop.errors import UsageError
 
     cfg = small(tmp_path, epochs=1)
     train(cfg, CPU, log=quiet)
     before = (Path(cfg.out) / "metrics.csv").read_bytes()
     with pytest.raises(UsageError, match="already holds a run"):
-        train(cfg, CPU, log=quiet)
+        train(cfg.replace(resume="never"), CPU, log=quiet)
+    # Without checkpoints there is nothing to resume either: refused, not overwritten.
+    bare = small(tmp_path / "bare", epochs=1).replace(checkpoints=False)
+    train(bare, CPU, log=quiet)
+    with pytest.raises(UsageError, match="already holds a run"):
+        train(bare, CPU, log=quiet)
     assert (Path(cfg.out) / "metrics.csv").read_bytes() == before
 
 

@@ -32,6 +32,18 @@ _EXPORTS = {
     "DataInfo": "scaleloop.data.info",
     "Datasets": "scaleloop.data.info",
     "UsageError": "scaleloop.errors",
+    "shard_indices": "scaleloop.gather",
+    "gather_tensor": "scaleloop.gather",
+    "gather_padded": "scaleloop.gather",
+    "sum_over_ranks": "scaleloop.gather",
+    "find_max_batch": "scaleloop.tune",
+    "search_max_batch": "scaleloop.tune",
+    "BatchSearch": "scaleloop.tune",
+    "Checkpointer": "scaleloop.checkpoint",
+    "CheckpointError": "scaleloop.checkpoint",
+    "launch": "scaleloop.spawn",
+    "WorkerError": "scaleloop.spawn",
+    "WorkerFailure": "scaleloop.spawn",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__", "strategy"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Any, NoReturn, Optional, Sequence
 
 from scaleloop.config import TrainConfig, coerce, field_types, flag, load_toml, resolve, to_toml
@@ -66,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", metavar="FILE", help="TOML file of settings (keys as below, e.g. batch_size = 128)")
     _add_config_flags(train)
 
+    tune = sub.add_parser("tune-batch", help="find the largest per-device batch that fits in accelerator memory",
+                          description="Try training steps of the configured model at growing per-device "
+                                      "batch sizes on the GPU, back off on out-of-memory, and print the "
+                                      "largest that fits and the global --batch-size it gives. Accelerators "
+                                      "only: on CPU, choose --batch-size by hand.")
+    tune.add_argument("--config", metavar="FILE", help="TOML file of settings (as for train)")
+    _add_config_flags(tune)
+
     sub.add_parser("env", help="what this machine offers: torch, devices, backends, runnable strategies",
                    description="Report Python, torch, CUDA/NCCL/Gloo/MPS availability, devices, CPU "
                                "cores, and which strategies can run here.")
@@ -85,34 +94,46 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = config_for_resume(file_values, _flag_values(args))
 
     from scaleloop import dist
-    from scaleloop.launch import run_under_torchrun
+    from scaleloop.torchrun import run_under_torchrun
     from scaleloop.loop import preflight, train
-    from scaleloop.checkpoint.resume import run_dir_for
+    from scaleloop.checkpoint.resume import continues_run, run_dir_for
     from scaleloop.rundir import default_run_dir, prepare_run_dir, write_atomic
     from scaleloop.summary import format_result
 
-    if not dist.launched_by_torchrun():
+    # Started by torchrun or srun: this process is one worker. Otherwise it is the launcher.
+    if not (dist.launched_by_torchrun() or dist.launched_by_slurm()):
         cfg = _auto_processes(cfg)
         if cfg.world_size > 1:
             # Check what can be checked before starting N processes, then hand the workers
             # the fully resolved config (run directory included) as a file: every worker and
             # node then trains with exactly the same settings.
             preflight(cfg)
-            resuming = _check_resume(cfg)
+            source = _check_resume(cfg)
             out = run_dir_for(cfg) or default_run_dir(cfg.model, cfg.data)
             cfg = cfg.replace(out=str(out))
-            run_dir = prepare_run_dir(cfg.out, cfg.model, cfg.data, continuing=resuming)
+            run_dir = prepare_run_dir(cfg.out, cfg.model, cfg.data,
+                                      continuing=source is not None and continues_run(out, source))
             resolved = run_dir / "config.toml"
             write_atomic(resolved, to_toml(cfg).encode())
-            code = run_under_torchrun(cfg, ["train", "--config", str(resolved)])
+            try:
+                code = run_under_torchrun(cfg, ["train", "--config", str(resolved)])
+            except KeyboardInterrupt:
+                raise _Interrupted(run_dir) from None
+            if code == EXIT_INTERRUPTED or code < 0:
+                raise _Interrupted(run_dir)
             if code != 0:
                 raise _WorkerFailure(code)
             return 0
+        # Named now, so that an interrupted run can say where to resume it from.
+        out = run_dir_for(cfg) or default_run_dir(cfg.model, cfg.data)
+        cfg = cfg.replace(out=str(out))
 
     env = dist.DistEnv.from_env(device=cfg.device, backend=cfg.backend)
     dist.init_process_group(env)
     try:
         result = train(cfg, env)
+    except KeyboardInterrupt:
+        raise _Interrupted(Path(cfg.out) if cfg.out and env.is_main else None) from None
     finally:
         dist.destroy_process_group()
     if env.is_main:
@@ -120,16 +141,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_resume(cfg: TrainConfig) -> bool:
-    """Before starting workers: is there a checkpoint to resume, and does it fit ``cfg``?"""
+def _check_resume(cfg: TrainConfig) -> Optional[Path]:
+    """Before starting workers: the checkpoint to resume (None: a fresh start), checked against ``cfg``."""
     from scaleloop.checkpoint.resume import check_compatible, find_checkpoint
 
     info = find_checkpoint(cfg, restarting=False, warn=lambda msg: print(f"scaleloop: {msg}", file=sys.stderr))
     if info is None:
-        return False
+        return None
     if isinstance(info.meta.get("config"), dict):
         check_compatible(info.meta["config"], cfg, str(info.path))
-    return True
+    return info.path
+
+
+class _Interrupted(Exception):
+    """Ctrl-C (or SIGINT/SIGTERM of the workers); says how to continue if a checkpoint exists."""
+
+    def __init__(self, run_dir: Optional[Path]) -> None:
+        from scaleloop.checkpoint.store import CHECKPOINTS_DIR, list_checkpoints
+
+        text = "interrupted; everything written so far is kept"
+        if run_dir is not None and list_checkpoints(run_dir / CHECKPOINTS_DIR):
+            text += f"; continue from the last checkpoint with: scaleloop train --out {run_dir}"
+        super().__init__(text)
 
 
 class _WorkerFailure(Exception):
@@ -148,6 +181,15 @@ def _auto_processes(cfg: TrainConfig) -> TrainConfig:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return cfg.replace(nproc=gpus, strategy="ddp") if gpus > 1 else cfg
+
+
+def cmd_tune_batch(args: argparse.Namespace) -> int:
+    from scaleloop.tune import tune_batch_command
+
+    file_values = load_toml(args.config) if args.config else {}
+    cfg = _auto_processes(resolve(file_values, _flag_values(args)))
+    print(tune_batch_command(cfg))
+    return 0
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -172,6 +214,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return EXIT_USAGE
         if args.command == "train":
             return cmd_train(args)
+        if args.command == "tune-batch":
+            return cmd_tune_batch(args)
         return cmd_env(args)
     except UsageError as exc:
         print(f"scaleloop: error: {exc}", file=sys.stderr)
@@ -179,6 +223,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except _WorkerFailure as exc:
         print(f"scaleloop: error: {exc}", file=sys.stderr)
         return 1
+    except _Interrupted as exc:
+        print(f"\nscaleloop: {exc}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except KeyboardInterrupt:
         print("\nscaleloop: interrupted; everything written so far is kept", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -1,7 +1,8 @@
 """The distributed environment as one explicit object, and process-group set-up and teardown.
 
 ``DistEnv.from_env`` is the only place that reads the launcher's environment variables
-(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...). Everything else receives a ``DistEnv``.
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ... from torchrun, or ``SLURM_*`` from ``srun``).
+Everything else receives a ``DistEnv``.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as torch_dist
 
+from scaleloop import slurm
 from scaleloop.devices import device_for_local_rank, resolve_device
 from scaleloop.errors import UsageError
 
@@ -30,6 +32,10 @@ class DistEnv:
     local_world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: Optional[str] = None
+    # Where rank 0 listens, when the launcher did not export MASTER_ADDR/MASTER_PORT (srun);
+    # None means the env:// rendezvous reads them from the environment (torchrun).
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
 
     @property
     def is_main(self) -> bool:
@@ -43,29 +49,60 @@ class DistEnv:
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, device: str = "auto",
                  backend: Optional[str] = None) -> "DistEnv":
-        """Read rank and world size as set by torchrun (or nothing, for a plain ``python``)."""
+        """Read rank and world size as set by torchrun, else by ``srun``, else one plain process.
+
+        torchrun's variables win: under ``srun ... torchrun`` the workers are torchrun's.
+        """
         env = os.environ if environ is None else environ
-        try:
-            rank = int(env.get("RANK", "0"))
-            world_size = int(env.get("WORLD_SIZE", "1"))
-            local_rank = int(env.get("LOCAL_RANK", "0"))
-            local_world_size = int(env.get("LOCAL_WORLD_SIZE", str(world_size)))
-        except ValueError as exc:
-            raise UsageError(f"launcher environment is malformed: {exc}") from None
-        if not 0 <= rank < world_size:
-            raise UsageError(f"launcher environment: RANK={rank} is outside WORLD_SIZE={world_size}")
+        task = None if "RANK" in env or "WORLD_SIZE" in env else slurm.task_from_env(env)
+        master_addr: Optional[str] = None
+        master_port: Optional[int] = None
+        if task is None:
+            rank, world_size, local_rank, local_world_size = _torchrun_ranks(env)
+        else:
+            rank, world_size = task.rank, task.world_size
+            local_rank, local_world_size = task.local_rank, task.local_world_size
+            if world_size > 1:
+                master_addr, master_port = task.master_addr, task.master_port
         base = resolve_device(device)
         dev = device_for_local_rank(base, local_rank)
         if backend is None and world_size > 1:
             backend = "nccl" if dev.type == "cuda" else "gloo"
         return cls(rank=rank, local_rank=local_rank, world_size=world_size,
-                   local_world_size=local_world_size, device=dev, backend=backend)
+                   local_world_size=local_world_size, device=dev, backend=backend,
+                   master_addr=master_addr, master_port=master_port)
+
+
+def _torchrun_ranks(env: Mapping[str, str]) -> tuple[int, int, int, int]:
+    """rank, world size, local rank, local world size from torchrun's variables (defaults: one process)."""
+    try:
+        rank = int(env.get("RANK", "0"))
+        world_size = int(env.get("WORLD_SIZE", "1"))
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+        local_world_size = int(env.get("LOCAL_WORLD_SIZE", str(world_size)))
+    except ValueError as exc:
+        raise UsageError(f"launcher environment is malformed: {exc}") from None
+    if not 0 <= rank < world_size:
+        raise UsageError(f"launcher environment: RANK={rank} is outside WORLD_SIZE={world_size}")
+    return rank, world_size, local_rank, local_world_size
 
 
 def launched_by_torchrun(environ: Optional[Mapping[str, str]] = None) -> bool:
     """True inside a worker started by torchrun / torch.distributed.run (or a compatible launcher)."""
     env = os.environ if environ is None else environ
     return "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env)
+
+
+def launched_by_slurm(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True inside one of several tasks that ``srun`` started (each task is one worker).
+
+    False for the batch script itself (it sees SLURM_NTASKS too, but is one process) and
+    for a one-task job, which is not distributed.
+    """
+    env = os.environ if environ is None else environ
+    ntasks = env.get("SLURM_NTASKS", "").strip()
+    # Malformed values are left to DistEnv.from_env, which says what is wrong.
+    return slurm.in_srun_step(env) and ntasks.isdigit() and int(ntasks) > 1
 
 
 def restart_count(environ: Optional[Mapping[str, str]] = None) -> int:
@@ -77,17 +114,39 @@ def restart_count(environ: Optional[Mapping[str, str]] = None) -> int:
 def init_process_group(env: DistEnv, timeout_s: float = 300.0) -> None:
     """Join the job's process group (a no-op for one process).
 
-    torchrun has already set MASTER_ADDR/MASTER_PORT, so the default ``env://`` rendezvous is used.
+    torchrun has already set MASTER_ADDR/MASTER_PORT, so the default ``env://`` rendezvous is
+    used; under ``srun`` the address comes from ``env`` (the node list and job id) instead.
     """
     if not env.is_distributed or torch_dist.is_initialized():
         return
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
+    init_method = None
+    if env.master_addr is not None and env.master_port is not None:
+        host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr  # IPv6
+        init_method = f"tcp://{host}:{env.master_port}"
+    store = None if init_method is not None else _per_attempt_store(os.environ, env, timeout_s)
     torch_dist.init_process_group(
-        backend=env.backend, rank=env.rank, world_size=env.world_size,
+        backend=env.backend, init_method=init_method, store=store, rank=env.rank, world_size=env.world_size,
         timeout=timedelta(seconds=timeout_s),
         device_id=env.device if env.device.type == "cuda" else None,
     )
+
+
+def _per_attempt_store(environ: Mapping[str, str], env: DistEnv, timeout_s: float) -> Optional[torch_dist.Store]:
+    """The elastic agent's store, with keys private to this attempt of the worker group.
+
+    torchrun's workers share the agent's TCPStore, and it outlives a restart of the group: the
+    keys the failed attempt wrote (each rank's Gloo/NCCL address) are still there, so a
+    restarted rank may read a dead peer's address and fail with "connection refused"
+    (pytorch/pytorch#167288). A prefix per restart count gives each attempt fresh keys.
+    None: not under torchrun's agent store, so the default env:// rendezvous is right.
+    """
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in environ:
+        return None
+    store = torch_dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), env.world_size,
+                                is_master=False, timeout=timedelta(seconds=timeout_s))
+    return torch_dist.PrefixStore(f"scaleloop/attempt-{restart_count(environ)}", store)
 
 
 def destroy_process_group() -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from scaleloop.checkpoint.manager import Checkpointer, Progress
-from scaleloop.checkpoint.resume import run_dir_for
+from scaleloop.checkpoint.resume import continues_run, run_dir_for
 from scaleloop.config import TrainConfig, to_toml
 from scaleloop.data.datasets import build_datasets
 from scaleloop.data.loader import Batch
@@ -154,10 +154,17 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     run_dir = None
     if env.is_main:
         out = run_dir_for(cfg)
-        run_dir = prepare_run_dir(str(out) if out else None, cfg.model, cfg.data,
-                                  continuing=resumed is not None or restarting)
+        # Only one of this run directory's own checkpoints continues the run in it; another
+        # run's checkpoint starts a new run (a fork), which must not overwrite a run in --out.
+        continuing = restarting or (resumed is not None and continues_run(out, resumed.source))
+        run_dir = prepare_run_dir(str(out) if out else None, cfg.model, cfg.data, continuing=continuing)
         write_atomic(run_dir / "config.toml", to_toml(cfg).encode())
     checkpointer.attach(run_dir)
+    if resumed is not None:
+        # Later checkpoints belong to the run before a rewind, or were skipped as damaged: they
+        # must not count as the newest for a restart, for --resume auto, or for pruning.
+        for moved in checkpointer.retire_after(progress.global_step):
+            say(f"note: moved {moved.name} aside: it is later than the checkpoint this run continues from")
     metrics = (MetricsLogger(run_dir, tensorboard=cfg.tensorboard,
                              keep_until_step=progress.global_step if resumed is not None or restarting else None)
                if run_dir is not None else None)
@@ -190,6 +197,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     epoch_loss, window = sums[0:2], sums[2:4]
     window_start, window_samples = time.perf_counter(), 0
     train_loss = float("nan")
+    step_lr = optimizer.param_groups[0]["lr"]
     test: Optional[EvalResult] = None
     epochs_run = progress.epoch
     done = cfg.max_steps is not None and step >= cfg.max_steps
@@ -227,6 +235,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
                 if cfg.clip_grad is not None:
                     strategy.clip_grad_norm(model, optimizer, cfg.clip_grad)
                 strategy.optimizer_step(optimizer)
+                step_lr = optimizer.param_groups[0]["lr"]  # the rate this step used
                 scheduler.step()
                 step += 1
                 in_epoch = batch.step + 1
@@ -242,7 +251,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
                     step_loss = float(total[0] / total[1])
                     if metrics is not None:
                         metrics.log_step(step, epoch + 1, samples, train_loss=step_loss,
-                                         lr=optimizer.param_groups[0]["lr"], samples_per_s=rate,
+                                         lr=step_lr, samples_per_s=rate,
                                          wall_s=now - started)
                     if bar is not None:
                         bar.set_postfix(loss=f"{step_loss:.4f}", samples_s=f"{rate:,.0f}")
@@ -271,7 +280,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
                 metrics.log_epoch(epoch + 1, step, samples, train_loss=train_loss,
                                   test_loss=test.loss if test else None,
                                   test_acc=test.accuracy if test else None,
-                                  lr=optimizer.param_groups[0]["lr"],
+                                  lr=step_lr,
                                   samples_per_s=samples / max(train_s, 1e-9),
                                   wall_s=time.perf_counter() - started)
             say(f"epoch {epoch + 1}: train loss {train_loss:.4f}"

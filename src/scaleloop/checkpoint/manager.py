@@ -26,7 +26,7 @@ from scaleloop.checkpoint.resume import check_compatible, find_checkpoint
 from scaleloop.checkpoint.state import (capture_rng, check_model_state, from_bytes, restore_rng,
                                         to_bytes)
 from scaleloop.checkpoint.store import (CHECKPOINTS_DIR, FORMAT_VERSION, STATE_FILE, CheckpointError,
-                                        prune, write_checkpoint)
+                                        prune, retire_after, write_checkpoint)
 from scaleloop.config import TrainConfig
 from scaleloop.strategies.base import Strategy
 
@@ -69,6 +69,10 @@ class Checkpointer:
     def attach(self, run_dir: Optional[Path]) -> None:
         """Write into ``run_dir/checkpoints`` (None on ranks that do not write)."""
         self.root = run_dir / CHECKPOINTS_DIR if run_dir is not None else None
+
+    def retire_after(self, step: int) -> list[Path]:
+        """On the writing rank: move this run's checkpoints of steps after ``step`` aside."""
+        return retire_after(self.root, step) if self.root is not None else []
 
     # --- save -------------------------------------------------------------------------------
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,

@@ -43,6 +43,13 @@ def run_dir_for(cfg: TrainConfig) -> Optional[Path]:
     return None
 
 
+def continues_run(out: Optional[Path], checkpoint: Path) -> bool:
+    """Whether resuming ``checkpoint`` into ``out`` continues the run already there (the checkpoint
+    is one of that run directory's own) rather than starting a new run from it."""
+    source_run = run_dir_of(checkpoint)
+    return out is not None and source_run is not None and source_run.resolve() == Path(out).resolve()
+
+
 def find_checkpoint(cfg: TrainConfig, *, restarting: bool, warn: Callable[[str], None]) -> Optional[CheckpointInfo]:
     """The verified checkpoint to continue from, or None for a fresh start (rules in the module doc)."""
     if restarting and cfg.out:

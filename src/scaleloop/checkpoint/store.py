@@ -153,6 +153,28 @@ def verify_checkpoint(path: Path) -> CheckpointInfo:
     return CheckpointInfo(path=path, step=step, meta=manifest)
 
 
+def step_of(path: Path) -> int:
+    """The step of a ``step-N`` checkpoint directory."""
+    m = _STEP_DIR.match(path.name)
+    if m is None:
+        raise ValueError(f"{str(path)!r} is not a step-N checkpoint directory")
+    return int(m.group(1))
+
+
+def retire_after(root: Path, step: int) -> list[Path]:
+    """Move the checkpoints under ``root`` of steps after ``step`` aside, to ``.superseded-step-N-<ns>``
+    (kept, not deleted; ignored by everything that looks for checkpoints). Returns the new paths."""
+    moved = []
+    for path in list_checkpoints(root):
+        if step_of(path) > step:
+            target = root / f".superseded-{path.name}-{time.time_ns()}"
+            os.replace(path, target)
+            moved.append(target)
+    if moved:
+        _fsync_dir(root)
+    return moved
+
+
 def list_checkpoints(root: Path) -> list[Path]:
     """Complete-looking checkpoint directories under ``root``, newest step first (unverified)."""
     if not root.is_dir():

@@ -111,8 +111,13 @@ class ShardedLoader:
                 x, y = x_all.index_select(0, p.indices), y_all.index_select(0, p.indices)
                 yield Batch(x.to(self.device), y.to(self.device), p)
             return
+        # A generator of its own: otherwise each DataLoader iterator draws its worker seed from
+        # the global torch RNG, and a run resumed mid-epoch (one extra iterator) would drift
+        # from the uninterrupted run's dropout and augmentation randomness.
+        seeds = torch.Generator()
+        seeds.manual_seed(hash((self.plan.seed, self.epoch, self.start_step, self.plan.rank)) & 0x7FFF_FFFF_FFFF)
         loader = DataLoader(self.dataset, batch_sampler=[p.indices.tolist() for p in plans],
                             num_workers=self.num_workers, collate_fn=self.collate_fn,
-                            pin_memory=self.pin_memory)
+                            pin_memory=self.pin_memory, generator=seeds)
         for p, (x, y) in zip(plans, loader):
             yield Batch(_move(x, self.device, self.pin_memory), _move(y, self.device, self.pin_memory), p)

@@ -36,4 +36,7 @@ for batch in loader:
         strategy.optimizer_step(optimizer)
 if env.is_main:
     print(json.dumps({"micro_of_call": micro_of_call, "batches": len(loader)}))
+# Every rank done with its hooked all-reduces before the group is torn down: exiting while a
+# peer still has Gloo work in flight can abort the process ("terminate called ...").
+dist.barrier()
 sl.destroy_process_group()

@@ -39,5 +39,7 @@ def run_under_torchrun(cfg: TrainConfig, argv: Sequence[str]) -> int:
     try:
         return proc.wait()
     except KeyboardInterrupt:
-        # The terminal sent SIGINT to torchrun too; let it stop its workers before we return.
-        return proc.wait()
+        # The terminal sent SIGINT to torchrun too; let it stop its workers, then report the
+        # interruption (not a worker failure).
+        proc.wait()
+        raise

@@ -1,0 +1,295 @@
+"""``scaleloop.launch``: run a Python function in N worker processes, from a script or a notebook.
+
+This is torchrun as a function call. PyTorch's elastic launcher (``torch.distributed.launcher``)
+starts the workers, runs the rendezvous, sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
+MASTER_PORT in each, restarts the group on failure if asked, and stops every worker when one
+fails. scaleloop adds sane defaults, a start method that works in notebooks, rank 0's return
+value, and worker errors that name the rank.
+
+Inside ``fn`` the worker sets itself up exactly as under torchrun::
+
+    def train():
+        env = scaleloop.DistEnv.from_env()
+        scaleloop.init_process_group(env)
+        ...
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+
+from scaleloop.errors import UsageError
+
+START_METHODS = ("auto", "fork", "spawn", "forkserver")
+
+# The elastic agent installs handlers for these in the calling process and never puts the
+# old ones back; a notebook's interrupt button would stop raising KeyboardInterrupt.
+_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """How one worker failed: its exception (type and message) or its exit code / signal."""
+
+    rank: int
+    exitcode: int
+    error_type: Optional[str]
+    message: str
+    traceback: Optional[str] = None
+
+    @property
+    def description(self) -> str:
+        """``"ValueError: bad shape"``, or what happened to a worker that did not raise."""
+        return f"{self.error_type}: {self.message}" if self.error_type else self.message
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: {self.description}"
+
+
+class WorkerError(RuntimeError):
+    """One or more workers of ``scaleloop.launch`` raised an exception or died.
+
+    ``failures`` maps each failed global rank to a ``WorkerFailure``; the worker's traceback,
+    when it raised, is chained as this exception's cause.
+    """
+
+    def __init__(self, failures: Mapping[int, WorkerFailure]) -> None:
+        self.failures = dict(sorted(failures.items()))
+        if len(self.failures) == 1:
+            (rank, failure), = self.failures.items()
+            message = f"worker rank {rank} failed: {failure.description}"
+        else:
+            message = "workers failed: " + "; ".join(str(f) for f in self.failures.values())
+        super().__init__(message)
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self.failures)
+
+
+class _RemoteTraceback(Exception):
+    """The worker's own traceback, shown under the WorkerError (as concurrent.futures does)."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return "\n\n" + self.tb.rstrip()
+
+
+class _Worker:
+    """What each worker process calls: ``fn(*args, **kwargs)``, with torchrun's thread default.
+
+    A module-level class, so that "spawn" can pickle it whenever ``fn`` itself can be pickled.
+    """
+
+    def __init__(self, fn: Callable[..., Any], kwargs: Mapping[str, Any], threads: Optional[int]) -> None:
+        self.fn, self.kwargs, self.threads = fn, dict(kwargs), threads
+        # The agent names the job after the entrypoint in its logs and errors.
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
+
+    def __call__(self, *args: Any) -> Any:
+        # A forked worker inherits the agent's handlers, which turn SIGTERM into a Python
+        # exception that cannot interrupt a blocking C++ call (a rendezvous, a collective):
+        # stopping it would wait out the agent's 30 s timeout. Start as a fresh process would.
+        for name in _AGENT_SIGNALS:
+            if hasattr(signal, name):
+                default = signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL
+                signal.signal(getattr(signal, name), default)
+        if self.threads is not None:
+            import torch
+
+            torch.set_num_threads(self.threads)
+        return self.fn(*args, **self.kwargs)
+
+
+def launch(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
+           kwargs: Optional[Mapping[str, Any]] = None, nnodes: Union[int, str] = 1,
+           rdzv_endpoint: Optional[str] = None, rdzv_id: str = "scaleloop", max_restarts: int = 0,
+           start_method: str = "auto", threads: Optional[int] = None, all_ranks: bool = False) -> Any:
+    """Run ``fn(*args, **kwargs)`` in ``nproc`` worker processes and return rank 0's result.
+
+    Args:
+        fn: the function each worker runs. Inside it, ``DistEnv.from_env()`` sees this worker's
+            rank and ``init_process_group`` joins the group, as under torchrun.
+        nproc: worker processes on this machine (one per GPU, or a few on a CPU).
+        args, kwargs: passed to ``fn`` in every worker (pickled; keep them small).
+        nnodes: machines in the job, ``N`` or elastic ``"MIN:MAX"``; more than one needs
+            ``rdzv_endpoint``, and every machine calls ``launch`` with the same arguments.
+        rdzv_endpoint: ``host:port`` of a c10d rendezvous (e.g. node 0). Default: a standalone
+            rendezvous on a free localhost port, for one machine.
+        rdzv_id: the job's name at the rendezvous, the same on every machine.
+        max_restarts: times the whole worker group is restarted after a failure.
+        start_method: how workers start. ``"fork"`` copies this process: works for functions
+            defined in a notebook or ``__main__``, lambdas and closures, starts fast, but
+            cannot be used once CUDA is initialised here. ``"spawn"`` starts fresh
+            interpreters: CUDA-safe and clean, but slower to start, and ``fn`` and its
+            arguments must be picklable and importable by module name. ``"auto"`` (default):
+            fork on Linux, spawn once CUDA is initialised here or on macOS / Windows
+            (see ``resolve_start_method``).
+        threads: CPU threads per worker. Default: as torchrun, 1 when several workers share
+            this machine and OMP_NUM_THREADS is not set (else torch's own default).
+        all_ranks: return ``{global rank: result}`` for this machine's workers instead.
+
+    Returns:
+        rank 0's return value (None on a machine that does not hold rank 0), which must be
+        picklable; return tensors on the CPU.
+
+    Raises:
+        WorkerError: a worker raised or died; the message names the rank(s) and the error.
+        UsageError: bad arguments, said in one line.
+    """
+    kwargs = dict(kwargs or {})
+    min_nodes, max_nodes = _parse_nnodes(nnodes)
+    if not isinstance(nproc, int) or nproc < 1:
+        raise UsageError(f"launch: nproc must be a positive whole number, not {nproc!r}")
+    if max_restarts < 0:
+        raise UsageError(f"launch: max_restarts must be zero or positive, not {max_restarts}")
+    if max_nodes > 1 and not rdzv_endpoint:
+        raise UsageError(f"launch: nnodes={nnodes!r} needs rdzv_endpoint='HOST:PORT', where the machines meet")
+    method = resolve_start_method(start_method, fn)
+    if threads is None and nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = 1
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # Workers' error files go to a directory of our own, removed afterwards: the elastic
+    # default is a fresh /tmp/torchelastic_* per call, left behind.
+    with tempfile.TemporaryDirectory(prefix="scaleloop-launch-") as log_dir, _keep_process_state():
+        config = LaunchConfig(
+            min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
+            rdzv_backend="c10d",
+            # Port 0: the agent binds a free port itself, as `torchrun --standalone` does.
+            rdzv_endpoint=rdzv_endpoint or "localhost:0",
+            run_id=rdzv_id if rdzv_endpoint else uuid.uuid4().hex,
+            max_restarts=max_restarts, start_method=method,
+            logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        )
+        try:
+            results = elastic_launch(config, _Worker(fn, kwargs, threads))(*args)
+        except ChildFailedError as exc:
+            error = WorkerError({rank: _failure(rank, pf) for rank, pf in exc.failures.items()})
+            # The worker's traceback as the cause; torch's own exception adds nothing to it.
+            raise error from _remote_traceback(error)
+        except SignalException as exc:
+            # The agent has stopped the workers; to the caller, Ctrl-C is still Ctrl-C.
+            if exc.sigval == signal.SIGINT:
+                raise KeyboardInterrupt from None
+            raise
+    return dict(results) if all_ranks else results.get(0)
+
+
+def resolve_start_method(requested: str, fn: Callable[..., Any]) -> str:
+    """The start method for ``fn``: ``auto`` resolved, and the choice checked (UsageError if it cannot work).
+
+    ``auto`` forks on Linux: it works for functions from a notebook, ``__main__``, lambdas and
+    closures, needs no ``if __name__ == "__main__"`` guard, and the workers inherit what this
+    process has imported. It spawns where forking cannot work (CUDA already initialised here)
+    or is unsafe (macOS system libraries; Windows has no fork), if ``fn`` can be imported.
+    """
+    if requested not in START_METHODS:
+        raise UsageError(f"launch: unknown start_method {requested!r}; choose one of: {', '.join(START_METHODS)}")
+    import torch
+
+    available = multiprocessing.get_all_start_methods()
+    reason = _not_importable(fn)
+    cuda_here = torch.cuda.is_initialized()
+    method = requested
+    if requested == "auto":
+        fork_first = sys.platform.startswith("linux") and not cuda_here
+        method = "fork" if "fork" in available and (fork_first or reason is not None) else "spawn"
+    if method not in available:
+        raise UsageError(f"launch: start_method {method!r} is not available on this platform; "
+                         f"use one of: {', '.join(available)}")
+    if method == "fork" and cuda_here:
+        if requested == "auto":  # fork only because fn cannot be spawned
+            raise UsageError(f"launch: CUDA is already initialised in this process, so workers must be spawned, "
+                             f"but {reason}; move fn to a module, or call launch before any CUDA work")
+        raise UsageError("launch: CUDA is already initialised in this process, so forked workers cannot use it; "
+                         "call launch before any CUDA work (restart the kernel), or use start_method='spawn'")
+    if method != "fork" and reason is not None:
+        raise UsageError(f"launch: start_method={method!r} needs fn importable by a fresh Python, but {reason}; "
+                         "move it to a module, or use start_method='fork'")
+    return method
+
+
+def _defined_in_main(fn: Callable[..., Any]) -> bool:
+    return getattr(fn, "__module__", None) == "__main__"
+
+
+def _not_importable(fn: Callable[..., Any]) -> Optional[str]:
+    """Why a fresh interpreter could not find ``fn``, or None when it can."""
+    main = sys.modules.get("__main__")
+    if _defined_in_main(fn) and not getattr(main, "__file__", None):
+        return "it is defined in a notebook or an interactive session"
+    try:
+        pickle.dumps(fn)
+    except Exception:  # pickle raises several types; any of them means "spawn cannot send it"
+        return "it cannot be pickled (a lambda, a nested function or a closure?)"
+    return None
+
+
+def _parse_nnodes(nnodes: Union[int, str]) -> tuple[int, int]:
+    text = str(nnodes).strip()
+    low, _, high = text.partition(":")
+    try:
+        min_nodes, max_nodes = int(low), int(high or low)
+    except ValueError:
+        raise UsageError(f"launch: nnodes must be N or 'MIN:MAX', not {nnodes!r}") from None
+    if not 1 <= min_nodes <= max_nodes:
+        raise UsageError(f"launch: nnodes {nnodes!r} needs 1 <= MIN <= MAX")
+    return min_nodes, max_nodes
+
+
+@contextlib.contextmanager
+def _keep_process_state() -> Iterator[None]:
+    """Put back the signal handlers and the environment variable the elastic agent changes."""
+    names = [n for n in _AGENT_SIGNALS if hasattr(signal, n)]
+    main_thread = threading.current_thread() is threading.main_thread()
+    handlers = {n: signal.getsignal(getattr(signal, n)) for n in names} if main_thread else {}
+    saved_env = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    try:
+        yield
+    finally:
+        for name, handler in handlers.items():
+            if handler is not None:  # None: installed outside Python, cannot be restored
+                signal.signal(getattr(signal, name), handler)
+        if saved_env is None:
+            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+        else:
+            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = saved_env
+
+
+def _remote_traceback(error: WorkerError) -> Optional[_RemoteTraceback]:
+    first = next((f for f in error.failures.values() if f.traceback), None)
+    return None if first is None else _RemoteTraceback(f"worker rank {first.rank}:\n{first.traceback}")
+
+
+def _failure(rank: int, process_failure: Any) -> WorkerFailure:
+    """Read torch's ProcessFailure: the error file's record when the worker raised, else its exit status."""
+    exitcode = process_failure.exitcode
+    record = process_failure.message
+    # torch's @record wrapper writes {"message": "Type: text", "extraInfo": {"py_callstack": ...}};
+    # without an error file the message is torch's generic hint, of no use here.
+    if isinstance(record, dict) and record.get("message"):
+        error_type, _, text = str(record["message"]).partition(": ")
+        tb = record.get("extraInfo", {}).get("py_callstack")
+        return WorkerFailure(rank, exitcode, error_type, text, tb)
+    if isinstance(record, str) and process_failure.error_file_data.get("message") not in (None, "<NONE>"):
+        return WorkerFailure(rank, exitcode, None, record)
+    if exitcode < 0:
+        return WorkerFailure(rank, exitcode, None, f"killed by signal {process_failure.signal_name()}")
+    return WorkerFailure(rank, exitcode, None, f"exited with code {exitcode} (no Python exception recorded; see its output)")

@@ -1,0 +1,361 @@
+"""The largest per-device batch that fits in accelerator memory, found by trying it.
+
+Each try is a real training step (forward, backward, optimizer step) at one per-device batch
+size. Sizes double from ``start`` until a step runs out of memory (or ``max_batch`` is
+reached); a binary search between the last size that fitted and the first that did not then
+finds the exact limit. The search itself (``search_max_batch``) only needs a ``fits(batch)``
+predicate, so it is tested on the CPU with a fake one; ``StepProbe`` turns a real training
+step into that predicate, and ``find_max_batch`` puts the two together on a CUDA or MPS device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+from torch.utils.data._utils.collate import default_collate
+
+from scaleloop.batching import check_batch_split
+from scaleloop.data.loader import _move, tensors_of
+from scaleloop.devices import describe_device, device_for_local_rank, resolve_device
+from scaleloop.errors import UsageError
+from scaleloop.precision import Precision
+
+Fits = Callable[[int], bool]
+SampleFn = Callable[[int], tuple[Any, Any]]
+LossFn = Callable[[Any, Any], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+DEFAULT_MAX_BATCH = 1 << 16
+
+# Out-of-memory errors that do not (yet) arrive as torch.OutOfMemoryError.
+_OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One try: a per-device batch size and whether its training step fitted."""
+
+    batch: int
+    fits: bool
+    peak_bytes: Optional[int] = None  # peak allocated accelerator memory in the step (CUDA)
+
+
+@dataclass(frozen=True)
+class BatchSearch:
+    """What the search found: the largest per-device batch that fits, and every try."""
+
+    max_batch: int              # largest per-device batch whose training step fitted
+    trials: tuple[Trial, ...]   # in the order tried
+    capped: bool                # stopped at ``cap`` with memory to spare: memory is not the limit
+    cap: int                    # the largest size the search would try
+
+    def global_batch(self, world_size: int = 1, accumulate: int = 1, multiple_of: int = 1) -> int:
+        """The largest global ``--batch-size`` whose per-device micro-batch fits.
+
+        per-device batch = global / (world_size x accumulate), so the answer is the largest
+        fitting per-device batch (rounded down to a multiple of ``multiple_of`` where one
+        fits, e.g. 8 for tensor cores) times ``world_size x accumulate``: a value the CLI's
+        batch rule accepts.
+        """
+        if world_size < 1 or accumulate < 1 or multiple_of < 1:
+            raise ValueError("world_size, accumulate and multiple_of must be positive")
+        per_device = self.max_batch
+        if per_device >= multiple_of:
+            per_device -= per_device % multiple_of
+        batch = per_device * world_size * accumulate
+        check_batch_split(batch, world_size, accumulate)
+        return batch
+
+
+def search_max_batch(fits: Fits, *, start: int = 1, max_batch: int = DEFAULT_MAX_BATCH,
+                     device_name: str = "the device") -> BatchSearch:
+    """Largest ``batch`` in ``[1, max_batch]`` with ``fits(batch)``, assuming fitting is monotone.
+
+    Doubles from ``start`` until a size fails or ``max_batch`` fits, then binary-searches
+    between the last success and the first failure (below ``start`` if ``start`` already
+    fails). Each size is tried at most once. Raises ``UsageError`` when not even 1 fits.
+    """
+    if start < 1 or max_batch < start:
+        raise ValueError(f"need 1 <= start <= max_batch, got start={start}, max_batch={max_batch}")
+    trials: list[Trial] = []
+
+    def attempt(batch: int) -> bool:
+        ok = bool(fits(batch))
+        trials.append(Trial(batch, ok))
+        return ok
+
+    good, bad = 0, None  # largest size known to fit, smallest known not to
+    batch = start
+    while True:
+        if not attempt(batch):
+            bad = batch
+            break
+        good = batch
+        if batch >= max_batch:
+            break
+        batch = min(2 * batch, max_batch)
+    if bad is not None:
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if attempt(mid):
+                good = mid
+            else:
+                bad = mid
+    if good == 0:
+        raise UsageError(f"not even a per-device batch of 1 fits in the memory of {device_name}; "
+                         "use --precision bf16, a smaller model, or a device with more memory")
+    return BatchSearch(max_batch=good, trials=tuple(trials), capped=bad is None, cap=max_batch)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for an accelerator running out of memory (CUDA, cuBLAS/cuDNN workspaces, MPS)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _OOM_MESSAGES)
+
+
+class StepProbe:
+    """``probe(batch)``: run ``steps`` training steps at that batch; False if memory runs out.
+
+    ``model`` must already be on ``device``; ``sample(batch)`` returns ``(x, y)`` (moved to
+    ``device`` here). Two steps by default: the first also allocates the optimizer's state,
+    the second runs with it in place, as training does. Errors other than running out of
+    memory propagate. Memory is released after every try, so the next one starts clean;
+    ``peaks`` maps each tried batch to its peak allocated memory (CUDA only).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, sample: SampleFn, loss: LossFn,
+                 device: torch.device, precision: Optional[Precision] = None, steps: int = 2) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.sample = sample
+        self.loss = loss
+        self.device = device
+        self.precision = precision or Precision("fp32", device)
+        self.steps = steps
+        self.peaks: dict[int, int] = {}
+
+    def __call__(self, batch: int) -> bool:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            self._train(batch)
+            ok = not _over_mps_budget(self.device)
+        except Exception as exc:  # noqa: BLE001 - anything but running out of memory is re-raised
+            if not is_out_of_memory(exc):
+                raise
+            ok = False
+        # The step's tensors lived in _train's frame, which the exception's traceback kept
+        # alive until the except block ended; now they can be freed.
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            self.peaks[batch] = torch.cuda.max_memory_allocated(self.device)
+        _release(self.device, collect=not ok)
+        return ok
+
+    def _train(self, batch: int) -> None:
+        for _ in range(self.steps):
+            x, y = self.sample(batch)
+            x, y = _move(x, self.device, False), _move(y, self.device, False)
+            with self.precision.autocast():
+                value = self.loss(self.model(x), y)
+            self.precision.scale(value).backward()
+            self.precision.step(self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
+        _synchronize(self.device)
+
+
+def sample_from(dataset: Dataset) -> SampleFn:
+    """``sample(batch)``: the first ``batch`` samples of ``dataset`` (repeated when it is smaller)."""
+    n = len(dataset)  # type: ignore[arg-type]
+    if n < 1:
+        raise UsageError("the dataset is empty: there is nothing to size a batch with")
+    tensors = tensors_of(dataset)
+
+    def sample(batch: int) -> tuple[Any, Any]:
+        index = torch.arange(batch) % n
+        if tensors is not None:
+            return tensors[0][index], tensors[1][index]
+        x, y = default_collate([dataset[i] for i in index.tolist()])
+        return x, y
+
+    return sample
+
+
+def find_max_batch(model: Union[nn.Module, Callable[[], nn.Module]], data: Union[SampleFn, Dataset],
+                   device: Union[torch.device, str] = "auto", *, loss: Optional[LossFn] = None,
+                   optimizer: Optional[OptimizerFactory] = None, precision: str = "fp32",
+                   start: int = 1, max_batch: int = DEFAULT_MAX_BATCH, steps: int = 2) -> BatchSearch:
+    """The largest per-device batch whose training step fits in ``device``'s memory.
+
+    ``model`` is a module or a no-argument factory; a module's weights, device and train/eval
+    mode are restored afterwards (the tries do take optimizer steps). ``data`` is a Dataset
+    (its first samples are used) or ``sample(batch) -> (x, y)``. ``loss(output, y)`` defaults
+    to the mean square of the output (any scalar that depends on every output costs the same
+    backward pass); ``optimizer`` to AdamW, whose two state tensors per parameter match or
+    exceed the common optimizers. Use the precision you will train with: bf16/fp16 activations
+    take half the memory. ``max_batch`` caps the search.
+
+    Only for accelerators: on the CPU it raises ``UsageError`` (see ``require_accelerator``).
+    """
+    dev = _accelerator(device)
+    sample = data if callable(data) and not isinstance(data, Dataset) else sample_from(data)  # type: ignore[arg-type]
+    owned = not isinstance(model, nn.Module)
+    net: nn.Module = model() if owned else model  # type: ignore[operator]
+    saved = None
+    if not owned:
+        # A CPU copy (not a device one, which would take memory from the search).
+        first = next(net.parameters(), None)
+        home = first.device if first is not None else torch.device("cpu")
+        saved = ({k: v.detach().to("cpu", copy=True) for k, v in net.state_dict().items()}, net.training, home)
+    try:
+        net.to(dev).train()
+        opt = (optimizer or (lambda p: torch.optim.AdamW(p, lr=1e-3)))(net.parameters())
+        probe = StepProbe(net, opt, sample, loss or _mean_square, dev, Precision(precision, dev), steps)
+        result = search_max_batch(probe, start=start, max_batch=max_batch, device_name=describe_device(dev))
+        peaks = probe.peaks
+        del opt, probe
+    finally:
+        if saved is not None:
+            state, training, home = saved
+            net.load_state_dict(state)
+            net.to(home).train(training)
+        _release(dev)
+    return dataclasses.replace(result, trials=tuple(
+        dataclasses.replace(t, peak_bytes=peaks.get(t.batch)) for t in result.trials))
+
+
+def require_accelerator(device: torch.device) -> None:
+    """Raise ``UsageError`` unless ``device`` is CUDA or MPS."""
+    if device.type not in ("cuda", "mps"):
+        raise UsageError(
+            f"batch-size search applies to accelerators (CUDA, MPS) only, and this run is on {device.type}: "
+            "CPU memory rarely limits the batch (running out swaps or kills rather than failing cleanly); "
+            "pick --batch-size by hand")
+
+
+def _accelerator(device: Union[torch.device, str]) -> torch.device:
+    dev = resolve_device(str(device))  # also says so when CUDA/MPS is not available here
+    require_accelerator(dev)
+    return device_for_local_rank(dev, 0)
+
+
+def _mean_square(output: Any, _target: Any) -> torch.Tensor:
+    return output.float().square().mean()
+
+
+def _release(device: torch.device, collect: bool = True) -> None:
+    # Tensors are freed by reference counting once unreachable; a full (slow) garbage
+    # collection is for what a failed step may have left in reference cycles.
+    if collect:
+        gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif device.type == "mps":
+        torch.mps.empty_cache()
+
+
+def _synchronize(device: torch.device) -> None:
+    # Kernels run asynchronously: wait, so that a failure inside the step is raised here.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _over_mps_budget(device: torch.device) -> bool:
+    # MPS shares the machine's memory and can page to disk long before it raises an error;
+    # count a step as not fitting once it goes past what Metal recommends for this process.
+    if device.type != "mps":
+        return False
+    return torch.mps.driver_allocated_memory() > torch.mps.recommended_max_memory()
+
+
+# --- the `scaleloop tune-batch` command -------------------------------------------------------
+
+@dataclass(frozen=True)
+class TuneReport:
+    """``tune_batch``'s answer for one ``TrainConfig``."""
+
+    search: BatchSearch
+    device: str                 # e.g. "cuda:0 (NVIDIA H100 80GB HBM3)"
+    workers: int                # devices the global batch is split over
+    accumulate: int
+    train_samples: int
+    total_bytes: Optional[int]  # the device's memory (CUDA)
+
+    @property
+    def batch_size(self) -> int:
+        """The largest global ``--batch-size`` whose per-device micro-batch fits."""
+        return self.search.global_batch(self.workers, self.accumulate)
+
+
+def tune_batch(cfg: Any) -> TuneReport:
+    """Run the search for a ``TrainConfig``: its model, data, optimizer and precision.
+
+    Model and data are built as ``scaleloop train`` builds them; the search runs on one
+    device (local rank 0's), without a process group. Pass the config as it will be launched
+    (``nproc`` already set to one process per GPU where ``--strategy auto`` does that).
+    """
+    from scaleloop.data.datasets import build_datasets
+    from scaleloop.loop import build_optimizer, seed_everything
+    from scaleloop.models import build_model
+    from scaleloop.tasks import loss_fn
+
+    device = _accelerator(cfg.device)
+    seed_everything(cfg.seed)
+    data = build_datasets(cfg.data, data_dir=cfg.data_dir, n_samples=cfg.n_samples,
+                          input_dim=cfg.input_dim, image_size=cfg.image_size, seq_len=cfg.seq_len,
+                          vocab_size=cfg.vocab_size, test_fraction=cfg.test_fraction, seed=cfg.seed)
+    info = data.info
+    model = build_model(cfg.model, info, hidden_dim=cfg.hidden_dim)
+    # nn.DataParallel splits one process's batch over every GPU; otherwise one device per process.
+    workers = torch.cuda.device_count() if cfg.strategy == "dp" and device.type == "cuda" else cfg.world_size
+    # A per-device micro-batch never holds more than its share of the training set.
+    cap = max(1, -(-len(data.train) // (workers * cfg.accumulate)))
+    search = find_max_batch(lambda: model, data.train, device, loss=lambda out, y: loss_fn(info, out, y),
+                            optimizer=lambda params: build_optimizer(cfg, params), precision=cfg.precision,
+                            max_batch=cap)
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    return TuneReport(search=search, device=describe_device(device), workers=workers,
+                      accumulate=cfg.accumulate, train_samples=len(data.train), total_bytes=total)
+
+
+def tune_batch_command(cfg: Any) -> str:
+    """``scaleloop tune-batch``: run the search for ``cfg`` and return the report to print."""
+    return format_report(cfg, tune_batch(cfg))
+
+
+def format_report(cfg: Any, report: TuneReport) -> str:
+    """The text ``tune_batch_command`` prints: every try, the limit, and the ``--batch-size`` to use."""
+    search = report.search
+    lines = [f"scaleloop tune-batch: {cfg.model} on {cfg.data}, {cfg.optimizer}, {cfg.precision}, on {report.device}",
+             "  per-device batch  training step"]
+    for t in search.trials:
+        peak = f" (peak {_gib(t.peak_bytes)})" if t.peak_bytes is not None else ""
+        lines.append(f"  {t.batch:>16,}  {'fits' if t.fits else 'out of memory'}{peak}")
+    split = (f"{report.workers} worker(s) x {report.accumulate} accumulation step(s) x "
+             f"{search.max_batch:,} per device")
+    if search.capped:
+        lines.append(f"every per-device batch up to {search.cap:,} fits, and a larger one would hold more than "
+                     f"all {report.train_samples:,} training samples: memory does not limit the batch here, "
+                     f"so choose it for the optimisation (any --batch-size up to {report.batch_size} = {split})")
+        return "\n".join(lines)
+    peak = next((t.peak_bytes for t in search.trials if t.batch == search.max_batch), None)
+    of_total = f" of {_gib(report.total_bytes)}" if report.total_bytes else ""
+    lines.append(f"largest per-device batch that fits: {search.max_batch:,}"
+                 + (f" (peak {_gib(peak)}{of_total})" if peak is not None else ""))
+    lines.append(f"use --batch-size {report.batch_size} (= {split})")
+    if report.workers > 1 or cfg.strategy == "dp":
+        lines.append("note: measured on one device without DDP, whose gradient buckets hold about one more "
+                     "copy of the gradients (and DataParallel gathers outputs on GPU 0): leave some headroom")
+    return "\n".join(lines)
+
+
+def _gib(n: Optional[int]) -> str:
+    return "?" if n is None else f"{n / 2**30:.2f} GiB"

@@ -1,0 +1,243 @@
+"""scaleloop.launch: a function in N worker processes, its result, its errors, and no leftovers."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import scaleloop as sl
+from scaleloop.errors import UsageError
+from scaleloop.spawn import WorkerError, WorkerFailure, _failure, _parse_nnodes, launch, resolve_start_method
+
+TIME_LIMIT_S = 60  # per test; far above what a 2-process run needs, far below "hung"
+
+
+# --- functions the workers run (module level, so that "spawn" can import them) -----------
+
+def train(steps: int = 6, lr: float = 0.1) -> dict[str, Any]:
+    """A few DDP steps of SimpleNet through scaleloop's strategy API; the same code runs on 1 or N."""
+    torch.manual_seed(0)
+    env = sl.DistEnv.from_env(device="cpu")
+    sl.init_process_group(env)
+    try:
+        data = sl.RandomDataset(256, input_dim=8, generator=torch.Generator().manual_seed(0))
+        strategy = sl.strategy("ddp", env)
+        model, optimizer = strategy.setup(sl.SimpleNet(input_dim=8, hidden_dim=16, output_dim=1),
+                                          lambda params: torch.optim.SGD(params, lr=lr))
+        loader = strategy.loader(data, batch_size=32, shuffle=True, seed=0)
+        criterion = nn.BCEWithLogitsLoss()
+        loader.set_epoch(0)
+        for step, batch in enumerate(loader):
+            if step == steps:
+                break
+            x, y = batch
+            with strategy.accumulate(model, batch):
+                strategy.backward(criterion(model(x), y), batch)
+            strategy.optimizer_step(optimizer)
+        net = strategy.unwrap(model)
+        x_all = torch.stack([data[i][0] for i in range(len(data))])
+        y_all = torch.stack([data[i][1] for i in range(len(data))])
+        with torch.no_grad():
+            loss = criterion(net(x_all), y_all).item()
+        return {"world_size": env.world_size, "loss": loss,
+                "state": {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}}
+    finally:
+        sl.destroy_process_group()
+
+
+def whoami(tag: str, *, suffix: str = "") -> dict[str, Any]:
+    env = sl.DistEnv.from_env(device="cpu")
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    return {"rank": env.rank, "world_size": env.world_size, "tag": tag + suffix, "pid": os.getpid(),
+            "threads": torch.get_num_threads(), "vars": {k: os.environ.get(k) for k in keys}}
+
+
+def fail_on_rank_1() -> None:
+    env = sl.DistEnv.from_env(device="cpu")
+    if env.rank == 1:
+        raise ValueError("bad batch shape on this rank")
+    # Rank 0 waits for rank 1 in the rendezvous, which never comes: the launcher must stop it.
+    sl.init_process_group(env, timeout_s=TIME_LIMIT_S)
+    torch.distributed.barrier()
+
+
+def exit_without_raising() -> None:
+    if os.environ["RANK"] == "1":
+        os._exit(3)
+
+
+# --- fixtures: every test ends with no worker left, and none runs forever -----------------
+
+def _children() -> list[tuple[int, str]]:
+    """This process's live child processes (pid, command line), from /proc (none known without it)."""
+    me, found = os.getpid(), []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            state = stat.rsplit(")", 1)[1].split()[0]
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        # multiprocessing's resource tracker lives as long as this process, by design.
+        if ppid == me and state != "Z" and "resource_tracker" not in cmd:
+            found.append((int(entry.name), cmd))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_workers() -> Iterator[None]:
+    def too_long(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"test ran over {TIME_LIMIT_S} s")
+
+    previous = signal.signal(signal.SIGALRM, too_long)  # the agent stops its workers on any exception
+    signal.alarm(TIME_LIMIT_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        deadline = time.monotonic() + 10
+        while _children() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = _children()
+        for pid, _ in left:
+            os.kill(pid, signal.SIGKILL)  # our own children only
+        assert not left, f"processes left behind: {left}"
+
+
+# --- real runs ---------------------------------------------------------------------------
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_workers_train_the_same_model_as_one() -> None:
+    one = train()                                           # this process, no process group
+    # DDP imports torch._dynamo (seconds); imported here once, the forked workers inherit it.
+    import torch._dynamo  # noqa: F401
+
+    two = launch(train, 2, kwargs={"steps": 6})            # "auto": fork on Linux
+    assert one["world_size"] == 1 and two["world_size"] == 2
+    assert two["loss"] == pytest.approx(one["loss"], abs=1e-5)
+    assert one["state"].keys() == two["state"].keys()
+    for name in one["state"]:
+        torch.testing.assert_close(two["state"][name], one["state"][name], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.distributed
+def test_the_result_is_rank_0s_and_workers_see_torchrun_variables() -> None:
+    result = launch(whoami, 2, args=("run",), kwargs={"suffix": "!"})
+    assert result["rank"] == 0 and result["world_size"] == 2 and result["tag"] == "run!"
+    assert result["pid"] != os.getpid()
+    assert result["vars"]["MASTER_ADDR"] and result["vars"]["MASTER_PORT"] not in (None, "0")
+    every = launch(whoami, 2, args=("run",), all_ranks=True)
+    assert sorted(every) == [0, 1]
+    assert [every[r]["rank"] for r in (0, 1)] == [0, 1]
+    assert [every[r]["vars"]["LOCAL_RANK"] for r in (0, 1)] == ["0", "1"]
+    if "OMP_NUM_THREADS" not in os.environ:
+        assert every[0]["threads"] == 1  # as torchrun: workers sharing a machine get one thread each
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_spawn_starts_fresh_interpreters_for_an_importable_function() -> None:
+    result = launch(whoami, 2, args=("spawned",), kwargs={"suffix": "?"}, start_method="spawn")
+    assert result["rank"] == 0 and result["tag"] == "spawned?" and result["pid"] != os.getpid()
+
+
+@pytest.mark.distributed
+def test_closures_run_in_forked_workers() -> None:
+    offset = 10
+    assert launch(lambda: int(os.environ["RANK"]) + offset, 2) == 10
+
+
+@pytest.mark.distributed
+def test_a_worker_exception_names_the_rank_and_the_error() -> None:
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with pytest.raises(WorkerError, match=r"^worker rank 1 failed: ValueError: bad batch shape on this rank$") as info:
+        launch(fail_on_rank_1, 2)
+    err = info.value
+    assert err.ranks == [1]
+    failure = err.failures[1]
+    assert failure.error_type == "ValueError" and failure.message == "bad batch shape on this rank"
+    assert "fail_on_rank_1" in failure.traceback
+    assert "fail_on_rank_1" in str(err.__cause__)            # the worker's traceback, chained
+    # The elastic agent's signal handlers do not outlive the call (Ctrl-C stays KeyboardInterrupt).
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+
+
+@pytest.mark.distributed
+def test_a_worker_that_exits_without_an_exception() -> None:
+    with pytest.raises(WorkerError, match=r"^worker rank 1 failed: exited with code 3 "):
+        launch(exit_without_raising, 2)
+
+
+def test_the_public_name_stays_the_function_after_the_cli_modules_are_imported() -> None:
+    import importlib
+
+    for name in ("scaleloop.cli", "scaleloop.torchrun"):
+        importlib.import_module(name)
+    assert sl.launch is launch
+
+
+# --- no processes ------------------------------------------------------------------------
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="auto forks on Linux only")
+def test_start_method_auto_forks_on_linux() -> None:
+    assert resolve_start_method("auto", whoami) == "fork"
+    assert resolve_start_method("auto", lambda: 0) == "fork"
+    assert resolve_start_method("spawn", whoami) == "spawn"
+
+
+def test_start_method_auto_spawns_once_cuda_is_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert resolve_start_method("auto", whoami) == "spawn"          # importable from a module
+    with pytest.raises(UsageError, match="must be spawned, but it cannot be pickled"):
+        resolve_start_method("auto", lambda: 0)
+    with pytest.raises(UsageError, match="forked workers cannot use it"):
+        resolve_start_method("fork", whoami)
+
+
+def test_start_method_errors() -> None:
+    with pytest.raises(UsageError, match="unknown start_method"):
+        resolve_start_method("thread", whoami)
+    with pytest.raises(UsageError, match="cannot be pickled.*start_method='fork'"):
+        resolve_start_method("spawn", lambda: 0)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"nproc": 0}, "nproc must be a positive"),
+    ({"nproc": 2, "nnodes": 2}, "needs rdzv_endpoint"),
+    ({"nproc": 2, "nnodes": "x"}, "nnodes must be"),
+    ({"nproc": 2, "nnodes": "3:2"}, "MIN <= MAX"),
+    ({"nproc": 2, "max_restarts": -1}, "max_restarts"),
+])
+def test_bad_arguments_are_usage_errors(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(UsageError, match=match):
+        launch(whoami, **kwargs)
+
+
+def test_nnodes_forms() -> None:
+    assert _parse_nnodes(1) == (1, 1)
+    assert _parse_nnodes("2") == (2, 2)
+    assert _parse_nnodes("1:4") == (1, 4)
+
+
+def test_failure_from_a_signal_and_from_an_error_record() -> None:
+    killed = SimpleNamespace(exitcode=-9, message="Signal 9 (SIGKILL) received by PID 7",
+                             error_file_data={"message": "<NONE>"}, signal_name=lambda: "SIGKILL")
+    assert str(_failure(3, killed)) == "rank 3: killed by signal SIGKILL"
+    record = {"message": "KeyError: 'x'", "extraInfo": {"py_callstack": "Traceback ...", "timestamp": "0"}}
+    raised = SimpleNamespace(exitcode=1, message=record, error_file_data={"message": record})
+    assert _failure(0, raised) == WorkerFailure(0, 1, "KeyError", "'x'", "Traceback ...")
+    both = WorkerError({2: _failure(2, killed), 0: _failure(0, raised)})
+    assert str(both) == "workers failed: rank 0: KeyError: 'x'; rank 2: killed by signal SIGKILL"
