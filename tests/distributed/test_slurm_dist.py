@@ -68,3 +68,30 @@ def test_two_srun_tasks_form_a_group_and_train_alike(tmp_path: Path) -> None:
         assert report["changed"] > 0
     # DDP kept the replicas equal through the steps.
     torch.testing.assert_close(torch.tensor(reports[0]["params"]), torch.tensor(reports[1]["params"]))
+
+
+def test_scaleloop_train_as_two_srun_tasks_matches_one_process(tmp_path: Path) -> None:
+    # `srun scaleloop train ...`: each task is a worker (no torchrun), ranks from SLURM_*.
+    common = [sys.executable, "-m", "scaleloop", "train", "--data", "random", "--n-samples", "512",
+              "--epochs", "1", "--max-steps", "5", "--batch-size", "64", "--optimizer", "sgd", "--lr", "0.1",
+              "--no-progress", "--no-tensorboard", "--device", "cpu"]
+    single = subprocess.run([*common, "--out", str(tmp_path / "single")], cwd=tmp_path, env=child_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stderr
+    job_id = free_job_id()
+    procs = [subprocess.Popen([*common, "--strategy", "ddp", "--out", str(tmp_path / "srun")], cwd=tmp_path,
+                              env=task_env(job_id, rank), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True)
+             for rank in (0, 1)]
+    try:
+        outputs = [proc.communicate(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, f"task failed ({proc.returncode}):\n{out}\n{err}"
+    assert "world size        2" in outputs[0][0]
+    assert outputs[1][0] == ""            # only rank 0 prints
+    a = torch.load(tmp_path / "single" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "srun" / "model.pt", weights_only=True)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
