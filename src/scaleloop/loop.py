@@ -178,9 +178,10 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
         say(f"note: the last {plan.dropped_per_epoch} sample(s) of each shuffled epoch are dropped "
             f"({'--drop-last' if cfg.drop_last else 'too few to give every worker and micro-step one'})")
     if resumed is not None:
-        say(f"resuming from {resumed.source} (global step {progress.global_step}: epoch {progress.epoch + 1}, "
-            f"step {progress.step_in_epoch} of {plan.steps_per_epoch}); any steps an interrupted run took "
-            "after it are trained again")
+        where = (f"epoch {progress.epoch + 1}, step {progress.step_in_epoch} of {plan.steps_per_epoch}"
+                 if progress.step_in_epoch else f"the end of epoch {progress.epoch}")
+        say(f"resuming from {resumed.source} (global step {progress.global_step}: {where}); any steps an "
+            "interrupted run took after it are trained again")
         for note in resumed.notes:
             say(note)
     elif restarting:
