@@ -12,6 +12,7 @@ from typing import Any, NoReturn, Optional, Sequence
 
 from scaleloop.config import TrainConfig, coerce, field_types, flag, load_toml, resolve, to_toml
 from scaleloop.errors import UsageError
+from scaleloop.verify.cli import add_parser as add_verify_parser, run as run_verify
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -74,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "only: on CPU, choose --batch-size by hand.")
     tune.add_argument("--config", metavar="FILE", help="TOML file of settings (as for train)")
     _add_config_flags(tune)
+
+    add_verify_parser(sub, _Parser, _add_config_flags)
 
     sub.add_parser("env", help="what this machine offers: torch, devices, backends, runnable strategies",
                    description="Report Python, torch, CUDA/NCCL/Gloo/MPS availability, devices, CPU "
@@ -216,6 +219,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return cmd_train(args)
         if args.command == "tune-batch":
             return cmd_tune_batch(args)
+        if args.command == "verify":
+            return run_verify(args)
         return cmd_env(args)
     except UsageError as exc:
         print(f"scaleloop: error: {exc}", file=sys.stderr)

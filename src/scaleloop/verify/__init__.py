@@ -1,0 +1,21 @@
+"""``scaleloop verify``: prove that N processes train the same model as one, and show how.
+
+Modules, one job each (torch is imported only by the ones that train or compare):
+
+- ``cli``       the subcommand's flags and entry point (``add_parser``, ``run``)
+- ``options``   what was asked (steps, checks, step to explain, user loss), passed to workers
+- ``command``   the whole run: reference, workers, checks, report
+- ``steps``     the K training steps, shared by the reference and every worker
+- ``recorder``  what each rank records; rank 0 writes it down
+- ``worker``    the program torchrun starts on each rank; ``launch`` starts torchrun
+- ``compare``   step-by-step differences and precision-aware tolerances; ``report`` prints them
+- ``probes``    experiments on the model and loss; ``diagnose`` names the cause from them
+- ``data``      per-batch SHA-256, per-epoch coverage, DistributedSampler padding
+- ``sync``      a hash of every parameter and buffer on every rank
+- ``explain``   one step, rank by rank
+- ``hashing``, ``loss``, ``layout``: digests, the loss used, where files go
+
+For your own loop, ``scaleloop.verify.data.coverage`` and ``distributed_sampler_coverage``
+audit any sampler's index lists, and ``scaleloop.verify.sync.check_sync`` compares replicas.
+"""
+from __future__ import annotations

@@ -1,0 +1,103 @@
+"""The ``verify`` subcommand: its flags (registered on the CLI's subparsers) and its entry point.
+
+Like the rest of the CLI this module imports no torch: ``scaleloop --help`` stays fast, and
+the work starts in :func:`run`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Callable
+
+from scaleloop.config import TrainConfig, coerce, flag, load_toml, resolve
+from scaleloop.errors import UsageError
+from scaleloop.verify.options import CHECKS, DEFAULT_STEPS, VerifyOptions, parse_checks
+
+DESCRIPTION = (
+    "Prove on your own model that N processes train the same model as one. Runs --steps K "
+    "optimizer steps as 1 process with the global --batch-size B and as --nproc N processes "
+    "(default here: 2, with --strategy ddp), compares every step's loss, parameters and "
+    "gradients against tolerances for the --precision, and names the cause when they differ "
+    "(BatchNorm without --sync-batchnorm, dropout, a loss normalised per micro-batch, unused "
+    "parameters, padded samples). --check sync hashes every tensor on every rank; --check data "
+    "audits each rank's batches and each epoch's coverage; --explain shows one step rank by "
+    "rank. Exit code: 0 pass, 1 fail, 2 bad input.")
+
+
+def add_parser(subparsers: Any, parser_class: type, add_config_flags: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
+    """Register ``verify`` on the CLI's ``subparsers``; ``add_config_flags`` adds the TrainConfig flags.
+
+    ``parser_class`` is the CLI's parser class (one-line errors, exit 2); the subparsers must
+    have been created with it, so that bad verify flags are reported like any other.
+    """
+    parser = subparsers.add_parser(
+        "verify", help="check that N processes train the same model as 1, and show what each rank does",
+        description=DESCRIPTION)
+    if not isinstance(parser, parser_class):
+        raise TypeError(f"create the subparsers with parser_class={parser_class.__name__}")
+    group = parser.add_argument_group("verify")
+    group.add_argument("--config", metavar="FILE", help="TOML file of settings (as for train)")
+    group.add_argument("--steps", type=int, default=DEFAULT_STEPS, metavar="K",
+                       help=f"optimizer steps to compare (default: {DEFAULT_STEPS})")
+    group.add_argument("--check", action="append", metavar="CHECK",
+                       help=f"what to check: {', '.join(CHECKS)}, or all; repeat or comma-separate "
+                            "(default: equivalence)")
+    group.add_argument("--explain", nargs="?", type=int, const=1, default=None, metavar="STEP",
+                       help="print a per-rank account of step STEP (default 1): samples, local loss, the "
+                            "first layer's gradient norm before and after synchronisation")
+    group.add_argument("--loss", metavar="PKG.MODULE:FN",
+                       help="your loss, fn(output, target) -> the mean loss over the batch (default: the "
+                            "built-in loss for the data's task)")
+    group.add_argument("--tolerance", type=float, metavar="X",
+                       help="largest parameter difference, relative to the largest weight, that counts as "
+                            "equal (default: 1e-5 fp32, 1e-2 bf16, 5e-3 fp16; loss and gradient tolerances "
+                            "scale with it)")
+    group.add_argument("--report", metavar="DIR",
+                       help="keep everything recorded (per-step parameters and gradients of both runs, "
+                            "the workers' log) in DIR (default: a temporary directory)")
+    add_config_flags(parser)
+    return parser
+
+
+def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return {k: coerce(k, v, flag(k)) for k, v in vars(args).items() if k in names}
+
+
+def resolve_verify(args: argparse.Namespace) -> tuple[TrainConfig, VerifyOptions]:
+    """The distributed run's config and the verify options, validated; UsageError for bad input."""
+    from scaleloop import dist
+
+    if dist.launched_by_torchrun() or dist.launched_by_slurm():
+        raise UsageError("scaleloop verify starts its own worker processes; run it as one plain process, "
+                         "not under torchrun or srun")
+    values = {**(load_toml(args.config) if args.config else {}), **_flag_values(args)}
+    strategy = values.get("strategy", "auto")
+    if strategy == "single":
+        raise UsageError("--strategy single has nothing to compare with one process; use ddp, allreduce or dp")
+    if strategy != "dp":
+        # Verify's defaults where train's do not fit: a comparison needs several processes.
+        values.setdefault("nproc", 2)
+        values["strategy"] = "ddp" if strategy == "auto" else strategy
+    values.update(max_restarts=0, progress=False)
+    cfg = resolve({}, values)  # checks every value, and that the batch splits over ranks
+    if cfg.nnodes > 1:
+        raise UsageError("scaleloop verify runs on one machine: drop --nnodes (use --nproc N)")
+    if cfg.strategy != "dp" and cfg.nproc < 2:
+        raise UsageError(f"--nproc {cfg.nproc} would compare one process with itself; use --nproc 2 or more")
+    opts = VerifyOptions(steps=args.steps, checks=parse_checks(args.check), explain_step=args.explain,
+                         loss=args.loss, tolerance=args.tolerance, report=args.report).validate()
+    return cfg, opts
+
+
+def run(args: argparse.Namespace) -> int:
+    """Execute ``scaleloop verify``: 0 if every check passed, 1 if one failed (UsageError: bad input)."""
+    cfg, opts = resolve_verify(args)
+    from scaleloop.loop import preflight
+    from scaleloop.plugins import resolve_factory
+    from scaleloop.verify.command import verify
+
+    preflight(cfg)
+    if opts.loss is not None:
+        resolve_factory(opts.loss, "loss")
+    return verify(cfg, opts)

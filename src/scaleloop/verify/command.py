@@ -1,0 +1,301 @@
+"""``scaleloop verify`` from start to verdict: reference run, distributed run, checks, report.
+
+1. The one-process reference trains K steps here, in this process, recording every step.
+2. N workers train the same K steps under torchrun (``nn.DataParallel`` runs here instead);
+   their rank 0 records the same things, plus what every rank saw.
+3. The records are compared (``compare``), the data audited (``data``), the replicas' hashes
+   checked (``sync``), a step explained (``explain``); on failure, the cause is named
+   (``probes`` + ``diagnose``).
+
+Everything recorded lies in a report directory: a temporary one, or ``--report DIR`` to keep it.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from scaleloop.config import TrainConfig, to_toml
+from scaleloop.data.info import Datasets
+from scaleloop.data.sampler import StepPlan
+from scaleloop.devices import resolve_device
+from scaleloop.dist import DistEnv
+from scaleloop.errors import UsageError
+from scaleloop.strategies import make_strategy
+from scaleloop.verify import data as data_check
+from scaleloop.verify.compare import compare_runs, tolerance_for
+from scaleloop.verify.diagnose import Cause, fallback, failure_cause, name_causes, piece_groups
+from scaleloop.verify.explain import format_explain
+from scaleloop.verify.launch import start_workers, worker_errors
+from scaleloop.verify.layout import CONFIG_FILE, OPTIONS_FILE, distributed_dir, reference_dir
+from scaleloop.verify.loss import resolve_loss
+from scaleloop.verify.options import VerifyOptions
+from scaleloop.verify.probes import Probes, run_probes, unsynced_batchnorm
+from scaleloop.verify.recorder import RECORD_FILE, Recorder
+from scaleloop.verify.report import equivalence_verdict, format_table, rounding_note
+from scaleloop.verify.steps import RunSpec, build_data_and_model, run_steps
+from scaleloop.verify.sync import format_sync
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class Session:
+    """What every part of one verify run needs: settings, where files go, the data and model."""
+
+    cfg: TrainConfig
+    opts: VerifyOptions
+    root: Path
+    say: Say
+    device: torch.device
+    data: Datasets
+    model: nn.Module            # freshly initialised, as both runs start
+    world: int                  # ranks of the distributed run (GPUs for dp)
+    ref_accumulate: int         # micro-steps of the one-process reference
+
+
+@dataclass
+class Records:
+    """What the two runs recorded, and what the data they trained on says."""
+
+    reference: Optional[dict[str, Any]]
+    run: Optional[dict[str, Any]]
+    failures: list[dict[str, Any]]
+    step_problems: list[str]
+    content_problems: list[str]
+
+
+def verify(cfg: TrainConfig, opts: VerifyOptions, say: Say = print) -> int:
+    """Run the checks ``opts`` asks for on the run ``cfg`` describes; 0 if all pass, 1 if any fails."""
+    with _report_root(opts.report) as root:
+        (root / CONFIG_FILE).write_text(to_toml(cfg), encoding="utf-8")
+        opts.write(root / OPTIONS_FILE)
+        device = resolve_device(cfg.device)
+        if cfg.strategy == "dp":
+            make_strategy("dp", DistEnv(device=device))  # says what to do instead when there are no GPUs
+        data, model = build_data_and_model(cfg)
+        # BatchNorm sees micro-batches, so the reference must accumulate as the distributed run
+        # does (micro-step k covers the same samples for any number of ranks); otherwise one
+        # process takes the whole global batch at once, the plainest meaning of "the same training".
+        ref_accumulate = cfg.accumulate if unsynced_batchnorm(model) or cfg.sync_batchnorm else 1
+        session = Session(cfg, opts, root, say, device, data, model, _world(cfg), ref_accumulate)
+        _header(session)
+        reference, code = _run_both(session)
+        return _report(session, reference, code)
+
+
+@contextlib.contextmanager
+def _report_root(report: Optional[str]) -> Iterator[Path]:
+    if report is None:
+        with tempfile.TemporaryDirectory(prefix="scaleloop-verify-") as tmp:
+            yield Path(tmp)
+        return
+    root = Path(report)
+    if root.exists() and any(root.iterdir()) and not (root / OPTIONS_FILE).exists():
+        raise UsageError(f"--report {report}: the directory exists and is not a verify report; "
+                         "give a new or empty directory")
+    for old in (reference_dir(root), distributed_dir(root)):
+        shutil.rmtree(old, ignore_errors=True)  # a previous report's records, never the user's files
+    root.mkdir(parents=True, exist_ok=True)
+    yield root
+
+
+def _world(cfg: TrainConfig) -> int:
+    if cfg.strategy == "dp":
+        return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
+    return cfg.world_size
+
+
+def _load(path: Path) -> Optional[dict[str, Any]]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+
+
+def _header(s: Session) -> None:
+    cfg = s.cfg
+    s.say(f"verify: {cfg.model} on {s.data.info.name} ({len(s.data.train):,} training samples), global batch "
+          f"{cfg.batch_size}, {s.opts.steps} step(s), {cfg.precision}, {cfg.optimizer} lr {cfg.lr:g}, seed {cfg.seed}"
+          + (f", loss {s.opts.loss}" if s.opts.loss else ""))
+    if s.opts.needs_reference:
+        s.say(f"  reference:   1 process (single), accumulate {s.ref_accumulate}: "
+              f"{cfg.batch_size // s.ref_accumulate} samples per backward")
+    s.say(f"  distributed: {s.world} {'GPUs in 1 process' if cfg.strategy == 'dp' else 'processes'} ({cfg.strategy}), "
+          f"accumulate {cfg.accumulate}: {cfg.batch_size // (s.world * cfg.accumulate)} samples per rank per "
+          "backward" + (", --sync-batchnorm" if cfg.sync_batchnorm else ""))
+
+
+# --- the two runs ------------------------------------------------------------------------
+def _run_both(s: Session) -> tuple[Optional[dict[str, Any]], int]:
+    """The reference record (None if not needed) and the distributed run's exit code.
+
+    On the CPU the workers start first and the reference trains while they import torch (it
+    saves seconds); on an accelerator one after the other, so that the reference and rank 0
+    never hold the model on one device at the same time.
+    """
+    def reference() -> Optional[dict[str, Any]]:
+        return _run_reference(s) if s.opts.needs_reference else None
+
+    if s.cfg.strategy == "dp":
+        return reference(), _run_dataparallel(s)
+    indent: Say = lambda line: s.say(f"  {line}")
+    if s.device.type != "cpu":
+        ref = reference()
+        if s.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the reference's cached memory back before rank 0 needs it
+        with start_workers(s.cfg, s.root, indent) as proc:
+            return ref, proc.wait()
+    with start_workers(s.cfg, s.root, indent) as proc:
+        ref = reference()
+        return ref, proc.wait()
+
+
+def _run_reference(s: Session) -> dict[str, Any]:
+    env = DistEnv(device=s.device)
+    recorder = Recorder(env, reference_dir(s.root), explain_step=s.opts.explain_step)
+    try:
+        run_steps(s.cfg, env, RunSpec("single", s.ref_accumulate, s.opts.steps, s.opts.loss), recorder)
+    except UsageError:
+        raise
+    except Exception as exc:  # the user's model or loss fails on its own: nothing to compare
+        raise UsageError(f"the one-process reference run failed at step {recorder.step}: "
+                         f"{type(exc).__name__}: {exc}") from None
+    record = _load(reference_dir(s.root) / RECORD_FILE)
+    assert record is not None
+    return record
+
+
+def _run_dataparallel(s: Session) -> int:
+    """The distributed side for ``dp``: nn.DataParallel over every GPU, in this process."""
+    env = DistEnv(device=s.device)
+    recorder = Recorder(env, distributed_dir(s.root), explain_step=s.opts.explain_step,
+                        audit_data="data" in s.opts.checks, check_sync="sync" in s.opts.checks)
+    try:
+        run_steps(s.cfg, env, RunSpec("dp", s.cfg.accumulate, s.opts.steps, s.opts.loss), recorder)
+    except UsageError:
+        raise
+    except Exception as exc:
+        recorder.fail(exc)
+        return 1
+    return 0
+
+
+# --- the report --------------------------------------------------------------------------
+def _report(s: Session, reference: Optional[dict[str, Any]], code: int) -> int:
+    run_dir = distributed_dir(s.root)
+    run = _load(run_dir / RECORD_FILE)
+    failures = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(run_dir.glob("failure-rank*.json"))]
+    if run is None and not failures:
+        s.say(f"verdict: FAIL - the worker processes failed (exit code {code}) before recording anything:")
+        for line in worker_errors(s.root):
+            s.say(f"  {line}")
+        return 1
+    ranks = run["ranks"] if run else []
+    ref_micro = reference["ranks"][0]["micro"] if reference else []
+    records = Records(reference, run, failures,
+                      data_check.step_mismatches(ref_micro, ranks, s.opts.steps) if reference else [],
+                      data_check.content_mismatches(s.data.train, ranks))
+
+    results: list[tuple[str, bool]] = []
+    if "equivalence" in s.opts.checks and reference is not None:
+        results.append(("equivalence", _equivalence(s, records)))
+    elif failures:
+        s.say("verdict: FAIL")
+        for line in failure_cause(failures).lines():
+            s.say(line)
+        results.append(("run", False))
+    if run is not None and "data" in s.opts.checks:
+        results.append(("data", _data(s, records)))
+    if run is not None and "sync" in s.opts.checks and run.get("sync") is not None:
+        passed, lines = format_sync(run["sync"], run["steps_done"])
+        for line in lines:
+            s.say(line)
+        results.append(("sync", passed))
+    if run is not None and s.opts.explain_step is not None:
+        for line in format_explain(s.opts.explain_step, run, reference):
+            s.say(line)
+    failed = [name for name, ok in results if not ok]
+    summary = "; ".join(f"{name} {'passed' if ok else 'FAILED'}" for name, ok in results)
+    s.say(f"verify: {'FAIL' if failed else 'PASS'} ({summary})"
+          + (f"; records kept in {s.root}" if s.opts.report else ""))
+    return 1 if failed else 0
+
+
+def _equivalence(s: Session, r: Records) -> bool:
+    """The step table and verdict; on failure, the named causes."""
+    assert r.reference is not None
+    tol = tolerance_for(s.cfg.precision, s.opts.tolerance)
+    run_losses = r.run["losses"] if r.run else (min(r.failures, key=lambda f: f["rank"]).get("losses") or [])
+    rows = compare_runs(reference_dir(s.root), distributed_dir(s.root), r.reference["losses"], run_losses,
+                        s.opts.steps, tol)
+    for line in format_table(rows, s.world, tol):
+        s.say(line)
+    s.say(f"  {tol.describe()}")
+    note = rounding_note(rows, tol, s.cfg.optimizer)
+    if note:
+        s.say(note)
+    passed, verdict = equivalence_verdict(rows, s.opts.steps, s.world, s.cfg.strategy, tol, bool(r.failures))
+    s.say(verdict)
+    if passed:
+        return True
+    causes: list[Cause] = [failure_cause(r.failures)] if r.failures else []
+    no_grad = sorted({n for rank in (r.run["ranks"] if r.run else []) for names in rank["no_grad"].values()
+                      for n in names}
+                     | {n for f in r.failures for names in f.get("no_grad_before", {}).values() for n in names})
+    step_samples = len(data_check.step_indices(r.reference["ranks"][0]["micro"], 1))
+    named = name_causes(s.cfg, world=s.world, accumulate=s.cfg.accumulate, step_samples=step_samples,
+                        probes=_probe(s, r.reference), step_problems=r.step_problems,
+                        content_problems=r.content_problems, no_grad=no_grad)
+    causes += named
+    if not named:
+        bad = next((row for row in rows if row.failures(tol)), None)
+        causes.append(fallback(s.cfg, f"step {bad.step}, {bad.worst_param}" if bad else None))
+    s.say("diagnosis:")
+    for cause in causes:
+        for line in cause.lines():
+            s.say(line)
+    return False
+
+
+def _probe(s: Session, reference: dict[str, Any]) -> Optional[Probes]:
+    """Run the probes on the first step's batch; None when that batch cannot be rebuilt."""
+    indices = data_check.step_indices(reference["ranks"][0]["micro"], 1)
+    if not indices:
+        return None
+    x, y = data_check.load_samples(s.data.train, indices)
+    x, y = (t.to(s.device) if isinstance(t, torch.Tensor) else t for t in (x, y))
+    groups = piece_groups(len(indices), s.world, s.cfg.accumulate, s.ref_accumulate)
+    return run_probes(s.model.to(s.device), resolve_loss(s.opts.loss, s.data.info), x, y, groups)
+
+
+def _data(s: Session, r: Records) -> bool:
+    """``--check data``: the per-rank batch digests, the steps against the reference, the coverage."""
+    assert r.run is not None
+    ranks, n = r.run["ranks"], r.run["n_samples"]
+    s.say("data: SHA-256 of every batch each rank trained on, checked against the dataset's samples at its indices")
+    for line in data_check.batch_table(ranks, s.data.train, r.run["accumulate"]):
+        s.say(line)
+    mismatches = r.content_problems + data_check.content_mismatches(s.data.train, ranks, key="audit")
+    batches = sum(len(rank["micro"]) + len(rank["audit"]) for rank in ranks)
+    s.say("  content: " + (f"every one of {batches} batches matches" if not mismatches else f"MISMATCH: {mismatches[0]}"))
+    if r.reference is not None:
+        s.say("  steps: " + ("each step's samples over all ranks are exactly those 1 process trains on"
+                             if not r.step_problems else f"MISMATCH: {r.step_problems[0]}"))
+    passed = not mismatches and not r.step_problems
+    planned = StepPlan(n, s.cfg.batch_size, world_size=s.world, accumulate=s.cfg.accumulate,
+                       drop_last=s.cfg.drop_last).dropped_per_epoch
+    s.say("coverage: which samples each epoch used, over all ranks")
+    for epoch in sorted({m["epoch"] for rank in ranks for m in rank["audit"]}):
+        cov = data_check.coverage((m["indices"] for rank in ranks for m in rank["audit"] if m["epoch"] == epoch),
+                                  n, epoch)
+        ok, line = data_check.format_coverage(cov, s.world, planned)
+        passed &= ok
+        s.say(line)
+    s.say(data_check.format_sampler_comparison(n, s.world, s.cfg.seed))
+    s.say(f"data verdict: {'PASS' if passed else 'FAIL'}")
+    return passed

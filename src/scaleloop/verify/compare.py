@@ -1,0 +1,199 @@
+"""Step-by-step comparison of the reference run with the distributed run, and its tolerances.
+
+Two runs that do the same arithmetic in a different order (N partial sums all-reduced instead
+of one sum) differ by rounding only. The tolerances below bound that rounding, per precision,
+relative to the size of what is compared, so that a real difference (a wrong normalisation,
+per-rank BatchNorm statistics) stands far above them:
+
+- loss: ``|loss_1 - loss_N| / |loss_1|``;
+- parameters after each step: ``max |p_1 - p_N|`` over all parameters, divided by the largest
+  ``|p_1|`` (a difference measured against the scale of the weights);
+- gradients of each step: ``max |g_1 - g_N|`` divided by the largest ``|g_1|`` of that step.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from scaleloop.verify.recorder import step_file
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Largest relative differences that still count as equal (see the module docstring).
+
+    ``first_grads`` bounds the gradients of step 1, which both runs compute from the same
+    weights; ``grads`` those of later steps, computed from weights that already differ by
+    rounding (the same for fp32).
+    """
+
+    precision: str
+    loss: float
+    params: float
+    grads: float
+    first_grads: float
+
+    def grads_at(self, step: int) -> float:
+        return self.first_grads if step == 1 else self.grads
+
+    def describe(self) -> str:
+        grads = (f"gradients {self.grads:.0e} of the largest gradient" if self.first_grads == self.grads else
+                 f"gradients {self.first_grads:.0e} of the largest gradient at step 1 (same weights), "
+                 f"{self.grads:.0e} after")
+        return (f"tolerance ({self.precision}): loss {self.loss:.0e} relative, parameters {self.params:.0e} "
+                f"of the largest weight, {grads}")
+
+
+# fp32: the summation-order rounding measured on the built-in models stays below ~1e-6 (loss,
+# parameters) and ~1e-5 of the largest gradient. Under autocast every matmul's output is rounded
+# to bf16 (8 mantissa bits, ~4e-3) or fp16 (11 bits, ~5e-4), and a kernel may round a batch of
+# 16 rows differently from one of 32: the gradients of step 1 differ by about one unit in the
+# last place (measured: bf16 3e-3, fp16 5e-4 of the largest gradient on ConvNet and SimpleNet),
+# so step 1 allows ~5-10 of them. From step 2 on the weights differ by rounding and a network
+# amplifies that where a ReLU or a max flips (measured up to 1e-1 by step 4), so later steps are
+# bounded loosely. BatchNorm without synchronisation differs by ~6e-2 at step 1: caught there.
+TOLERANCES = {
+    "fp32": Tolerance("fp32", loss=1e-5, params=1e-5, grads=1e-4, first_grads=1e-4),
+    "bf16": Tolerance("bf16", loss=2e-2, params=1e-2, grads=2e-1, first_grads=2e-2),
+    "fp16": Tolerance("fp16", loss=5e-3, params=5e-3, grads=1e-1, first_grads=5e-3),
+}
+
+
+def tolerance_for(precision: str, params: Optional[float] = None) -> Tolerance:
+    """The tolerances for ``precision``; ``params`` (``--tolerance``) scales all of them by params/default."""
+    base = TOLERANCES[precision]
+    if params is None:
+        return base
+    factor = params / base.params
+    return Tolerance(precision, loss=base.loss * factor, params=params, grads=base.grads * factor,
+                     first_grads=base.first_grads * factor)
+
+
+@dataclass(frozen=True)
+class StepDiff:
+    """How one step of the distributed run differs from the same step of the reference.
+
+    ``param_abs``/``param_rel`` leave out the parameter elements whose gradient has been at
+    rounding level (see :func:`compare_runs`); ``raw_param_rel`` includes them.
+    """
+
+    step: int
+    loss_ref: float
+    loss_run: float
+    param_abs: float
+    param_rel: float
+    worst_param: str
+    grad_rel: float
+    worst_grad: str
+    raw_param_rel: float = 0.0
+    excluded: int = 0
+    excluded_in: tuple[str, ...] = ()
+
+    @property
+    def loss_rel(self) -> float:
+        if math.isnan(self.loss_ref) or math.isnan(self.loss_run):
+            return math.inf
+        return abs(self.loss_ref - self.loss_run) / max(abs(self.loss_ref), 1e-12)
+
+    def failures(self, tol: Tolerance) -> list[str]:
+        """What exceeds the tolerance, in words (empty: this step matches)."""
+        out = []
+        if not self.loss_rel <= tol.loss:
+            out.append(f"loss {self.loss_rel:.2e} relative (tolerance {tol.loss:.0e})")
+        if not self.param_rel <= tol.params:
+            out.append(f"parameters {self.param_rel:.2e} of the largest weight (tolerance {tol.params:.0e}), "
+                       f"worst {self.worst_param}")
+        if not self.grad_rel <= tol.grads_at(self.step):
+            out.append(f"gradients {self.grad_rel:.2e} of the largest gradient (tolerance "
+                       f"{tol.grads_at(self.step):.0e}), worst {self.worst_grad}")
+        return out
+
+
+Tensors = dict[str, torch.Tensor]
+
+
+def _pair(ref: Tensors, run: Tensors, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both sides of ``name`` in float64; a side that lacks it (no gradient) counts as zeros."""
+    a, b = ref.get(name), run.get(name)
+    a = a.double() if a is not None else torch.zeros_like(b, dtype=torch.float64)
+    b = b.double() if b is not None else torch.zeros_like(a)
+    return a, b
+
+
+def _floating(ref: Tensors, run: Tensors) -> list[str]:
+    names = list(ref) + [n for n in run if n not in ref]
+    return [n for n in names if (ref.get(n) if ref.get(n) is not None else run[n]).is_floating_point()]
+
+
+def tensor_diff(ref: Tensors, run: Tensors, skip: Optional[dict[str, torch.Tensor]] = None
+                ) -> tuple[float, float, str]:
+    """(largest absolute difference, that divided by the largest ``|ref|``, the tensor holding it).
+
+    ``skip`` masks (True: leave out) elements of some tensors. A tensor missing on one side
+    counts as zeros there; tensors of different shapes differ infinitely.
+    """
+    scale, worst_abs, worst = 0.0, 0.0, ""
+    for name in _floating(ref, run):
+        if name in ref and name in run and ref[name].shape != run[name].shape:
+            return math.inf, math.inf, name
+        a, b = _pair(ref, run, name)
+        if not a.numel():
+            continue
+        scale = max(scale, float(a.abs().max()))
+        d = (a - b).abs()
+        if skip is not None and name in skip:
+            d = d.masked_fill(skip[name], 0.0)
+        top = float(d.max())
+        if not top <= worst_abs:  # also catches NaN
+            worst_abs, worst = top, name
+    if math.isnan(worst_abs):
+        return math.inf, math.inf, worst
+    return worst_abs, worst_abs / scale if scale > 0 else (0.0 if worst_abs == 0 else math.inf), worst
+
+
+def rounding_level(ref: Tensors, run: Tensors, grad_tol: float) -> dict[str, torch.Tensor]:
+    """Gradient elements indistinguishable from rounding noise in this step (True), per parameter.
+
+    Adam-like optimizers step by ``g / (sqrt(v) + eps)``: a gradient that is pure rounding
+    noise (a bias followed by BatchNorm, whose true gradient is zero) becomes a full-size step
+    whose sign the noise decides, so 1 and N processes move it differently although their
+    gradients agree. Such elements: ``|g| <=`` 10x the largest gradient difference of the step
+    (capped at the gradient tolerance) in both runs, unless it is exactly zero in both.
+    """
+    names = [n for n in _floating(ref, run) if not (n in ref and n in run and ref[n].shape != run[n].shape)]
+    pairs = {n: _pair(ref, run, n) for n in names}
+    noise = max((float((a - b).abs().max()) for a, b in pairs.values() if a.numel()), default=0.0)
+    scale = max((float(a.abs().max()) for a, _ in pairs.values() if a.numel()), default=0.0)
+    floor = min(10 * noise, grad_tol * scale)
+    return {n: (a.abs() <= floor) & (b.abs() <= floor) & ~((a == 0) & (b == 0)) for n, (a, b) in pairs.items()}
+
+
+def compare_runs(ref_dir: Path, run_dir: Path, ref_losses: list[float], run_losses: list[float],
+                 steps: int, tol: Tolerance) -> list[StepDiff]:
+    """One ``StepDiff`` per step both runs finished (at most ``steps``).
+
+    Parameter elements whose gradient was at rounding level in this or an earlier step are left
+    out of ``param_rel`` (see :func:`rounding_level`); a real difference between the runs shows
+    in the loss and the gradients, which are always compared in full.
+    """
+    rows: list[StepDiff] = []
+    noisy: dict[str, torch.Tensor] = {}
+    for step in range(1, steps + 1):
+        a, b = step_file(ref_dir, step), step_file(run_dir, step)
+        if not (a.exists() and b.exists()) or step > min(len(ref_losses), len(run_losses)):
+            break
+        ref = torch.load(a, weights_only=True)
+        run = torch.load(b, weights_only=True)
+        for name, mask in rounding_level(ref["grads"], run["grads"], tol.grads_at(step)).items():
+            noisy[name] = noisy[name] | mask if name in noisy and noisy[name].shape == mask.shape else mask
+        p_abs, p_rel, p_worst = tensor_diff(ref["params"], run["params"], skip=noisy)
+        _, raw_rel, _ = tensor_diff(ref["params"], run["params"])
+        _, g_rel, g_worst = tensor_diff(ref["grads"], run["grads"])
+        excluded = tuple(n for n, m in noisy.items() if bool(m.any()))
+        rows.append(StepDiff(step, ref_losses[step - 1], run_losses[step - 1], p_abs, p_rel, p_worst,
+                             g_rel, g_worst, raw_rel, sum(int(noisy[n].sum()) for n in excluded), excluded))
+    return rows

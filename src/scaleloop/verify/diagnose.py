@@ -1,0 +1,127 @@
+"""Name the reason a distributed run differs from one process, from the evidence verify gathered.
+
+Each rule looks at one kind of evidence (the probes on the model and loss, the data the ranks
+recorded, a failed run's error, the gradients each rank did or did not get) and, where it
+applies, names the cause and says what to change. Order: what certainly breaks equality first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from scaleloop.config import TrainConfig
+from scaleloop.data.sampler import split_sizes
+from scaleloop.verify.probes import Probes
+
+
+@dataclass(frozen=True)
+class Cause:
+    """One named reason, with what was seen and what to do."""
+
+    title: str
+    detail: str
+
+    def lines(self) -> list[str]:
+        return [f"  - {self.title}: {self.detail}"]
+
+
+def piece_groups(step_samples: int, world: int, accumulate: int, ref_accumulate: int) -> list[list[int]]:
+    """Sizes of the distributed pieces (micro-step x rank), grouped by the reference's pieces.
+
+    The loader cuts a step into ``accumulate`` contiguous micro-steps and each into ``world``
+    contiguous rank blocks; the reference cuts it into ``ref_accumulate`` (1, or the same).
+    """
+    pieces = [split_sizes(m, world) for m in split_sizes(step_samples, accumulate)]
+    if ref_accumulate == accumulate:
+        return pieces
+    return [[s for p in pieces for s in p]]
+
+
+def _names(items: Sequence[str], k: int = 4) -> str:
+    return ", ".join(items[:k]) + (f" and {len(items) - k} more" if len(items) > k else "")
+
+
+def name_causes(cfg: TrainConfig, *, world: int, accumulate: int, step_samples: int,
+                probes: Optional[Probes], step_problems: Sequence[str] = (),
+                content_problems: Sequence[str] = (), no_grad: Sequence[str] = ()) -> list[Cause]:
+    """Every cause that applies, most certain first (empty: none of the known ones)."""
+    causes: list[Cause] = []
+    per_rank = step_samples // max(1, world * accumulate)
+    if content_problems:
+        causes.append(Cause(
+            "ranks loaded different data",
+            f"{content_problems[0]}{' (and more)' if len(content_problems) > 1 else ''}; every process must "
+            "build the same dataset: seed any randomness in the dataset factory, sort file lists"))
+    if step_problems:
+        causes.append(Cause(
+            "padded, duplicated or missing samples",
+            f"{step_problems[0]}{' (and more)' if len(step_problems) > 1 else ''}; a sampler that pads "
+            "(torch's DistributedSampler) repeats samples so that every rank gets as many: those count twice"))
+    if probes is not None and probes.batchnorm and not cfg.sync_batchnorm and world > 1:
+        fix = ("nn.DataParallel runs BatchNorm on each GPU's chunk and cannot synchronise it; use "
+               "--strategy ddp --sync-batchnorm" if cfg.strategy == "dp" else
+               "run with --sync-batchnorm (torch.nn.SyncBatchNorm on CUDA, scaleloop's GlobalBatchNorm on CPU)")
+        causes.append(Cause(
+            "BatchNorm without SyncBatchNorm",
+            f"{_names(probes.batchnorm)} normalise each rank's {per_rank} samples with their own mean and "
+            f"variance, while one process normalises all {step_samples // accumulate}; {fix}"))
+    if probes is not None and (probes.random or (probes.random is None and probes.dropout)):
+        what = ("random layers " + _names(probes.dropout) if probes.dropout
+                else "the forward pass draws random numbers")
+        causes.append(Cause(
+            "dropout or RNG differs per rank",
+            f"{what}; each rank seeds its generator with seed + rank, so its random masks are not those one "
+            "process draws for the same samples: exact equality cannot hold; verify with dropout set to 0 "
+            "(the same code path then proves the rest)"))
+    if probes is not None and probes.loss is not None and world * accumulate > 1:
+        split = probes.loss
+        pieces = f"the {split.pieces} pieces that {world} ranks x {accumulate} micro-step(s) compute"
+        if split.kind == "sum":
+            causes.append(Cause(
+                "loss summed over samples, not averaged",
+                f"a batch's loss ({split.whole:.6g}) is the sum of the losses of {pieces} ({split.total:.6g}), not "
+                "their sample-weighted mean; scaleloop weights each micro-batch's loss by its share of the step, "
+                f"as a mean needs, so the distributed gradient is 1/{world * accumulate} of one process's; "
+                "return the mean over the batch"))
+        elif split.kind == "other":
+            causes.append(Cause(
+                "loss normalised per micro-batch instead of per global batch",
+                f"a batch's loss ({split.whole:.6g}) is not the sample-weighted mean ({split.weighted_mean:.6g}) of "
+                f"the losses of {pieces}: the loss divides by a count of its own piece (valid tokens, "
+                "unmasked samples, ignore_index, per-batch weights), so each piece gets an equal say whatever "
+                "its count; divide the summed loss by the count over the whole global batch (all ranks and "
+                "micro-steps) instead, or weight every sample equally"))
+    unused = list(no_grad) or (probes.unused if probes is not None and probes.unused else [])
+    if unused:
+        causes.append(Cause(
+            "unused parameters",
+            f"{_names(unused)} got no gradient; DDP (without find_unused_parameters=True) stops at the next "
+            "step ('Expected to have finished reduction'), and the all-reduce strategy zero-fills them, which "
+            "still moves them under weight decay; remove them, freeze them (requires_grad=False), or use "
+            "them in every step"))
+    if (probes is not None and not probes.batchnorm and probes.coupling is not None
+            and probes.coupling > 1e-4 and world > 1):
+        causes.append(Cause(
+            "a layer couples the samples of a batch",
+            f"the model's outputs for the whole batch and for its per-rank pieces differ by "
+            f"{probes.coupling:.2e} of the largest output, and it has no BatchNorm: a layer uses statistics "
+            "of its batch; make it synchronise them over ranks, as --sync-batchnorm does for BatchNorm"))
+    return causes
+
+
+def fallback(cfg: TrainConfig, first_failure: Optional[str]) -> Cause:
+    """When no rule applies: where the runs part, and what else to look at."""
+    where = f"the runs part at {first_failure}" if first_failure else "the runs part"
+    hint = (f"; under {cfg.precision} rounding differs with the batch split: compare with --precision fp32"
+            if cfg.precision != "fp32" else
+            "; look for state that differs per rank (rank-dependent code, per-rank buffers) and run --check sync")
+    return Cause("no known cause found", where + hint)
+
+
+def failure_cause(failures: Sequence[dict[str, Any]]) -> Cause:
+    """The distributed run stopped: its first error, by rank and step."""
+    first = min(failures, key=lambda f: (f["step"], f["rank"]))
+    error = (first.get("error") or "?").splitlines()[0]
+    if len(error) > 240:
+        error = error[:240].rstrip() + " ..."
+    return Cause("the distributed run failed", f"rank {first['rank']} at step {first['step']}: {error}")

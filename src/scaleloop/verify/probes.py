@@ -1,0 +1,156 @@
+"""Small experiments on the user's own model and loss that name why N ranks can differ from one.
+
+Each probe runs on a deep copy, in one process, on the first step's batch, so it disturbs
+neither the model nor the random number generators of the runs being compared.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from scaleloop.strategies.syncbn import GlobalBatchNorm
+from scaleloop.verify.loss import Criterion
+
+
+def unsynced_batchnorm(model: nn.Module) -> list[str]:
+    """BatchNorm layers that normalise with the statistics of this process's batch only."""
+    return [f"{name} ({type(m).__name__})" for name, m in model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            and not isinstance(m, (GlobalBatchNorm, nn.SyncBatchNorm))]
+
+
+def dropout_layers(model: nn.Module) -> list[str]:
+    """Modules that drop activations at random in training (``nn.Dropout*``, or a ``dropout`` > 0 setting)."""
+    found = []
+    for name, m in model.named_modules():
+        p = m.p if isinstance(m, nn.modules.dropout._DropoutNd) else getattr(m, "dropout", None)
+        if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
+            found.append(f"{name or type(m).__name__} ({type(m).__name__}, p={p:g})")
+    return found
+
+
+def _rng_states(device: torch.device) -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def draws_random_numbers(model: nn.Module, x: torch.Tensor) -> bool:
+    """True if a training-mode forward pass consumes the global random number generator.
+
+    It catches what a module list cannot: ``F.dropout`` in a forward, attention dropout,
+    noise layers. Each rank seeds its generator with ``seed + rank``, so such draws differ.
+    """
+    probe = copy.deepcopy(model).train()
+    before = _rng_states(x.device)
+    with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), torch.no_grad():
+        probe(x)
+        after = _rng_states(x.device)
+    return any(not torch.equal(a, b) for a, b in zip(before, after))
+
+
+def unused_parameters(model: nn.Module, x: torch.Tensor, y: torch.Tensor, criterion: Criterion) -> list[str]:
+    """Parameters that get no gradient from one forward and backward (DDP fails on them by default)."""
+    probe = copy.deepcopy(model).train()
+    probe.zero_grad(set_to_none=True)
+    with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+        criterion(probe(x), y).backward()
+    return [n for n, p in probe.named_parameters() if p.requires_grad and p.grad is None]
+
+
+def batch_coupling(model: nn.Module, x: torch.Tensor, sizes: Sequence[int]) -> float:
+    """How much a sample's output depends on the rest of its batch (0: not at all).
+
+    The largest difference between the outputs for the whole batch and for its ``sizes``
+    pieces run separately, relative to the largest output, in training mode with the same
+    random draws. BatchNorm couples the samples of a batch; most layers do not.
+    """
+    probe = copy.deepcopy(model).train()
+    with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), torch.no_grad():
+        torch.manual_seed(0)
+        whole = probe(x).float()
+        torch.manual_seed(0)
+        parts = torch.cat([probe(p).float() for p in x.split(list(sizes))])
+    scale = float(whole.abs().max())
+    return float((whole - parts).abs().max()) / scale if scale > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class LossSplit:
+    """How the loss of a batch relates to the losses of the pieces the ranks compute.
+
+    ``kind``: ``mean`` (the batch loss is the sample-weighted mean of its pieces' losses: what
+    N ranks need), ``sum`` (the plain sum of them: a summed loss), ``other`` (neither: a loss
+    normalised per piece, such as a mean over each micro-batch's own valid tokens).
+    """
+
+    kind: str
+    whole: float
+    weighted_mean: float
+    total: float
+    pieces: int
+
+
+def loss_split(model: nn.Module, criterion: Criterion, x: torch.Tensor, y: torch.Tensor,
+               groups: Sequence[Sequence[int]], rtol: float = 1e-4) -> LossSplit:
+    """Compare the loss of each reference piece with the losses of its distributed pieces.
+
+    ``groups[i]`` lists the sizes of the distributed pieces (rank x micro-step) that make up
+    the i-th piece of the reference run (its micro-batches, or the whole step). The model's
+    outputs are computed once, in eval mode, so only the loss function is under test.
+    """
+    probe = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        out = probe(x).float()
+        mean_ok = sum_ok = True
+        worst = (0.0, 0.0, 0.0, 0.0)  # (deviation, whole, mean, sum)
+        start = 0
+        for sizes in groups:
+            n = sum(sizes)
+            whole = float(criterion(out[start:start + n], y[start:start + n]))
+            losses, offset = [], start
+            for size in sizes:
+                losses.append(float(criterion(out[offset:offset + size], y[offset:offset + size])))
+                offset += size
+            mean = sum(size / n * loss for size, loss in zip(sizes, losses))
+            total = sum(losses)
+            tol = rtol * max(abs(whole), 1e-6)
+            mean_ok &= abs(whole - mean) <= tol
+            sum_ok &= abs(whole - total) <= tol
+            if abs(whole - mean) >= worst[0]:
+                worst = (abs(whole - mean), whole, mean, total)
+            start += n
+    kind = "mean" if mean_ok else ("sum" if sum_ok else "other")
+    return LossSplit(kind, worst[1], worst[2], worst[3], sum(len(g) for g in groups))
+
+
+@dataclass(frozen=True)
+class Probes:
+    """Everything the probes found about one model and loss (None: the probe could not run)."""
+
+    batchnorm: list[str]
+    dropout: list[str]
+    random: Optional[bool]
+    unused: Optional[list[str]]
+    coupling: Optional[float]
+    loss: Optional[LossSplit]
+
+
+def run_probes(model: nn.Module, criterion: Criterion, x: object, y: object,
+               groups: Sequence[Sequence[int]]) -> Probes:
+    """All probes on ``model`` with the first step's batch ``(x, y)`` (tensors on the model's device).
+
+    Probes that must cut the batch into pieces need tensor inputs; for other inputs they are skipped.
+    """
+    tensors = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+    random = draws_random_numbers(model, x) if tensors else None
+    unused = unused_parameters(model, x, y, criterion) if tensors else None
+    flat = [s for g in groups for s in g]
+    coupling = batch_coupling(model, x, flat) if tensors and not random and len(flat) > 1 else None
+    split = loss_split(model, criterion, x, y, groups) if tensors and len(flat) > 1 else None
+    return Probes(unsynced_batchnorm(model), dropout_layers(model), random, unused, coupling, split)

@@ -1,0 +1,216 @@
+"""What one verify run records, on every rank, and how rank 0 writes it down.
+
+The training code (``steps.run_steps``) calls the recorder at fixed points of each step. Every
+rank records its own micro-batches (sample indices, a SHA-256 of the data, the local loss) and
+which parameters received a gradient; rank 0 also saves, after every optimizer step, all
+parameters and the synchronised gradients of that step. At the end the ranks' records are
+gathered to rank 0, which writes ``record.json`` next to the per-step ``step-NNNN.pt`` files.
+
+Every collective here (the step loss, the explained step's all-reduce, the final gathers) is
+called by every rank at the same point, so ranks never wait on each other forever.
+"""
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from scaleloop.data.loader import Batch, ShardedLoader
+from scaleloop.dist import DistEnv
+from scaleloop.strategies.base import Strategy
+from scaleloop.verify.hashing import digest, full_tensor
+from scaleloop.verify.sync import check_sync
+
+RECORD_FILE = "record.json"
+
+
+def step_file(run_dir: Path, step: int) -> Path:
+    """Where rank 0 saves the parameters (after) and gradients (of) optimizer step ``step`` (1-based)."""
+    return run_dir / f"step-{step:04d}.pt"
+
+
+def failure_file(run_dir: Path, rank: int) -> Path:
+    return run_dir / f"failure-rank{rank}.json"
+
+
+class Recorder:
+    """Records one process's view of a verify run; rank 0 writes it into ``out``."""
+
+    def __init__(self, env: DistEnv, out: Path, *, explain_step: Optional[int] = None,
+                 audit_data: bool = False, check_sync: bool = False) -> None:
+        self.env = env
+        self.out = out
+        self.explain_step = explain_step
+        self.audit_data = audit_data
+        self.check_sync = check_sync
+        self.step = 1                       # the optimizer step being trained (1-based)
+        self.losses: list[float] = []       # global loss of each finished step
+        self.micro: list[dict[str, Any]] = []
+        self.no_grad: dict[int, list[str]] = {}
+        self.explain: Optional[dict[str, Any]] = None
+        self.audit: list[dict[str, Any]] = []
+        self._sums = torch.zeros(2, dtype=torch.float64)
+        self._used: set[str] = set()
+        self._local: Optional[torch.Tensor] = None
+        self._grads: dict[str, torch.Tensor] = {}
+        # Whether the parameter hooks see this strategy's gradients (decided at step 1). FSDP
+        # computes gradients on gathered copies and writes only the reduced shard into .grad,
+        # so hooks on the sharded parameters never run: "unused" and "before sync" are unknown.
+        self.hooks_see_grads: Optional[bool] = None
+        self.strategy: Optional[Strategy] = None
+        self.module: Optional[nn.Module] = None
+        self.first_param = ""
+        if env.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+
+    # --- set-up ------------------------------------------------------------------------
+    def attach(self, strategy: Strategy, model: nn.Module) -> None:
+        """Watch the (wrapped) ``model``: a hook on each parameter sees its local gradient."""
+        self.strategy = strategy
+        self.module = strategy.unwrap(model)
+        trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self.first_param = trainable[0][0] if trainable else ""
+        for name, param in trainable:
+            param.register_hook(self._hook(name))
+
+    def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        # A tensor hook runs when this rank's backward has computed the parameter's gradient,
+        # before it is accumulated into .grad and before DDP's all-reduce (which hooks the
+        # accumulation): it is the local gradient, the one each rank would step with alone.
+        def hook(grad: torch.Tensor) -> None:
+            self._used.add(name)
+            if name == self.first_param and self.step == self.explain_step:
+                local = grad.detach().float().clone()
+                self._local = local if self._local is None else self._local + local
+        return hook
+
+    # --- during a step -----------------------------------------------------------------
+    def micro_batch(self, batch: Batch) -> None:
+        """Before the forward pass: which samples this rank trains on, and a digest of their data."""
+        x, y = batch
+        self.micro.append({"step": self.step, "epoch_step": batch.step, "micro": batch.plan.micro,
+                           "indices": batch.indices.tolist(), "sha": digest(x, y)})
+
+    def micro_loss(self, loss: torch.Tensor, batch: Batch) -> None:
+        """After backward: the micro-batch's loss, and its weight in the step's loss."""
+        value = float(loss.detach().float())
+        n = len(batch)
+        self.micro[-1].update(loss=value, n=n)
+        self._sums += torch.tensor([value * n, float(n)], dtype=torch.float64)
+
+    def synced(self) -> None:
+        """After the step's last backward, gradients synchronised: loss, unused parameters, gradients."""
+        strategy, module = self._attached()
+        total = strategy.reduce_sum(self._sums.to(self.env.device)).cpu()
+        self.losses.append(float(total[0] / total[1]) if float(total[1]) > 0 else float("nan"))
+        self._sums.zero_()
+        if self.hooks_see_grads is None:
+            fired = torch.tensor([1.0 if self._used else 0.0], device=self.env.device)
+            self.hooks_see_grads = float(strategy.reduce_sum(fired)) > 0  # the same answer on every rank
+        if self.hooks_see_grads:
+            trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+            self.no_grad[self.step] = [n for n in trainable if n not in self._used]
+        self._used.clear()
+        scale = self._grad_scale()
+        grads = {}
+        for name, param in module.named_parameters():
+            if param.grad is not None:
+                g = full_tensor(param.grad)
+                if self.env.is_main:
+                    grads[name] = (g.detach().float() / scale).cpu()
+        if self.step == self.explain_step:
+            self._explain(module, scale)
+        self._grads = grads
+
+    def stepped(self) -> None:
+        """After the optimizer step: rank 0 saves this step's parameters and gradients."""
+        _, module = self._attached()
+        params = {}
+        for name, param in module.named_parameters():
+            whole = full_tensor(param)  # every rank: gathering a sharded parameter is a collective
+            if self.env.is_main:
+                params[name] = whole.detach().cpu().clone()
+        if self.env.is_main:
+            torch.save({"params": params, "grads": self._grads}, step_file(self.out, self.step))
+        self._grads = {}
+        self.step += 1
+
+    def _grad_scale(self) -> float:
+        scaler = self._attached()[0].precision.scaler
+        return float(scaler.get_scale()) if scaler is not None else 1.0
+
+    def _explain(self, module: nn.Module, scale: float) -> None:
+        """The first layer's gradient before and after synchronisation, and an all-reduce by hand."""
+        strategy = self._attached()[0]
+        param = dict(module.named_parameters()).get(self.first_param)
+        if param is None:  # a model without trainable parameters: nothing to explain
+            return
+        local = (self._local / scale) if self._local is not None else None
+        synced = full_tensor(param.grad).detach().float() / scale if param.grad is not None else None
+        averaged = None
+        if self.hooks_see_grads:
+            # What the strategy should have done, done here explicitly: sum every rank's local
+            # gradient and divide by the number of ranks.
+            # (a DTensor's .shape is the whole parameter's: no collective needed here)
+            mine = local if local is not None else torch.zeros(tuple(param.shape))
+            averaged = strategy.reduce_sum(mine.clone().to(self.env.device)) / self.env.world_size
+        self.explain = {
+            "param": self.first_param,
+            "local_norm": float(local.norm()) if local is not None else None,
+            "synced_norm": float(synced.norm()) if synced is not None else None,
+            "allreduced_norm": float(averaged.norm()) if averaged is not None else None,
+            "synced_vs_allreduced": (float((synced.to(averaged.device) - averaged).abs().max())
+                                     if synced is not None and averaged is not None else None),
+            "writes_files": bool(self.env.is_main),
+            # A sharded strategy has every rank write its part of each checkpoint.
+            "writes_checkpoint_shard": bool(getattr(strategy, "sharded_checkpoint", False)),
+        }
+        self._local = None
+
+    # --- after the last step -----------------------------------------------------------
+    def audit_epochs(self, loader: ShardedLoader, epochs: int) -> None:
+        """Every batch this rank's loader gives over ``epochs`` whole epochs: indices and digest."""
+        for epoch in range(epochs):
+            loader.set_epoch(epoch)
+            for batch in loader:
+                x, y = batch
+                self.audit.append({"epoch": epoch, "step": batch.step, "micro": batch.plan.micro,
+                                   "indices": batch.indices.tolist(), "sha": digest(x, y)})
+
+    def finish(self, loader: ShardedLoader, epochs_touched: int) -> None:
+        """Audit the data if asked, hash every tensor on every rank, gather all to rank 0, write."""
+        strategy, module = self._attached()
+        if self.audit_data:
+            self.audit_epochs(loader, max(1, epochs_touched))
+        sync = check_sync(strategy, module) if self.check_sync else None
+        mine = {"rank": self.env.rank, "micro": self.micro, "no_grad": self.no_grad,
+                "explain": self.explain, "audit": self.audit}
+        ranks = strategy.gather_object(mine)
+        if not self.env.is_main:
+            return
+        record = {"world_size": self.env.world_size, "strategy": strategy.describe(),
+                  "accumulate": strategy.accumulate_steps, "steps_done": len(self.losses),
+                  "losses": self.losses, "first_param": self.first_param,
+                  "n_samples": len(loader.dataset), "ranks": ranks, "sync": sync}
+        (self.out / RECORD_FILE).write_text(json.dumps(record), encoding="utf-8")
+
+    def fail(self, exc: BaseException) -> None:
+        """Write what this rank knows about a failed run (no collectives: the others may be gone)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        names = [n for n, p in self.module.named_parameters() if p.requires_grad] if self.module is not None else []
+        record = {"rank": self.env.rank, "step": self.step, "steps_done": len(self.losses),
+                  "losses": self.losses, "first_param": self.first_param,
+                  "error": f"{type(exc).__name__}: {exc}".strip(),
+                  "traceback": traceback.format_exc(),
+                  "no_grad": [n for n in names if n not in self._used] if self._used and self.hooks_see_grads else [],
+                  "no_grad_before": self.no_grad}
+        failure_file(self.out, self.env.rank).write_text(json.dumps(record), encoding="utf-8")
+
+    def _attached(self) -> tuple[Strategy, nn.Module]:
+        if self.strategy is None or self.module is None:
+            raise RuntimeError("Recorder.attach(strategy, model) must be called first")
+        return self.strategy, self.module

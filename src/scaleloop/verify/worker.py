@@ -1,0 +1,51 @@
+"""The program each worker process runs when ``scaleloop verify`` starts them under torchrun.
+
+Not for users: ``python -m scaleloop.verify.worker REPORT_DIR`` reads the resolved settings the
+verify command wrote into ``REPORT_DIR``, trains the K steps on this rank and records them
+(rank 0 writes). A failure is written to ``failure-rank<R>.json`` for the parent to diagnose,
+and the worker exits with 1 so that torchrun stops the other ranks at once.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from scaleloop.config import load_toml, resolve
+from scaleloop.dist import DistEnv, destroy_process_group, init_process_group
+from scaleloop.verify.layout import CONFIG_FILE, OPTIONS_FILE, distributed_dir
+from scaleloop.verify.options import VerifyOptions
+from scaleloop.verify.recorder import Recorder
+from scaleloop.verify.steps import RunSpec, run_steps
+
+# A rank that fails leaves the others waiting in a collective; torchrun ends them when the
+# failed one exits, and this bounds the wait should that not happen.
+COLLECTIVE_TIMEOUT_S = 120.0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m scaleloop.verify.worker REPORT_DIR (started by scaleloop verify)", file=sys.stderr)
+        return 2
+    root = Path(args[0])
+    cfg = resolve(load_toml(root / CONFIG_FILE), {})
+    opts = VerifyOptions.read(root / OPTIONS_FILE)
+    env = DistEnv.from_env(device=cfg.device, backend=cfg.backend)
+    init_process_group(env, timeout_s=COLLECTIVE_TIMEOUT_S)
+    recorder = Recorder(env, distributed_dir(root), explain_step=opts.explain_step,
+                        audit_data="data" in opts.checks, check_sync="sync" in opts.checks)
+    try:
+        run_steps(cfg, env, RunSpec(cfg.strategy, cfg.accumulate, opts.steps, opts.loss), recorder)
+    except Exception as exc:  # recorded for the parent's diagnosis, then a plain non-zero exit
+        recorder.fail(exc)
+        print(f"scaleloop verify: rank {env.rank} failed at step {recorder.step}: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
+        return 1
+    finally:
+        destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
