@@ -12,6 +12,7 @@ from typing import Any, NoReturn, Optional, Sequence
 
 from scaleloop.config import TrainConfig, coerce, field_types, flag, load_toml, resolve, to_toml
 from scaleloop.errors import UsageError
+from scaleloop.bench.cli import add_parser as add_bench_parser, run as run_bench
 from scaleloop.verify.cli import add_parser as add_verify_parser, run as run_verify
 
 EXIT_USAGE = 2
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(tune)
 
     add_verify_parser(sub, _Parser, _add_config_flags)
+    add_bench_parser(sub, _Parser)
 
     sub.add_parser("env", help="what this machine offers: torch, devices, backends, runnable strategies",
                    description="Report Python, torch, CUDA/NCCL/Gloo/MPS availability, devices, CPU "
@@ -221,6 +223,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return cmd_tune_batch(args)
         if args.command == "verify":
             return run_verify(args)
+        if args.command == "bench":
+            return run_bench(args)
         return cmd_env(args)
     except UsageError as exc:
         print(f"scaleloop: error: {exc}", file=sys.stderr)

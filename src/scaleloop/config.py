@@ -22,7 +22,7 @@ else:  # pragma: no cover - exercised only on 3.10
 from scaleloop.batching import check_batch_split
 from scaleloop.errors import UsageError
 
-STRATEGIES = ("auto", "single", "dp", "ddp", "allreduce")
+STRATEGIES = ("auto", "single", "dp", "ddp", "allreduce", "fsdp")
 BACKENDS = ("gloo", "nccl")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw", "sgd")

@@ -14,8 +14,8 @@ from typing import Any
 
 __all__ = ["collect_env", "format_env", "STRATEGY_NAMES"]
 
-# The strategies scaleloop implements (fsdp and pipeline join when they land).
-STRATEGY_NAMES: tuple[str, ...] = ("single", "dp", "ddp", "allreduce")
+# The strategies scaleloop implements (pipeline joins when it lands).
+STRATEGY_NAMES: tuple[str, ...] = ("single", "dp", "ddp", "allreduce", "fsdp")
 
 
 def _importable(module: str, attr: str | None = None) -> bool:
@@ -54,7 +54,7 @@ def _nccl_version(torch: Any) -> str | None:
     return str(version)
 
 
-def _strategies(gpu_count: int, gloo: bool, nccl: bool) -> dict[str, tuple[bool, str]]:
+def _strategies(gpu_count: int, gloo: bool, nccl: bool, fsdp_api: bool = True) -> dict[str, tuple[bool, str]]:
     backend = gloo or nccl
     if gloo and nccl and gpu_count:
         process_note = f"one process per GPU via NCCL ({gpu_count} here), or N on CPU via Gloo"
@@ -78,6 +78,9 @@ def _strategies(gpu_count: int, gloo: bool, nccl: bool) -> dict[str, tuple[bool,
         "dp": (gpu_count >= 1, dp_reason),
         "ddp": (backend, process_note),
         "allreduce": (backend, process_note),
+        "fsdp": (backend and fsdp_api,
+                 ("FSDP2 fully_shard: " + process_note) if fsdp_api
+                 else "needs torch.distributed.fsdp.fully_shard (FSDP2), missing from this torch"),
     }
 
 
@@ -140,7 +143,7 @@ def collect_env() -> dict[str, object]:
         "bf16_cpu": True,
         "bf16_cuda": bf16_cuda,
         "best_device": best_device,
-        "strategies": _strategies(len(gpus), gloo, nccl),
+        "strategies": _strategies(len(gpus), gloo, nccl, fsdp_api),
     }
 
 

@@ -1,6 +1,7 @@
 """Exact evaluation: every test sample counted once, whatever the world size."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -33,21 +34,38 @@ def evaluate(model: nn.Module, dataset: Dataset, info: DataInfo, strategy: Strat
     on how the samples were cut into ranks and batches; the sums of loss, correct predictions
     and predictions are then added over ranks. ``loss`` is the mean per prediction (per token
     for language models), as in training.
+
+    Every rank must call it. With a strategy whose forward pass is a collective (FSDP), ranks
+    with fewer local batches run filler forwards so that all ranks run the same number.
     """
     env = strategy.env
     n = len(dataset)
+    mine = shard_indices(n, env)
     was_training = model.training
     model.eval()
+    strategy.sync_buffers(model)
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
     correct = total = 0
+    extra = 0
+    if strategy.collective_forward:
+        # Each forward is a collective (FSDP gathers parameters in it), so a rank with fewer
+        # batches (or none) runs as many more as it lacks, on one sample whose output is
+        # discarded: the results are those of the real batches only.
+        own = math.ceil(len(mine) / batch_size)
+        extra = max(strategy.gather_object(own)) - own
     with torch.no_grad():
-        for x, y in _batches(dataset, shard_indices(n, env), batch_size, env.device):
+        for x, y in _batches(dataset, mine, batch_size, env.device):
             with strategy.autocast():
                 out = model(x)
             loss_sum += _loss_sum(info, out, y)
             c, t = correct_count(info, out, y)
             correct += c
             total += t
+        if extra > 0:
+            filler, _ = next(_batches(dataset, range(0, 1), 1, env.device))
+            for _ in range(extra):
+                with strategy.autocast():
+                    model(filler)
     model.train(was_training)
     # A rank with no samples (fewer samples than ranks) still joins the reduction.
     sums = torch.stack([loss_sum, torch.tensor(float(correct), dtype=torch.float64, device=env.device),

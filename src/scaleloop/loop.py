@@ -24,6 +24,7 @@ from scaleloop.devices import describe_device
 from scaleloop.dist import DistEnv, restart_count
 from scaleloop.errors import UsageError
 from scaleloop.evaluate import EvalResult, evaluate
+from scaleloop.memory import MemoryProbe, RankMemory, measure, write_json
 from scaleloop.metrics import MetricsLogger, plot_curves
 from scaleloop.models import build_model, count_parameters
 from scaleloop.precision import Precision
@@ -63,6 +64,7 @@ class RunResult:
     checkpoint_s: float = 0.0
     last_checkpoint: Optional[Path] = None
     resumed_from: Optional[Path] = None
+    memory: tuple[RankMemory, ...] = ()
 
 
 def seed_everything(seed: int) -> None:
@@ -197,6 +199,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
         sums.copy_(resumed.sums)
     epoch_loss, window = sums[0:2], sums[2:4]
     window_start, window_samples = time.perf_counter(), 0
+    probe = MemoryProbe()  # gradients exist only between backward and the optimizer step
     train_loss = float("nan")
     step_lr = optimizer.param_groups[0]["lr"]
     test: Optional[EvalResult] = None
@@ -235,6 +238,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
                     continue
                 if cfg.clip_grad is not None:
                     strategy.clip_grad_norm(model, optimizer, cfg.clip_grad)
+                probe.see_gradients(model)
                 strategy.optimizer_step(optimizer)
                 step_lr = optimizer.param_groups[0]["lr"]  # the rate this step used
                 scheduler.step()
@@ -298,13 +302,18 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     if test is None and data.test is not None and len(data.test):
         test = evaluate(model, data.test, info, strategy)  # nothing trained: report the checkpoint's model
 
-    # 6. Results: final weights (of the user's own module, without wrappers) and curves.
+    # 6. Results: final weights (of the user's own module, without wrappers, unsharded: a
+    #    collective for a sharded strategy), memory per rank, and curves.
+    final_weights = strategy.full_state_dict(model)
+    memory = tuple(strategy.gather_object(measure(model, optimizer, env.rank, env.device, probe.gradients)))
+    strategy.close()
     if run_dir is not None:
         import io
 
         buf = io.BytesIO()
-        torch.save(strategy.unwrap(model).state_dict(), buf)
+        torch.save(final_weights, buf)
         write_atomic(run_dir / "model.pt", buf.getvalue())
+        write_json(run_dir / "memory.json", memory, strategy.name)
         plot_curves(run_dir / "metrics.csv", run_dir / "curves.png")
     return RunResult(
         run_dir=run_dir, device=describe_device(env.device), strategy=strategy.describe(),
@@ -316,4 +325,5 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
         train_samples=plan.n, steps_per_epoch=plan.steps_per_epoch,
         last_step_samples=len(plan.step_indices(0, plan.steps_per_epoch - 1)) if plan.steps_per_epoch else 0,
         lr=lr_line, checkpoints_written=checkpointer.written, checkpoint_s=checkpointer.seconds,
-        last_checkpoint=checkpointer.last_path, resumed_from=resumed.source if resumed is not None else None)
+        last_checkpoint=checkpointer.last_path, resumed_from=resumed.source if resumed is not None else None,
+        memory=memory)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from scaleloop.loop import RunResult
+from scaleloop.memory import format_table, summary_line
 from scaleloop.metrics import format_rate, format_seconds, format_summary
 
 
@@ -23,8 +24,13 @@ def format_result(result: RunResult) -> str:
     if result.lr:
         rows.append(("learning rate", result.lr))
     rows.append(("checkpoints", describe_checkpoints(result)))
+    if result.memory:
+        rows.append(("memory per rank", summary_line(result.memory)))
     rows.append(("run directory", str(result.run_dir) if result.run_dir else "-"))
-    return "summary\n" + format_summary(rows)
+    text = "summary\n" + format_summary(rows)
+    if len(result.memory) > 1:
+        text += "\n" + format_table(result.memory)
+    return text
 
 
 def describe_epoch(result: RunResult) -> str:

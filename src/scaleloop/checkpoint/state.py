@@ -37,7 +37,7 @@ def from_bytes(data: bytes, source: str) -> dict[str, Any]:
                               "so this file was not written by scaleloop or was tampered with") from None
     except (RuntimeError, EOFError, ValueError, OSError) as exc:
         raise CheckpointError(f"{source} cannot be read as a checkpoint: {' '.join(str(exc).split())[:200]}") from None
-    if not isinstance(state, dict) or "model" not in state:
+    if not isinstance(state, dict) or ("model" not in state and "sharded" not in state):
         raise CheckpointError(f"{source} is not a scaleloop checkpoint (no 'model' entry)")
     return state
 

@@ -9,6 +9,11 @@ Layout of a run's checkpoints::
         step-00000080/
         latest                  the name of the newest complete checkpoint (moved only after it is whole)
 
+A sharded checkpoint (``--strategy fsdp``) holds, next to ``state.pt`` (everything but the model
+and optimizer), the files of ``torch.distributed.checkpoint``: one ``__<rank>_0.distcp`` per rank
+and ``.metadata``; every rank writes its own into the same temporary directory, and the
+manifest lists them all.
+
 A checkpoint is first written to a hidden ``.tmp-step-...`` directory next to the others: every
 file is fsynced, then the manifest (last), then the directory is renamed to its final name and
 the parent directory fsynced. A process killed at any moment therefore leaves either no new
@@ -74,6 +79,14 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(fh.fileno())
 
 
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -88,20 +101,46 @@ def write_checkpoint(root: Path, step: int, files: Mapping[str, bytes], meta: Ma
     ``meta`` (JSON-serialisable) goes into the manifest next to each file's size and SHA-256.
     Only after the checkpoint is complete and renamed is the ``latest`` pointer moved.
     """
+    return finish_checkpoint(root, step, begin_checkpoint(root, step), files, meta)
+
+
+def begin_checkpoint(root: Path, step: int) -> Path:
+    """Create (empty) the hidden temporary directory that the checkpoint for ``step`` is written into.
+
+    Other writers (the ranks of a sharded checkpoint) may put their files into it too, before
+    :func:`finish_checkpoint` adds the manifest and renames it into place.
+    """
     root.mkdir(parents=True, exist_ok=True)
-    final = root / step_dir_name(step)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    return tmp
+
+
+def finish_checkpoint(root: Path, step: int, tmp: Path, files: Mapping[str, bytes],
+                      meta: Mapping[str, Any]) -> Path:
+    """Add ``files`` to ``tmp``, then the manifest of EVERY file in it, and rename it to ``step-N``.
+
+    Files already in ``tmp`` (written by other processes) are fsynced and checksummed too, so
+    the manifest covers the whole checkpoint. Only then is the ``latest`` pointer moved.
+    """
+    final = root / step_dir_name(step)
     entries = {}
     for name, data in files.items():
         _write_file(tmp / name, data)
         entries[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    for file in sorted(tmp.rglob("*")):
+        name = file.relative_to(tmp).as_posix()
+        if name in entries or name == MANIFEST_FILE or not file.is_file():
+            continue
+        _fsync_file(file)
+        entries[name] = {"bytes": file.stat().st_size, "sha256": _sha256(file)}
     manifest = {"format_version": FORMAT_VERSION, "step": step, "created": time.time(),
                 **meta, "files": entries}
     _write_file(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True).encode())
-    _fsync_dir(tmp)
+    for sub in sorted({p.parent for p in tmp.rglob("*")}, key=lambda p: len(p.parts), reverse=True):
+        _fsync_dir(sub)
     if final.exists():
         # The same step saved again (e.g. a resumed run that ends where it resumed): swap it
         # out of the way first, since a directory cannot be renamed over a non-empty one.

@@ -10,16 +10,18 @@ from scaleloop.strategies.allreduce import ManualAllReduce
 from scaleloop.strategies.base import ProcessGroupStrategy, Strategy
 from scaleloop.strategies.dataparallel import DataParallel
 from scaleloop.strategies.ddp import DDP
+from scaleloop.strategies.fsdp import FSDP
 from scaleloop.strategies.single import SingleDevice
 
 __all__ = ["Strategy", "ProcessGroupStrategy", "SingleDevice", "DataParallel", "DDP",
-           "ManualAllReduce", "STRATEGY_CLASSES", "make_strategy", "resolve_strategy_name"]
+           "ManualAllReduce", "FSDP", "STRATEGY_CLASSES", "make_strategy", "resolve_strategy_name"]
 
 STRATEGY_CLASSES: dict[str, type[Strategy]] = {
     "single": SingleDevice,
     "dp": DataParallel,
     "ddp": DDP,
     "allreduce": ManualAllReduce,
+    "fsdp": FSDP,
 }
 
 

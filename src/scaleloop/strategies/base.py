@@ -7,6 +7,7 @@ rank 0 are reduced over all ranks. The training loop only talks to this interfac
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
@@ -27,6 +28,12 @@ class Strategy:
     """Single-process defaults; subclasses override what their parallelism changes."""
 
     name = "base"
+    #: Each rank holds only part of the model and optimizer state, so every rank writes its part
+    #: of a checkpoint (``save_sharded``) instead of rank 0 writing it all (``checkpoint_state``).
+    sharded_checkpoint = False
+    #: Each forward pass is a collective (FSDP all-gathers parameters in it): every rank must run
+    #: the same number of them, also when evaluating a test set that splits unevenly.
+    collective_forward = False
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
                  sync_batchnorm: bool = False) -> None:
@@ -135,6 +142,34 @@ class Strategy:
         """Load what :meth:`checkpoint_state` saved (on every rank: replicas start equal)."""
         self.unwrap(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+
+    def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+        """Every rank writes its part of the model and optimizer state into ``directory``
+        (``torch.distributed.checkpoint``; a collective)."""
+        from scaleloop.strategies import distcp
+
+        distcp.save_state(self.unwrap(model), optimizer, directory)
+
+    def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+        """Load a checkpoint that :meth:`save_sharded` wrote, with any world size (a collective).
+
+        Any strategy can: a replicated one reads the whole state on every rank.
+        """
+        from scaleloop.strategies import distcp
+
+        distcp.load_state(self.unwrap(model), optimizer, directory)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The user's module's full ``state_dict`` on rank 0, on the CPU or not (every rank must
+        call it: for a sharded strategy it is a collective; other ranks may get an empty dict)."""
+        return self.unwrap(model).state_dict()
+
+    def sync_buffers(self, model: nn.Module) -> None:
+        """Make every rank's buffers (BatchNorm statistics) rank 0's, where the strategy does not
+        already (a collective). Called before evaluating, checkpointing and exporting."""
+
+    def close(self) -> None:
+        """Release what the strategy itself set up (the end of ``train``)."""
 
     def describe(self) -> str:
         return self.name

@@ -27,6 +27,10 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
             return super().forward(x)
         if self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
+        # Statistics in at least fp32 (a bf16 sum or count would round); the output keeps the
+        # input's dtype, as BatchNorm does with low-precision input and fp32 parameters.
+        out_dtype = x.dtype
+        x = x.to(torch.promote_types(x.dtype, torch.float32))
         dims = [0] + list(range(2, x.dim()))
         shape = [1, -1] + [1] * (x.dim() - 2)
         count = torch.tensor([x.numel() / x.shape[1]], dtype=x.dtype, device=x.device)
@@ -46,7 +50,7 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
         y = centred * torch.rsqrt(var + self.eps).view(shape)
         if self.affine:
             y = y * self.weight.view(shape) + self.bias.view(shape)
-        return y
+        return y.to(out_dtype)
 
 
 def convert_batchnorm(module: nn.Module, device: torch.device) -> nn.Module:

@@ -1,0 +1,18 @@
+"""``scaleloop bench``: measure what scaling a training loop costs and gains, and say so in tables.
+
+One module per job:
+
+- ``hardware``   names the machine a result was measured on (for file names and reports)
+- ``report``     one result as JSON + markdown table + PNG, in dated files
+- ``stats``      medians and spreads of repeated measurements
+- ``workload``   the benchmarked training (model, data, batch), built the same way everywhere
+- ``worker``     the instrumented step loop; run under torchrun for N workers
+- ``launcher``   starts workers (torchrun for N > 1) and reads back their JSON
+- ``costmodel``  the ring all-reduce cost model and the projection to large clusters
+- ``flops``      FLOPs per sample (``torch.utils.flop_counter``), peak FLOP/s, MFU
+- ``rawloop``    the hand-written PyTorch loop that the overhead bench compares against
+- ``devices``, ``scaling``, ``strategies``, ``overhead``, ``mfu``: the bench commands
+- ``plots``      the PNG charts (matplotlib, imported lazily)
+- ``index``      benchmarks/README.md, rebuilt from the results' JSON
+- ``cli``        the ``bench`` subcommand's flags
+"""

@@ -1,0 +1,260 @@
+"""``scaleloop bench scaling``: the same workload at 1, 2, 4 ... workers.
+
+Weak scaling (the default) keeps the per-worker batch fixed, so N workers do N times the work
+per step; strong scaling keeps the global batch fixed and splits it. Either way, scaling
+efficiency = samples/s at N / (N x samples/s at 1 worker): 1.0 means N workers are N times as
+fast. Each worker count runs in fresh processes; on CPU each worker gets the same number of
+threads as the 1-worker baseline (one by default), so that N workers use N times the cores
+of the baseline, no more, and the comparison is honest on a small machine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from scaleloop.bench import costmodel
+from scaleloop.bench.flops import mfu, peak_for, workload_flops_per_sample
+from scaleloop.bench.hardware import describe_hardware, hardware_slug, threads_text
+from scaleloop.bench.launcher import run_workers
+from scaleloop.bench.report import (BenchReport, Column, Table, fmt_bytes, fmt_flops, fmt_int, fmt_ms, fmt_pct,
+                                    fmt_rate, fmt_ratio)
+from scaleloop.bench.workload import RunSpec, Workload
+from scaleloop.errors import UsageError
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ScalingOptions:
+    workload: Workload
+    workers: tuple[int, ...]
+    strategy: str = "ddp"
+    strong: bool = False
+    batch_size: int = 64          # the batch at 1 worker (per worker for weak, global for strong)
+    threads: Optional[int] = 1    # per worker, CPU only
+    compute_ms: Optional[float] = None   # projection: assume this compute time per step instead
+    allreduce_reps: int = 10
+    quick: bool = False
+    command: str = "scaleloop bench scaling"
+
+
+def scaling_strategies() -> tuple[str, ...]:
+    """Strategies with one process per device that this version has (fsdp once it exists)."""
+    from scaleloop.strategies import STRATEGY_CLASSES
+
+    return tuple(s for s in ("ddp", "allreduce", "fsdp") if s in STRATEGY_CLASSES)
+
+
+def check_options(opts: ScalingOptions, device_type: str, gpus: int) -> list[str]:
+    """Raise UsageError for what cannot run here; return notes about what runs, but is skewed."""
+    if opts.strategy not in scaling_strategies():
+        raise UsageError(f"--strategy {opts.strategy!r} cannot be scaled over workers; choose one of: "
+                         f"{', '.join(scaling_strategies())}")
+    if opts.workers[0] != 1:
+        raise UsageError("--workers must include 1: efficiency is measured against one worker")
+    if opts.strong:
+        bad = [n for n in opts.workers if opts.batch_size % n]
+        if bad:
+            raise UsageError(f"strong scaling splits --batch-size {opts.batch_size} over the workers, but it does "
+                             f"not divide by {', '.join(map(str, bad))}; use a multiple of {max(opts.workers)}")
+    notes = []
+    if device_type == "cuda" and max(opts.workers) > gpus:
+        raise UsageError(f"--workers {max(opts.workers)} needs {max(opts.workers)} GPUs, this machine has {gpus}")
+    if device_type == "cpu":
+        from scaleloop.bench.hardware import usable_cores
+
+        cores = usable_cores()
+        over = [n for n in opts.workers if n * (opts.threads or 1) > cores]
+        if over:
+            notes.append(f"{', '.join(map(str, over))} worker(s) x {opts.threads or 1} thread(s) need more than the "
+                         f"{cores} cores here: those workers share cores, so their efficiency measures core "
+                         "sharing, not the cost of data parallelism")
+    return notes
+
+
+def run_scaling(opts: ScalingOptions, say: Say) -> BenchReport:
+    """Measure every worker count, then tabulate, break down, project and check the model."""
+    device = torch.device(opts.workload.device)
+    hw = describe_hardware()
+    notes = check_options(opts, device.type, len(hw["gpus"]))
+    for note in notes:
+        say(f"note: {note}")
+
+    points: list[dict[str, Any]] = []
+    for n in opts.workers:
+        per_worker = opts.batch_size // n if opts.strong else opts.batch_size
+        run = RunSpec(label=f"{n} worker(s)", strategy=opts.strategy,
+                      global_batch=per_worker * n, threads=opts.threads if device.type == "cpu" else None)
+        say(f"scaling: {n} worker(s) x {opts.strategy}, per-worker batch {per_worker}, global {per_worker * n}, "
+            f"{opts.workload.warmup}+{opts.workload.steps} steps")
+        result = run_workers(opts.workload, [run], n, say, allreduce_reps=opts.allreduce_reps)[0]
+        if not result["ok"]:
+            raise UsageError(f"{n} worker(s): {result['error']}")
+        result["workers"] = n
+        points.append(result)
+        base = points[0]["samples_per_s"]
+        result["speedup"] = result["samples_per_s"] / base
+        result["efficiency"] = result["samples_per_s"] / (n * base)
+        say(f"  {n} worker(s): {result['samples_per_s']:,.0f} samples/s, efficiency {result['efficiency']:.2f}")
+
+    say("scaling: counting FLOPs per sample and measuring the peak")
+    flops = workload_flops_per_sample(opts.workload)
+    peak = peak_for(device, opts.workload.precision, opts.threads, quick=opts.quick)
+    for p in points:
+        p["mfu"] = mfu(flops["flops_per_sample"], p["samples_per_s"], p["workers"] * peak.flops_per_s)
+
+    projection, check, fabric, compute, buckets = _model(points, opts)
+    report = BenchReport(
+        what="scaling", title=f"Scaling: {opts.strategy}, {'strong' if opts.strong else 'weak'} scaling, "
+                              f"{opts.workload.describe()}",
+        hardware=hw, slug=hardware_slug(hw, device.type), command=opts.command,
+        settings={"workload": opts.workload.to_dict(), "workers": list(opts.workers), "strategy": opts.strategy,
+                  "mode": "strong" if opts.strong else "weak", "batch_size": opts.batch_size,
+                  "threads_per_worker": opts.threads, "device": device.type},
+        tables=_tables(points, projection, check, opts),
+        quick=opts.quick,
+        data={"points": points, "flops": flops, "peak": {"flops_per_s": peak.flops_per_s, "source": peak.source},
+              "model": {"compute_s": compute.total_s, "compute": compute.__dict__, "grad_bytes": points[0]["comm"]["grad_bytes"],
+                        "buckets": buckets, "fabric": fabric.__dict__ if fabric else None,
+                        "interconnects": [i.__dict__ for i in costmodel.INTERCONNECTS],
+                        "projection": projection, "check": check}},
+    )
+    best = points[-1]
+    report.headline = (f"{best['workers']} workers: {best['samples_per_s']:,.0f} samples/s, "
+                       f"{best['speedup']:.2f}x one worker, scaling efficiency {best['efficiency']:.2f}")
+    report.notes = notes + _notes(opts, device, peak, fabric, compute, buckets) + _contention(points, check)
+    return report
+
+
+def _contention(points: Sequence[dict[str, Any]], check: Sequence[dict[str, Any]]) -> list[str]:
+    """Where the model and the measurement part, say which of its assumptions the data contradicts."""
+    notes = []
+    base = points[0]["breakdown"]
+    for p, c in zip([p for p in points if p["workers"] > 1], check):
+        if abs(c["error_points_no_overlap"]) < 0.1:
+            continue
+        ratio_fwd = p["breakdown"]["forward_s"] / base["forward_s"] * points[0]["per_worker_batch"] / p["per_worker_batch"]
+        text = (f"At {p['workers']} workers the model misses by {c['error_points_no_overlap']:+.2f}: the forward pass "
+                f"took {ratio_fwd:.1f}x its 1-worker time per sample")
+        lone, flight = (p.get("allreduce_bench") or {}).get("grad_s"), p["comm"].get("in_flight_s")
+        if lone and flight:
+            text += f", and the all-reduce ran {flight / lone:.1f}x longer during training than alone"
+        notes.append(text + ". The model assumes unchanged compute and a link of its own; here the workers, "
+                     "their communication threads and any other load share the same cores.")
+    return notes
+
+
+def _model(points: Sequence[dict[str, Any]], opts: ScalingOptions):
+    """Projection from the 1-worker compute time, and the check of the model on the measured points."""
+    base = points[0]
+    compute = costmodel.StepCompute.from_breakdown(base["breakdown"])
+    if opts.compute_ms is not None:
+        # Every phase stretched by the same factor to the asked total: "what if compute took X ms".
+        factor = opts.compute_ms / 1e3 / compute.total_s
+        compute = costmodel.StepCompute(compute.data_s * factor, compute.forward_s * factor,
+                                        compute.backward_s * factor, compute.optimizer_s * factor)
+    multi = [p for p in points if p["workers"] > 1]
+    measured_buckets = multi[-1]["comm"]["buckets_per_step"] if multi else None
+    nbytes = base["comm"]["grad_bytes"]
+    if multi and multi[-1]["comm"].get("allreduce_equivalent_bytes"):
+        nbytes = multi[-1]["comm"]["allreduce_equivalent_bytes"]   # FSDP: 1.5 x the gradient bytes
+    buckets = costmodel.buckets_for(nbytes, measured_buckets if opts.strategy in ("ddp", "fsdp") else 1)
+    projection = costmodel.project(compute, nbytes, buckets)
+    fabric = None
+    check: list[dict[str, Any]] = []
+    if multi and multi[0].get("allreduce_bench"):
+        fabric = costmodel.fit_fabric(multi[0]["allreduce_bench"])
+        check = costmodel.check_against_measured(points, fabric)
+    return projection, check, fabric, compute, buckets
+
+
+def _tables(points: Sequence[dict[str, Any]], projection: list[dict[str, Any]],
+            check: list[dict[str, Any]], opts: ScalingOptions) -> list[Table]:
+    rows = [{"workers": p["workers"], "per_worker_batch": p["per_worker_batch"], "global_batch": p["global_batch"],
+             "samples_per_s": p["samples_per_s"], "speedup": p["speedup"], "efficiency": p["efficiency"],
+             "mfu": p["mfu"]} for p in points]
+    throughput = Table("Throughput", [
+        Column("workers", "workers"), Column("per_worker_batch", "per-worker batch"),
+        Column("global_batch", "global batch"), Column("samples_per_s", "samples/s", fmt_rate),
+        Column("speedup", "speedup", fmt_ratio), Column("efficiency", "scaling efficiency", fmt_ratio),
+        Column("mfu", "MFU", fmt_pct)], rows,
+        "scaling efficiency = samples/s / (workers x samples/s at 1 worker)")
+    breakdown_rows = []
+    for p in points:
+        b, c, ar = p["breakdown"], p["comm"], p.get("allreduce_bench") or {}
+        breakdown_rows.append({
+            "workers": p["workers"], "step": b["step_s"], "data": b["data_s"], "forward": b["forward_s"],
+            "backward": b["backward_s"], "optimizer": b["optimizer_s"],
+            "grad_bytes": c.get("reduced_bytes_per_step") if p["workers"] > 1 else None,
+            "buckets": c["buckets_per_step"] if p["workers"] > 1 else None,
+            "comm": c["in_flight_s"] if p["workers"] > 1 else None,
+            "allreduce": ar.get("grad_s")})
+    breakdown = Table("Step-time breakdown (ms per step, mean over steps and workers)", [
+        Column("workers", "workers"), Column("step", "step", fmt_ms), Column("data", "data wait", fmt_ms),
+        Column("forward", "forward", fmt_ms), Column("backward", "backward (with comm)", fmt_ms),
+        Column("optimizer", "optimizer", fmt_ms), Column("grad_bytes", "bytes all-reduced / step", fmt_bytes),
+        Column("buckets", "all-reduce calls / step", fmt_int),
+        Column("comm", "time with all-reduce in flight", fmt_ms),
+        Column("allreduce", "lone all-reduce of the gradients", fmt_ms)], breakdown_rows,
+        "'time with all-reduce in flight': wall time during which at least one gradient all-reduce was running "
+        "(it overlaps backward). 'lone all-reduce': the same bytes all-reduced with nothing else running.")
+    tables = [throughput, breakdown]
+    names = {i.key: i.name for i in costmodel.INTERCONNECTS}
+    for mode, label in (("no_overlap", "without overlap"), ("overlap", "with communication overlapping backward")):
+        by_link: dict[str, dict[str, Any]] = {}
+        for r in projection:
+            by_link.setdefault(r["interconnect"], {"interconnect": names[r["interconnect"]]})[f"n{r['workers']}"] = \
+                r[f"efficiency_{mode}"]
+        cols = [Column("interconnect", "interconnect")] + [
+            Column(f"n{n}", str(n), fmt_ratio) for n in costmodel.PROJECTION_WORKERS]
+        tables.append(Table(f"MODEL: projected weak-scaling efficiency, {label} (GPUs)", cols,
+                            list(by_link.values()),
+                            "A cost model, not a measurement: ring all-reduce of the measured gradient bytes "
+                            "on each interconnect, added to the measured 1-worker compute time per step."))
+    if check:
+        tables.append(Table("MODEL CHECK: the cost model against the measured points", [
+            Column("workers", "workers"), Column("measured_efficiency", "measured efficiency", fmt_ratio),
+            Column("predicted_efficiency_no_overlap", "model, no overlap", fmt_ratio),
+            Column("error_points_no_overlap", "error (no overlap)", _fmt_signed),
+            Column("predicted_efficiency_overlap", "model, overlap", fmt_ratio),
+            Column("error_points_overlap", "error (overlap)", _fmt_signed),
+            Column("predicted_comm_s", "model all-reduce ms", fmt_ms)], check,
+            "Fabric latency and bandwidth fitted to the lone all-reduces; error = model - measured efficiency."))
+    return tables
+
+
+def _fmt_signed(v: float) -> str:
+    return f"{v:+.2f}"
+
+
+def _notes(opts: ScalingOptions, device: torch.device, peak: Any, fabric: Optional[costmodel.Fabric],
+           compute: costmodel.StepCompute, buckets: int) -> list[str]:
+    notes = []
+    if device.type == "cpu":
+        notes.append(f"Workers are processes on the CPU (Gloo), each with {threads_text(opts.threads or 1)}, the "
+                     "1-worker baseline included.")
+        notes.append("No GPU was available for this run; the GPU columns of the projection are a model only.")
+    notes.append(f"MFU = counted training FLOPs per sample x samples/s / (workers x peak); peak per worker: "
+                 f"{fmt_flops(peak.flops_per_s)}/s ({peak.source}).")
+    source = (f"--compute-ms {opts.compute_ms:g}" if opts.compute_ms is not None
+              else f"measured at 1 worker on {device.type}")
+    notes.append(f"Projection inputs: compute {compute.total_s * 1e3:.2f} ms per step ({source}; backward "
+                 f"{compute.backward_s * 1e3:.2f} ms), {buckets} all-reduce call(s) per step, per-GPU batch as "
+                 "measured (weak scaling).")
+    for link in costmodel.INTERCONNECTS:
+        notes.append(f"{link.name}: {link.bandwidth_Bps / 1e9:g} GB/s per worker, {link.latency_s * 1e6:g} us per "
+                     f"ring step ({link.assumption}).")
+    notes.append("Ring all-reduce: 2(N-1)/N x bytes / bandwidth + 2(N-1) x latency x calls; NCCL uses trees at "
+                 "large N, so the latency term is pessimistic there. Overlap hides communication behind "
+                 "backward only.")
+    if opts.strategy == "fsdp":
+        notes.append("FSDP all-gathers parameters in forward and backward and reduce-scatters gradients: 1.5x "
+                     "an all-reduce's bytes, 3 collectives per unit. Its bytes and calls are given in all-reduce "
+                     "equivalents, and its collectives are not timed during training.")
+    if fabric is not None:
+        notes.append(f"This machine's fabric, fitted to the lone all-reduces at {fabric.fitted_at_workers} workers: "
+                     f"latency {fabric.latency_s * 1e6:.1f} us per ring step, bandwidth "
+                     f"{fabric.bandwidth_Bps / 1e9:.2f} GB/s.")
+    return notes

@@ -1,0 +1,319 @@
+"""The instrumented training step, run by each worker: throughput, a step-time breakdown, and
+what is communicated.
+
+It trains with the same public strategy API as ``scaleloop.loop.train`` (``strategy.setup``,
+``loader``, ``accumulate``, ``autocast``, ``backward``, ``optimizer_step``), with timers around
+each phase:
+
+- data wait:  fetching the next batch onto the device
+- forward:    model and loss
+- backward:   ``strategy.backward``, which includes gradient communication (DDP all-reduces
+              buckets while backward runs and waits for the last one before it returns;
+              ``allreduce`` reduces every gradient after it)
+- optimizer:  the step and zeroing the gradients
+
+On CUDA the timers synchronise the device, which itself slows the step, so throughput is
+taken from a separate pass without them. Communication is measured three ways: the bytes
+DDP hands to its all-reduce per step (a communication hook), the wall time with an all-reduce
+in flight (the same hook, CPU only: a CUDA future completes before the GPU has finished), and
+a standalone all-reduce of the gradient size, timed with nothing else running.
+
+Run under torchrun: ``python -m torch.distributed.run --standalone --nproc-per-node N
+-m scaleloop.bench.worker --spec spec.json --out result.json``; rank 0 writes the result.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as torch_dist
+
+from scaleloop.bench.stats import interval_union, summarize
+from scaleloop.bench.workload import RunSpec, Workload, build, grad_bytes
+from scaleloop.dist import DistEnv, destroy_process_group, init_process_group
+from scaleloop.errors import UsageError
+
+PROGRESS_PREFIX = "bench-worker:"
+PHASES = ("data_s", "forward_s", "backward_s", "optimizer_s")
+
+Say = Callable[[str], None]
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so that a timer reads when the work ended, not when it was queued."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+class CommRecorder:
+    """Bytes and in-flight time of the gradient all-reduces of each step.
+
+    For DDP it is a communication hook that wraps PyTorch's default all-reduce hook; for the
+    hand-written ``allreduce`` strategy it wraps ``strategy.after_backward``.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.attached = False   # a hook or wrapper is in place: steps are recorded
+        self.active = False
+        self._lock = threading.Lock()   # Gloo completes futures on its own threads
+        self._intervals: list[tuple[float, float]] = []
+        self._bytes = 0
+        self._buckets = 0
+        self.steps: list[tuple[float, int, int]] = []   # (in-flight seconds, bytes, buckets)
+
+    def _record(self, start: float, end: float, nbytes: int) -> None:
+        with self._lock:
+            self._intervals.append((start, end))
+            self._bytes += nbytes
+            self._buckets += 1
+
+    def end_step(self) -> None:
+        """Close the step: what was reduced during it becomes one entry of ``steps``."""
+        with self._lock:
+            if self.active and self.attached:
+                self.steps.append((interval_union(self._intervals), self._bytes, self._buckets))
+            self._intervals, self._bytes, self._buckets = [], 0, 0
+
+    # No annotations: DDP inspects a hook's signature and rejects any bucket annotation but the
+    # GradBucket class itself, which `from __future__ import annotations` turns into a string.
+    def ddp_hook(self, state, bucket):  # type: ignore[no-untyped-def]
+        """A DDP communication hook: PyTorch's default all-reduce, timed and counted."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        buffer = bucket.buffer()
+        nbytes = buffer.numel() * buffer.element_size()
+        start = time.perf_counter()
+        fut = allreduce_hook(state, bucket)
+
+        def done(f):  # type: ignore[no-untyped-def]
+            self._record(start, time.perf_counter(), nbytes)
+            return f.value()
+
+        return fut.then(done)
+
+    def wrap_after_backward(self, strategy: Any, model: torch.nn.Module) -> None:
+        """Time the explicit all-reduce that ``allreduce`` runs after backward."""
+        inner = strategy.after_backward
+        nbytes = grad_bytes(model)
+
+        def timed() -> None:
+            if self.active:
+                synchronize(self.device)
+            start = time.perf_counter()
+            inner()
+            if self.active:
+                synchronize(self.device)
+            self._record(start, time.perf_counter(), nbytes if strategy.env.is_distributed else 0)
+
+        strategy.after_backward = timed  # an instance attribute wins over the method
+
+
+def _endless(loader: Any) -> Iterator[Any]:
+    epoch = 0
+    while True:
+        loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
+                allreduce_reps: int = 10) -> dict[str, Any]:
+    """Train ``run`` for ``workload.warmup + workload.steps`` steps on every rank and measure it.
+
+    Every rank must call this; every rank gets the same, rank-aggregated result.
+    """
+    from scaleloop.loop import build_optimizer
+    from scaleloop.precision import Precision
+    from scaleloop.strategies import make_strategy
+    from scaleloop.tasks import loss_fn
+
+    if run.threads is not None and env.device.type == "cpu":
+        torch.set_num_threads(run.threads)
+    if run.global_batch % env.world_size:
+        raise UsageError(f"global batch {run.global_batch} does not split over {env.world_size} workers")
+    cfg = workload.to_config()
+    data, model = build(workload, run.global_batch)
+    strategy = make_strategy(run.strategy, env, Precision(workload.precision, env.device))
+    model, optimizer = strategy.setup(model, lambda params: build_optimizer(cfg, params))
+    torch.manual_seed(workload.seed + env.rank)   # as the loop does: per-rank randomness from here on
+    loader = strategy.loader(data.train, run.global_batch, shuffle=True, seed=workload.seed, drop_last=True)
+    recorder = CommRecorder(env.device)
+    comm_method = "none (one process)"
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model.register_comm_hook(state=None, hook=recorder.ddp_hook)
+        recorder.attached = True
+        comm_method = "DDP communication hook"
+    elif run.strategy == "allreduce":
+        recorder.wrap_after_backward(strategy, model)
+        recorder.attached = env.is_distributed
+        comm_method = "timed after_backward (explicit all-reduce)"
+    elif env.is_distributed:
+        comm_method = f"not timed for {run.strategy}"
+    model.train()
+    batches = _endless(loader)
+    device = env.device
+    last_loss = torch.zeros(())
+
+    def steps(count: int, phases: bool, label: str) -> tuple[float, list[dict[str, float]]]:
+        """Run ``count`` steps; returns the elapsed seconds and, with ``phases``, per-step timings."""
+        nonlocal last_loss
+        sync: Callable[[], None] = (lambda: synchronize(device)) if phases else (lambda: None)
+        records: list[dict[str, float]] = []
+        strategy.barrier()
+        synchronize(device)
+        started = time.perf_counter()
+        marks = {max(1, count * q // 4) for q in range(1, 5)}
+        for i in range(count):
+            t0 = time.perf_counter()
+            batch = next(batches)
+            sync()
+            t1 = time.perf_counter()
+            x, y = batch
+            with strategy.accumulate(model, batch):
+                with strategy.autocast():
+                    loss = loss_fn(data.info, model(x), y)
+                sync()
+                t2 = time.perf_counter()
+                strategy.backward(loss, batch)
+                sync()
+                t3 = time.perf_counter()
+            strategy.optimizer_step(optimizer)
+            sync()
+            t4 = time.perf_counter()
+            recorder.end_step()
+            last_loss = loss.detach()
+            if phases:
+                records.append({"data_s": t1 - t0, "forward_s": t2 - t1, "backward_s": t3 - t2,
+                                "optimizer_s": t4 - t3, "step_s": t4 - t0})
+            if i + 1 in marks:
+                say(f"{run.label}: {label} step {i + 1}/{count}")
+        synchronize(device)
+        return time.perf_counter() - started, records
+
+    steps(workload.warmup, phases=False, label="warm-up")
+    # On the CPU the phase timers cost nothing, so one pass gives throughput and breakdown.
+    # On an accelerator the synchronising timers would slow the step: a separate pass.
+    separate = device.type != "cpu"
+    recorder.active = not separate
+    elapsed, records = steps(workload.steps, phases=not separate, label="timed")
+    if separate:
+        recorder.active = True
+        _, records = steps(workload.steps, phases=True, label="breakdown")
+    recorder.active = False
+
+    timed = bool(recorder.steps)
+    local = {
+        "elapsed_s": elapsed,
+        "phases": {k: summarize([r[k] for r in records])["mean"] for k in (*PHASES, "step_s")},
+        "step_median_s": summarize([r["step_s"] for r in records])["median"],
+        "comm_in_flight_s": (summarize([s[0] for s in recorder.steps])["mean"]
+                             if timed and device.type == "cpu" else None),
+        "reduced_bytes_per_step": summarize([s[1] for s in recorder.steps])["median"] if timed else None,
+        "buckets_per_step": summarize([s[2] for s in recorder.steps])["median"] if timed else None,
+        "loss": float(last_loss),
+    }
+    ranks = strategy.gather_object(local)
+    nbytes = grad_bytes(strategy.unwrap(model))
+    bench = allreduce_benchmark(nbytes, env, allreduce_reps) if env.is_distributed else None
+    comm = {"method": comm_method, "grad_bytes": nbytes,
+            "reduced_bytes_per_step": ranks[0]["reduced_bytes_per_step"],
+            "buckets_per_step": ranks[0]["buckets_per_step"]}
+    units = getattr(strategy, "units", None)
+    if run.strategy == "fsdp" and env.is_distributed and units:
+        # FSDP all-gathers each unit's parameters in forward and again in backward and
+        # reduce-scatters its gradients: 3 x (N-1)/N x S bytes per rank, 1.5 times an
+        # all-reduce's 2(N-1)/N x S, in 3 collectives per unit. In all-reduce equivalents:
+        comm.update(allreduce_equivalent_bytes=1.5 * nbytes, buckets_per_step=1.5 * units)
+    close = getattr(strategy, "close", None)
+    if close is not None:
+        close()   # a strategy that set up something of its own (FSDP's one-rank group) ends it
+    elapsed_max = max(r["elapsed_s"] for r in ranks)
+
+    def rank_mean(key: str) -> Optional[float]:
+        values = [r[key] for r in ranks if r[key] is not None]
+        return sum(values) / len(values) if values else None
+
+    return {
+        "label": run.label, "strategy": strategy.describe(), "ok": True,
+        "world_size": env.world_size, "device": device.type, "threads": run.threads,
+        "global_batch": run.global_batch, "per_worker_batch": run.global_batch // env.world_size,
+        "steps": workload.steps, "warmup": workload.warmup,
+        "samples_per_s": run.global_batch * workload.steps / elapsed_max,
+        "elapsed_s": elapsed_max,
+        "step_median_s": rank_mean("step_median_s"),
+        "breakdown": {k: sum(r["phases"][k] for r in ranks) / len(ranks) for k in (*PHASES, "step_s")},
+        "comm": dict(comm, in_flight_s=rank_mean("comm_in_flight_s")),
+        "allreduce_bench": bench,
+        "loss": ranks[0]["loss"],
+        "loss_finite": all(math.isfinite(r["loss"]) for r in ranks),
+    }
+
+
+def allreduce_benchmark(nbytes: int, env: DistEnv, reps: int) -> dict[str, Any]:
+    """Median time of a lone all-reduce of one float (latency) and of the gradient size.
+
+    These two points fix the cost model's latency and bandwidth for this machine's fabric.
+    """
+    out: dict[str, Any] = {"world_size": env.world_size, "reps": reps}
+    for key, numel in (("small", 1), ("grad", max(1, nbytes // 4))):
+        tensor = torch.ones(numel, dtype=torch.float32, device=env.device)
+        torch_dist.all_reduce(tensor)   # the first call sets up connections and buffers
+        times = []
+        for _ in range(reps):
+            torch_dist.barrier()
+            synchronize(env.device)
+            start = time.perf_counter()
+            torch_dist.all_reduce(tensor)
+            synchronize(env.device)
+            times.append(time.perf_counter() - start)
+        # The slowest rank decides when a collective is over.
+        ranks: list[Any] = [None] * env.world_size
+        torch_dist.all_gather_object(ranks, summarize(times)["median"])
+        out[f"{key}_bytes"] = numel * 4
+        out[f"{key}_s"] = max(ranks)
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Worker entry point: read the spec, measure every run in it, rank 0 writes the result."""
+    parser = argparse.ArgumentParser(prog="python -m scaleloop.bench.worker")
+    parser.add_argument("--spec", required=True, help="JSON: workload, runs, allreduce_reps")
+    parser.add_argument("--out", required=True, help="where rank 0 writes the result JSON")
+    args = parser.parse_args(argv)
+    spec = json.loads(Path(args.spec).read_text(encoding="utf-8"))
+    workload = Workload.from_dict(spec["workload"])
+    env = DistEnv.from_env(device=workload.device)
+    say: Say = (lambda msg: print(f"{PROGRESS_PREFIX} {msg}", flush=True)) if env.is_main else (lambda _m: None)
+    init_process_group(env)
+    results = []
+    try:
+        for raw in spec["runs"]:
+            run = RunSpec.from_dict(raw)
+            try:
+                results.append(measure_run(workload, run, env, say, spec.get("allreduce_reps", 10)))
+            except UsageError as exc:
+                # Raised identically on every rank (a strategy this hardware cannot run),
+                # so the group stays in step; the table shows why.
+                results.append({"label": run.label, "strategy": run.strategy, "ok": False, "error": str(exc)})
+    finally:
+        destroy_process_group()
+    if env.is_main:
+        out = Path(args.out)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"world_size": env.world_size, "runs": results}, indent=2), encoding="utf-8")
+        tmp.replace(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

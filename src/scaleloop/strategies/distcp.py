@@ -1,0 +1,86 @@
+"""Model and optimizer state through ``torch.distributed.checkpoint`` (DCP): each rank its own part.
+
+A sharded strategy (FSDP) never holds the whole model on one rank, so its checkpoint is written
+by every rank at once: ``get_state_dict`` gives each rank's shards (DTensors) with the model's
+own parameter names, and ``dcp.save`` writes one ``__<rank>_0.distcp`` file per rank plus a
+``.metadata`` file (rank 0) that records every tensor's global shape and where each piece lies.
+
+Loading is the reverse, on any number of ranks: ``get_state_dict`` gives a template shaped for
+*this* run (its own sharding, or plain tensors for a replicated strategy), ``dcp.load`` fills it
+from whichever files hold the needed pieces, and ``set_state_dict`` puts it into the model and
+optimizer. That is how a checkpoint written by 2 ranks resumes on 1, or on 4.
+
+Every function here that touches a process group is a collective: every rank calls it.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+MODEL_KEY = "model"
+OPTIMIZER_KEY = "optimizer"
+METADATA_FILE = ".metadata"
+
+
+@contextlib.contextmanager
+def _quiet_without_group() -> Iterator[None]:
+    # Without a process group DCP reads/writes as one process, and warns that it assumes so.
+    with warnings.catch_warnings():
+        if not (torch_dist.is_available() and torch_dist.is_initialized()):
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
+
+
+def save_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Every rank writes its part of the model and optimizer state into ``directory``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(module, optimizer)
+    with _quiet_without_group():
+        dcp.save({MODEL_KEY: model_state, OPTIMIZER_KEY: optim_state}, checkpoint_id=str(directory))
+
+
+def load_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Load the state :func:`save_state` wrote (by any number of ranks) into this run's model and optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    # The template has this run's layout; an optimizer that has not stepped yet gets its
+    # state initialised first (a step with zero gradients and lr 0), so there is room to load into.
+    model_state, optim_state = get_state_dict(module, optimizer)
+    state = {MODEL_KEY: model_state, OPTIMIZER_KEY: optim_state}
+    with _quiet_without_group():
+        try:
+            dcp.load(state, checkpoint_id=str(directory))
+        except CheckpointException as exc:
+            # A BaseException that DCP raises on every rank when any rank failed.
+            raise RuntimeError(f"torch.distributed.checkpoint could not load it: {exc}") from None
+    set_state_dict(module, optimizer, model_state_dict=state[MODEL_KEY], optim_state_dict=state[OPTIMIZER_KEY])
+
+
+def saved_model_shapes(directory: Path) -> dict[str, Optional[torch.Size]]:
+    """Each model entry of a DCP checkpoint with its global shape (None: not a tensor), from ``.metadata``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(directory)).read_metadata()
+    prefix = MODEL_KEY + "."
+    return {key[len(prefix):]: (md.size if isinstance(md, TensorStorageMetadata) else None)
+            for key, md in metadata.state_dict_metadata.items() if key.startswith(prefix)}
+
+
+def referenced_files(directory: Path) -> set[str]:
+    """The data files (relative names) that a DCP checkpoint's ``.metadata`` says hold its tensors."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(directory)).read_metadata()
+    storage = metadata.storage_data or {}
+    return {info.relative_path for info in storage.values()}

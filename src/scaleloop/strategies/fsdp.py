@@ -1,0 +1,248 @@
+"""Fully sharded data parallelism (FSDP2, ``torch.distributed.fsdp.fully_shard``).
+
+Data parallel like DDP (each rank trains on its own block of the global batch, gradients are
+averaged over ranks), but no rank holds the whole model: every parameter is cut along its
+first dimension into one shard per rank, and so are its gradient and its optimizer state.
+
+- **Forward:** before a unit (a block, see below) runs, its parameters are all-gathered from
+  the shards; after it ran they are freed again. So every forward pass is a collective.
+- **Backward:** the unit's parameters are gathered again, and its gradients are
+  reduce-scattered: each rank receives the *average* over ranks of its own shard's gradient,
+  as DDP's all-reduce averages (so loss weighting for accumulation stays exact).
+- **Optimizer:** each rank updates only its shard, with optimizer state for its shard alone.
+
+Memory per rank for parameters, gradients and optimizer state is about 1/N of DDP's (the
+memory report at the end of a run shows it); the price is more communication.
+
+**Units (which modules are sharded and gathered together).** ``fully_shard`` is applied to
+each block, then to the root (the root unit takes what no block holds, e.g. embeddings):
+
+1. the model's own ``fsdp_blocks()`` method, if it has one (return the modules to wrap);
+2. else ``model.blocks`` when it is a ``ModuleList``/``Sequential`` (TinyGPT's transformer blocks);
+3. else the children of the model that hold parameters, after stepping down through a chain of
+   single parameter-holding children: SimpleNet/BiggerNet -> ``net`` -> each ``Linear``;
+   ConvNet -> ``features`` and ``head``.
+
+**Mixed precision** is FSDP's ``MixedPrecisionPolicy`` rather than autocast: bf16/fp16
+parameters for compute (cast once per all-gather), gradients reduced in fp32, the sharded
+master weights and optimizer state in fp32. BatchNorm layers form units of their own that keep
+fp32 parameters (their running statistics are fp32; BatchNorm takes low-precision input with fp32
+parameters). fp16 keeps the ``GradScaler``: its inf/NaN check on DTensor gradients is reduced
+over the ranks (DTensor's dispatcher does so for ``_amp_foreach_non_finite_check_and_unscale_``),
+so all ranks skip the same steps; tests/distributed check it.
+
+**One process** (``--nproc 1``): FSDP needs a process group, so this strategy starts a one-rank
+group of its own (and ``close`` ends it). The code path is the same as with N ranks, which is
+what lets a checkpoint move between 1 and N processes.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator, Union
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+from scaleloop.data.loader import Batch
+from scaleloop.errors import UsageError
+from scaleloop.strategies.base import ProcessGroupStrategy
+from scaleloop.strategies.syncbn import convert_batchnorm
+
+
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _has_own_params(module: nn.Module) -> bool:
+    return next(module.parameters(recurse=False), None) is not None
+
+
+def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules that become FSDP units of their own (rules in the module docstring)."""
+    custom = getattr(model, "fsdp_blocks", None)
+    if callable(custom):
+        blocks = list(custom())
+        wrong = [type(b).__name__ for b in blocks if not isinstance(b, nn.Module)]
+        if wrong:
+            raise UsageError(f"{type(model).__name__}.fsdp_blocks() must return modules, got {', '.join(wrong)}")
+        return [b for b in blocks if b is not model]
+    listed = getattr(model, "blocks", None)
+    if isinstance(listed, (nn.ModuleList, nn.Sequential)):
+        return [b for b in listed if _has_params(b)]
+    container = model
+    while True:
+        children = [c for c in container.children() if _has_params(c)]
+        if len(children) == 1 and not _has_own_params(container):
+            container = children[0]
+            continue
+        return children
+
+
+class FSDP(ProcessGroupStrategy):
+    """Parameters, gradients and optimizer state sharded over ranks with FSDP2's ``fully_shard``."""
+
+    name = "fsdp"
+    sharded_checkpoint = True
+    collective_forward = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.units = 0
+        self._own_group = False
+
+    def check(self) -> None:
+        super().check()
+        if self.env.device.type not in ("cpu", "cuda"):
+            raise UsageError(f"--strategy fsdp runs on CUDA GPUs (NCCL) or on the CPU (Gloo), not on "
+                             f"{self.env.device.type}; use --strategy single")
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+        except ImportError:  # pragma: no cover - the pinned torch has it
+            raise UsageError(f"--strategy fsdp needs FSDP2 (torch.distributed.fsdp.fully_shard), which torch "
+                             f"{torch.__version__} lacks; upgrade torch") from None
+
+    # --- set-up -------------------------------------------------------------------------
+    def _policy(self, low_precision: bool = True) -> Any:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if self.precision.dtype is None or not low_precision:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
+
+    def _ensure_process_group(self) -> None:
+        if torch_dist.is_initialized():
+            return
+        # One process: a one-rank group of our own (several processes get theirs from
+        # scaleloop.init_process_group, which check() insists on).
+        cuda = self.env.device.type == "cuda"
+        torch_dist.init_process_group(backend=self.env.backend or ("nccl" if cuda else "gloo"),
+                                      store=torch_dist.HashStore(), rank=0, world_size=1,
+                                      device_id=self.env.device if cuda else None)
+        self._own_group = True
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if not _has_params(model):
+            raise UsageError(f"--strategy fsdp shards a model's parameters, and {type(model).__name__} has none; "
+                             "use --strategy ddp or single")
+        blocks = fsdp_blocks(model)
+        self._ensure_process_group()
+        if self.sync_batchnorm and self.env.is_distributed:
+            model = convert_batchnorm(model, self.env.device)
+            blocks = fsdp_blocks(model)
+        # All ranks start from rank 0's weights and buffers, as with DDP (fully_shard keeps
+        # each rank's own slice of its own copy, so copies that differed would stay mixed).
+        if self.env.is_distributed:
+            with torch.no_grad():
+                for tensor in list(model.parameters()) + list(model.buffers()):
+                    torch_dist.broadcast(tensor, src=0)
+        mesh = init_device_mesh(self.env.device.type, (self.env.world_size,))
+        mixed = self.precision.dtype is not None
+        norms = {id(m) for m in model.modules()
+                 if mixed and isinstance(m, nn.modules.batchnorm._BatchNorm) and _has_params(m)}
+        block_ids = {id(b) for b in blocks}
+        self.units = 0
+        # Innermost first: fully_shard must see a unit's sub-units before the unit itself.
+        for module in reversed(list(model.modules())):
+            if module is model:
+                continue
+            if id(module) in norms:
+                fully_shard(module, mesh=mesh, mp_policy=self._policy(low_precision=False))
+            elif id(module) in block_ids:
+                fully_shard(module, mesh=mesh, mp_policy=self._policy())
+            else:
+                continue
+            self.units += 1
+        fully_shard(model, mesh=mesh, mp_policy=self._policy())
+        self.units += 1
+        return model
+
+    def close(self) -> None:
+        if self._own_group and torch_dist.is_initialized():
+            torch_dist.destroy_process_group()
+        self._own_group = False
+
+    # --- one step -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def accumulate(self, model: nn.Module, batch: Union[Batch, int]) -> Iterator[None]:
+        # Micro-steps before the last keep their (unsharded) gradients local: no
+        # reduce-scatter until the last micro-step's backward reduces the accumulated sum.
+        sync = self.is_sync_step(batch)
+        setter = getattr(model, "set_requires_gradient_sync", None)
+        if setter is None or sync:
+            yield
+            return
+        setter(False)
+        try:
+            yield
+        finally:
+            setter(True)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        # The MixedPrecisionPolicy already runs the forward with bf16/fp16 parameters.
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        # The gradients are DTensor shards; clip_grad_norm_ reduces the norm over the ranks,
+        # so this is the norm of the whole gradient, the same on every rank.
+        self.precision.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    # --- buffers, export ----------------------------------------------------------------
+    def sync_buffers(self, model: nn.Module) -> None:
+        # FSDP shards parameters, not buffers: each rank's BatchNorm running statistics follow
+        # its own batches. DDP broadcasts rank 0's before every forward; this gives the same.
+        if not self.env.is_distributed:
+            return
+        with torch.no_grad():
+            for buf in model.buffers():
+                torch_dist.broadcast(buf, src=0)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        self.sync_buffers(model)
+        # Gathered shard by shard into rank 0's CPU memory; other ranks get an empty dict.
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    # --- checkpoints --------------------------------------------------------------------
+    @property
+    def writes_checkpoint(self) -> bool:
+        # Rank 0 writes state.pt and the manifest; every rank writes its shard (save_sharded).
+        return self.env.is_main
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        raise NotImplementedError("fsdp writes sharded checkpoints: use save_sharded (every rank)")
+
+    def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+        self.sync_buffers(model)
+        super().save_sharded(model, optimizer, directory)
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                              state: dict[str, Any]) -> None:
+        """Load a replicated strategy's checkpoint (full tensors, on every rank) into the shards."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, state["model"], options=full)
+        saved = state["optimizer"]
+        if not saved.get("state") and not saved.get("param_groups"):
+            return
+        # A plain optimizer state_dict numbers parameters 0, 1, ... in param-group order;
+        # the distributed state-dict API names them by their parameter names instead.
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        groups = []
+        for group in saved["param_groups"]:
+            groups.append({**group, "params": [order[i] for i in group["params"]]})
+        named = {"state": {order[int(i)]: v for i, v in saved["state"].items()}, "param_groups": groups}
+        set_optimizer_state_dict(model, optimizer, named, options=full)
+
+    def describe(self) -> str:
+        return f"fsdp ({self.units} units)" if self.units else "fsdp"

@@ -1,0 +1,110 @@
+"""``scaleloop bench scaling|strategies --quick``: real worker processes under torchrun.
+
+These check the outputs' structure and sanity (positive throughput, efficiency in (0, 1.2],
+bytes that match the model, a complete projection), never how fast this machine is.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from procs import run
+
+pytestmark = pytest.mark.distributed
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def bench(tmp_path: Path, *argv: str) -> tuple[dict[str, Any], str, str]:
+    """Run ``python -m scaleloop.bench <argv> --quick``; the JSON, the markdown and stderr."""
+    res = run([sys.executable, "-m", "scaleloop.bench", *argv, "--quick", "--out", str(tmp_path)],
+              cwd=tmp_path, timeout=240)
+    assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
+    [json_path] = tmp_path.glob(f"*_{argv[0]}-quick.json")
+    assert json_path.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
+    return json.loads(json_path.read_text()), json_path.with_suffix(".md").read_text(), res.stderr
+
+
+def biggernet_grad_bytes(image_size: int, hidden: int, classes: int = 10) -> int:
+    features = 3 * image_size * image_size
+    params = features * hidden + hidden + hidden * hidden + hidden + hidden * classes + classes
+    return 4 * params
+
+
+@pytest.fixture(scope="module")
+def scaling(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, str]:
+    return bench(tmp_path_factory.mktemp("scaling"), "scaling", "--workers", "1,2")
+
+
+def test_scaling_table_is_sane(scaling: tuple[dict[str, Any], str, str]) -> None:
+    data, md, err = scaling
+    points = data["data"]["points"]
+    assert [p["workers"] for p in points] == [1, 2]
+    quick = {"image_size": 8, "hidden_dim": 128, "batch_size": 16}   # the --quick preset
+    for p in points:
+        assert p["per_worker_batch"] == quick["batch_size"]                  # weak scaling by default
+        assert p["global_batch"] == p["workers"] * quick["batch_size"]
+        assert p["samples_per_s"] > 0 and p["loss_finite"]
+        assert 0 < p["efficiency"] <= 1.2
+        assert 0 < p["mfu"] < 1
+        b = p["breakdown"]
+        assert all(b[k] >= 0 for k in ("data_s", "forward_s", "backward_s", "optimizer_s"))
+        assert b["data_s"] + b["forward_s"] + b["backward_s"] + b["optimizer_s"] == pytest.approx(b["step_s"], rel=1e-6)
+    assert points[0]["efficiency"] == pytest.approx(1.0)
+    assert points[1]["efficiency"] == pytest.approx(points[1]["samples_per_s"] / (2 * points[0]["samples_per_s"]))
+    # Communication: DDP hands every gradient byte to its all-reduce once per step.
+    two = points[1]
+    expected = biggernet_grad_bytes(quick["image_size"], quick["hidden_dim"])
+    assert two["comm"]["grad_bytes"] == expected
+    assert two["comm"]["reduced_bytes_per_step"] == expected
+    assert two["comm"]["buckets_per_step"] >= 1
+    assert 0 < two["comm"]["in_flight_s"] <= two["breakdown"]["step_s"]
+    assert two["allreduce_bench"]["grad_s"] > two["allreduce_bench"]["small_s"] > 0
+    assert points[0]["comm"]["reduced_bytes_per_step"] is None and points[0]["allreduce_bench"] is None
+    assert "2 worker(s)" in err                                     # progress was shown
+    for header in ("| workers | per-worker batch | global batch | samples/s |", "data wait", "MODEL CHECK"):
+        assert header in md
+
+
+def test_scaling_projection_and_model_check(scaling: tuple[dict[str, Any], str, str]) -> None:
+    data, md, _ = scaling
+    model = data["data"]["model"]
+    projection = model["projection"]
+    assert {r["workers"] for r in projection} == {8, 16, 32, 64, 128, 256, 512, 1024}
+    assert {r["interconnect"] for r in projection} == {"nvlink", "ib-ndr", "100gbe", "25gbe"}
+    for r in projection:
+        assert 0 < r["efficiency_no_overlap"] <= r["efficiency_overlap"] <= 1.0
+    assert model["fabric"]["bandwidth_Bps"] > 0 and model["fabric"]["latency_s"] > 0
+    [check] = model["check"]
+    assert check["workers"] == 2
+    assert check["error_points_no_overlap"] == pytest.approx(
+        check["predicted_efficiency_no_overlap"] - check["measured_efficiency"])
+    assert "MODEL: projected weak-scaling efficiency" in md and "not a measurement" in md
+
+
+def test_strategies_table(tmp_path: Path) -> None:
+    from scaleloop.strategies import STRATEGY_CLASSES
+
+    data, md, _ = bench(tmp_path, "strategies", "--workers", "2")
+    rows = {r["label"]: r for r in data["data"]["rows"]}
+    fsdp = "fsdp x 2" if "fsdp" in STRATEGY_CLASSES else "fsdp"
+    assert list(rows) == ["single (1 thread)", "single (2 threads)", "dp", "ddp x 2", "allreduce x 2", fsdp]
+    assert "needs CUDA" in rows["dp"]["status"]
+    ran = ["single (1 thread)", "single (2 threads)", "ddp x 2", "allreduce x 2"]
+    if fsdp == "fsdp":
+        assert rows["fsdp"]["status"] == "not available in this version of scaleloop"
+        assert "not available in this version" in md
+    else:
+        ran.append(fsdp)
+        assert rows[fsdp]["grad_bytes"] is None        # FSDP's collectives are not timed
+    for label in ran:
+        row = rows[label]
+        assert row["status"] == "ran" and row["samples_per_s"] > 0 and row["global_batch"] == 32
+    assert rows["ddp x 2"]["per_worker_batch"] == 16
+    assert rows["ddp x 2"]["grad_bytes"] == rows["allreduce x 2"]["grad_bytes"] == biggernet_grad_bytes(8, 128)
+    assert rows["single (1 thread)"]["speedup"] == pytest.approx(1.0)
+    assert "| strategy | processes |" in md
