@@ -19,6 +19,7 @@ from scaleloop.checkpoint.manager import Checkpointer, Progress
 from scaleloop.checkpoint.resume import continues_run, run_dir_for
 from scaleloop.config import TrainConfig, to_toml
 from scaleloop.data.datasets import build_datasets
+from scaleloop.data.info import Datasets
 from scaleloop.data.loader import Batch
 from scaleloop.devices import describe_device
 from scaleloop.dist import DistEnv, restart_count
@@ -74,6 +75,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def build_data_and_model(cfg: TrainConfig) -> tuple[Datasets, torch.nn.Module]:
+    """The datasets and the freshly initialised model, exactly as every run builds them (seeded)."""
+    seed_everything(cfg.seed)
+    data = build_datasets(cfg.data, data_dir=cfg.data_dir, n_samples=cfg.n_samples,
+                          input_dim=cfg.input_dim, image_size=cfg.image_size, seq_len=cfg.seq_len,
+                          vocab_size=cfg.vocab_size, test_fraction=cfg.test_fraction, seed=cfg.seed)
+    return data, build_model(cfg.model, data.info, hidden_dim=cfg.hidden_dim)
+
+
 def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter],
                     lr: Optional[float] = None) -> torch.optim.Optimizer:
     """The optimizer named by ``cfg.optimizer`` with its hyperparameters (``lr`` overrides ``cfg.lr``)."""
@@ -121,12 +131,8 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     restarting = restart_count() > 0
 
     # 1. Data and model: built identically on every rank from the same seed.
-    seed_everything(cfg.seed)
-    data = build_datasets(cfg.data, data_dir=cfg.data_dir, n_samples=cfg.n_samples,
-                          input_dim=cfg.input_dim, image_size=cfg.image_size, seq_len=cfg.seq_len,
-                          vocab_size=cfg.vocab_size, test_fraction=cfg.test_fraction, seed=cfg.seed)
+    data, model = build_data_and_model(cfg)
     info = data.info
-    model = build_model(cfg.model, info, hidden_dim=cfg.hidden_dim)
     n_params = count_parameters(model)
 
     # 2. The strategy places the model, builds the optimizer on the placed parameters, and

@@ -302,18 +302,12 @@ def tune_batch(cfg: Any) -> TuneReport:
     device (local rank 0's), without a process group. Pass the config as it will be launched
     (``nproc`` already set to one process per GPU where ``--strategy auto`` does that).
     """
-    from scaleloop.data.datasets import build_datasets
-    from scaleloop.loop import build_optimizer, seed_everything
-    from scaleloop.models import build_model
+    from scaleloop.loop import build_data_and_model, build_optimizer
     from scaleloop.tasks import loss_fn
 
     device = _accelerator(cfg.device)
-    seed_everything(cfg.seed)
-    data = build_datasets(cfg.data, data_dir=cfg.data_dir, n_samples=cfg.n_samples,
-                          input_dim=cfg.input_dim, image_size=cfg.image_size, seq_len=cfg.seq_len,
-                          vocab_size=cfg.vocab_size, test_fraction=cfg.test_fraction, seed=cfg.seed)
+    data, model = build_data_and_model(cfg)
     info = data.info
-    model = build_model(cfg.model, info, hidden_dim=cfg.hidden_dim)
     # nn.DataParallel splits one process's batch over every GPU; otherwise one device per process.
     workers = torch.cuda.device_count() if cfg.strategy == "dp" and device.type == "cuda" else cfg.world_size
     # A per-device micro-batch never holds more than its share of the training set.

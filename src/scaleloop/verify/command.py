@@ -40,7 +40,8 @@ from scaleloop.verify.options import VerifyOptions
 from scaleloop.verify.probes import Probes, run_probes, unsynced_batchnorm
 from scaleloop.verify.recorder import RECORD_FILE, Recorder
 from scaleloop.verify.report import equivalence_verdict, format_table, rounding_note
-from scaleloop.verify.steps import RunSpec, build_data_and_model, run_steps
+from scaleloop.loop import build_data_and_model
+from scaleloop.verify.steps import RunSpec, run_steps
 from scaleloop.verify.sync import format_sync
 
 Say = Callable[[str], None]

@@ -11,15 +11,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch import nn
 
 from scaleloop.config import TrainConfig
-from scaleloop.data.datasets import build_datasets
-from scaleloop.data.info import Datasets
 from scaleloop.dist import DistEnv
 from scaleloop.errors import UsageError
-from scaleloop.loop import build_optimizer, seed_everything
-from scaleloop.models import build_model
+from scaleloop.loop import build_data_and_model, build_optimizer
 from scaleloop.precision import Precision
 from scaleloop.schedule import build_scheduler, scaled_lr
 from scaleloop.strategies import make_strategy
@@ -35,15 +31,6 @@ class RunSpec:
     accumulate: int
     steps: int
     loss: Optional[str] = None
-
-
-def build_data_and_model(cfg: TrainConfig) -> tuple[Datasets, nn.Module]:
-    """The datasets and the freshly initialised model, exactly as every run builds them."""
-    seed_everything(cfg.seed)
-    data = build_datasets(cfg.data, data_dir=cfg.data_dir, n_samples=cfg.n_samples,
-                          input_dim=cfg.input_dim, image_size=cfg.image_size, seq_len=cfg.seq_len,
-                          vocab_size=cfg.vocab_size, test_fraction=cfg.test_fraction, seed=cfg.seed)
-    return data, build_model(cfg.model, data.info, hidden_dim=cfg.hidden_dim)
 
 
 def run_steps(cfg: TrainConfig, env: DistEnv, spec: RunSpec, recorder: Recorder) -> None:
