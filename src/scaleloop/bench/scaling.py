@@ -9,6 +9,8 @@ of the baseline, no more, and the comparison is honest on a small machine.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -254,7 +256,10 @@ def _notes(opts: ScalingOptions, device: torch.device, peak: Any, fabric: Option
                      "an all-reduce's bytes, 3 collectives per unit. Its bytes and calls are given in all-reduce "
                      "equivalents, and its collectives are not timed during training.")
     if fabric is not None:
+        # Timing noise can make the gradient-sized all-reduce no slower than the one-float one;
+        # then the bandwidth term cannot be resolved and the model treats it as free.
+        bandwidth = (f"{fabric.bandwidth_Bps / 1e9:.2f} GB/s" if math.isfinite(fabric.bandwidth_Bps) else
+                     "not resolvable (the gradient-sized all-reduce was no slower than the one-float one)")
         notes.append(f"This machine's fabric, fitted to the lone all-reduces at {fabric.fitted_at_workers} workers: "
-                     f"latency {fabric.latency_s * 1e6:.1f} us per ring step, bandwidth "
-                     f"{fabric.bandwidth_Bps / 1e9:.2f} GB/s.")
+                     f"latency {fabric.latency_s * 1e6:.1f} us per ring step, bandwidth {bandwidth}.")
     return notes
