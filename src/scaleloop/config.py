@@ -22,7 +22,7 @@ else:  # pragma: no cover - exercised only on 3.10
 from scaleloop.batching import check_batch_split
 from scaleloop.errors import UsageError
 
-STRATEGIES = ("auto", "single", "dp", "ddp", "allreduce", "fsdp")
+STRATEGIES = ("auto", "single", "dp", "ddp", "allreduce", "fsdp", "pipeline")
 BACKENDS = ("gloo", "nccl")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -74,6 +74,8 @@ class TrainConfig:
     strategy: str = _opt("auto", "how to use the hardware", STRATEGIES, group="hardware")
     precision: str = _opt("fp32", "numeric precision (bf16/fp16 use torch.amp autocast; fp16 adds a GradScaler)", PRECISIONS, group="hardware")
     num_workers: int = _opt(0, "DataLoader worker processes (only for datasets that are not in-memory tensors)", group="hardware")
+    microbatches: int = _opt(1, "--strategy pipeline: cut each micro-step's batch into this many pieces that "
+                             "flow through the stages one after another (GPipe)", group="hardware")
     sync_batchnorm: bool = _opt(False, "compute BatchNorm statistics over the global batch (all ranks), as one process would", group="hardware")
 
     # how many processes, on how many machines (N > 1 re-launches under torch.distributed.run)
@@ -109,7 +111,7 @@ class TrainConfig:
             if choices and value is not None and value not in choices:
                 raise UsageError(f"{flag(f.name)} {value!r} is not one of: {', '.join(choices)}")
         positive = ("hidden_dim", "n_samples", "input_dim", "image_size", "seq_len", "vocab_size",
-                    "epochs", "batch_size", "accumulate", "log_every")
+                    "epochs", "batch_size", "accumulate", "log_every", "microbatches")
         for name in positive:
             _require(getattr(self, name) >= 1, name, "a positive integer")
         _require(self.max_steps is None or self.max_steps >= 1, "max_steps", "a positive integer")
@@ -143,8 +145,31 @@ class TrainConfig:
         if self.strategy == "dp" and self.world_size > 1:
             raise UsageError("--strategy dp (nn.DataParallel) runs ONE process that drives all GPUs; "
                              "drop --nproc/--nnodes, or use --strategy ddp for one process per GPU")
-        check_batch_split(self.batch_size, self.world_size, self.accumulate)
+        if self.strategy == "pipeline":
+            self._check_pipeline()
+        else:
+            if self.microbatches > 1:
+                raise UsageError(f"--microbatches {self.microbatches} applies to --strategy pipeline only; to "
+                                 "split a step's batch with another strategy use --accumulate")
+            check_batch_split(self.batch_size, self.world_size, self.accumulate)
         return self
+
+    def _check_pipeline(self) -> None:
+        """A pipeline's stages all see the whole batch: it is split into micro-steps, not ranks."""
+        if self.world_size < 2:
+            raise UsageError("--strategy pipeline puts the model's layers on several processes, one stage each: "
+                             "add --nproc 2 (or more)")
+        if self.precision == "fp16":
+            raise UsageError("--strategy pipeline does not support --precision fp16: each stage's GradScaler "
+                             "would skip steps on its own; use --precision bf16 (or fp32)")
+        if self.sync_batchnorm:
+            raise UsageError("--sync-batchnorm synchronises BatchNorm over data-parallel ranks; a pipeline has "
+                             "none (each BatchNorm lives on one stage): drop it")
+        micro = check_batch_split(self.batch_size, 1, self.accumulate)
+        if micro < self.microbatches:
+            raise UsageError(f"--batch-size {self.batch_size} with --accumulate {self.accumulate} gives micro-steps of "
+                             f"{micro} samples, fewer than --microbatches {self.microbatches}; raise --batch-size "
+                             f"or lower --microbatches")
 
     @property
     def world_size(self) -> int:

@@ -12,7 +12,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from scaleloop.data.info import DataInfo
 from scaleloop.data.loader import _move, tensors_of
-from scaleloop.gather import shard_indices
 from scaleloop.strategies.base import Strategy
 from scaleloop.tasks import correct_count
 
@@ -40,7 +39,7 @@ def evaluate(model: nn.Module, dataset: Dataset, info: DataInfo, strategy: Strat
     """
     env = strategy.env
     n = len(dataset)
-    mine = shard_indices(n, env)
+    mine = strategy.eval_indices(n)
     was_training = model.training
     model.eval()
     strategy.sync_buffers(model)
@@ -55,8 +54,9 @@ def evaluate(model: nn.Module, dataset: Dataset, info: DataInfo, strategy: Strat
         extra = max(strategy.gather_object(own)) - own
     with torch.no_grad():
         for x, y in _batches(dataset, mine, batch_size, env.device):
-            with strategy.autocast():
-                out = model(x)
+            out = strategy.eval_forward(model, x)
+            if out is None:  # this rank computes no outputs (a pipeline's earlier stage)
+                continue
             loss_sum += _loss_sum(info, out, y)
             c, t = correct_count(info, out, y)
             correct += c

@@ -6,6 +6,7 @@ the optimizer and log. Everything that differs between 1 and N workers is the st
 """
 from __future__ import annotations
 
+import functools
 import random
 import time
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from scaleloop.devices import describe_device
 from scaleloop.dist import DistEnv, restart_count
 from scaleloop.errors import UsageError
 from scaleloop.evaluate import EvalResult, evaluate
-from scaleloop.memory import MemoryProbe, RankMemory, measure, write_json
+from scaleloop.memory import MemoryProbe, RankMemory, measure, parameter_bytes, write_json
 from scaleloop.metrics import MetricsLogger, plot_curves
 from scaleloop.models import build_model, count_parameters
 from scaleloop.precision import Precision
@@ -134,11 +135,14 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     data, model = build_data_and_model(cfg)
     info = data.info
     n_params = count_parameters(model)
+    model_bytes = parameter_bytes(model)  # before a strategy shards or splits it
+    loss_of = functools.partial(loss_fn, info)
 
     # 2. The strategy places the model, builds the optimizer on the placed parameters, and
     #    decides which samples this rank loads.
     precision = Precision(cfg.precision, env.device)
-    strategy = make_strategy(cfg.strategy, env, precision, cfg.accumulate, cfg.sync_batchnorm)
+    strategy = make_strategy(cfg.strategy, env, precision, cfg.accumulate, cfg.sync_batchnorm,
+                             microbatches=cfg.microbatches)
     lr = scaled_lr(cfg)
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(cfg, params, lr.peak))
     # From here on each rank draws its own random numbers (dropout, augmentation), like
@@ -179,6 +183,8 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     say(f"scaleloop: {cfg.model} ({n_params:,} parameters) on {info.name} "
         f"({len(data.train):,} train / {len(data.test) if data.test is not None else 0:,} test), "
         f"{strategy.describe()} x {env.world_size} on {describe_device(env.device)}, {cfg.precision}")
+    for line in strategy.details():
+        say(line)
     lr_line = describe_schedule(cfg, lr, total_steps)
     if cfg.lr_scaling != "none" or cfg.lr_schedule != "constant" or cfg.warmup_steps:
         say(f"learning rate {lr_line}")
@@ -231,15 +237,13 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
             for batch in loader:
                 if on_batch is not None:
                     on_batch(batch)
-                x, y = batch
                 with strategy.accumulate(model, batch):
-                    with strategy.autocast():
-                        loss = loss_fn(info, model(x), y)
-                    strategy.backward(loss, batch)
-                n = len(batch)
-                contrib = torch.stack([loss.detach().double() * n, torch.tensor(float(n), dtype=torch.float64, device=env.device)])
-                epoch_loss += contrib
-                window += contrib
+                    loss = strategy.forward_backward(model, batch, loss_of)
+                if loss is not None:  # None: this rank computes no loss (a pipeline's earlier stage)
+                    n = len(batch)
+                    contrib = torch.stack([loss.double() * n, torch.tensor(float(n), dtype=torch.float64, device=env.device)])
+                    epoch_loss += contrib
+                    window += contrib
                 if not batch.last_micro:
                     continue
                 if cfg.clip_grad is not None:
@@ -311,7 +315,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     # 6. Results: final weights (of the user's own module, without wrappers, unsharded: a
     #    collective for a sharded strategy), memory per rank, and curves.
     final_weights = strategy.full_state_dict(model)
-    memory = tuple(strategy.gather_object(measure(model, optimizer, env.rank, env.device, probe.gradients)))
+    memory = tuple(strategy.gather_object(measure(model, optimizer, env.rank, env.device, probe.gradients, model_bytes)))
     strategy.close()
     if run_dir is not None:
         import io

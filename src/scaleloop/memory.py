@@ -92,9 +92,15 @@ class MemoryProbe:
             self.gradients = gradient_bytes(model)
 
 
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of all of the model's parameters, unsharded (tied parameters counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def measure(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, device: torch.device,
-            gradients: Optional[int]) -> RankMemory:
-    """This rank's numbers (no collective)."""
+            gradients: Optional[int], model_bytes: Optional[int] = None) -> RankMemory:
+    """This rank's numbers (no collective). ``model_bytes``: the whole model's parameter bytes,
+    when this rank holds only part of the model (a pipeline stage); default: ``model``'s."""
     params = list(model.parameters())
     peak_cuda = None
     if device.type == "cuda" and torch.cuda.is_available():
@@ -104,7 +110,7 @@ def measure(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, devic
     peak_rss = int(rss if sys.platform == "darwin" else rss * 1024)
     return RankMemory(rank=rank, parameters=tensor_bytes(params), gradients=gradients,
                       optimizer=tensor_bytes(_state_tensors(list(optimizer.state.values()))),
-                      model_parameters=sum(p.numel() * p.element_size() for p in params),
+                      model_parameters=model_bytes if model_bytes is not None else parameter_bytes(model),
                       peak_cuda=peak_cuda, peak_rss=peak_rss)
 
 

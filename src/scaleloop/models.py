@@ -1,8 +1,8 @@
 """Built-in models, and ``build_model`` which picks one (or a user factory) for a dataset.
 
-The MLPs and the ConvNet keep their layers as a flat run of top-level modules and offer
-``as_sequential()``, so that a pipeline-parallel strategy can cut them into stages without
-knowing each class. ``TinyGPT`` keeps its transformer blocks in ``blocks`` so that a sharding
+Every built-in model offers ``as_sequential()``, the same computation as a flat run of layers
+sharing the model's parameters, so that a pipeline-parallel strategy can cut it into stages
+without knowing each class. ``TinyGPT`` keeps its transformer blocks in ``blocks`` so that a sharding
 strategy can wrap one block at a time.
 """
 from __future__ import annotations
@@ -145,6 +145,34 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class TokenEmbedding(nn.Module):
+    """TinyGPT's input layer: token plus position embeddings (then dropout), sharing TinyGPT's modules."""
+
+    def __init__(self, tok_emb: nn.Embedding, pos_emb: nn.Embedding, drop: nn.Dropout, seq_len: int) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb, self.drop, self.seq_len = tok_emb, pos_emb, drop, seq_len
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Map ``(batch, seq)`` tokens to ``(batch, seq, d_model)``."""
+        seq = tokens.shape[1]
+        if seq > self.seq_len:
+            raise ValueError(f"sequence length {seq} exceeds the model's seq_len {self.seq_len}")
+        positions = torch.arange(seq, device=tokens.device)
+        return self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+
+
+class LMHead(nn.Module):
+    """TinyGPT's output layer: final LayerNorm, then the (tied) projection to the vocabulary."""
+
+    def __init__(self, ln_f: nn.LayerNorm, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map ``(batch, seq, d_model)`` to ``(batch, seq, vocab_size)`` logits."""
+        return self.lm_head(self.ln_f(x))
+
+
 class TinyGPT(nn.Module):
     """A small decoder-only transformer language model.
 
@@ -192,14 +220,19 @@ class TinyGPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Map ``(batch, seq)`` tokens to ``(batch, seq, vocab_size)`` logits."""
-        seq = tokens.shape[1]
-        if seq > self.seq_len:
-            raise ValueError(f"sequence length {seq} exceeds the model's seq_len {self.seq_len}")
-        positions = torch.arange(seq, device=tokens.device)
-        x = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
+        x = self._embedding(tokens)
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+    @property
+    def _embedding(self) -> TokenEmbedding:
+        return TokenEmbedding(self.tok_emb, self.pos_emb, self.drop, self.seq_len)
+
+    def as_sequential(self) -> nn.Sequential:
+        """The same computation as one flat ``nn.Sequential`` sharing this model's parameters:
+        embedding, each block, head (the head's weight is the embedding's, tied)."""
+        return nn.Sequential(self._embedding, *self.blocks, LMHead(self.ln_f, self.lm_head))
 
 
 def _shape(shape: tuple[int, ...]) -> str:

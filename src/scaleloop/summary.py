@@ -41,7 +41,9 @@ def describe_epoch(result: RunResult) -> str:
                 f"the last {result.dropped_per_epoch} of each shuffled order dropped")
     text = f"{used:,} samples in {result.steps_per_epoch} steps, each once, no padding"
     if result.steps_per_epoch * result.last_step_samples != used:
-        text += f" (last step {result.last_step_samples}, split evenly over workers)"
+        over = "every stage" if result.strategy.startswith("pipeline") else "workers"
+        split = "seen whole by" if over == "every stage" else "split evenly over"
+        text += f" (last step {result.last_step_samples}, {split} {over})"
     return text
 
 

@@ -176,7 +176,7 @@ class Checkpointer:
         if sharded:
             _check_sharded(strategy, model, Path(source))
         else:
-            check_model_state(strategy.unwrap(model).state_dict(), state["model"], source)
+            check_model_state(strategy.expected_model_state(model), state["model"], source)
         try:
             if sharded:
                 strategy.load_sharded(model, optimizer, Path(source))
@@ -228,4 +228,4 @@ def _check_sharded(strategy: Strategy, model: nn.Module, directory: Path) -> Non
                               "directory must be on a file system that all nodes share")
     saved = {key: (torch.empty(shape, device="meta") if shape is not None else None)
              for key, shape in distcp.saved_model_shapes(directory).items()}
-    check_model_state(strategy.unwrap(model).state_dict(), saved, str(directory))
+    check_model_state(strategy.expected_model_state(model), saved, str(directory))

@@ -11,10 +11,11 @@ from scaleloop.strategies.base import ProcessGroupStrategy, Strategy
 from scaleloop.strategies.dataparallel import DataParallel
 from scaleloop.strategies.ddp import DDP
 from scaleloop.strategies.fsdp import FSDP
+from scaleloop.strategies.pipeline import PipelineParallel
 from scaleloop.strategies.single import SingleDevice
 
 __all__ = ["Strategy", "ProcessGroupStrategy", "SingleDevice", "DataParallel", "DDP",
-           "ManualAllReduce", "FSDP", "STRATEGY_CLASSES", "make_strategy", "resolve_strategy_name"]
+           "ManualAllReduce", "FSDP", "PipelineParallel", "STRATEGY_CLASSES", "make_strategy", "resolve_strategy_name"]
 
 STRATEGY_CLASSES: dict[str, type[Strategy]] = {
     "single": SingleDevice,
@@ -22,6 +23,7 @@ STRATEGY_CLASSES: dict[str, type[Strategy]] = {
     "ddp": DDP,
     "allreduce": ManualAllReduce,
     "fsdp": FSDP,
+    "pipeline": PipelineParallel,
 }
 
 
@@ -33,8 +35,8 @@ def resolve_strategy_name(name: str, env: DistEnv) -> str:
 
 
 def make_strategy(name: str, env: DistEnv, precision: Optional[Precision | str] = None,
-                  accumulate: int = 1, sync_batchnorm: bool = False) -> Strategy:
-    """Build a strategy by name (``auto`` picks one for ``env``)."""
+                  accumulate: int = 1, sync_batchnorm: bool = False, *, microbatches: int = 1) -> Strategy:
+    """Build a strategy by name (``auto`` picks one for ``env``); ``microbatches`` is the pipeline's."""
     if isinstance(precision, str) or precision is None:
         precision = Precision(precision or "fp32", env.device)
     concrete = resolve_strategy_name(name, env)
@@ -45,4 +47,9 @@ def make_strategy(name: str, env: DistEnv, precision: Optional[Precision | str] 
         raise UsageError(
             f"--strategy {concrete} runs one process, but this job has {env.world_size}; "
             "use --strategy ddp or allreduce")
+    if cls is PipelineParallel:
+        return PipelineParallel(env, precision, accumulate, sync_batchnorm, microbatches=microbatches)
+    if microbatches > 1:
+        raise UsageError(f"microbatches={microbatches} applies to the pipeline strategy only; use accumulate "
+                         f"to split a step's batch with {concrete}")
     return cls(env, precision, accumulate, sync_batchnorm)

@@ -86,6 +86,20 @@ class Strategy:
     def autocast(self) -> contextlib.AbstractContextManager:
         return self.precision.autocast()
 
+    def forward_backward(self, model: nn.Module, batch: Batch,
+                         loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Optional[torch.Tensor]:
+        """Forward and backward of one micro-batch (call it inside :meth:`accumulate`).
+
+        ``loss_of(output, target)`` is the mean loss over the samples it is given. Returns that
+        loss for the whole micro-batch, detached, or None on a rank that does not compute it
+        (a pipeline's earlier stages).
+        """
+        x, y = batch
+        with self.autocast():
+            loss = loss_of(model(x), y)
+        self.backward(loss, batch)
+        return loss.detach()
+
     def backward(self, loss: torch.Tensor, batch: Optional[Batch] = None) -> None:
         """Backward on the loss weighted for accumulation (and fp16 loss scaling).
 
@@ -110,6 +124,20 @@ class Strategy:
         stepped = self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
         return stepped
+
+    # --- evaluation ---------------------------------------------------------------------
+    def eval_indices(self, n: int) -> range:
+        """The block of an ``n``-sample evaluation set this rank evaluates (each sample once over
+        all ranks; a pipeline's stages all walk every sample)."""
+        from scaleloop.gather import shard_indices
+
+        return shard_indices(n, self.env)
+
+    def eval_forward(self, model: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The model's output for ``x`` in evaluation (under ``torch.no_grad``), or None on a rank
+        that does not produce outputs (a pipeline's earlier stages)."""
+        with self.autocast():
+            return model(x)
 
     # --- numbers rank 0 reports ---------------------------------------------------------
     def reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
@@ -136,6 +164,10 @@ class Strategy:
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The full model (unwrapped, so it loads into a plain module) and optimizer state."""
         return {"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
+
+    def expected_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """What a checkpoint's ``model`` entry must hold: keys and shapes of the user's whole module."""
+        return self.unwrap(model).state_dict()
 
     def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                               state: dict[str, Any]) -> None:
@@ -173,6 +205,10 @@ class Strategy:
 
     def describe(self) -> str:
         return self.name
+
+    def details(self) -> list[str]:
+        """Lines a run prints after its header (how the strategy placed the model, notes)."""
+        return []
 
 
 class ProcessGroupStrategy(Strategy):

@@ -1,0 +1,458 @@
+"""Pipeline model parallelism: the model's layers cut into stages, one stage per process.
+
+Where data parallelism gives every process the whole model and part of the batch, a pipeline
+gives every process part of the model and the whole batch. Stage 0 runs the first layers and
+sends its activations to stage 1, and so on; gradients flow back the same way. Cutting each
+step's batch into ``--microbatches M`` pieces lets stage 0 start on piece 2 while stage 1 works
+on piece 1 (the GPipe schedule: all forwards, then all backwards). The run of stages is
+``torch.distributed.pipelining`` (``PipelineStage`` and ``ScheduleGPipe``); this module decides
+the cut, weights the loss and makes the checkpoints ordinary ones.
+
+**The cut.** The model is flattened into layers with its ``as_sequential()`` method (every
+built-in model has one) or, for an ``nn.Sequential``, its children. A layer without parameters
+(ReLU, Flatten, pooling) stays with the layer before it; the runs are then cut into
+``world size`` contiguous stages with the largest stage's parameter count as small as possible.
+
+**Exact loss weighting.** Each piece's loss is its mean loss times its share of the step's
+samples (``scale_grads=False``), so the summed gradients are those of one step on the whole
+batch, whatever the number of pieces. Pieces must be equal in size for the schedule's fixed
+receive buffers: when a step's batch does not divide into ``M``, it is cut into the largest
+number of equal pieces below ``M`` that does (a note says so once).
+
+**Tied weights.** A parameter used by two stages (TinyGPT's embedding and output head) has a
+copy on each; after the last backward of a step their gradients are summed over the stages, so
+both copies take the same step.
+
+**Checkpoints and the exported model are ordinary, whole-model ones:** rank 0 gathers every
+stage's weights and optimizer state under the whole model's names and numbering, so a pipeline
+checkpoint resumes with ``--strategy single``/``ddp`` and the other way round.
+
+Not offered: fp16 (each stage's GradScaler would skip steps on its own), SyncBatchNorm, and a
+pipeline combined with data parallelism. BatchNorm inside a pipeline normalises each piece on
+its own, so with ``M > 1`` its results differ from one process (a note says so).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+from torch.utils.data import Dataset
+
+from scaleloop.batching import check_batch_split
+from scaleloop.data.loader import Batch, ShardedLoader
+from scaleloop.data.sampler import StepPlan
+from scaleloop.dist import DistEnv
+from scaleloop.errors import UsageError
+from scaleloop.precision import Precision
+from scaleloop.strategies.base import OptimizerLike, ProcessGroupStrategy
+
+LossOf = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def pipeline_layers(model: nn.Module) -> list[nn.Module]:
+    """The model as a flat list of layers run one after another (see the module docstring)."""
+    flat = getattr(model, "as_sequential", None)
+    if callable(flat):
+        seq = flat()
+        if not isinstance(seq, nn.Sequential):
+            raise UsageError(f"{type(model).__name__}.as_sequential() must return an nn.Sequential, "
+                             f"got {type(seq).__name__}")
+        return list(seq)
+    if isinstance(model, nn.Sequential):
+        return list(model)
+    raise UsageError(f"--strategy pipeline cannot cut {type(model).__name__} into stages: make the model an "
+                     "nn.Sequential or give it an as_sequential() method returning one with the same "
+                     "computation; or use --strategy ddp or fsdp")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Which layers each stage runs, and how many parameter elements it holds."""
+
+    layers: tuple[range, ...]
+    parameters: tuple[int, ...]
+    names: tuple[tuple[str, ...], ...]
+
+    def describe(self) -> list[str]:
+        lines = []
+        for i, (span, count, names) in enumerate(zip(self.layers, self.parameters, self.names)):
+            shown = ", ".join(names) if len(names) <= 6 else ", ".join(names[:5]) + f", ... {names[-1]}"
+            lines.append(f"  stage {i}: layers {span.start}-{span.stop - 1} ({shown}), {count:,} parameters")
+        return lines
+
+
+def _own_parameter_count(layer: nn.Module) -> int:
+    return sum(p.numel() for p in layer.parameters())
+
+
+def plan_stages(layers: list[nn.Module], n_stages: int, model_name: str = "the model") -> StagePlan:
+    """Cut ``layers`` into ``n_stages`` contiguous stages, each with parameters, balancing them."""
+    counts = [_own_parameter_count(layer) for layer in layers]
+    # Units: a layer with parameters plus the parameter-free layers after it (the first unit
+    # also takes any parameter-free layers before it).
+    starts = [i for i, c in enumerate(counts) if c > 0]
+    if len(starts) < n_stages:
+        raise UsageError(f"{model_name} has {len(starts)} layer(s) with parameters, so it cannot be cut into "
+                         f"{n_stages} pipeline stages: use --nproc {max(len(starts), 2)} or fewer, a deeper "
+                         "model, or --strategy ddp/fsdp")
+    bounds = [0] + starts[1:] + [len(layers)]
+    unit_cost = [sum(counts[bounds[u]:bounds[u + 1]]) for u in range(len(starts))]
+    cuts = _balanced_cuts(unit_cost, n_stages)
+    spans = tuple(range(bounds[a], bounds[b]) for a, b in zip(cuts[:-1], cuts[1:]))
+    return StagePlan(layers=spans,
+                     parameters=tuple(sum(counts[i] for i in span) for span in spans),
+                     names=tuple(tuple(type(layers[i]).__name__ for i in span) for span in spans))
+
+
+def _balanced_cuts(costs: list[int], parts: int) -> list[int]:
+    """Unit boundaries ``[0, ..., len(costs)]`` cutting ``costs`` into ``parts`` non-empty runs
+    whose largest sum is as small as possible (dynamic programming; few units)."""
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: smallest possible largest run when the first i units form k runs.
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    bounds = [n]
+    for k in range(parts, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
+
+
+class StageModule(nn.Module):
+    """This rank's stage: its run of the model's layers, under the run's autocast.
+
+    It remembers the whole model's names of its tensors, so that checkpoints and the exported
+    model use the whole model's ``state_dict`` keys and optimizer numbering.
+    """
+
+    def __init__(self, layers: list[nn.Module], precision: Precision) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*layers)
+        self._precision = precision
+        #: local state_dict key -> the whole model's key(s) for the same tensor
+        self.global_keys: dict[str, list[str]] = {}
+        #: the whole model's state_dict keys and shapes, in its order
+        self.full_shapes: dict[str, tuple[int, ...]] = {}
+        #: id(parameter) -> its index in the whole model's ``parameters()``
+        self.param_index: dict[int, int] = {}
+        self.n_model_params = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self._precision.autocast():
+            return self.layers(x)
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        """This stage's tensors under the whole model's keys (on the CPU)."""
+        out: dict[str, torch.Tensor] = {}
+        for key, tensor in self.state_dict().items():
+            for name in self.global_keys.get(key, ()):
+                out[name] = tensor.detach().cpu()
+        return out
+
+
+class PipelineParallel(ProcessGroupStrategy):
+    """GPipe pipeline over all ranks: rank r runs stage r (see the module docstring)."""
+
+    name = "pipeline"
+
+    def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
+                 sync_batchnorm: bool = False, *, microbatches: int = 1) -> None:
+        self.microbatches = microbatches
+        super().__init__(env, precision, accumulate, sync_batchnorm)
+        self.plan: Optional[StagePlan] = None
+        self._module: Optional[StageModule] = None
+        self._schedules: dict[tuple[str, int], Any] = {}
+        self._tied: list[tuple[int, int, Optional[nn.Parameter]]] = []  # (global index, numel, local param)
+        self._owned: set[int] = set()  # global indices whose gradient this stage counts in the norm
+        self._loss_of: Optional[LossOf] = None
+        self._per_sample = 1.0
+        self._noted_uneven: set[int] = set()
+        self.notes: list[str] = []
+
+    def check(self) -> None:
+        super().check()
+        if self.env.world_size < 2:
+            raise UsageError("--strategy pipeline puts the model's layers on several processes, one stage each: "
+                             "run it with --nproc 2 (or more)")
+        if self.precision.name == "fp16":
+            raise UsageError("--strategy pipeline does not support --precision fp16: each stage's GradScaler "
+                             "would skip steps on its own; use --precision bf16 (or fp32)")
+        if self.sync_batchnorm:
+            raise UsageError("--sync-batchnorm synchronises BatchNorm over data-parallel ranks; a pipeline has "
+                             "none: drop it")
+        if self.microbatches < 1:
+            raise UsageError(f"--microbatches must be a positive integer, got {self.microbatches}")
+
+    @property
+    def stage(self) -> int:
+        return self.env.rank
+
+    @property
+    def is_first(self) -> bool:
+        return self.env.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.env.rank == self.env.world_size - 1
+
+    # --- set-up -------------------------------------------------------------------------
+    def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Cut ``model`` into stages and keep this rank's (moved to its device) with its optimizer."""
+        stage = self.wrap(model)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = optimizer(stage.parameters())
+        if len(optimizer.param_groups) != 1:
+            raise UsageError("--strategy pipeline supports optimizers with one parameter group")
+        return stage, optimizer
+
+    def wrap(self, model: nn.Module) -> StageModule:
+        """This rank's stage of ``model`` (the other stages' layers are not kept)."""
+        layers = pipeline_layers(model)
+        self.plan = plan_stages(layers, self.env.world_size, type(model).__name__)
+        names_of: dict[int, list[str]] = {}
+        full_state = model.state_dict(keep_vars=True)
+        for key, tensor in full_state.items():
+            names_of.setdefault(id(tensor), []).append(key)
+        params = list(model.parameters())
+        index = {id(p): i for i, p in enumerate(params)}
+        holders: dict[int, list[int]] = {}
+        for s, span in enumerate(self.plan.layers):
+            seen: set[int] = set()
+            for i in span:
+                for p in layers[i].parameters():
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        holders.setdefault(index[id(p)], []).append(s)
+
+        mine = [layers[i] for i in self.plan.layers[self.stage]]
+        stage = StageModule(mine, self.precision)
+        for key, tensor in stage.state_dict(keep_vars=True).items():
+            stage.global_keys[key] = names_of.get(id(tensor), [])
+        stage.full_shapes = {key: tuple(t.shape) for key, t in full_state.items()}
+        stage.param_index = {id(p): index[id(p)] for p in stage.parameters()}
+        stage.n_model_params = len(params)
+        local = {index[id(p)]: p for p in stage.parameters()}
+        self._tied = [(g, params[g].numel(), local.get(g)) for g, stages in sorted(holders.items()) if len(stages) > 1]
+        self._owned = {g for g, stages in holders.items() if stages[0] == self.stage}
+        if self.microbatches > 1 and any(isinstance(m, nn.modules.batchnorm._BatchNorm)
+                                         for layer in layers for m in layer.modules()):
+            self.notes.append(f"note: BatchNorm normalises each of the {self.microbatches} pipeline micro-batches "
+                              "on its own, so results differ from one process; --microbatches 1 keeps "
+                              "whole-batch statistics")
+        self._module = stage.to(self.env.device)
+        return self._module
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+               drop_last: bool = False, num_workers: int = 0) -> ShardedLoader:
+        """Every stage walks the same batches (stage 0 uses the inputs, the last stage the targets)."""
+        check_batch_split(batch_size, 1, self.accumulate_steps)
+        plan = StepPlan(len(dataset), batch_size, world_size=1, rank=0, accumulate=self.accumulate_steps,
+                        shuffle=shuffle, seed=seed, drop_last=drop_last)
+        return ShardedLoader(dataset, plan, self.env.device, num_workers=num_workers,
+                             pin_memory=self.env.device.type == "cuda")
+
+    def describe(self) -> str:
+        return f"pipeline ({self.env.world_size} stages, {self.microbatches} micro-batch(es), GPipe)"
+
+    def details(self) -> list[str]:
+        lines = self.plan.describe() if self.plan is not None else []
+        return lines + self.notes
+
+    # --- the schedule -------------------------------------------------------------------
+    def _pieces(self, n: int, say: bool = True) -> int:
+        """Equal pieces for a batch of ``n``: ``M``, or the largest divisor of ``n`` below it."""
+        m = min(self.microbatches, n)
+        while n % m:
+            m -= 1
+        if say and m != self.microbatches and n not in self._noted_uneven:
+            self._noted_uneven.add(n)
+            if self.env.is_main:
+                print(f"note: a batch of {n} samples does not split into {self.microbatches} equal pipeline "
+                      f"micro-batches; it runs as {m} of {n // m}")
+        return m
+
+    def _schedule(self, mode: str, n: int) -> Any:
+        """The stage and GPipe schedule for batches of ``n`` samples (one per size: the stages'
+        receive buffers have fixed shapes)."""
+        key = (mode, n)
+        if key not in self._schedules:
+            from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+            assert self._module is not None, "setup() first"
+            stage = PipelineStage(self._module, self.stage, self.env.world_size, self.env.device)
+            loss = self._piece_loss if mode == "train" else None
+            self._schedules[key] = ScheduleGPipe(stage, self._pieces(n, say=mode == "train"), loss_fn=loss,
+                                                 scale_grads=False)
+        return self._schedules[key]
+
+    def _piece_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # The piece's mean loss weighted by its share of the step: summed over the pieces and
+        # micro-steps, exactly the step's mean loss.
+        assert self._loss_of is not None
+        return self._loss_of(output, target) * (target.shape[0] * self._per_sample)
+
+    def forward_backward(self, model: nn.Module, batch: Batch, loss_of: LossOf) -> Optional[torch.Tensor]:
+        x, y = batch
+        schedule = self._schedule("train", len(batch))
+        self._loss_of = loss_of
+        self._per_sample = batch.loss_scale / len(batch)
+        losses: list[torch.Tensor] = []
+        if self.is_first:
+            schedule.step(x, return_outputs=False)
+        elif self.is_last:
+            schedule.step(target=y, losses=losses, return_outputs=False)
+        else:
+            schedule.step(return_outputs=False)
+        if batch.last_micro:
+            self._sum_tied_gradients()
+        if not self.is_last:
+            return None
+        # The pieces' weighted losses add up to the micro-batch's share of the step's loss.
+        return torch.stack([l.detach().float() for l in losses]).sum() / batch.loss_scale
+
+    def _sum_tied_gradients(self) -> None:
+        """Add up the gradients of parameters that several stages hold (each has part of it)."""
+        if not self._tied:
+            return
+        device = self.env.device
+        flat = torch.cat([
+            (p.grad.detach().flatten().float() if p is not None and p.grad is not None
+             else torch.zeros(numel, device=device))
+            for _, numel, p in self._tied])
+        torch_dist.all_reduce(flat)
+        offset = 0
+        for _, numel, p in self._tied:
+            if p is not None:
+                total = flat[offset:offset + numel].view_as(p).to(p.dtype)
+                if p.grad is None:
+                    p.grad = total.clone()
+                else:
+                    p.grad.copy_(total)
+            offset += numel
+
+    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Clip by the norm over ALL stages' gradients (a tied parameter counted once)."""
+        assert self._module is not None
+        grads = [p.grad for p in self._module.parameters()
+                 if p.grad is not None and self._module.param_index[id(p)] in self._owned]
+        local = (torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).pow(2).sum()
+                 if grads else torch.zeros((), device=self.env.device))
+        torch_dist.all_reduce(local)
+        total = local.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self._module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+        return total
+
+    # --- evaluation ---------------------------------------------------------------------
+    def eval_indices(self, n: int) -> range:
+        return range(0, n)
+
+    def eval_forward(self, model: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+        schedule = self._schedule("eval", len(x))
+        out = schedule.step(x) if self.is_first else schedule.step()
+        return out if self.is_last else None
+
+    # --- checkpoints and the exported model ---------------------------------------------
+    def expected_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        assert self._module is not None
+        return {key: torch.empty(shape, device="meta") for key, shape in self._module.full_shapes.items()}
+
+    def _gather_to_main(self, obj: Any) -> Optional[list[Any]]:
+        out: Optional[list[Any]] = [None] * self.env.world_size if self.env.is_main else None
+        torch_dist.gather_object(obj, out, dst=0)
+        return out
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The whole model's ``state_dict`` on rank 0 (gathered from the stages); {} elsewhere."""
+        assert self._module is not None
+        parts = self._gather_to_main(self._module.global_state())
+        if parts is None:
+            return {}
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            for key, tensor in part.items():
+                merged.setdefault(key, tensor)
+        missing = [k for k in self._module.full_shapes if k not in merged]
+        if missing:
+            raise RuntimeError(f"pipeline stages hold no tensor for {', '.join(missing[:4])}")
+        return {key: merged[key] for key in self._module.full_shapes}
+
+    def _optimizer_part(self, optimizer: torch.optim.Optimizer) -> tuple[dict[int, Any], dict[str, Any]]:
+        assert self._module is not None
+        state = optimizer.state_dict()
+        local_to_global = {i: self._module.param_index[id(p)]
+                           for i, p in enumerate(optimizer.param_groups[0]["params"])}
+        moved = {local_to_global[i]: {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+                                      for k, v in s.items()}
+                 for i, s in state["state"].items()}
+        group = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
+        return moved, group
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The whole model's weights and optimizer state, as one process would save them (rank 0)."""
+        assert self._module is not None
+        weights = self.full_state_dict(model)
+        parts = self._gather_to_main(self._optimizer_part(optimizer))
+        if parts is None:
+            return {}
+        # A tied parameter's state exists on each stage holding it, identical: keep the first.
+        merged: dict[int, Any] = {}
+        for state, _ in parts:
+            for g, s in state.items():
+                merged.setdefault(g, s)
+        group = parts[0][1]
+        n = self._module.n_model_params
+        return {"model": weights,
+                "optimizer": {"state": dict(sorted(merged.items())),
+                              "param_groups": [{**group, "params": list(range(n))}]}}
+
+    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                              state: dict[str, Any]) -> None:
+        """Take this stage's part of a whole-model checkpoint (written by any strategy)."""
+        assert self._module is not None
+        saved = state["model"]
+        with torch.no_grad():
+            for key, tensor in self._module.state_dict().items():
+                names = self._module.global_keys.get(key)
+                if names:
+                    tensor.copy_(saved[names[0]])
+        full = state["optimizer"]
+        if len(full["param_groups"]) != 1:
+            raise ValueError("the checkpoint's optimizer has several parameter groups; the pipeline supports one")
+        saved_ids = full["param_groups"][0]["params"]
+        params = optimizer.param_groups[0]["params"]
+        local_state = {}
+        for i, p in enumerate(params):
+            saved_id = saved_ids[self._module.param_index[id(p)]]
+            if saved_id in full["state"]:
+                local_state[i] = full["state"][saved_id]
+        group = {k: v for k, v in full["param_groups"][0].items() if k != "params"}
+        optimizer.load_state_dict({"state": local_state, "param_groups": [{**group, "params": list(range(len(params)))}]})
+
+    def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+        from scaleloop.checkpoint.store import CheckpointError
+
+        raise CheckpointError(f"{directory} is a sharded (--strategy fsdp) checkpoint, which --strategy pipeline "
+                              "cannot read: resume it with --strategy fsdp, or use its run's exported model.pt")
+
+
+__all__ = ["PipelineParallel", "StageModule", "StagePlan", "pipeline_layers", "plan_stages"]
