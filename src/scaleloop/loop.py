@@ -31,6 +31,7 @@ from scaleloop.metrics import MetricsLogger, plot_curves
 from scaleloop.models import build_model, count_parameters
 from scaleloop.precision import Precision
 from scaleloop.rundir import prepare_run_dir, write_atomic
+from scaleloop.running import RunningLoss
 from scaleloop.schedule import build_scheduler, describe_schedule, scaled_lr
 from scaleloop.strategies import make_strategy
 from scaleloop.tasks import loss_fn
@@ -119,6 +120,13 @@ def preflight(cfg: TrainConfig) -> None:
                              f"{', '.join(known)}, or give 'package.module:factory'")
     if cfg.data == "mnist" and not cfg.data_dir:
         raise UsageError("dataset 'mnist' reads IDX files from a directory: pass --data-dir DIR (it never downloads)")
+    if cfg.strategy == "pipeline":
+        # The cut into stages is known before any worker starts: a model too shallow for
+        # --nproc stages fails here, in one line, rather than in every worker.
+        from scaleloop.strategies.pipeline import pipeline_layers, plan_stages
+
+        _, model = build_data_and_model(cfg)
+        plan_stages(pipeline_layers(model), cfg.world_size, cfg.model)
 
 
 def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
@@ -206,10 +214,9 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     step, samples, train_s = progress.global_step, progress.samples, progress.train_s
     # Running sums (loss x samples, samples) for the epoch and for the current log window;
     # saved in checkpoints so that a resumed epoch reports the loss of the whole epoch.
-    sums = torch.zeros(4, dtype=torch.float64, device=env.device)
+    running = RunningLoss()
     if resumed is not None:
-        sums.copy_(resumed.sums)
-    epoch_loss, window = sums[0:2], sums[2:4]
+        running.load(resumed.sums)
     window_start, window_samples = time.perf_counter(), 0
     probe = MemoryProbe()  # gradients exist only between backward and the optimizer step
     train_loss = float("nan")
@@ -229,7 +236,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
             first_step = progress.step_in_epoch if epoch == progress.epoch else 0
             loader.set_epoch(epoch, first_step)
             if first_step == 0:
-                epoch_loss.zero_()
+                running.new_epoch()
             in_epoch = first_step
             bar = _progress(plan.steps_per_epoch, first_step, f"epoch {epoch + 1}/{cfg.epochs}",
                             cfg.progress and env.is_main)
@@ -240,10 +247,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
                 with strategy.accumulate(model, batch):
                     loss = strategy.forward_backward(model, batch, loss_of)
                 if loss is not None:  # None: this rank computes no loss (a pipeline's earlier stage)
-                    n = len(batch)
-                    contrib = torch.stack([loss.double() * n, torch.tensor(float(n), dtype=torch.float64, device=env.device)])
-                    epoch_loss += contrib
-                    window += contrib
+                    running.add(loss, len(batch))
                 if not batch.last_micro:
                     continue
                 if cfg.clip_grad is not None:
@@ -260,17 +264,17 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
                     bar.update(1)
                 if step % cfg.log_every == 0:
                     # A collective on every rank at the same step: the reported loss is global.
-                    total = strategy.reduce_sum(window.clone())
+                    total = strategy.reduce_sum(running.window_sums(env.device)).tolist()
                     now = time.perf_counter()
                     rate = window_samples / max(now - window_start, 1e-9)
-                    step_loss = float(total[0] / total[1])
+                    step_loss = total[0] / total[1]
                     if metrics is not None:
                         metrics.log_step(step, epoch + 1, samples, train_loss=step_loss,
                                          lr=step_lr, samples_per_s=rate,
                                          wall_s=now - started)
                     if bar is not None:
                         bar.set_postfix(loss=f"{step_loss:.4f}", samples_s=f"{rate:,.0f}")
-                    window.zero_()
+                    running.new_window()
                     window_start, window_samples = now, 0
                 if cfg.max_steps is not None and step >= cfg.max_steps:
                     done = True
@@ -278,7 +282,8 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and in_epoch < plan.steps_per_epoch:
                     pause = time.perf_counter()
                     checkpointer.save(model, optimizer, scheduler,
-                                      Progress(epoch, in_epoch, step, samples, train_s + pause - epoch_start), sums)
+                                      Progress(epoch, in_epoch, step, samples, train_s + pause - epoch_start),
+                                      running.state(env.device))
                     # Checkpoint time is reported on its own, not as training time.
                     paused = time.perf_counter() - pause
                     epoch_start += paused
@@ -287,8 +292,8 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
             if bar is not None:
                 bar.close()
             epochs_run = epoch + 1
-            total = strategy.reduce_sum(epoch_loss.clone())
-            train_loss = float(total[0] / total[1]) if float(total[1]) > 0 else float("nan")
+            total = strategy.reduce_sum(running.epoch_sums(env.device)).tolist()
+            train_loss = total[0] / total[1] if total[1] > 0 else float("nan")
             test = evaluate(model, data.test, info, strategy) if data.test is not None and len(data.test) else None
             window_start = time.perf_counter()  # evaluation is not training time
             if metrics is not None:
@@ -304,7 +309,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
             finished_epoch = in_epoch >= plan.steps_per_epoch
             checkpointer.save(model, optimizer, scheduler,
                               Progress(epoch + 1 if finished_epoch else epoch, 0 if finished_epoch else in_epoch,
-                                       step, samples, train_s), sums)
+                                       step, samples, train_s), running.state(env.device))
             window_start = time.perf_counter()
     finally:
         if metrics is not None:

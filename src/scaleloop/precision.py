@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -29,14 +29,11 @@ class Precision:
         self.dtype = _DTYPES.get(name)
         self.scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
 
-    @contextlib.contextmanager
-    def autocast(self) -> Iterator[None]:
+    def autocast(self) -> contextlib.AbstractContextManager:
         """Run the forward pass (and loss) in reduced precision where it is safe."""
         if self.dtype is None:
-            yield
-            return
-        with torch.autocast(device_type=self.device.type, dtype=self.dtype):
-            yield
+            return contextlib.nullcontext()  # fp32: nothing to do (and nothing to pay per step)
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to call ``backward`` on."""

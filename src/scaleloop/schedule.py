@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -60,7 +61,36 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig,
         return lr_factor(step, schedule=cfg.lr_schedule, total_steps=total_steps,
                          warmup_steps=cfg.warmup_steps)
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return _Schedule(optimizer, factor, constant=cfg.lr_schedule == "constant" and not cfg.warmup_steps)
+
+
+class _Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """A ``LambdaLR`` (same behaviour, same ``state_dict``) whose ``step`` only counts when the
+    schedule is constant: the rate it would set is the one the optimizer already has, and the
+    step runs once per optimizer step, inside the timed loop."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, factor: Callable[[int], float], *,
+                 constant: bool) -> None:
+        self.constant = constant
+        super().__init__(optimizer, factor)
+
+    def step(self, epoch: Optional[int] = None) -> None:
+        if self.constant and epoch is None and self._step_count > 1:
+            # LambdaLR would set every group's rate to base_lr x 1.0 (unchanged) and count.
+            self._step_count += 1
+            self.last_epoch += 1
+            return
+        super().step(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.pop("constant", None)   # the schedule comes from the config, not the checkpoint
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        constant = self.constant
+        super().load_state_dict(state_dict)
+        self.constant = constant
 
 
 def describe_schedule(cfg: TrainConfig, lr: LearningRate, total_steps: int) -> str:

@@ -16,6 +16,10 @@ Dated results of `scaleloop bench` (see [docs/benchmarking.md](../docs/benchmark
 each command measures and how). Each result is three files with one stem,
 `<date>_<hardware>_<what>[-<tag>]`: `.md` (tables, hardware, command, notes), `.json` (every
 number) and `.png` (chart). This index is rebuilt by `scaleloop bench index`.
+
+The `peers` results compare scaleloop with a raw PyTorch loop, HuggingFace Accelerate and
+Lightning Fabric; they come from [`peers/run.py`](peers/README.md), which runs in an
+environment of its own (Accelerate and Lightning are not scaleloop's dependencies).
 """
 
 

@@ -46,7 +46,12 @@ def plot_scaling(report: BenchReport, path: Path) -> Optional[Path]:
     rates = [p["samples_per_s"] for p in points]
     ideal = [rates[0] * n for n in workers]   # weak or strong: N workers ideally do N times the samples/s
     ax_rate.plot(workers, ideal, "--", color="grey", label="ideal (N x 1 worker)")
-    ax_rate.plot(workers, rates, "o-", label="measured")
+    ax_rate.plot(workers, rates, "o-", label="measured" + (" (median, min-max)" if "samples_per_s_min" in points[0]
+                                                          and len(points[0].get("repetitions", [])) > 1 else ""))
+    if all("samples_per_s_min" in p for p in points):
+        low = [r - p["samples_per_s_min"] for r, p in zip(rates, points)]
+        high = [p["samples_per_s_max"] - r for r, p in zip(rates, points)]
+        ax_rate.errorbar(workers, rates, yerr=[low, high], fmt="none", capsize=4, color="C0")
     for n, r, p in zip(workers, rates, points):
         ax_rate.annotate(f"eff {p['efficiency']:.2f}", (n, r), textcoords="offset points", xytext=(-20, 8), fontsize=8)
     ax_rate.set_xlabel("workers")
@@ -60,9 +65,14 @@ def plot_scaling(report: BenchReport, path: Path) -> Optional[Path]:
 
     bottoms = [0.0] * len(points)
     labels = [str(n) for n in workers]
-    for key, name in (("data_s", "data wait"), ("forward_s", "forward"), ("backward_s", "backward (+comm)"),
-                      ("optimizer_s", "optimizer")):
-        values = [p["breakdown"][key] * 1e3 for p in points]
+    phases: tuple[tuple[str, str], ...] = (("data_s", "data wait"), ("forward_s", "forward"),
+                                           ("backward_s", "backward (+comm)"), ("optimizer_s", "optimizer"))
+    if all(p["breakdown"].get("backward_compute_s") is not None for p in points):
+        # Backward split at its last all-reduce launch (bench/breakdown.py).
+        phases = (phases[0], phases[1], ("backward_compute_s", "backward compute"),
+                  ("wait_s", "waiting for slowest worker"), ("comm_exposed_s", "all-reduce not hidden"), phases[3])
+    for key, name in phases:
+        values = [(p["breakdown"].get(key) or 0.0) * 1e3 for p in points]
         ax_steps.bar(labels, values, bottom=bottoms, label=name)
         bottoms = [b + v for b, v in zip(bottoms, values)]
     ax_steps.set_xlabel("workers")

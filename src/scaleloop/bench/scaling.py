@@ -6,6 +6,13 @@ efficiency = samples/s at N / (N x samples/s at 1 worker): 1.0 means N workers a
 fast. Each worker count runs in fresh processes; on CPU each worker gets the same number of
 threads as the 1-worker baseline (one by default), so that N workers use N times the cores
 of the baseline, no more, and the comparison is honest on a small machine.
+
+With ``repeats`` > 1 the worker counts are measured in interleaved repetitions (1, 2, ... then
+..., 2, 1, ...), so that a busy moment of a shared machine does not land on one count only;
+each point is the repetition with the median samples/s, and the efficiency of each
+repetition (its N-worker run over its own 1-worker run) gives the spread. Why a point falls
+short of N x one worker is split, from measurements, into data, compute, communication and
+idle time per step (``bench/breakdown.py``).
 """
 from __future__ import annotations
 
@@ -16,9 +23,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from scaleloop.bench import breakdown as bd
 from scaleloop.bench import costmodel
 from scaleloop.bench.flops import mfu, peak_for, workload_flops_per_sample
-from scaleloop.bench.hardware import describe_hardware, hardware_slug, threads_text
+from scaleloop.bench.hardware import describe_hardware, hardware_slug, load_average, threads_text
 from scaleloop.bench.launcher import run_workers
 from scaleloop.bench.report import (BenchReport, Column, Table, fmt_bytes, fmt_flops, fmt_int, fmt_ms, fmt_pct,
                                     fmt_rate, fmt_ratio)
@@ -38,6 +46,8 @@ class ScalingOptions:
     threads: Optional[int] = 1    # per worker, CPU only
     compute_ms: Optional[float] = None   # projection: assume this compute time per step instead
     allreduce_reps: int = 10
+    repeats: int = 1              # interleaved repetitions of every worker count
+    target_efficiency: Optional[float] = 0.9   # the report says whether each point reaches it
     quick: bool = False
     command: str = "scaleloop bench scaling"
 
@@ -84,22 +94,17 @@ def run_scaling(opts: ScalingOptions, say: Say) -> BenchReport:
     for note in notes:
         say(f"note: {note}")
 
-    points: list[dict[str, Any]] = []
-    for n in opts.workers:
-        per_worker = opts.batch_size // n if opts.strong else opts.batch_size
-        run = RunSpec(label=f"{n} worker(s)", strategy=opts.strategy,
-                      global_batch=per_worker * n, threads=opts.threads if device.type == "cpu" else None)
-        say(f"scaling: {n} worker(s) x {opts.strategy}, per-worker batch {per_worker}, global {per_worker * n}, "
-            f"{opts.workload.warmup}+{opts.workload.steps} steps")
-        result = run_workers(opts.workload, [run], n, say, allreduce_reps=opts.allreduce_reps)[0]
-        if not result["ok"]:
-            raise UsageError(f"{n} worker(s): {result['error']}")
-        result["workers"] = n
-        points.append(result)
-        base = points[0]["samples_per_s"]
-        result["speedup"] = result["samples_per_s"] / base
-        result["efficiency"] = result["samples_per_s"] / (n * base)
-        say(f"  {n} worker(s): {result['samples_per_s']:,.0f} samples/s, efficiency {result['efficiency']:.2f}")
+    runs: dict[int, list[dict[str, Any]]] = {n: [] for n in opts.workers}
+    for rep in range(opts.repeats):
+        # Alternate the order, so that neither end of the list always runs on a warmer machine.
+        order = opts.workers if rep % 2 == 0 else tuple(reversed(opts.workers))
+        for n in order:
+            runs[n].append(_measure(opts, device, n, rep, say))
+    points = [_point(n, runs[n], runs[1]) for n in opts.workers]
+    for p in points:
+        say(f"  {p['workers']} worker(s): median {p['samples_per_s']:,.0f} samples/s, efficiency "
+            f"{p['efficiency']:.2f}" + (f" (per repetition {p['efficiency_min']:.2f} - {p['efficiency_max']:.2f})"
+                                        if opts.repeats > 1 else ""))
 
     say("scaling: counting FLOPs per sample and measuring the peak")
     flops = workload_flops_per_sample(opts.workload)
@@ -108,16 +113,19 @@ def run_scaling(opts: ScalingOptions, say: Say) -> BenchReport:
         p["mfu"] = mfu(flops["flops_per_sample"], p["samples_per_s"], p["workers"] * peak.flops_per_s)
 
     projection, check, fabric, compute, buckets = _model(points, opts)
+    attribution = [bd.attribute(points[0], p) for p in points[1:]]
+    hw["load_1m_end"] = load_average()
     report = BenchReport(
         what="scaling", title=f"Scaling: {opts.strategy}, {'strong' if opts.strong else 'weak'} scaling, "
                               f"{opts.workload.describe()}",
         hardware=hw, slug=hardware_slug(hw, device.type), command=opts.command,
         settings={"workload": opts.workload.to_dict(), "workers": list(opts.workers), "strategy": opts.strategy,
                   "mode": "strong" if opts.strong else "weak", "batch_size": opts.batch_size,
-                  "threads_per_worker": opts.threads, "device": device.type},
-        tables=_tables(points, projection, check, opts),
+                  "threads_per_worker": opts.threads, "device": device.type, "repeats": opts.repeats,
+                  "target_efficiency": opts.target_efficiency},
+        tables=_tables(points, projection, check, attribution, opts),
         quick=opts.quick,
-        data={"points": points, "flops": flops, "peak": {"flops_per_s": peak.flops_per_s, "source": peak.source},
+        data={"points": points, "attribution": attribution, "flops": flops, "peak": {"flops_per_s": peak.flops_per_s, "source": peak.source},
               "model": {"compute_s": compute.total_s, "compute": compute.__dict__, "grad_bytes": points[0]["comm"]["grad_bytes"],
                         "buckets": buckets, "fabric": fabric.__dict__ if fabric else None,
                         "interconnects": [i.__dict__ for i in costmodel.INTERCONNECTS],
@@ -126,8 +134,91 @@ def run_scaling(opts: ScalingOptions, say: Say) -> BenchReport:
     best = points[-1]
     report.headline = (f"{best['workers']} workers: {best['samples_per_s']:,.0f} samples/s, "
                        f"{best['speedup']:.2f}x one worker, scaling efficiency {best['efficiency']:.2f}")
-    report.notes = notes + _notes(opts, device, peak, fabric, compute, buckets) + _contention(points, check)
+    report.notes = (notes + _target_notes(opts, points, attribution) + _run_notes(opts, device, points, hw)
+                    + _notes(opts, device, peak, fabric, compute, buckets) + _contention(points, check))
     return report
+
+
+def _measure(opts: ScalingOptions, device: torch.device, n: int, rep: int, say: Say) -> dict[str, Any]:
+    """One fresh launch of ``n`` workers; the worker's result, with the repetition and the load."""
+    per_worker = opts.batch_size // n if opts.strong else opts.batch_size
+    run = RunSpec(label=f"{n} worker(s)", strategy=opts.strategy,
+                  global_batch=per_worker * n, threads=opts.threads if device.type == "cpu" else None)
+    say(f"scaling: {n} worker(s) x {opts.strategy}, per-worker batch {per_worker}, global {per_worker * n}, "
+        f"{opts.workload.warmup}+{opts.workload.steps} steps"
+        + (f" (repetition {rep + 1}/{opts.repeats})" if opts.repeats > 1 else ""))
+    load = load_average()
+    result = run_workers(opts.workload, [run], n, say, allreduce_reps=opts.allreduce_reps)[0]
+    if not result["ok"]:
+        raise UsageError(f"{n} worker(s): {result['error']}")
+    result.update(workers=n, repetition=rep + 1, load_1m=load)
+    say(f"  {n} worker(s): {result['samples_per_s']:,.0f} samples/s")
+    return result
+
+
+def _point(n: int, runs: Sequence[dict[str, Any]], base_runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The repetition with the median samples/s (the lower middle one of an even count), with the spread.
+
+    Efficiency: the median points' samples/s, and per repetition against the 1-worker run of
+    the same repetition (measured side by side).
+    """
+    ranked = sorted(runs, key=lambda r: r["samples_per_s"])
+    point = dict(ranked[(len(ranked) - 1) // 2])
+    base = sorted(base_runs, key=lambda r: r["samples_per_s"])[(len(base_runs) - 1) // 2]
+    rates = [r["samples_per_s"] for r in runs]
+    per_rep = [r["samples_per_s"] / (n * b["samples_per_s"]) for r, b in zip(runs, base_runs)]
+    point.update(
+        samples_per_s_min=min(rates), samples_per_s_max=max(rates),
+        speedup=point["samples_per_s"] / base["samples_per_s"],
+        efficiency=point["samples_per_s"] / (n * base["samples_per_s"]),
+        efficiency_min=min(per_rep), efficiency_max=max(per_rep),
+        repetitions=[{"repetition": r["repetition"], "samples_per_s": r["samples_per_s"], "elapsed_s": r["elapsed_s"],
+                      "load_1m": r["load_1m"], "efficiency": e, "breakdown": r["breakdown"]}
+                     for r, e in zip(runs, per_rep)])
+    return point
+
+
+def _target_notes(opts: ScalingOptions, points: Sequence[dict[str, Any]],
+                  attribution: Sequence[dict[str, Any]]) -> list[str]:
+    """Whether each N-worker point reaches the target efficiency; if not, what cost the most."""
+    if opts.target_efficiency is None:
+        return []
+    notes = []
+    for p, a in zip(points[1:], attribution):
+        spread = (f", per repetition {p['efficiency_min']:.2f} - {p['efficiency_max']:.2f}"
+                  if len(p["repetitions"]) > 1 else "")
+        met = p["efficiency"] >= opts.target_efficiency
+        text = (f"Target scaling efficiency {opts.target_efficiency:.2f} at {p['workers']} workers: "
+                f"{'met' if met else 'NOT met'} (median {p['efficiency']:.2f}{spread}).")
+        lost = [(label, a["points"][key]) for key, label in bd.COMPONENTS
+                if a["points"][key] is not None and a["points"][key] > 0.005]
+        if lost:
+            lost.sort(key=lambda kv: -kv[1])
+            text += " Efficiency lost, by cause, in percentage points: " + ", ".join(
+                f"{label} {100 * v:.1f}" for label, v in lost) + "."
+        notes.append(text)
+    return notes
+
+
+def _run_notes(opts: ScalingOptions, device: torch.device, points: Sequence[dict[str, Any]],
+               hw: dict[str, Any]) -> list[str]:
+    notes = []
+    if opts.repeats > 1:
+        notes.append(f"{opts.repeats} interleaved repetitions (worker counts in alternating order); each row is the "
+                     "repetition with the median samples/s, its breakdown included; 'efficiency per repetition' "
+                     "divides each N-worker run by the 1-worker run of the same repetition.")
+    if device.type == "cpu":
+        seen = sorted({t for p in points for t in p.get("threads_seen", [])})
+        if seen:
+            notes.append(f"torch threads read inside every worker: {', '.join(map(str, seen))} "
+                         f"(asked: {opts.threads or 1}; OMP_NUM_THREADS={opts.threads or 1} in their environment).")
+    loads = [r["load_1m"] for p in points for r in p["repetitions"] if r.get("load_1m") is not None]
+    if loads:
+        notes.append(f"1-minute load average before each launch: {min(loads):.2f} - {max(loads):.2f} "
+                     f"(start {hw.get('load_1m')}, end {hw.get('load_1m_end')}) over {hw['cores']} cores"
+                     + ("; other processes shared the cores for part of the run, which lowers the multi-worker "
+                        "points most" if max(loads) > 0.5 else "") + ".")
+    return notes
 
 
 def _contention(points: Sequence[dict[str, Any]], check: Sequence[dict[str, Any]]) -> list[str]:
@@ -173,22 +264,35 @@ def _model(points: Sequence[dict[str, Any]], opts: ScalingOptions):
 
 
 def _tables(points: Sequence[dict[str, Any]], projection: list[dict[str, Any]],
-            check: list[dict[str, Any]], opts: ScalingOptions) -> list[Table]:
+            check: list[dict[str, Any]], attribution: Sequence[dict[str, Any]], opts: ScalingOptions) -> list[Table]:
+    repeated = opts.repeats > 1
     rows = [{"workers": p["workers"], "per_worker_batch": p["per_worker_batch"], "global_batch": p["global_batch"],
              "samples_per_s": p["samples_per_s"], "speedup": p["speedup"], "efficiency": p["efficiency"],
+             "rate_range": f"{fmt_rate(p['samples_per_s_min'])} - {fmt_rate(p['samples_per_s_max'])}",
+             "efficiency_range": (f"{p['efficiency_min']:.2f} - {p['efficiency_max']:.2f}"
+                                  if p["workers"] > 1 else "-"),
              "mfu": p["mfu"]} for p in points]
-    throughput = Table("Throughput", [
-        Column("workers", "workers"), Column("per_worker_batch", "per-worker batch"),
-        Column("global_batch", "global batch"), Column("samples_per_s", "samples/s", fmt_rate),
-        Column("speedup", "speedup", fmt_ratio), Column("efficiency", "scaling efficiency", fmt_ratio),
-        Column("mfu", "MFU", fmt_pct)], rows,
-        "scaling efficiency = samples/s / (workers x samples/s at 1 worker)")
+    columns = [Column("workers", "workers"), Column("per_worker_batch", "per-worker batch"),
+               Column("global_batch", "global batch"),
+               Column("samples_per_s", "samples/s (median)" if repeated else "samples/s", fmt_rate)]
+    if repeated:
+        columns.append(Column("rate_range", "min - max"))
+    columns += [Column("speedup", "speedup", fmt_ratio), Column("efficiency", "scaling efficiency", fmt_ratio)]
+    if repeated:
+        columns.append(Column("efficiency_range", "efficiency per repetition"))
+    columns.append(Column("mfu", "MFU", fmt_pct))
+    throughput = Table("Throughput", columns, rows,
+                       "scaling efficiency = samples/s / (workers x samples/s at 1 worker)"
+                       + (f"; {opts.repeats} interleaved repetitions" if repeated else ""))
     breakdown_rows = []
     for p in points:
         b, c, ar = p["breakdown"], p["comm"], p.get("allreduce_bench") or {}
         breakdown_rows.append({
             "workers": p["workers"], "step": b["step_s"], "data": b["data_s"], "forward": b["forward_s"],
             "backward": b["backward_s"], "optimizer": b["optimizer_s"],
+            "backward_compute": b.get("backward_compute_s"),
+            "wait": b.get("wait_s") if p["workers"] > 1 else None,
+            "exposed": b.get("comm_exposed_s") if p["workers"] > 1 else None,
             "grad_bytes": c.get("reduced_bytes_per_step") if p["workers"] > 1 else None,
             "buckets": c["buckets_per_step"] if p["workers"] > 1 else None,
             "comm": c["in_flight_s"] if p["workers"] > 1 else None,
@@ -196,13 +300,20 @@ def _tables(points: Sequence[dict[str, Any]], projection: list[dict[str, Any]],
     breakdown = Table("Step-time breakdown (ms per step, mean over steps and workers)", [
         Column("workers", "workers"), Column("step", "step", fmt_ms), Column("data", "data wait", fmt_ms),
         Column("forward", "forward", fmt_ms), Column("backward", "backward (with comm)", fmt_ms),
+        Column("backward_compute", "of which compute", fmt_ms),
+        Column("wait", "of which waiting for the slowest worker", fmt_ms),
+        Column("exposed", "of which all-reduce not hidden", fmt_ms),
         Column("optimizer", "optimizer", fmt_ms), Column("grad_bytes", "bytes all-reduced / step", fmt_bytes),
         Column("buckets", "all-reduce calls / step", fmt_int),
         Column("comm", "time with all-reduce in flight", fmt_ms),
         Column("allreduce", "lone all-reduce of the gradients", fmt_ms)], breakdown_rows,
         "'time with all-reduce in flight': wall time during which at least one gradient all-reduce was running "
-        "(it overlaps backward). 'lone all-reduce': the same bytes all-reduced with nothing else running.")
+        "(it overlaps backward). 'lone all-reduce': the same bytes all-reduced with nothing else running. "
+        "Backward is split at each step's last all-reduce launch (where its computation ended): compute, then "
+        "waiting until the slowest worker had launched too, then the all-reduce that backward did not hide.")
     tables = [throughput, breakdown]
+    if attribution:
+        tables.append(_attribution_table(attribution))
     names = {i.key: i.name for i in costmodel.INTERCONNECTS}
     for mode, label in (("no_overlap", "without overlap"), ("overlap", "with communication overlapping backward")):
         by_link: dict[str, dict[str, Any]] = {}
@@ -229,6 +340,31 @@ def _tables(points: Sequence[dict[str, Any]], projection: list[dict[str, Any]],
 
 def _fmt_signed(v: float) -> str:
     return f"{v:+.2f}"
+
+
+def _attribution_table(attribution: Sequence[dict[str, Any]]) -> Table:
+    """Per N: the step time perfect scaling allows, the measured one, and where the difference went."""
+    rows = []
+    for a in attribution:
+        row: dict[str, Any] = {"workers": a["workers"], "ideal": a["ideal_step_s"] * 1e3, "step": a["step_s"] * 1e3,
+                               "efficiency": a["efficiency"]}
+        for key, _label, _parts in bd.KINDS:
+            sec, pts = a["kinds_s"][key], a["kinds_points"][key]
+            row[key] = None if sec is None else f"{sec * 1e3:+.2f} ({100 * pts:+.1f})"
+        rows.append(row)
+    columns = [Column("workers", "workers"), Column("ideal", "ideal step ms", lambda v: f"{v:.2f}"),
+               Column("step", "measured step ms", lambda v: f"{v:.2f}"),
+               Column("efficiency", "efficiency (step times)", fmt_ratio)]
+    columns += [Column(key, f"{label} ms (points)") for key, label, _parts in bd.KINDS]
+    return Table("Why not N x one worker: extra time per step, by cause", columns, rows,
+                 "ideal = the 1-worker step time x (per-worker batch at N / at 1); each cause is its time at N minus "
+                 "that share of its time at 1 worker (communication and waiting: their time at N), in ms per step "
+                 "and in points of efficiency (ms / measured step); they add up to 1 - efficiency. compute = "
+                 "forward + backward compute + optimizer; idle = waiting for the slowest worker + between steps (each "
+                 "part on its own: the notes and the JSON's 'attribution'). "
+                 "A negative value: that phase ran faster than at 1 worker (noise, or less contention). Where "
+                 "backward cannot be split (FSDP, CUDA), its communication is counted in compute and "
+                 "communication shows '-'.")
 
 
 def _notes(opts: ScalingOptions, device: torch.device, peak: Any, fabric: Optional[costmodel.Fabric],

@@ -12,6 +12,12 @@ each phase:
               ``allreduce`` reduces every gradient after it)
 - optimizer:  the step and zeroing the gradients
 
+On the CPU the backward phase is split further, from the time each step's last gradient
+all-reduce was launched (DDP launches a bucket as soon as its gradients are ready, so the last
+launch is where backward's computation ended): backward compute, waiting for the slowest
+worker to reach its last launch (the workers' clocks are the same clock on one machine), and
+communication that backward did not hide. See ``bench/breakdown.py``.
+
 On CUDA the timers synchronise the device, which itself slows the step, so throughput is
 taken from a separate pass without them. Communication is measured three ways: the bytes
 DDP hands to its all-reduce per step (a communication hook), the wall time with an all-reduce
@@ -35,6 +41,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as torch_dist
 
+from scaleloop.bench.breakdown import split_backward
 from scaleloop.bench.stats import interval_union, summarize
 from scaleloop.bench.workload import RunSpec, Workload, build, grad_bytes
 from scaleloop.dist import DistEnv, destroy_process_group, init_process_group
@@ -69,6 +76,7 @@ class CommRecorder:
         self._intervals: list[tuple[float, float]] = []
         self._bytes = 0
         self._buckets = 0
+        self._last_launch: Optional[float] = None
         self.steps: list[tuple[float, int, int]] = []   # (in-flight seconds, bytes, buckets)
 
     def _record(self, start: float, end: float, nbytes: int) -> None:
@@ -77,12 +85,22 @@ class CommRecorder:
             self._bytes += nbytes
             self._buckets += 1
 
+    def _launched(self, start: float) -> None:
+        with self._lock:
+            self._last_launch = start if self._last_launch is None else max(self._last_launch, start)
+
+    def last_launch(self) -> Optional[float]:
+        """When the step's last all-reduce was launched (None: none yet in this step)."""
+        with self._lock:
+            return self._last_launch
+
     def end_step(self) -> None:
         """Close the step: what was reduced during it becomes one entry of ``steps``."""
         with self._lock:
             if self.active and self.attached:
                 self.steps.append((interval_union(self._intervals), self._bytes, self._buckets))
             self._intervals, self._bytes, self._buckets = [], 0, 0
+            self._last_launch = None
 
     # No annotations: DDP inspects a hook's signature and rejects any bucket annotation but the
     # GradBucket class itself, which `from __future__ import annotations` turns into a string.
@@ -93,6 +111,7 @@ class CommRecorder:
         buffer = bucket.buffer()
         nbytes = buffer.numel() * buffer.element_size()
         start = time.perf_counter()
+        self._launched(start)
         fut = allreduce_hook(state, bucket)
 
         def done(f):  # type: ignore[no-untyped-def]
@@ -110,6 +129,7 @@ class CommRecorder:
             if self.active:
                 synchronize(self.device)
             start = time.perf_counter()
+            self._launched(start)
             inner()
             if self.active:
                 synchronize(self.device)
@@ -187,6 +207,7 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
                 strategy.backward(loss, batch)
                 sync()
                 t3 = time.perf_counter()
+            launch = recorder.last_launch()
             strategy.optimizer_step(optimizer)
             sync()
             t4 = time.perf_counter()
@@ -194,7 +215,8 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
             last_loss = loss.detach()
             if phases:
                 records.append({"data_s": t1 - t0, "forward_s": t2 - t1, "backward_s": t3 - t2,
-                                "optimizer_s": t4 - t3, "step_s": t4 - t0})
+                                "optimizer_s": t4 - t3, "step_s": t4 - t0,
+                                "marks": (t2, t3, launch)})
             if i + 1 in marks:
                 say(f"{run.label}: {label} step {i + 1}/{count}")
         synchronize(device)
@@ -221,6 +243,11 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
         "reduced_bytes_per_step": summarize([s[1] for s in recorder.steps])["median"] if timed else None,
         "buckets_per_step": summarize([s[2] for s in recorder.steps])["median"] if timed else None,
         "loss": float(last_loss),
+        # Where backward's computation ended (the last all-reduce's launch), CPU only: a CUDA
+        # hook runs when the kernels are queued, not when they have run.
+        "marks": ([r["marks"] for r in records] if device.type == "cpu" and recorder.attached else None),
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
     }
     ranks = strategy.gather_object(local)
     nbytes = grad_bytes(strategy.unwrap(model))
@@ -243,6 +270,16 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
         values = [r[key] for r in ranks if r[key] is not None]
         return sum(values) / len(values) if values else None
 
+    breakdown = {k: sum(r["phases"][k] for r in ranks) / len(ranks) for k in (*PHASES, "step_s")}
+    if not env.is_distributed:
+        breakdown.update(backward_compute_s=breakdown["backward_s"], wait_s=0.0, comm_exposed_s=0.0)
+    elif all(r["marks"] for r in ranks):
+        # One clock for all workers only on one machine: elsewhere the wait cannot be told apart.
+        breakdown.update(split_backward([r["marks"] for r in ranks],
+                                        same_clock=env.local_world_size == env.world_size))
+    else:
+        breakdown.update(backward_compute_s=None, wait_s=None, comm_exposed_s=None)
+
     return {
         "label": run.label, "strategy": strategy.describe(), "ok": True,
         "world_size": env.world_size, "device": device.type, "threads": run.threads,
@@ -251,7 +288,9 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
         "samples_per_s": run.global_batch * workload.steps / elapsed_max,
         "elapsed_s": elapsed_max,
         "step_median_s": rank_mean("step_median_s"),
-        "breakdown": {k: sum(r["phases"][k] for r in ranks) / len(ranks) for k in (*PHASES, "step_s")},
+        "breakdown": breakdown,
+        "threads_seen": sorted({r["threads"] for r in ranks}),
+        "interop_threads_seen": sorted({r["interop_threads"] for r in ranks}),
         "comm": dict(comm, in_flight_s=rank_mean("comm_in_flight_s")),
         "allreduce_bench": bench,
         "loss": ranks[0]["loss"],

@@ -6,6 +6,16 @@ Two paths give the same batches:
   ``index_select`` per tensor — no per-sample ``__getitem__`` and no collation;
 - any other ``Dataset``: a ``torch.utils.data.DataLoader`` driven by the plan's index lists
   (so worker processes and custom collate functions still work).
+
+Options for accelerators (all leave the batches' values unchanged):
+
+- ``on_device``: copy the in-memory tensors to the device once; each batch is then gathered
+  on the device (no host-to-device copy per step). For datasets that fit in device memory.
+- ``pin_memory``: on CUDA, gather into page-locked memory and copy with ``non_blocking=True``,
+  so the host does not wait for the GPU at every batch (default on CUDA).
+- ``persistent_workers``: keep the DataLoader's worker processes alive between epochs (the
+  in-memory path has no workers; there it changes nothing).
+- ``channels_last``: hand 4-d inputs (images) over in ``torch.channels_last`` memory format.
 """
 from __future__ import annotations
 
@@ -74,21 +84,62 @@ def _move(obj: Any, device: torch.device, non_blocking: bool) -> Any:
     return obj
 
 
+class _EpochBatches:
+    """The current epoch's index lists, as a DataLoader ``batch_sampler`` that outlives epochs
+    (a DataLoader with persistent workers is built once and re-iterated every epoch)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
 class ShardedLoader:
     """Iterates this rank's micro-batches for the current epoch, already on ``device``."""
 
     def __init__(self, dataset: Dataset, plan: StepPlan, device: torch.device, *,
                  num_workers: int = 0, collate_fn: Optional[Callable[[list], Any]] = None,
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, persistent_workers: bool = False, on_device: bool = False,
+                 channels_last: bool = False) -> None:
         self.dataset = dataset
         self.plan = plan
         self.device = device
         self.num_workers = num_workers
         self.collate_fn = collate_fn
-        self.pin_memory = pin_memory and device.type == "cuda"
         self._tensors = tensors_of(dataset)
         self.epoch = 0
         self.start_step = 0
+        self._loader: Optional[DataLoader] = None
+        self.configure(pin_memory=pin_memory, persistent_workers=persistent_workers, on_device=on_device,
+                       channels_last=channels_last)
+
+    def configure(self, *, pin_memory: Optional[bool] = None, persistent_workers: Optional[bool] = None,
+                  on_device: Optional[bool] = None, channels_last: Optional[bool] = None) -> "ShardedLoader":
+        """Change how batches reach the device (None: leave that option as it is); returns self.
+
+        Raises ValueError for an option this dataset cannot use (``on_device`` needs in-memory
+        tensors, ``persistent_workers`` worker processes).
+        """
+        if pin_memory is not None:
+            self.pin_memory = pin_memory and self.device.type == "cuda"
+        if persistent_workers is not None:
+            if persistent_workers and self.num_workers == 0:
+                raise ValueError("persistent workers need DataLoader worker processes: num_workers > 0")
+            self.persistent_workers = persistent_workers
+            self._loader = None
+        if on_device is not None:
+            if on_device and self._tensors is None:
+                raise ValueError(f"keeping the data on the device needs in-memory tensors (a TensorDataset or a "
+                                 f"built-in dataset); {type(self.dataset).__name__} is read sample by sample")
+            self.on_device = on_device
+        if channels_last is not None:
+            self.channels_last = channels_last
+        self._source: Optional[Sequence[torch.Tensor]] = None  # the tensors batches are gathered from
+        return self
 
     @property
     def in_memory(self) -> bool:
@@ -106,18 +157,75 @@ class ShardedLoader:
     def __iter__(self) -> Iterator[Batch]:
         plans = list(self.plan.micro_batches(self.epoch, self.start_step))
         if self._tensors is not None:
-            x_all, y_all = self._tensors
-            for p in plans:
-                x, y = x_all.index_select(0, p.indices), y_all.index_select(0, p.indices)
-                yield Batch(x.to(self.device), y.to(self.device), p)
+            yield from self._gathered(plans)
             return
         # A generator of its own: otherwise each DataLoader iterator draws its worker seed from
         # the global torch RNG, and a run resumed mid-epoch (one extra iterator) would drift
         # from the uninterrupted run's dropout and augmentation randomness.
         seeds = torch.Generator()
         seeds.manual_seed(hash((self.plan.seed, self.epoch, self.start_step, self.plan.rank)) & 0x7FFF_FFFF_FFFF)
-        loader = DataLoader(self.dataset, batch_sampler=[p.indices.tolist() for p in plans],
-                            num_workers=self.num_workers, collate_fn=self.collate_fn,
-                            pin_memory=self.pin_memory, generator=seeds)
+        batches = [p.indices.tolist() for p in plans]
+        if self.persistent_workers:
+            # Built once: its workers stay alive and re-read the batch sampler every epoch (their
+            # random state then runs on from epoch to epoch instead of being re-seeded).
+            if self._loader is None:
+                self._loader = DataLoader(self.dataset, batch_sampler=_EpochBatches(),
+                                          num_workers=self.num_workers, collate_fn=self.collate_fn,
+                                          pin_memory=self.pin_memory, generator=seeds, persistent_workers=True)
+            loader = self._loader
+            loader.batch_sampler.batches = batches
+        else:
+            loader = DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers,
+                                collate_fn=self.collate_fn, pin_memory=self.pin_memory, generator=seeds)
         for p, (x, y) in zip(plans, loader):
-            yield Batch(_move(x, self.device, self.pin_memory), _move(y, self.device, self.pin_memory), p)
+            x, y = _move(x, self.device, self.pin_memory), _move(y, self.device, self.pin_memory)
+            if self.channels_last:
+                x = _channels_last(x)
+            yield Batch(x, y, p)
+
+    def _gathered(self, plans: list[MicroBatch]) -> Iterator[Batch]:
+        """The fast path: each batch is one ``index_select`` per tensor."""
+        if self._source is None:
+            x_all, y_all = self._tensors
+            if self.on_device:
+                x_all, y_all = x_all.to(self.device), y_all.to(self.device)
+            self._source = (x_all, y_all)
+        x_all, y_all = self._source
+        # (A plain loop below: its cost per batch is part of every training step.)
+        if x_all.device.type == y_all.device.type == self.device.type:
+            # Gathered where the data already is: on the CPU, or kept on the GPU.
+            pieces = [p.indices for p in plans]
+            if plans and self.device.type != "cpu":
+                # The epoch's indices go to the device in one copy, not one per batch.
+                pieces = torch.cat(pieces).to(x_all.device).split([len(i) for i in pieces])
+                for p, idx in zip(plans, pieces):
+                    x, y = x_all.index_select(0, idx).to(self.device), y_all.index_select(0, idx).to(self.device)
+                    yield Batch(_channels_last(x) if self.channels_last else x, y, p)
+                return
+            for p, idx in zip(plans, pieces):   # the CPU: nothing to move
+                x = x_all.index_select(0, idx)
+                yield Batch(_channels_last(x) if self.channels_last else x, y_all.index_select(0, idx), p)
+            return
+        pinned = self.pin_memory
+        for p in plans:
+            idx = p.indices
+            if pinned:
+                # Page-locked memory (from PyTorch's caching host allocator, which keeps a block
+                # until its asynchronous copy has finished) lets the copy overlap the GPU's work.
+                x = torch.index_select(x_all, 0, idx, out=_pinned_like(x_all, len(idx)))
+                y = torch.index_select(y_all, 0, idx, out=_pinned_like(y_all, len(idx)))
+            else:
+                x, y = x_all.index_select(0, idx), y_all.index_select(0, idx)
+            x, y = x.to(self.device, non_blocking=pinned), y.to(self.device, non_blocking=pinned)
+            yield Batch(_channels_last(x) if self.channels_last else x, y, p)
+
+
+def _pinned_like(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=True)
+
+
+def _channels_last(x: Any) -> Any:
+    """``x`` in channels-last memory format when it is a 4-d tensor (a batch of images)."""
+    if isinstance(x, torch.Tensor) and x.dim() == 4:
+        return x.contiguous(memory_format=torch.channels_last)
+    return x

@@ -81,21 +81,40 @@ class StepPlan:
 
     def micro_batches(self, epoch: int, start_step: int = 0) -> Iterator[MicroBatch]:
         """This rank's micro-batches for ``epoch``, beginning at optimizer step ``start_step``."""
-        order = self.order(epoch)
-        k = self.accumulate
+        layout = self._layout(start_step)
+        if not layout:
+            return
+        # Where each piece lies in the epoch's order is plain integer arithmetic; the index
+        # tensors are then cut from the order in one ``split`` (views, no copies) instead of
+        # one slice per piece: this runs once per micro-step, inside the timed loop.
+        first = pos = layout[0][3]
+        sizes: list[int] = []
+        for _step, _micro, _last, start, size, _total in layout:
+            sizes += (start - pos, size)   # the gap before this rank's piece, then the piece
+            pos = start + size
+        pieces = self.order(epoch)[first:pos].split(sizes)[1::2]
+        world = self.world_size
+        for (step, micro, last, _start, size, total), indices in zip(layout, pieces):
+            # Each rank's gradient is averaged over W ranks (DDP divides by W), so a
+            # micro-batch holding share size/total of the step is weighted W * share.
+            yield MicroBatch(step=step, micro=micro, last_micro=last, indices=indices, step_samples=total,
+                             loss_scale=world * size / total)
+
+    def _layout(self, start_step: int) -> list[tuple[int, int, bool, int, int, int]]:
+        """(step, micro, last micro, start in the epoch's order, size, samples in the step) of
+        this rank's micro-batches from ``start_step`` on: rules 2-4 of the module docstring."""
+        k, rank = self.accumulate, self.rank
+        out = []
         for step in range(start_step, self.steps_per_epoch):
-            chunk = self.step_indices(epoch, step, order)
-            micro_start = 0
-            for micro, micro_size in enumerate(split_sizes(len(chunk), k)):
+            lo = step * self.global_batch
+            total = min(self.global_batch, self.used_per_epoch - lo)
+            micro_start = lo
+            for micro, micro_size in enumerate(split_sizes(total, k)):
                 rank_sizes = split_sizes(micro_size, self.world_size)
-                start = micro_start + sum(rank_sizes[: self.rank])
-                size = rank_sizes[self.rank]
-                # Each rank's gradient is averaged over W ranks (DDP divides by W), so a
-                # micro-batch holding share size/len(chunk) of the step is weighted W * share.
-                yield MicroBatch(step=step, micro=micro, last_micro=micro == k - 1,
-                                 indices=chunk[start: start + size], step_samples=len(chunk),
-                                 loss_scale=self.world_size * size / len(chunk))
+                out.append((step, micro, micro == k - 1, micro_start + sum(rank_sizes[:rank]),
+                            rank_sizes[rank], total))
                 micro_start += micro_size
+        return out
 
     def micro_batches_per_epoch(self, start_step: int = 0) -> int:
         return max(0, self.steps_per_epoch - start_step) * self.accumulate

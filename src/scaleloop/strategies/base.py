@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as torch_dist
@@ -72,10 +72,9 @@ class Strategy:
                              pin_memory=self.env.device.type == "cuda")
 
     # --- one step -----------------------------------------------------------------------
-    @contextlib.contextmanager
-    def accumulate(self, model: nn.Module, batch: Union[Batch, int]) -> Iterator[None]:
+    def accumulate(self, model: nn.Module, batch: Union[Batch, int]) -> contextlib.AbstractContextManager:
         """Context for one micro-step's forward and backward (strategies skip sync inside it)."""
-        yield
+        return contextlib.nullcontext()  # (not a generator: entered on every micro-step)
 
     def is_sync_step(self, batch: Union[Batch, int]) -> bool:
         """True on the micro-step after which gradients are synchronised and the optimizer steps."""
@@ -107,7 +106,9 @@ class Strategy:
         micro-batches are assumed equal (weight ``1 / accumulate``).
         """
         scale = batch.loss_scale if batch is not None else 1.0 / self.accumulate_steps
-        self.precision.scale(loss * scale).backward()
+        # A weight of exactly 1 (one process, no accumulation) is skipped: x * 1.0 is x, bit
+        # for bit, forward and backward, and the multiplication would be one more op per step.
+        self.precision.scale(loss * scale if scale != 1.0 else loss).backward()
         if batch is None or batch.last_micro:
             self.after_backward()
 

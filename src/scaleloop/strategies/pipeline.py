@@ -33,9 +33,10 @@ its own, so with ``M > 1`` its results differ from one process (a note says so).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as torch_dist
@@ -132,6 +133,24 @@ def _balanced_cuts(costs: list[int], parts: int) -> list[int]:
     return bounds[::-1]
 
 
+@contextlib.contextmanager
+def _without_side_effects(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Run a forward whose buffer updates and random draws are undone afterwards."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        # Through .data: the probe's graph may be walked backward later (for gradient shapes),
+        # and must not find its saved buffers modified in place.
+        for buffer, saved in buffers:
+            buffer.data.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+
+
 class StageModule(nn.Module):
     """This rank's stage: its run of the model's layers, under the run's autocast.
 
@@ -143,6 +162,7 @@ class StageModule(nn.Module):
         super().__init__()
         self.layers = nn.Sequential(*layers)
         self._precision = precision
+        self._probe_next = False
         #: local state_dict key -> the whole model's key(s) for the same tensor
         self.global_keys: dict[str, list[str]] = {}
         #: the whole model's state_dict keys and shapes, in its order
@@ -152,8 +172,22 @@ class StageModule(nn.Module):
         self.n_model_params = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._probe_next:
+            # torch's PipelineStage first runs a forward of its own to learn the activations'
+            # shapes (on empty tensors after stage 0). It must not move BatchNorm statistics
+            # or draw dropout masks from the RNG, which would make training depend on it.
+            self._probe_next = False
+            with _without_side_effects(self, x.device):
+                return self._run(x)
+        return self._run(x)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
         with self._precision.autocast():
             return self.layers(x)
+
+    def probe_next_forward(self) -> None:
+        """Treat the next forward as the schedule's shape inference (see :meth:`forward`)."""
+        self._probe_next = True
 
     def global_state(self) -> dict[str, torch.Tensor]:
         """This stage's tensors under the whole model's keys (on the CPU)."""
@@ -297,6 +331,7 @@ class PipelineParallel(ProcessGroupStrategy):
 
             assert self._module is not None, "setup() first"
             stage = PipelineStage(self._module, self.stage, self.env.world_size, self.env.device)
+            self._module.probe_next_forward()
             loss = self._piece_loss if mode == "train" else None
             self._schedules[key] = ScheduleGPipe(stage, self._pieces(n, say=mode == "train"), loss_fn=loss,
                                                  scale_grads=False)

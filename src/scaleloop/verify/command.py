@@ -79,6 +79,10 @@ def verify(cfg: TrainConfig, opts: VerifyOptions, say: Say = print) -> int:
         (root / CONFIG_FILE).write_text(to_toml(cfg), encoding="utf-8")
         opts.write(root / OPTIONS_FILE)
         device = resolve_device(cfg.device)
+        if cfg.strategy == "pipeline":
+            raise UsageError("scaleloop verify compares data-parallel strategies (ddp, allreduce, fsdp, dp) with one "
+                             "process; for the pipeline, compare the model.pt of `scaleloop train --strategy pipeline` "
+                             "with a one-process run's (docs/strategies.md shows how)")
         if cfg.strategy == "dp":
             make_strategy("dp", DistEnv(device=device))  # says what to do instead when there are no GPUs
         data, model = build_data_and_model(cfg)
