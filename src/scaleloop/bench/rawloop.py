@@ -1,10 +1,21 @@
-"""The hand-written PyTorch loop that scaleloop's loop is measured against.
+"""The hand-written PyTorch loops that scaleloop's loop is measured against.
 
-It is the loop one writes without any library, and the fastest reasonable one: batches are
-gathered straight from the in-memory tensors, and the loss is summed on the device and read
-once per epoch (no ``.item()`` per step). It trains the same model on the same data in the
-same order as ``scaleloop train`` with one process, so both end with the same weights, which
-``bench overhead`` checks: the two loops did the same work.
+Both are the tutorial's loop — zero the gradients, forward, loss, backward, step — with no
+library; they differ only in how batches are made:
+
+- ``gather`` (for ``bench overhead``): each batch is gathered from the in-memory tensors with
+  one ``index_select`` per tensor, the data path of scaleloop's in-memory fast path, and the
+  loss is summed on the device and read once per epoch. Same data path on both sides, so the
+  comparison measures the loop and nothing else.
+- ``dataloader`` (for ``bench overhead --mode datapath``): the tutorial's own
+  ``DataLoader(dataset, batch_size=B, shuffle=True)``, which reads every sample through
+  ``__getitem__`` and collates them, and ``running_loss += loss.item() * len(x)``. The sampler
+  is the one ``shuffle=True`` builds (``RandomSampler``) with a generator of its own, re-seeded
+  every epoch so that it draws the same permutation as scaleloop's plan.
+
+Either way the loop trains the same model on the same data in the same order as
+``scaleloop train`` with one process, so both end with the same weights: the bench checks that
+the loops did the same work.
 """
 from __future__ import annotations
 
@@ -15,6 +26,8 @@ import torch
 
 from scaleloop.config import TrainConfig
 
+DATA_PATHS = ("gather", "dataloader")
+
 
 @dataclass(frozen=True)
 class RawResult:
@@ -24,13 +37,17 @@ class RawResult:
     state: dict             # final weights
 
 
-def raw_train(cfg: TrainConfig, device: torch.device) -> RawResult:
+def raw_train(cfg: TrainConfig, device: torch.device, data_path: str = "gather") -> RawResult:
     """Train ``cfg``'s model on ``cfg``'s data with a plain loop; in-memory datasets only."""
+    from torch.utils.data import DataLoader, RandomSampler
+
     from scaleloop.data.datasets import build_datasets
     from scaleloop.loop import build_optimizer, seed_everything
     from scaleloop.models import build_model
     from scaleloop.tasks import loss_fn
 
+    if data_path not in DATA_PATHS:
+        raise ValueError(f"data_path must be one of {DATA_PATHS}, got {data_path!r}")
     # The same construction, in the same order, as scaleloop.loop.train: identical initial
     # weights and data. The criterion is scaleloop's, since it only picks the task's loss.
     seed_everything(cfg.seed)
@@ -42,9 +59,30 @@ def raw_train(cfg: TrainConfig, device: torch.device) -> RawResult:
     torch.manual_seed(cfg.seed)
     x_all, y_all = data.train.tensors
     n, batch = len(x_all), cfg.batch_size
+    info = data.info
 
     model.train()
     train_s, samples = 0.0, 0
+    if data_path == "dataloader":
+        # The tutorial's loop, as written there (with scaleloop's permutation, see above).
+        shuffle = torch.Generator()
+        loader = DataLoader(data.train, batch_size=batch, sampler=RandomSampler(data.train, generator=shuffle))
+        running_loss = 0.0
+        for epoch in range(cfg.epochs):
+            shuffle.manual_seed(cfg.seed + epoch)
+            running_loss = 0.0
+            start = time.perf_counter()
+            for x, y in loader:
+                x, y = x.to(device), y.to(device)
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss_fn(info, model(x), y)
+                loss.backward()
+                optimizer.step()
+                running_loss += loss.item() * x.size(0)
+            train_s += time.perf_counter() - start
+            samples += n
+        return RawResult(train_s, samples, running_loss / n, _weights(model))
+
     epoch_loss = torch.zeros((), device=device)
     for epoch in range(cfg.epochs):
         order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
@@ -52,13 +90,16 @@ def raw_train(cfg: TrainConfig, device: torch.device) -> RawResult:
         start = time.perf_counter()
         for i in range(0, n, batch):
             idx = order[i:i + batch]
-            x, y = x_all[idx].to(device), y_all[idx].to(device)
-            loss = loss_fn(data.info, model(x), y)
+            x, y = x_all.index_select(0, idx).to(device), y_all.index_select(0, idx).to(device)
             optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(info, model(x), y)
             loss.backward()
             optimizer.step()
             epoch_loss += loss.detach() * len(idx)
         train_s += time.perf_counter() - start
         samples += n
-    return RawResult(train_s, samples, float(epoch_loss) / n,
-                     {k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
+    return RawResult(train_s, samples, float(epoch_loss) / n, _weights(model))
+
+
+def _weights(model: torch.nn.Module) -> dict:
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}

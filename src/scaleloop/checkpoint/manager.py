@@ -198,7 +198,9 @@ class Checkpointer:
         if saved_world != env.world_size:
             notes.append(f"note: the checkpoint was written by {saved_world} process(es), this run has "
                          f"{env.world_size}; the global batch is unchanged, so step {progress.step_in_epoch} "
-                         "of the epoch holds the same samples, now split over the new ranks")
+                         "of the epoch holds the same samples, "
+                         + ("each seen whole by every pipeline stage" if strategy.name == "pipeline"
+                            else "now split over the new ranks"))
             if env.rank >= len(rngs):
                 # A rank that did not exist gets its own fresh stream, as a new worker would.
                 torch.manual_seed(self.cfg.seed + env.rank + 1_000_003 * progress.global_step)

@@ -282,6 +282,10 @@ class PipelineParallel(ProcessGroupStrategy):
         local = {index[id(p)]: p for p in stage.parameters()}
         self._tied = [(g, params[g].numel(), local.get(g)) for g, stages in sorted(holders.items()) if len(stages) > 1]
         self._owned = {g for g, stages in holders.items() if stages[0] == self.stage}
+        for g, stages in sorted(holders.items()):
+            if len(stages) > 1:
+                self.notes.append(f"  tied: {' = '.join(names_of.get(id(params[g]), ['?']))} is held by stages "
+                                  f"{', '.join(map(str, stages))}; their gradients are summed every step")
         if self.microbatches > 1 and any(isinstance(m, nn.modules.batchnorm._BatchNorm)
                                          for layer in layers for m in layer.modules()):
             self.notes.append(f"note: BatchNorm normalises each of the {self.microbatches} pipeline micro-batches "
