@@ -49,11 +49,13 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["__version__", "strategy"]
 
 
-def strategy(name: str, env: Any, precision: str = "fp32", accumulate: int = 1) -> Any:
-    """Shorthand for ``make_strategy``: ``sl.strategy("ddp", env, precision="bf16")``."""
+def strategy(name: str, env: Any, precision: str = "fp32", accumulate: int = 1, *,
+             sync_batchnorm: bool = False, microbatches: int = 1) -> Any:
+    """Shorthand for ``make_strategy``: ``sl.strategy("ddp", env, precision="bf16")``,
+    ``sl.strategy("pipeline", env, microbatches=4)``."""
     from scaleloop.strategies import make_strategy
 
-    return make_strategy(name, env, precision, accumulate)
+    return make_strategy(name, env, precision, accumulate, sync_batchnorm, microbatches=microbatches)
 
 
 def __getattr__(name: str) -> Any:

@@ -44,7 +44,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         group = groups.get(group_name) or groups.setdefault(group_name, parser.add_argument_group(group_name))
         default = "not set" if f.default is None else f.default
         # Help that already explains its default ("default: off") is not given a second one.
-        help_text = meta["help"] if "(default:" in meta["help"] else f"{meta['help']} (default: {default})"
+        listed = meta["help"] if not meta.get("choices") else f"{meta['help']} ({'|'.join(meta['choices'])})"
+        help_text = listed if "(default:" in listed else f"{listed} (default: {default})"
         kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
         if types[f.name] is bool:
             group.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, **kwargs)

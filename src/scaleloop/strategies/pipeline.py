@@ -366,6 +366,11 @@ class PipelineParallel(ProcessGroupStrategy):
         # The pieces' weighted losses add up to the micro-batch's share of the step's loss.
         return torch.stack([l.detach().float() for l in losses]).sum() / batch.loss_scale
 
+    def backward(self, loss: torch.Tensor, batch: Optional[Batch] = None) -> None:
+        raise UsageError("with the pipeline strategy a rank runs only its stage, so model(x) is not the model's "
+                         "output: run each micro-batch with strategy.forward_backward(model, batch, loss_fn), "
+                         "which works with every strategy")
+
     def _sum_tied_gradients(self) -> None:
         """Add up the gradients of parameters that several stages hold (each has part of it)."""
         if not self._tied:
