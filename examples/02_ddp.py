@@ -2,9 +2,11 @@
 
     torchrun --nproc-per-node 2 examples/02_ddp.py [--out weights.pt]
 
-The diff from 00_single.py: join the process group, ask for "ddp", leave the group at the end.
+The diff from 00_single.py (01_dataparallel.py was the one-process, many-GPU detour): join the
+process group, ask for "ddp", leave the group at the end.
 The loader shards each global batch of 128 over the ranks (64 each with 2 processes), and DDP
-averages the gradients, so the weights equal 00_single.py's.
+averages the gradients, so the weights equal 00_single.py's. (The loss printed is rank 0's own,
+on its 64 samples, so it differs from 00's; 03_accumulate_bf16.py prints the whole step's.)
 """
 import argparse
 

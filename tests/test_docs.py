@@ -1,0 +1,281 @@
+"""docs/tutorial.md is runnable: every code block in it is executed, and shown output is checked.
+
+The rules, so that the tutorial cannot drift from the code without a test failing:
+
+- ```` ```python ```` blocks run, in order, with this Python (the venv's), in one scratch
+  directory shared by the whole tutorial (as a reader following along would have).
+- ```` ```python file=NAME ```` blocks are written to NAME in that directory instead; a later
+  command must run them (checked).
+- ```` ```console ```` / ```` ```bash ```` blocks: each line starting with ``$ `` is a command, run
+  with ``bash`` in the scratch directory with the venv's ``bin/`` first on PATH (so ``python``,
+  ``torchrun`` and ``scaleloop`` are the venv's); a line ending in ``\\`` continues on the next.
+  Every command must exit with 0. The lines after a command, up to the next one, are output the
+  reader should see.
+- ```` ```text ```` blocks are only allowed right after a ``python`` block: they are its output.
+- Any other kind of block fails the inventory test: there is no silent, unexecuted block.
+
+Shown output is checked line by line against the real output (stdout and stderr together): each
+shown line must match a distinct line of it, in any order (ranks print concurrently). In a
+shown line ``...`` matches anything, and a number with a decimal point or an exponent (a loss, a
+time, a difference) matches any number, since those differ in the last digits between machines;
+whole numbers (steps, ranks, sizes) and all words must be exactly as shown. A line that is just
+``...`` stands for lines left out.
+
+The scratch directory starts with a copy of examples/, since the tutorial is written to be
+followed from the repository root.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
+from procs import child_env, kill_group, kill_owned, owned_pids  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TUTORIAL = ROOT / "docs" / "tutorial.md"
+README = ROOT / "README.md"
+VENV_BIN = Path(sys.executable).parent
+COMMAND_TIMEOUT = 180
+
+FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)\s*(.*?)\s*$")
+SHELL_KINDS = ("console", "bash")
+
+
+# --- parsing --------------------------------------------------------------------------------
+@dataclass
+class Block:
+    kind: str
+    attrs: dict[str, str]
+    text: str
+    line: int                                    # 1-based line of the opening fence
+    commands: list[tuple[str, list[str]]] = field(default_factory=list)   # shell: (command, shown output)
+
+    @property
+    def label(self) -> str:
+        return f"line {self.line} ({self.kind}{' ' + self.attrs['file'] if 'file' in self.attrs else ''})"
+
+
+def parse_blocks(path: Path) -> list[Block]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence, kind, info = m.groups()
+        attrs = dict(a.split("=", 1) for a in info.split() if "=" in a)
+        body = []
+        j = i + 1
+        while j < len(lines) and not (lines[j].strip().startswith(fence[0] * len(fence))
+                                      and lines[j].strip().strip(fence[0]) == ""):
+            body.append(lines[j][len(indent):] if lines[j].startswith(indent) else lines[j].lstrip())
+            j += 1
+        block = Block(kind=kind or "(none)", attrs=attrs, text="\n".join(body) + "\n", line=i + 1)
+        if block.kind in SHELL_KINDS:
+            block.commands = parse_commands(body)
+        blocks.append(block)
+        i = j + 1
+    return blocks
+
+
+def parse_commands(body: list[str]) -> list[tuple[str, list[str]]]:
+    commands: list[tuple[str, list[str]]] = []
+    k = 0
+    while k < len(body):
+        line = body[k]
+        if line.startswith("$ "):
+            cmd = line[2:]
+            while cmd.endswith("\\") and k + 1 < len(body):
+                k += 1
+                cmd = cmd[:-1] + " " + body[k].strip()
+            commands.append((cmd, []))
+        elif commands:
+            commands[-1][1].append(line)
+        elif line.strip():
+            commands.append(("", [line]))          # output before any command: caught by the inventory
+        k += 1
+    return commands
+
+
+# --- output checking ------------------------------------------------------------------------
+_FLOAT = re.compile(r"-?(?:\d+\.\d+(?:e[-+]?\d+)?|\d+e[-+]?\d+)")
+_ANY_NUMBER = r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?"
+
+
+def line_pattern(shown: str) -> re.Pattern:
+    parts = []
+    for k, segment in enumerate(shown.strip().split("...")):
+        if k:
+            parts.append(".*")
+        pos = 0
+        for m in _FLOAT.finditer(segment):
+            parts.append(_literal(segment[pos:m.start()]))
+            parts.append(_ANY_NUMBER)
+            pos = m.end()
+        parts.append(_literal(segment[pos:]))
+    return re.compile("".join(parts))
+
+
+def _literal(text: str) -> str:
+    return r"\s+".join(re.escape(word) for word in re.split(r"\s+", text)) if text.strip() else (r"\s*" if text else "")
+
+
+def check_output(shown: list[str], actual: str, where: str) -> None:
+    lines = [line.strip() for line in actual.splitlines()]
+    used: set[int] = set()
+    for expected in shown:
+        if not expected.strip() or expected.strip() == "...":
+            continue
+        pattern = line_pattern(expected)
+        hit = next((n for n, line in enumerate(lines) if n not in used and pattern.fullmatch(line)), None)
+        assert hit is not None, (f"{where}: the tutorial shows\n    {expected.strip()}\nbut the real output has no "
+                                 f"such line. Real output:\n{actual}")
+        used.add(hit)
+
+
+# --- running --------------------------------------------------------------------------------
+def reader_env() -> dict[str, str]:
+    env = child_env({"PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+                     "VIRTUAL_ENV": str(VENV_BIN.parent)})
+    env.pop("OMP_NUM_THREADS", None)             # as on a reader's machine: torchrun sets it per worker
+    return env
+
+
+def execute(argv: list[str], cwd: Path) -> tuple[int, str]:
+    proc = subprocess.Popen(argv, cwd=cwd, env=reader_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=COMMAND_TIMEOUT)
+    finally:
+        kill_group(proc)                         # torchrun's workers too, should any outlive it
+    return proc.returncode, out
+
+
+class Session:
+    """Runs a document's blocks in order, once, in one scratch directory."""
+
+    def __init__(self, blocks: list[Block], workdir: Path) -> None:
+        self.blocks = blocks
+        self.workdir = workdir
+        self.done = 0
+        self.results: dict[int, tuple[Optional[str], float]] = {}   # index -> (failure or None, seconds)
+        self.outputs: dict[int, str] = {}
+
+    def run_through(self, index: int) -> None:
+        while self.done <= index:
+            k = self.done
+            started = time.perf_counter()
+            try:
+                self._run(k)
+                failure = None
+            except AssertionError as exc:
+                failure = str(exc)
+            self.results[k] = (failure, time.perf_counter() - started)
+            self.done += 1
+
+    def _run(self, k: int) -> None:
+        block = self.blocks[k]
+        if block.kind == "python" and "file" in block.attrs:
+            (self.workdir / block.attrs["file"]).write_text(block.text, encoding="utf-8")
+        elif block.kind == "python":
+            code, out = execute([sys.executable, "-c", block.text], self.workdir)
+            self.outputs[k] = out
+            assert code == 0, f"python block at {block.label} failed ({code}):\n{out}"
+        elif block.kind == "text":
+            check_output(block.text.splitlines(), self.outputs.get(k - 1, ""), f"output block at {block.label}")
+        elif block.kind in SHELL_KINDS:
+            for cmd, shown in block.commands:
+                code, out = execute(["bash", "-c", cmd], self.workdir)
+                assert code == 0, f"command at {block.label} failed ({code}):\n$ {cmd}\n{out}"
+                check_output(shown, out, f"$ {cmd} (at {block.label})")
+
+
+def inventory_problems(blocks: list[Block]) -> list[str]:
+    problems = []
+    later_commands = []
+    for k, block in reversed(list(enumerate(blocks))):
+        if block.kind == "python" and "file" in block.attrs:
+            if not any(block.attrs["file"] in cmd for cmd in later_commands):
+                problems.append(f"{block.label}: no later command runs {block.attrs['file']}")
+        elif block.kind == "text":
+            previous = blocks[k - 1] if k else None
+            if previous is None or previous.kind != "python" or "file" in previous.attrs:
+                problems.append(f"{block.label}: a text block must directly follow the python block whose output it is")
+        elif block.kind in SHELL_KINDS:
+            if not block.commands or any(not cmd for cmd, _ in block.commands):
+                problems.append(f"{block.label}: every line of a {block.kind} block is a '$ ' command or its output")
+            later_commands.extend(cmd for cmd, _ in block.commands)
+        elif block.kind != "python":
+            problems.append(f"{block.label}: a '{block.kind}' block would not be executed; use python, console, bash "
+                            "or (for a python block's output) text")
+    return problems
+
+
+# --- the tests ------------------------------------------------------------------------------
+TUTORIAL_BLOCKS = parse_blocks(TUTORIAL)
+
+
+def test_tutorial_blocks_are_all_executed_or_checked() -> None:
+    assert TUTORIAL_BLOCKS, "docs/tutorial.md has no code blocks"
+    assert inventory_problems(TUTORIAL_BLOCKS) == []
+    kinds = {b.kind for b in TUTORIAL_BLOCKS}
+    assert {"python", "console"} <= kinds
+
+
+def test_output_matching_rules() -> None:
+    assert line_pattern("step 10: loss 0.6580").fullmatch("step 10: loss 0.6613")
+    assert not line_pattern("step 10: loss 0.6580").fullmatch("step 11: loss 0.6580")    # whole numbers exact
+    assert not line_pattern("step 10: loss 0.6580").fullmatch("step 10: LOSS 0.6580")    # words exact
+    assert line_pattern("largest difference 1.2e-07 of ...").fullmatch("largest difference 3.0e-08 of the largest weight")
+    assert line_pattern("a   b").fullmatch("a b")
+    with pytest.raises(AssertionError, match="no such line"):
+        check_output(["rank 0/2: 30 steps"], "rank 0/1: 30 steps\n", "here")
+
+
+@pytest.fixture(scope="module")
+def tutorial(tmp_path_factory: pytest.TempPathFactory) -> Session:
+    workdir = tmp_path_factory.mktemp("tutorial")
+    shutil.copytree(ROOT / "examples", workdir / "examples")
+    return Session(TUTORIAL_BLOCKS, workdir)
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind() -> Iterator[None]:
+    yield
+    deadline = time.monotonic() + 5
+    while owned_pids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = owned_pids()
+    kill_owned()
+    assert not left, f"the test left processes behind: {left}"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("index", range(len(TUTORIAL_BLOCKS)), ids=[b.label.replace(" ", "-") for b in TUTORIAL_BLOCKS])
+def test_tutorial_block(tutorial: Session, index: int) -> None:
+    tutorial.run_through(index)
+    failure, _ = tutorial.results[index]
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)
+
+
+@pytest.mark.slow
+def test_readme_library_example_runs(tmp_path: Path) -> None:
+    blocks = [b for b in parse_blocks(README) if b.kind == "python"]
+    assert blocks, "README.md shows no library example"
+    for block in blocks:
+        code, out = execute([sys.executable, "-c", block.text], tmp_path)
+        assert code == 0, f"README python block at {block.label} failed ({code}):\n{out}"
