@@ -180,3 +180,28 @@ def test_epoch_row_lr_agrees_with_the_step_row_of_the_same_step(tmp_path: Path) 
     by_kind = {(r["kind"], r["step"]): float(r["lr"]) for r in rows}
     assert by_kind[("step", "4")] == 0.5
     assert by_kind[("epoch", "4")] == by_kind[("step", "4")]
+
+
+def test_constant_schedule_steps_like_lambdalr() -> None:
+    """The constant schedule's cheap step leaves the same state and rate as LambdaLR's."""
+    import torch
+
+    from scaleloop.config import TrainConfig
+    from scaleloop.schedule import build_scheduler
+
+    def pair():
+        p = torch.nn.Parameter(torch.zeros(2))
+        return torch.optim.SGD([p], lr=0.1)
+
+    ref_opt, opt = pair(), pair()
+    ref = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda step: 1.0)
+    sched = build_scheduler(opt, TrainConfig(lr=0.1), total_steps=50)
+    for _ in range(7):
+        ref_opt.step(), opt.step()
+        ref.step(), sched.step()
+    assert sched.state_dict() == ref.state_dict()
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 0.1
+    # A checkpoint of a constant run loaded into a warm-up run keeps the warm-up's schedule.
+    warm = build_scheduler(pair(), TrainConfig(lr=0.1, warmup_steps=10), total_steps=50)
+    warm.load_state_dict(sched.state_dict())
+    assert warm.constant is False and warm.last_epoch == 7

@@ -78,6 +78,22 @@ class TrainConfig:
                              "flow through the stages one after another (GPipe)", group="hardware")
     sync_batchnorm: bool = _opt(False, "compute BatchNorm statistics over the global batch (all ranks), as one process would", group="hardware")
 
+    # speed: how the same computation runs, not what it computes (see docs/benchmarking.md)
+    compile: bool = _opt(False, "torch.compile the model (inductor; on the CPU it needs a C++ compiler); the first "
+                         "steps are slow while it compiles, and rounding may differ slightly from eager", group="speed")
+    channels_last: bool = _opt(False, "channels-last memory format for the model's 4-d weights and its 4-d inputs "
+                               "(convolutions: faster on recent GPUs); a model without 4-d weights is left as it is",
+                               group="speed")
+    fused_optimizer: bool = _opt(False, "the optimizer's one-kernel implementation (fused=True, on CUDA and the CPU; "
+                                 "foreach=True where there is none): much faster steps, rounding may differ slightly",
+                                 group="speed")
+    pin_memory: bool = _opt(True, "on CUDA: gather batches in page-locked host memory and copy them with "
+                            "non_blocking=True, so the host does not wait for the GPU at every batch", group="speed")
+    persistent_workers: bool = _opt(False, "keep the DataLoader's worker processes alive between epochs "
+                                    "(needs --num-workers 1 or more)", group="speed")
+    data_on_device: bool = _opt(False, "copy the whole in-memory training set to the device once and gather every "
+                                "batch there, with no copy per step (it must fit in device memory)", group="speed")
+
     # how many processes, on how many machines (N > 1 re-launches under torch.distributed.run)
     nproc: int = _opt(1, "worker processes on this machine (one per GPU on CUDA)", group="launch")
     nnodes: int = _opt(1, "machines in the job", group="launch")
@@ -121,6 +137,13 @@ class TrainConfig:
         _require(self.clip_grad is None or self.clip_grad > 0, "clip_grad", "a positive number")
         _require(0 <= self.test_fraction < 1, "test_fraction", "in [0, 1)")
         _require(self.num_workers >= 0, "num_workers", "zero or positive")
+        if self.persistent_workers and self.num_workers == 0:
+            raise UsageError("--persistent-workers keeps DataLoader worker processes between epochs, and "
+                             "--num-workers is 0 (no workers): add --num-workers N, or drop it")
+        if self.compile and self.strategy in ("dp", "pipeline"):
+            raise UsageError(f"--compile does not support --strategy {self.strategy} "
+                             + ("(nn.DataParallel): use --strategy ddp" if self.strategy == "dp" else
+                                "(its stages are scheduled by torch.distributed.pipelining): drop --compile"))
         _require(self.nproc >= 1, "nproc", "a positive integer")
         _require(self.nnodes >= 1, "nnodes", "a positive integer")
         _require(0 <= self.node_rank < self.nnodes, "node_rank", f"in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")

@@ -33,6 +33,7 @@ from scaleloop.precision import Precision
 from scaleloop.rundir import prepare_run_dir, write_atomic
 from scaleloop.running import RunningLoss
 from scaleloop.schedule import build_scheduler, describe_schedule, scaled_lr
+from scaleloop.speed import speed_up_model
 from scaleloop.strategies import make_strategy
 from scaleloop.tasks import loss_fn
 
@@ -91,10 +92,18 @@ def build_optimizer(cfg: TrainConfig, params: Iterable[torch.nn.Parameter],
     """The optimizer named by ``cfg.optimizer`` with its hyperparameters (``lr`` overrides ``cfg.lr``)."""
     lr = cfg.lr if lr is None else lr
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay)
-    return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
+        kind, options = torch.optim.SGD, dict(lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    else:
+        kind = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+        options = dict(lr=lr, weight_decay=cfg.weight_decay)
+    if not cfg.fused_optimizer:
+        return kind(params, **options)  # PyTorch's default implementation for the parameters' device
+    params = list(params)
+    try:
+        # One kernel over all parameters (CUDA and the CPU have them; torch checks the device).
+        return kind(params, fused=True, **options)
+    except RuntimeError:
+        return kind(params, foreach=True, **options)  # the multi-tensor loop: a few kernels per step
 
 
 def _progress(total: int, initial: int, desc: str, enabled: bool):  # -> tqdm | None
@@ -152,12 +161,22 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     strategy = make_strategy(cfg.strategy, env, precision, cfg.accumulate, cfg.sync_batchnorm,
                              microbatches=cfg.microbatches)
     lr = scaled_lr(cfg)
+    speed_notes = speed_up_model(model, cfg, env.device)
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(cfg, params, lr.peak))
+    if cfg.compile:
+        # In place (nn.Module.compile): the module, its wrappers' isinstance checks and its
+        # state_dict keys stay what they were (no ``_orig_mod.`` prefix in checkpoints).
+        model.compile()
     # From here on each rank draws its own random numbers (dropout, augmentation), like
     # independent workers would; the data order stays shared, drawn from cfg.seed + epoch.
     torch.manual_seed(cfg.seed + env.rank)
     loader = strategy.loader(data.train, cfg.batch_size, shuffle=True, seed=cfg.seed,
                              drop_last=cfg.drop_last, num_workers=cfg.num_workers)
+    try:
+        loader.configure(pin_memory=cfg.pin_memory, persistent_workers=cfg.persistent_workers,
+                         on_device=cfg.data_on_device, channels_last=cfg.channels_last)
+    except ValueError as exc:
+        raise UsageError(f"--data-on-device: {exc}" if cfg.data_on_device else str(exc)) from None
     plan = loader.plan
     total_steps = plan.steps_per_epoch * cfg.epochs
     if cfg.max_steps is not None:
@@ -191,7 +210,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     say(f"scaleloop: {cfg.model} ({n_params:,} parameters) on {info.name} "
         f"({len(data.train):,} train / {len(data.test) if data.test is not None else 0:,} test), "
         f"{strategy.describe()} x {env.world_size} on {describe_device(env.device)}, {cfg.precision}")
-    for line in strategy.details():
+    for line in strategy.details() + speed_notes:
         say(line)
     lr_line = describe_schedule(cfg, lr, total_steps)
     if cfg.lr_scaling != "none" or cfg.lr_schedule != "constant" or cfg.warmup_steps:

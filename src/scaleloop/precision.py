@@ -9,6 +9,7 @@ import torch
 from scaleloop.errors import UsageError
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_NOTHING = contextlib.nullcontext()   # reusable: it holds no state
 
 
 class Precision:
@@ -32,7 +33,7 @@ class Precision:
     def autocast(self) -> contextlib.AbstractContextManager:
         """Run the forward pass (and loss) in reduced precision where it is safe."""
         if self.dtype is None:
-            return contextlib.nullcontext()  # fp32: nothing to do (and nothing to pay per step)
+            return _NOTHING  # fp32: nothing to do (and nothing to pay per step)
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:

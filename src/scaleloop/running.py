@@ -31,11 +31,11 @@ class RunningLoss:
             return
         losses, counts = self._losses, self._counts
         self._losses, self._counts = [], []
-        # One multiplication for all of them (loss.double() * n, as a float64 product is exact-
-        # ly rounded either way), one copy to the host, then sequential float64 additions: the
-        # same operations, in the same order, as per-step in-place additions.
-        n = torch.tensor(counts, dtype=torch.float64, device=losses[0].device)
-        products = (torch.stack(losses).double() * n).tolist()
+        # loss.double() * n for each (a float64 product is exactly rounded wherever it is
+        # computed), then sequential float64 additions: the same operations, in the same order,
+        # as per-step in-place additions. On a device: one multiplication for all of them and
+        # one copy to the host; on the CPU, reading each loss is cheaper than building tensors.
+        products = (_products_on_host if losses[0].device.type == "cpu" else _products_on_device)(losses, counts)
         e, w = self.epoch, self.window
         for p, c in zip(products, counts):
             e[0] += p
@@ -71,3 +71,12 @@ class RunningLoss:
         values = [float(v) for v in sums.detach().cpu().tolist()]
         self._losses, self._counts = [], []
         self.epoch, self.window = values[0:2], values[2:4]
+
+
+def _products_on_host(losses: list[torch.Tensor], counts: list[int]) -> list[float]:
+    return [loss.item() * c for loss, c in zip(losses, counts)]
+
+
+def _products_on_device(losses: list[torch.Tensor], counts: list[int]) -> list[float]:
+    n = torch.tensor(counts, dtype=torch.float64, device=losses[0].device)
+    return (torch.stack(losses).double() * n).tolist()

@@ -48,6 +48,8 @@ def test_every_command_is_registered() -> None:
     (("scaling", "--strategy", "single"), "cannot be scaled"),
     (("scaling", "--strong", "--batch-size", "63", "--workers", "1,2"), "does not divide by 2"),
     (("scaling", "--compute-ms", "-1"), "--compute-ms"),
+    (("scaling", "--target-efficiency", "1.5"), "--target-efficiency"),
+    (("scaling", "--repeats", "0"), "--repeats must be a positive"),
     (("strategies", "--workers", "3", "--batch-size", "32"), "does not split"),
     (("overhead", "--model", "nosuchnet"), "unknown model"),
     (("mfu", "--batch-size", "0"), "--batch-size must be a positive"),
@@ -77,6 +79,18 @@ def test_presets_and_flags() -> None:
     assert bench_cli.parse_workers(None, "cpu")[0] == 1
     line = bench_cli.command_line(parse("scaling", "--quick", "--workers", "1,2", "--strong"))
     assert line == "scaleloop bench scaling --quick --workers 1,2 --strong"
+    line = bench_cli.command_line(parse("scaling", "--target-efficiency", "0.8", "--repeats", "5"))
+    assert line == "scaleloop bench scaling --repeats 5 --target-efficiency 0.8"
+
+
+def test_scaling_default_is_compute_bound_and_repeated() -> None:
+    """The efficiency check's default: a per-worker batch large enough that compute dominates the
+    all-reduce, in interleaved repetitions; --quick stays one CI-sized pass."""
+    args = parse("scaling")
+    assert bench_cli._value(args, "batch_size") >= 512
+    assert bench_cli._value(args, "repeats") >= 3
+    assert args.target_efficiency == 0.9 and args.threads is None      # threads: 1 per worker (run() sets it)
+    assert bench_cli._value(parse("scaling", "--quick"), "repeats") == 1
 
 
 def _read(out_dir: Path, what: str) -> tuple[dict[str, Any], str]:

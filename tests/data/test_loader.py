@@ -133,3 +133,111 @@ def test_tensors_of() -> None:
     assert tensors_of(TensorDataset(x, y)) is not None
     assert tensors_of(TensorDataset(x)) is None  # not an (x, y) pair
     assert tensors_of(PlainDataset(x, y)) is None
+
+
+# --- the in-memory fast path and its options ---------------------------------------------
+
+class TutorialDataset(Dataset):
+    """The tutorial's RandomDataset as it writes it: tensors, read one sample at a time."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.X, self.y = x, y
+
+    def __len__(self) -> int:
+        return self.X.shape[0]
+
+    def __getitem__(self, idx: int):
+        return self.X[idx], self.y[idx]
+
+
+@pytest.mark.parametrize("world,acc", [(1, 1), (2, 1), (2, 2), (3, 1)])
+def test_fast_path_gives_the_per_item_batches_of_the_tutorial_dataset(world: int, acc: int) -> None:
+    """The fast path (index_select on the built-in RandomDataset's tensors) and the per-item
+    DataLoader path (the tutorial's own Dataset class) yield the very same batches: the same
+    indices, the same tensors, for every rank, epoch and a resumed start."""
+    from scaleloop.data.datasets import RandomDataset
+
+    fast_ds = RandomDataset(203, input_dim=20, generator=torch.Generator().manual_seed(0))
+    slow_ds = TutorialDataset(fast_ds.X, fast_ds.y)
+    for rank in range(world):
+        plan = StepPlan(len(fast_ds), 24, world_size=world, rank=rank, accumulate=acc, seed=7)
+        fast, slow = ShardedLoader(fast_ds, plan, CPU), ShardedLoader(slow_ds, plan, CPU)
+        assert fast.in_memory and not slow.in_memory
+        for epoch, start in ((0, 0), (1, 0), (3, 2)):
+            fast.set_epoch(epoch, start)
+            slow.set_epoch(epoch, start)
+            a, b = _collect(fast), _collect(slow)
+            assert len(a) == len(b) == len(fast) > 0
+            for (xa, ya, ia), (xb, yb, ib) in zip(a, b):
+                assert ia == ib
+                assert xa.dtype == xb.dtype and ya.dtype == yb.dtype
+                assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_fast_path_draws_the_permutation_of_a_seeded_dataloader_shuffle() -> None:
+    """Same per-epoch permutation as DataLoader(shuffle=True)'s RandomSampler with a generator
+    seeded with seed + epoch: one process sees the batches the tutorial's loop sees."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    x, y = _data(50)
+    ds = TensorDataset(x, y)
+    g = torch.Generator()
+    tutorial = DataLoader(ds, batch_size=16, sampler=RandomSampler(ds, generator=g))
+    loader = ShardedLoader(ds, StepPlan(50, 16, seed=3), CPU)
+    for epoch in (0, 1, 2):
+        g.manual_seed(3 + epoch)
+        loader.set_epoch(epoch)
+        for (xa, ya), (xb, yb) in zip(tutorial, loader, strict=True):
+            assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_options_leave_the_batches_unchanged() -> None:
+    x = torch.randn(30, 3, 4, 4, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 4, (30,), generator=torch.Generator().manual_seed(2))
+    plan = StepPlan(30, 8, seed=2)
+    plain = _collect(ShardedLoader(TensorDataset(x, y), plan, CPU))
+    fast = ShardedLoader(TensorDataset(x, y), plan, CPU, on_device=True, channels_last=True, pin_memory=True)
+    assert fast.pin_memory is False          # pinning is for CUDA copies only
+    for (xa, ya, ia), (xb, yb, ib) in zip(plain, _collect(fast), strict=True):
+        assert ia == ib and torch.equal(xa, xb) and torch.equal(ya, yb)
+        assert xb.is_contiguous(memory_format=torch.channels_last)
+    slow = ShardedLoader(PlainDataset(x, y), plan, CPU, channels_last=True)
+    for (xa, _, _), (xb, _, _) in zip(plain, _collect(slow), strict=True):
+        assert torch.equal(xa, xb) and xb.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_persistent_workers_give_every_epoch_its_own_order() -> None:
+    x, y = _data(24)
+    plan = StepPlan(24, 8, seed=5)
+    once = ShardedLoader(PlainDataset(x, y), plan, CPU, num_workers=1)
+    kept = ShardedLoader(PlainDataset(x, y), plan, CPU, num_workers=1, persistent_workers=True)
+    for epoch in (0, 1, 2):
+        once.set_epoch(epoch)
+        kept.set_epoch(epoch)
+        a, b = _collect(once), _collect(kept)
+        assert [i for _, _, i in a] == [i for _, _, i in b]
+        assert all(torch.equal(xa, xb) for (xa, _, _), (xb, _, _) in zip(a, b))
+    assert kept._loader is not None         # one DataLoader, its workers kept between epochs
+
+
+def test_options_this_dataset_cannot_use_are_refused() -> None:
+    x, y = _data(10)
+    with pytest.raises(ValueError, match="in-memory tensors"):
+        ShardedLoader(PlainDataset(x, y), StepPlan(10, 5), CPU, on_device=True)
+    with pytest.raises(ValueError, match="num_workers > 0"):
+        ShardedLoader(PlainDataset(x, y), StepPlan(10, 5), CPU, persistent_workers=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_pinned_and_on_device_batches_equal_the_cpu_ones() -> None:
+    x, y = _data(100)
+    plan = StepPlan(100, 16, seed=1)
+    cuda = torch.device("cuda")
+    ref = _collect(ShardedLoader(TensorDataset(x, y), plan, CPU))
+    for options in (dict(pin_memory=True), dict(pin_memory=False), dict(on_device=True)):
+        loader = ShardedLoader(TensorDataset(x, y), plan, cuda, **options)
+        got = _collect(loader)
+        torch.cuda.synchronize()
+        for (xa, ya, ia), (xb, yb, ib) in zip(ref, got, strict=True):
+            assert ia == ib and xb.device.type == "cuda"
+            assert torch.equal(xa, xb.cpu()) and torch.equal(ya, yb.cpu())

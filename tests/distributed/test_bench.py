@@ -71,6 +71,29 @@ def test_scaling_table_is_sane(scaling: tuple[dict[str, Any], str, str]) -> None
         assert header in md
 
 
+def test_scaling_breakdown_says_why(scaling: tuple[dict[str, Any], str, str]) -> None:
+    """Backward split at the last all-reduce launch; the lost efficiency attributed to causes."""
+    data, md, _ = scaling
+    one, two = data["data"]["points"]
+    for p in (one, two):
+        assert p["threads_seen"] == [1]                                   # one torch thread per worker
+        b = p["breakdown"]
+        parts = b["backward_compute_s"] + b["wait_s"] + b["comm_exposed_s"]
+        assert parts == pytest.approx(b["backward_s"], rel=1e-6)
+        assert min(b["backward_compute_s"], b["wait_s"], b["comm_exposed_s"]) >= 0
+    assert one["breakdown"]["comm_exposed_s"] == 0 and one["breakdown"]["wait_s"] == 0
+    for p in (one, two):   # the training thread's CPU time of its compute, at most its wall time (+ clock grain)
+        b = p["breakdown"]
+        assert 0 < b["compute_cpu_s"] <= b["forward_s"] + b["backward_compute_s"] + b["optimizer_s"] + 0.01
+    assert len(two["repetitions"]) == 1 and two["efficiency_min"] == pytest.approx(two["efficiency"])
+    [a] = data["data"]["attribution"]
+    assert a["workers"] == 2 and a["backward_split"] and a["compute_off_core_s"] is not None
+    assert sum(a["points"].values()) == pytest.approx(1 - a["efficiency"])
+    assert a["efficiency"] == pytest.approx(two["efficiency"])   # the same timings, as step times
+    assert "Why not N x one worker" in md and "of which all-reduce not hidden" in md
+    assert any(n.startswith("Target scaling efficiency 0.90 at 2 workers") for n in data["notes"])
+
+
 def test_scaling_projection_and_model_check(scaling: tuple[dict[str, Any], str, str]) -> None:
     data, md, _ = scaling
     model = data["data"]["model"]

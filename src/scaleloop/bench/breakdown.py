@@ -26,10 +26,17 @@ Two parts, both from measurements (no model):
 
    Divided by ``t_N`` each part is the efficiency it cost, in points; they sum to
    ``1 - f x t1 / t_N``, the measured efficiency computed from step times.
+
+   Compute (forward + backward compute + optimizer) is split once more where the training
+   thread's CPU time was read: wall time minus CPU time is time the thread was **off its
+   core** (on a shared machine: runnable, waiting for a core that another process or thread
+   held); the rest is the same work taking more CPU time (caches, memory bandwidth).
 """
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
+
+from scaleloop.bench.report import Column, Table, fmt_ratio
 
 Marks = Sequence[tuple[float, float, Optional[float]]]   # per step: (backward start, end, last launch)
 
@@ -119,6 +126,12 @@ def attribute(base: Mapping[str, Any], point: Mapping[str, Any]) -> dict[str, An
         seconds["communication"] = None
         seconds["idle"] = None
     ideal = f * t1
+    off_core = None
+    if split and bn.get("compute_cpu_s") is not None and b1.get("compute_cpu_s") is not None:
+        def off(b: Mapping[str, Any]) -> float:
+            return b["forward_s"] + b["backward_compute_s"] + b["optimizer_s"] - b["compute_cpu_s"]
+
+        off_core = off(bn) - f * off(b1)
     points = {k: (v / tn if v is not None else None) for k, v in seconds.items()}
     kinds = {}
     for key, _label, parts in KINDS:
@@ -129,13 +142,61 @@ def attribute(base: Mapping[str, Any], point: Mapping[str, Any]) -> dict[str, An
         "efficiency": ideal / tn, "backward_split": split,
         "seconds": seconds, "points": points,
         "kinds_s": kinds, "kinds_points": {k: (v / tn if v is not None else None) for k, v in kinds.items()},
+        # Of compute: more time with the training thread off its core than at 1 worker.
+        "compute_off_core_s": off_core, "compute_off_core_points": off_core / tn if off_core is not None else None,
     }
 
 
-def largest_loss(attribution: Mapping[str, Any]) -> tuple[str, float]:
-    """The component that cost the most efficiency: (label, points)."""
-    labels = dict(COMPONENTS)
-    key, value = max(((k, v) for k, v in attribution["points"].items() if v is not None), key=lambda kv: kv[1])
-    if key == "backward_compute" and not attribution["backward_split"]:
-        return "backward (with its communication)", value
-    return labels[key], value
+def target_notes(target: Optional[float], points: Sequence[Mapping[str, Any]],
+                 attribution: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Whether each N-worker point (``points[1:]``) reaches ``target``; the causes of what it lost."""
+    if target is None:
+        return []
+    notes = []
+    for p, a in zip(points[1:], attribution):
+        spread = (f", per repetition {p['efficiency_min']:.2f} - {p['efficiency_max']:.2f}"
+                  if len(p["repetitions"]) > 1 else "")
+        met = p["efficiency"] >= target
+        text = (f"Target scaling efficiency {target:.2f} at {p['workers']} workers: "
+                f"{'met' if met else 'NOT met'} (median {p['efficiency']:.2f}{spread}).")
+        lost = [(label, a["points"][key]) for key, label in COMPONENTS
+                if a["points"][key] is not None and a["points"][key] > 0.005]
+        if lost:
+            lost.sort(key=lambda kv: -kv[1])
+            text += " Efficiency lost, by cause, in percentage points: " + ", ".join(
+                f"{label} {100 * v:.1f}" for label, v in lost) + "."
+        off = a.get("compute_off_core_points")
+        if off is not None and off > 0.005:
+            text += (f" Of the compute, {100 * off:.1f} points are time the training thread spent off its core "
+                     "(more than at 1 worker): waiting for a core that other processes or threads held.")
+        notes.append(text)
+    return notes
+
+
+def table(attribution: Sequence[Mapping[str, Any]]) -> Table:
+    """Per N: the step time perfect scaling allows, the measured one, and where the difference went."""
+    rows = []
+    for a in attribution:
+        row: dict[str, Any] = {"workers": a["workers"], "ideal": a["ideal_step_s"] * 1e3, "step": a["step_s"] * 1e3,
+                               "efficiency": a["efficiency"]}
+        for key, _label, _parts in KINDS:
+            sec, pts = a["kinds_s"][key], a["kinds_points"][key]
+            row[key] = None if sec is None else f"{sec * 1e3:+.2f} ({100 * pts:+.1f})"
+        off = a.get("compute_off_core_s")
+        row["off_core"] = None if off is None else f"{off * 1e3:+.2f} ({100 * a['compute_off_core_points']:+.1f})"
+        rows.append(row)
+    columns = [Column("workers", "workers"), Column("ideal", "ideal step ms", lambda v: f"{v:.2f}"),
+               Column("step", "measured step ms", lambda v: f"{v:.2f}"),
+               Column("efficiency", "efficiency (step times)", fmt_ratio)]
+    columns += [Column(key, f"{label} ms (points)") for key, label, _parts in KINDS]
+    columns.insert(6, Column("off_core", "of compute: thread off its core ms (points)"))
+    return Table("Why not N x one worker: extra time per step, by cause", columns, rows,
+                 "ideal = the 1-worker step time x (per-worker batch at N / at 1); each cause is its time at N minus "
+                 "that share of its time at 1 worker (communication and waiting: their time at N), in ms per step "
+                 "and in points of efficiency (ms / measured step); they add up to 1 - efficiency. compute = "
+                 "forward + backward compute + optimizer, of which 'off its core' is wall minus the training thread's CPU "
+                 "time (waiting for a core); idle = waiting for the slowest worker + between steps (each "
+                 "part on its own: the notes and the JSON's 'attribution'). "
+                 "A negative value: that phase ran faster than at 1 worker (noise, or less contention). Where "
+                 "backward cannot be split (FSDP, CUDA), its communication is counted in compute and "
+                 "communication shows '-'.")

@@ -121,6 +121,10 @@ def add_parser(subparsers: Any, parser_class: type[argparse.ArgumentParser]) -> 
     overhead.add_argument("--repeats", type=int, help="repetitions of each loop")
     overhead.add_argument("--threads", type=int, default=None,
                           help="torch threads on CPU for both loops (default: torch's)")
+    overhead.add_argument("--mode", choices=("loop", "datapath", "startup"), default="loop",
+                          help="loop: scaleloop's loop vs the same loop by hand, same data path (default); "
+                               "datapath: vs the tutorial's DataLoader(shuffle=True) loop, and the batches alone; "
+                               "startup: import scaleloop and scaleloop --help in fresh interpreters")
 
     mfu = sub.add_parser("mfu", help="model FLOPs utilisation of the built-in models",
                          description="FLOPs per sample counted with torch.utils.flop_counter, throughput measured, "
@@ -260,7 +264,7 @@ def command_line(args: argparse.Namespace) -> str:
     parts = ["scaleloop", "bench", args.bench_command]
     skip = {"command", "bench_command", "version"}
     defaults = {"out": "benchmarks", "device": "auto", "precision": "fp32", "strategy": "ddp", "tag": "",
-                "target_efficiency": 0.9}
+                "target_efficiency": 0.9, "mode": "loop"}
     for name, value in vars(args).items():
         if name in skip or value is None or value is False or defaults.get(name) == value:
             continue
@@ -346,8 +350,8 @@ def _dispatch(args: argparse.Namespace, say: Callable[[str], None]) -> tuple[Any
         workload = _workload(args, resolve_device(args.device, multiprocess=False))
         opts = OverheadOptions(workload, batch_size=_value(args, "batch_size"), epochs=_value(args, "epochs"),
                                repeats=_value(args, "repeats"), threads=args.threads, quick=quick,
-                               command=line)
-        return run_overhead(opts, say), plots.plot_overhead
+                               command=line, mode=args.mode)
+        return run_overhead(opts, say), (plots.plot_overhead if args.mode != "startup" else None)
     from scaleloop.bench.mfu import MODEL_DATA, MfuOptions, run_mfu
 
     workload = _workload(args, resolve_device(args.device, multiprocess=False))

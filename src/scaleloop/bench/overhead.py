@@ -1,15 +1,26 @@
-"""``scaleloop bench overhead``: scaleloop's loop against a hand-written PyTorch loop.
+"""``scaleloop bench overhead``: what scaleloop costs, against plain PyTorch.
 
-Both train the same model on the same data, seed and batch, in the same process, with the
-same threads. The repetitions are interleaved (raw, scaleloop, scaleloop, raw, ...) so that
-whatever else changes on the machine during the benchmark (clock boost, another process)
-hits both alike. The headline is the ratio of the median training times: 1.00 would mean
-scaleloop's loop costs nothing over the plain loop.
+Three modes (``--mode``), each measured side by side in one process run, repetitions
+interleaved (A, B, B, A, ...) so that whatever else changes on the machine during the benchmark
+(clock boost, another process) hits both sides alike; the headline is a ratio of medians, with
+the spread of the per-repetition ratios:
 
-What is timed is training only, the same span for both: from the first batch of an epoch
-to the end of its last optimizer step, summed over epochs. scaleloop's end-to-end time also
-includes what the plain loop does not do (evaluation, run directory, curves); it is reported
-separately.
+- ``loop`` (default): scaleloop's training loop (``scaleloop.loop.train``) against the
+  tutorial's hand-written loop with the same data path (batches gathered from the in-memory
+  tensors with ``index_select``, see ``rawloop``). Same model, data, seed, batch and order:
+  both end with the same weights. 1.00 means the loop costs nothing over the plain loop.
+- ``datapath``: the same scaleloop loop against the tutorial's loop exactly as written, with
+  its ``DataLoader(dataset, batch_size=B, shuffle=True)`` (one ``__getitem__`` per sample, then
+  collation); and, on their own, one epoch of batches from that DataLoader against scaleloop's
+  in-memory fast path (and, on a GPU, with the data kept on the device).
+- ``startup``: fresh interpreters: ``import torch`` against ``import torch, scaleloop``, the
+  whole library (``scaleloop.train``), and ``scaleloop --help``; which optional heavy modules
+  each loads.
+
+What is timed in ``loop`` and ``datapath`` is training only, the same span for both: from the
+first batch of an epoch to the end of its last optimizer step, summed over epochs. scaleloop's
+end-to-end time also includes what the plain loop does not do (evaluation, run directory,
+curves); it is reported separately.
 """
 from __future__ import annotations
 
@@ -22,12 +33,14 @@ import torch
 
 from scaleloop.bench.hardware import describe_hardware, hardware_slug, threads_text
 from scaleloop.bench.rawloop import raw_train
-from scaleloop.bench.report import BenchReport, Column, Table, fmt_rate, fmt_ratio
+from scaleloop.bench.report import BenchReport, Column, Table, fmt_rate
 from scaleloop.bench.stats import summarize
 from scaleloop.bench.workload import Workload
 from scaleloop.errors import UsageError
 
 Say = Callable[[str], None]
+
+MODES = ("loop", "datapath", "startup")
 
 
 @dataclass(frozen=True)
@@ -39,19 +52,26 @@ class OverheadOptions:
     threads: Optional[int] = None     # CPU threads for both loops (None: torch's default)
     quick: bool = False
     command: str = "scaleloop bench overhead"
+    mode: str = "loop"
 
 
 def run_overhead(opts: OverheadOptions, say: Say) -> BenchReport:
+    if opts.mode not in MODES:
+        raise UsageError(f"--mode {opts.mode!r} is not one of: {', '.join(MODES)}")
+    if opts.mode == "startup":
+        from scaleloop.bench.startup import run_startup
+
+        return run_startup(opts, say)
     previous = torch.get_num_threads()
     if opts.threads and opts.workload.device == "cpu":
         torch.set_num_threads(opts.threads)
     try:
-        return _run_overhead(opts, say)
+        return _run_loops(opts, say)
     finally:
         torch.set_num_threads(previous)
 
 
-def _run_overhead(opts: OverheadOptions, say: Say) -> BenchReport:
+def _run_loops(opts: OverheadOptions, say: Say) -> BenchReport:
     from scaleloop.dist import DistEnv
     from scaleloop.loop import train
 
@@ -60,14 +80,15 @@ def _run_overhead(opts: OverheadOptions, say: Say) -> BenchReport:
     cfg = opts.workload.to_config(strategy="single", batch_size=opts.batch_size, epochs=opts.epochs,
                                   test_fraction=0.2)
     env = DistEnv(device=device)
+    data_path = "dataloader" if opts.mode == "datapath" else "gather"
+    raw_name = "tutorial loop, DataLoader(shuffle=True)" if data_path == "dataloader" else "raw PyTorch (hand-written)"
     reps: list[dict[str, Any]] = []
-    weights_diff = None
     with tempfile.TemporaryDirectory(prefix="scaleloop-bench-overhead-") as tmp:
         def scaleloop_run(i: int):
             return train(cfg.replace(out=f"{tmp}/run{i}"), env, log=lambda _m: None)
 
-        say("overhead: warm-up (one run of each loop, not counted)")
-        raw, ours = raw_train(cfg, device), scaleloop_run(-1)
+        say(f"overhead ({opts.mode}): warm-up (one run of each loop, not counted)")
+        raw, ours = raw_train(cfg, device, data_path), scaleloop_run(-1)
         if not ours.in_memory_data:
             raise UsageError(f"--data {cfg.data}: the overhead bench compares in-memory datasets only")
         saved = torch.load(Path(ours.run_dir) / "model.pt", weights_only=True)
@@ -78,15 +99,16 @@ def _run_overhead(opts: OverheadOptions, say: Say) -> BenchReport:
             rep: dict[str, Any] = {"repetition": i + 1, "first": order[0]}
             for which in order:
                 if which == "raw":
-                    r = raw_train(cfg, device)
+                    r = raw_train(cfg, device, data_path)
                     rep.update(raw_s=r.train_s, raw_samples=r.samples)
                 else:
                     s = scaleloop_run(i)
                     rep.update(scaleloop_s=s.train_s, scaleloop_wall_s=s.wall_s, scaleloop_samples=s.samples)
             rep["ratio"] = rep["scaleloop_s"] / rep["raw_s"]
             reps.append(rep)
-            say(f"  repetition {i + 1}/{opts.repeats}: raw {rep['raw_s']:.3f} s, scaleloop {rep['scaleloop_s']:.3f} s "
-                f"(x{rep['ratio']:.3f})")
+            say(f"  repetition {i + 1}/{opts.repeats}: {'tutorial' if data_path == 'dataloader' else 'raw'} "
+                f"{rep['raw_s']:.3f} s, scaleloop {rep['scaleloop_s']:.3f} s (x{rep['ratio']:.3f})")
+        batches = _data_only(cfg, device, opts, say) if opts.mode == "datapath" else None
 
     raw_s = summarize([r["raw_s"] for r in reps])
     sl_s = summarize([r["scaleloop_s"] for r in reps])
@@ -95,7 +117,7 @@ def _run_overhead(opts: OverheadOptions, say: Say) -> BenchReport:
     samples = reps[0]["raw_samples"]
     ratio = sl_s["median"] / raw_s["median"]
     rows = [
-        {"loop": "raw PyTorch (hand-written)", "median_s": raw_s["median"], "min_s": raw_s["min"],
+        {"loop": raw_name, "median_s": raw_s["median"], "min_s": raw_s["min"],
          "max_s": raw_s["max"], "spread": raw_s["spread"], "samples_per_s": samples / raw_s["median"],
          "ratio": 1.0},
         {"loop": "scaleloop (scaleloop.loop.train)", "median_s": sl_s["median"], "min_s": sl_s["min"],
@@ -104,28 +126,128 @@ def _run_overhead(opts: OverheadOptions, say: Say) -> BenchReport:
     ]
     table = Table("Training time, interleaved repetitions", [
         Column("loop", "loop"), Column("median_s", "median s", _fmt_s), Column("min_s", "min s", _fmt_s),
-        Column("max_s", "max s", _fmt_s), Column("spread", "spread (max-min)/median", lambda v: f"{100 * v:.1f}%"),
+        Column("max_s", "max s", _fmt_s), Column("spread", "spread (max-min)/median", _fmt_pct),
         Column("samples_per_s", "samples/s", fmt_rate), Column("ratio", "time / raw", lambda v: f"{v:.3f}")], rows,
         f"{opts.repeats} repetitions of {opts.epochs} epoch(s) each ({samples:,} samples), "
         f"{opts.workload.describe()}, batch {opts.batch_size}, {describe_threads(device)}.")
+    tables = [table]
+    data: dict[str, Any] = {"ratio": ratio, "ratio_per_repetition": ratios, "raw_s": raw_s, "scaleloop_s": sl_s,
+                            "scaleloop_wall_s": wall, "final_weights_max_abs_diff": weights_diff,
+                            "data_path": data_path, "repetitions": reps}
+    if opts.mode == "datapath":
+        what, title = "datapath", f"Data path: scaleloop's in-memory fast path vs the tutorial's DataLoader, " \
+                                  f"{opts.workload.describe()}"
+        headline = (f"scaleloop's loop is {1 / ratio:.2f}x as fast as the tutorial's DataLoader loop "
+                    f"(per-repetition {1 / ratios['max']:.2f}x - {1 / ratios['min']:.2f}x)")
+        assert batches is not None
+        tables.append(batches["table"])
+        data["data_only"] = batches["data"]
+        headline += f"; batches alone {batches['data']['speedup']:.1f}x"
+    else:
+        what, title = "overhead", f"Overhead: scaleloop's loop vs a raw PyTorch loop, {opts.workload.describe()}"
+        headline = (f"scaleloop's loop takes {ratio:.3f}x the time of the raw loop "
+                    f"(per-repetition ratios {ratios['min']:.3f} - {ratios['max']:.3f})")
     report = BenchReport(
-        what="overhead", title=f"Overhead: scaleloop's loop vs a raw PyTorch loop, {opts.workload.describe()}",
-        hardware=hw, slug=hardware_slug(hw, device.type), command=opts.command,
+        what=what, title=title, hardware=hw, slug=hardware_slug(hw, device.type), command=opts.command,
         settings={"workload": opts.workload.to_dict(), "batch_size": opts.batch_size, "epochs": opts.epochs,
-                  "repeats": opts.repeats, "device": device.type, "threads": torch.get_num_threads()},
-        tables=[table], quick=opts.quick,
-        data={"ratio": ratio, "ratio_per_repetition": ratios, "raw_s": raw_s, "scaleloop_s": sl_s,
-              "scaleloop_wall_s": wall, "final_weights_max_abs_diff": weights_diff, "repetitions": reps})
-    report.headline = (f"scaleloop's loop takes {ratio:.3f}x the time of the raw loop "
-                       f"(per-repetition ratios {ratios['min']:.3f} - {ratios['max']:.3f})")
-    report.notes = [
-        f"Same work: after the same training both loops' final weights differ by at most {weights_diff:.2e}.",
-        "Timed span, for both: the epochs' batch loops (scaleloop's RunResult.train_s). scaleloop also logs a "
-        "global loss every 10 steps inside that span (a reduction and a CSV row), which the raw loop does not.",
-        f"scaleloop end to end (set-up, evaluation each epoch, run directory, curves): median {wall['median']:.2f} s "
-        "per run; the raw loop does none of that.",
-    ]
+                  "repeats": opts.repeats, "device": device.type, "threads": torch.get_num_threads(),
+                  "mode": opts.mode},
+        tables=tables, quick=opts.quick, data=data)
+    report.headline = headline
+    same = (f"Same work: both loops train on the same batches in the same order; their final weights differ by at "
+            f"most {weights_diff:.2e}.")
+    if data_path == "gather":
+        report.notes = [
+            same,
+            "Same data path on both sides: each batch is one index_select per tensor from the in-memory "
+            "dataset (scaleloop's fast path; the raw loop does the same by hand), so the ratio measures the "
+            "loop: sampler plan, Batch objects, strategy calls, loss bookkeeping, learning-rate schedule, logging.",
+            "Timed span, for both: the epochs' batch loops (scaleloop's RunResult.train_s). scaleloop also logs "
+            "a global loss every 10 steps inside that span (a reduction and a CSV row), which the raw loop does not.",
+        ]
+    else:
+        report.notes = [
+            same,
+            "The tutorial's loop: DataLoader(dataset, batch_size=B, sampler=RandomSampler(dataset, generator=g)) "
+            "- the sampler shuffle=True builds - with g re-seeded every epoch so that it draws scaleloop's "
+            "permutation; each batch is B __getitem__ calls and a collation, and the loss is read with "
+            "loss.item() every step, as the tutorial writes it.",
+        ]
+    report.notes.append(f"scaleloop end to end (set-up, evaluation each epoch, run directory, curves): median "
+                        f"{wall['median']:.2f} s per run; the raw loop does none of that.")
     return report
+
+
+def _data_only(cfg: Any, device: torch.device, opts: OverheadOptions, say: Say) -> dict[str, Any]:
+    """One epoch of batches, nothing else: the tutorial's DataLoader against scaleloop's loader
+    (fast path; on a GPU also with the data kept there), interleaved, and a check that they
+    yield the very same batches."""
+    import time
+
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from scaleloop.data.datasets import build_datasets
+    from scaleloop.data.loader import ShardedLoader
+    from scaleloop.data.sampler import StepPlan
+
+    data = build_datasets(cfg.data, n_samples=cfg.n_samples, input_dim=cfg.input_dim, image_size=cfg.image_size,
+                          seq_len=cfg.seq_len, vocab_size=cfg.vocab_size, test_fraction=cfg.test_fraction,
+                          seed=cfg.seed)
+    dataset = data.train
+    g = torch.Generator()
+    tutorial = DataLoader(dataset, batch_size=cfg.batch_size, sampler=RandomSampler(dataset, generator=g))
+    plan = StepPlan(len(dataset), cfg.batch_size, seed=cfg.seed)
+    loaders = {"scaleloop fast path (index_select)": ShardedLoader(dataset, plan, device,
+                                                                     pin_memory=device.type == "cuda")}
+    if device.type != "cpu":
+        loaders["scaleloop fast path, data kept on the device"] = ShardedLoader(dataset, plan, device, on_device=True)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def tutorial_epoch(epoch: int) -> float:
+        g.manual_seed(cfg.seed + epoch)
+        sync()
+        start = time.perf_counter()
+        for x, y in tutorial:
+            x, y = x.to(device), y.to(device)
+        sync()
+        return time.perf_counter() - start
+
+    def loader_epoch(loader: ShardedLoader, epoch: int) -> float:
+        loader.set_epoch(epoch)
+        sync()
+        start = time.perf_counter()
+        for _batch in loader:
+            pass
+        sync()
+        return time.perf_counter() - start
+
+    # The same batches: the tutorial's sampler, seeded per epoch, draws the plan's permutation.
+    g.manual_seed(cfg.seed)
+    ours = ShardedLoader(dataset, plan, torch.device("cpu"))
+    same = all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(tutorial, ours))
+    names = ["tutorial DataLoader(shuffle=True)", *loaders]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    repeats = max(3, opts.repeats)
+    say(f"overhead (datapath): one epoch of batches, {repeats} interleaved repetitions")
+    loader_epoch(next(iter(loaders.values())), 0)
+    tutorial_epoch(0)
+    for i in range(repeats):
+        order = names if i % 2 == 0 else names[::-1]
+        for name in order:
+            times[name].append(tutorial_epoch(i) if name == names[0] else loader_epoch(loaders[name], i))
+    stats = {n: summarize(v) for n, v in times.items()}
+    base = stats[names[0]]["median"]
+    batches = plan.steps_per_epoch
+    rows = [{"path": n, "median_ms": 1e3 * s["median"], "per_batch_us": 1e6 * s["median"] / batches,
+             "spread": s["spread"], "speedup": base / s["median"]} for n, s in stats.items()]
+    table = Table("One epoch of batches alone, interleaved repetitions", [
+        Column("path", "data path"), Column("median_ms", "median ms/epoch", lambda v: f"{v:.1f}"),
+        Column("per_batch_us", "us/batch", lambda v: f"{v:.1f}"), Column("spread", "spread (max-min)/median", _fmt_pct),
+        Column("speedup", "speed-up", lambda v: f"{v:.1f}x")], rows,
+        f"{repeats} repetitions of one epoch ({len(dataset):,} samples, {batches} batches of {cfg.batch_size}) onto "
+        f"{device.type}; identical batches (indices and tensors) from both: {'yes' if same else 'NO'}.")
+    return {"table": table, "data": {"rows": rows, "identical_batches": same, "speedup": rows[1]["speedup"],
+                                     "seconds": {n: s for n, s in stats.items()}}}
 
 
 def describe_threads(device: torch.device) -> str:
@@ -134,3 +256,7 @@ def describe_threads(device: torch.device) -> str:
 
 def _fmt_s(v: float) -> str:
     return f"{v:.3f}"
+
+
+def _fmt_pct(v: float) -> str:
+    return f"{100 * v:.1f}%"

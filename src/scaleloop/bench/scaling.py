@@ -133,8 +133,10 @@ def run_scaling(opts: ScalingOptions, say: Say) -> BenchReport:
     )
     best = points[-1]
     report.headline = (f"{best['workers']} workers: {best['samples_per_s']:,.0f} samples/s, "
-                       f"{best['speedup']:.2f}x one worker, scaling efficiency {best['efficiency']:.2f}")
-    report.notes = (notes + _target_notes(opts, points, attribution) + _run_notes(opts, device, points, hw)
+                       f"{best['speedup']:.2f}x one worker, scaling efficiency {best['efficiency']:.2f}"
+                       + (f" (per repetition {best['efficiency_min']:.2f} - {best['efficiency_max']:.2f})"
+                          if opts.repeats > 1 else ""))
+    report.notes = (notes + bd.target_notes(opts.target_efficiency, points, attribution) + _run_notes(opts, device, points, hw)
                     + _notes(opts, device, peak, fabric, compute, buckets) + _contention(points, check))
     return report
 
@@ -176,28 +178,6 @@ def _point(n: int, runs: Sequence[dict[str, Any]], base_runs: Sequence[dict[str,
                       "load_1m": r["load_1m"], "efficiency": e, "breakdown": r["breakdown"]}
                      for r, e in zip(runs, per_rep)])
     return point
-
-
-def _target_notes(opts: ScalingOptions, points: Sequence[dict[str, Any]],
-                  attribution: Sequence[dict[str, Any]]) -> list[str]:
-    """Whether each N-worker point reaches the target efficiency; if not, what cost the most."""
-    if opts.target_efficiency is None:
-        return []
-    notes = []
-    for p, a in zip(points[1:], attribution):
-        spread = (f", per repetition {p['efficiency_min']:.2f} - {p['efficiency_max']:.2f}"
-                  if len(p["repetitions"]) > 1 else "")
-        met = p["efficiency"] >= opts.target_efficiency
-        text = (f"Target scaling efficiency {opts.target_efficiency:.2f} at {p['workers']} workers: "
-                f"{'met' if met else 'NOT met'} (median {p['efficiency']:.2f}{spread}).")
-        lost = [(label, a["points"][key]) for key, label in bd.COMPONENTS
-                if a["points"][key] is not None and a["points"][key] > 0.005]
-        if lost:
-            lost.sort(key=lambda kv: -kv[1])
-            text += " Efficiency lost, by cause, in percentage points: " + ", ".join(
-                f"{label} {100 * v:.1f}" for label, v in lost) + "."
-        notes.append(text)
-    return notes
 
 
 def _run_notes(opts: ScalingOptions, device: torch.device, points: Sequence[dict[str, Any]],
@@ -313,7 +293,7 @@ def _tables(points: Sequence[dict[str, Any]], projection: list[dict[str, Any]],
         "waiting until the slowest worker had launched too, then the all-reduce that backward did not hide.")
     tables = [throughput, breakdown]
     if attribution:
-        tables.append(_attribution_table(attribution))
+        tables.append(bd.table(attribution))
     names = {i.key: i.name for i in costmodel.INTERCONNECTS}
     for mode, label in (("no_overlap", "without overlap"), ("overlap", "with communication overlapping backward")):
         by_link: dict[str, dict[str, Any]] = {}
@@ -340,31 +320,6 @@ def _tables(points: Sequence[dict[str, Any]], projection: list[dict[str, Any]],
 
 def _fmt_signed(v: float) -> str:
     return f"{v:+.2f}"
-
-
-def _attribution_table(attribution: Sequence[dict[str, Any]]) -> Table:
-    """Per N: the step time perfect scaling allows, the measured one, and where the difference went."""
-    rows = []
-    for a in attribution:
-        row: dict[str, Any] = {"workers": a["workers"], "ideal": a["ideal_step_s"] * 1e3, "step": a["step_s"] * 1e3,
-                               "efficiency": a["efficiency"]}
-        for key, _label, _parts in bd.KINDS:
-            sec, pts = a["kinds_s"][key], a["kinds_points"][key]
-            row[key] = None if sec is None else f"{sec * 1e3:+.2f} ({100 * pts:+.1f})"
-        rows.append(row)
-    columns = [Column("workers", "workers"), Column("ideal", "ideal step ms", lambda v: f"{v:.2f}"),
-               Column("step", "measured step ms", lambda v: f"{v:.2f}"),
-               Column("efficiency", "efficiency (step times)", fmt_ratio)]
-    columns += [Column(key, f"{label} ms (points)") for key, label, _parts in bd.KINDS]
-    return Table("Why not N x one worker: extra time per step, by cause", columns, rows,
-                 "ideal = the 1-worker step time x (per-worker batch at N / at 1); each cause is its time at N minus "
-                 "that share of its time at 1 worker (communication and waiting: their time at N), in ms per step "
-                 "and in points of efficiency (ms / measured step); they add up to 1 - efficiency. compute = "
-                 "forward + backward compute + optimizer; idle = waiting for the slowest worker + between steps (each "
-                 "part on its own: the notes and the JSON's 'attribution'). "
-                 "A negative value: that phase ran faster than at 1 worker (noise, or less contention). Where "
-                 "backward cannot be split (FSDP, CUDA), its communication is counted in compute and "
-                 "communication shows '-'.")
 
 
 def _notes(opts: ScalingOptions, device: torch.device, peak: Any, fabric: Optional[costmodel.Fabric],

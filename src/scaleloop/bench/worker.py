@@ -16,7 +16,9 @@ On the CPU the backward phase is split further, from the time each step's last g
 all-reduce was launched (DDP launches a bucket as soon as its gradients are ready, so the last
 launch is where backward's computation ended): backward compute, waiting for the slowest
 worker to reach its last launch (the workers' clocks are the same clock on one machine), and
-communication that backward did not hide. See ``bench/breakdown.py``.
+communication that backward did not hide. See ``bench/breakdown.py``. The training thread's CPU
+time in the compute phases (forward, backward compute, optimizer) is read too: wall time minus
+CPU time is time the thread spent off its core, on a shared machine mostly waiting for one.
 
 On CUDA the timers synchronise the device, which itself slows the step, so throughput is
 taken from a separate pass without them. Communication is measured three ways: the bytes
@@ -76,7 +78,7 @@ class CommRecorder:
         self._intervals: list[tuple[float, float]] = []
         self._bytes = 0
         self._buckets = 0
-        self._last_launch: Optional[float] = None
+        self._last_launch: Optional[tuple[float, float]] = None   # (wall, thread CPU time)
         self.steps: list[tuple[float, int, int]] = []   # (in-flight seconds, bytes, buckets)
 
     def _record(self, start: float, end: float, nbytes: int) -> None:
@@ -86,11 +88,15 @@ class CommRecorder:
             self._buckets += 1
 
     def _launched(self, start: float) -> None:
+        # Called on the training thread (DDP runs its hooks in backward on the CPU), so its
+        # CPU time here is the training thread's at the end of backward's computation.
+        cpu = time.thread_time()
         with self._lock:
-            self._last_launch = start if self._last_launch is None else max(self._last_launch, start)
+            if self._last_launch is None or start >= self._last_launch[0]:
+                self._last_launch = (start, cpu)
 
-    def last_launch(self) -> Optional[float]:
-        """When the step's last all-reduce was launched (None: none yet in this step)."""
+    def last_launch(self) -> Optional[tuple[float, float]]:
+        """Wall and thread CPU time of the step's last all-reduce launch (None: none yet in this step)."""
         with self._lock:
             return self._last_launch
 
@@ -193,30 +199,34 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
         synchronize(device)
         started = time.perf_counter()
         marks = {max(1, count * q // 4) for q in range(1, 5)}
+        cpu = time.thread_time
         for i in range(count):
             t0 = time.perf_counter()
             batch = next(batches)
             sync()
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), cpu()
             x, y = batch
             with strategy.accumulate(model, batch):
                 with strategy.autocast():
                     loss = loss_fn(data.info, model(x), y)
                 sync()
-                t2 = time.perf_counter()
+                t2, c2 = time.perf_counter(), cpu()
                 strategy.backward(loss, batch)
                 sync()
-                t3 = time.perf_counter()
+                t3, c3 = time.perf_counter(), cpu()
             launch = recorder.last_launch()
             strategy.optimizer_step(optimizer)
             sync()
-            t4 = time.perf_counter()
+            t4, c4 = time.perf_counter(), cpu()
             recorder.end_step()
             last_loss = loss.detach()
             if phases:
+                # CPU time of the compute phases: backward's up to its last all-reduce launch.
+                backward_cpu = (launch[1] if launch is not None and t2 <= launch[0] <= t3 else c3) - c2
                 records.append({"data_s": t1 - t0, "forward_s": t2 - t1, "backward_s": t3 - t2,
                                 "optimizer_s": t4 - t3, "step_s": t4 - t0,
-                                "marks": (t2, t3, launch)})
+                                "compute_cpu_s": (c2 - c1) + backward_cpu + (c4 - c3),
+                                "marks": (t2, t3, launch[0] if launch is not None else None)})
             if i + 1 in marks:
                 say(f"{run.label}: {label} step {i + 1}/{count}")
         synchronize(device)
@@ -246,6 +256,7 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
         # Where backward's computation ended (the last all-reduce's launch), CPU only: a CUDA
         # hook runs when the kernels are queued, not when they have run.
         "marks": ([r["marks"] for r in records] if device.type == "cpu" and recorder.attached else None),
+        "compute_cpu_s": summarize([r["compute_cpu_s"] for r in records])["mean"],
         "threads": torch.get_num_threads(),
         "interop_threads": torch.get_num_interop_threads(),
     }
@@ -279,6 +290,9 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
                                         same_clock=env.local_world_size == env.world_size))
     else:
         breakdown.update(backward_compute_s=None, wait_s=None, comm_exposed_s=None)
+    # CPU time is the compute's only where the compute ran on this thread and backward is split.
+    breakdown["compute_cpu_s"] = (rank_mean("compute_cpu_s")
+                                  if device.type == "cpu" and breakdown["backward_compute_s"] is not None else None)
 
     return {
         "label": run.label, "strategy": strategy.describe(), "ok": True,

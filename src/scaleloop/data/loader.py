@@ -135,6 +135,12 @@ class ShardedLoader:
             if on_device and self._tensors is None:
                 raise ValueError(f"keeping the data on the device needs in-memory tensors (a TensorDataset or a "
                                  f"built-in dataset); {type(self.dataset).__name__} is read sample by sample")
+            if on_device and self.device.type == "cuda":
+                need = sum(t.numel() * t.element_size() for t in self._tensors)
+                free, _ = torch.cuda.mem_get_info(self.device)
+                if need > free // 2:   # the rest is for the model, its activations and the optimizer
+                    raise ValueError(f"the training set takes {need / 2**30:.2f} GiB, more than half of the "
+                                     f"{free / 2**30:.2f} GiB free on {self.device}; leave the data on the host")
             self.on_device = on_device
         if channels_last is not None:
             self.channels_last = channels_last

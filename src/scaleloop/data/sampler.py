@@ -104,6 +104,11 @@ class StepPlan:
         """(step, micro, last micro, start in the epoch's order, size, samples in the step) of
         this rank's micro-batches from ``start_step`` on: rules 2-4 of the module docstring."""
         k, rank = self.accumulate, self.rank
+        if k == 1 and self.world_size == 1:   # one piece per step: the whole step
+            return [(step, 0, True, lo, total, total)
+                    for step in range(start_step, self.steps_per_epoch)
+                    for lo in (step * self.global_batch,)
+                    for total in (min(self.global_batch, self.used_per_epoch - lo),)]
         out = []
         for step in range(start_step, self.steps_per_epoch):
             lo = step * self.global_batch

@@ -22,6 +22,7 @@ from scaleloop.dist import DistEnv
 from scaleloop.precision import Precision
 
 OptimizerLike = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
+_NOTHING = contextlib.nullcontext()   # reusable: it holds no state
 
 
 class Strategy:
@@ -59,8 +60,11 @@ class Strategy:
         return model
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        """The user's own module inside whatever wrapper ``setup`` added."""
-        return getattr(model, "module", model)
+        """The user's own module inside whatever wrapper ``setup`` added (DDP, DataParallel), and
+        inside ``torch.compile``'s wrapper if the user compiled it: a state_dict of the result
+        has the user's own keys (no ``module.`` or ``_orig_mod.`` prefix)."""
+        model = _uncompiled(model)
+        return _uncompiled(getattr(model, "module", model))
 
     def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                drop_last: bool = False, num_workers: int = 0) -> ShardedLoader:
@@ -74,7 +78,7 @@ class Strategy:
     # --- one step -----------------------------------------------------------------------
     def accumulate(self, model: nn.Module, batch: Union[Batch, int]) -> contextlib.AbstractContextManager:
         """Context for one micro-step's forward and backward (strategies skip sync inside it)."""
-        return contextlib.nullcontext()  # (not a generator: entered on every micro-step)
+        return _NOTHING  # (not a generator: entered on every micro-step)
 
     def is_sync_step(self, batch: Union[Batch, int]) -> bool:
         """True on the micro-step after which gradients are synchronised and the optimizer steps."""
@@ -210,6 +214,14 @@ class Strategy:
     def details(self) -> list[str]:
         """Lines a run prints after its header (how the strategy placed the model, notes)."""
         return []
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module that ``torch.compile(module)`` wrapped (its ``OptimizedModule`` keeps it as
+    ``_orig_mod``); any other module as it is. (``module.compile()`` compiles in place and
+    needs no unwrapping.)"""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model
 
 
 class ProcessGroupStrategy(Strategy):

@@ -1,0 +1,47 @@
+"""``scaleloop bench overhead --mode datapath|startup``: structure and sanity of the results
+(never a timing claim)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scaleloop.bench import cli as bench_cli
+
+
+def _read(out_dir: Path, what: str) -> tuple[dict[str, Any], str]:
+    [json_path] = out_dir.glob(f"*_{what}-quick.json")
+    return json.loads(json_path.read_text()), json_path.with_suffix(".md").read_text()
+
+
+def test_datapath_quick(tmp_path: Path) -> None:
+    argv = ["overhead", "--mode", "datapath", "--quick", "--threads", "1", "--data", "random", "--n-samples", "512",
+            "--batch-size", "128", "--out", str(tmp_path)]
+    assert bench_cli.main(argv) == 0
+    data, md = _read(tmp_path, "datapath")
+    d = data["data"]
+    assert d["data_path"] == "dataloader" and data["settings"]["mode"] == "datapath"
+    assert [r["first"] for r in d["repetitions"]] == ["raw", "scaleloop", "raw"]          # interleaved
+    assert d["final_weights_max_abs_diff"] <= 1e-6     # the tutorial's loop saw the same batches
+    only = d["data_only"]
+    assert only["identical_batches"] is True
+    assert [r["path"] for r in only["rows"]][0].startswith("tutorial DataLoader")
+    assert all(r["per_batch_us"] > 0 for r in only["rows"]) and only["rows"][0]["speedup"] == 1.0
+    assert "One epoch of batches alone" in md and data["headline"] in md
+    assert "--mode datapath" in data["command"]
+
+
+@pytest.mark.slow
+def test_startup_quick(tmp_path: Path) -> None:
+    assert bench_cli.main(["overhead", "--mode", "startup", "--quick", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    data, md = _read(tmp_path, "startup")
+    d = data["data"]
+    assert set(d["seconds"]) == {"import torch", "import torch, scaleloop", "import scaleloop",
+                                 "import scaleloop; scaleloop.train", "scaleloop --help", "scaleloop train --help"}
+    assert d["modules"]["import scaleloop"] == [] and d["modules"]["scaleloop --help"] == []
+    assert "torch" in d["modules"]["import scaleloop; scaleloop.train"]
+    assert any(r["module"].startswith("scaleloop") for r in d["slowest_imports"])
+    assert not list(tmp_path.glob("*.png"))          # a table, no chart
+    assert "| import torch |" in md

@@ -1,0 +1,52 @@
+"""benchmarks/peers/run.py, the comparison with Accelerate and Fabric, in a smoke-sized run.
+
+Accelerate and Lightning are not dependencies of scaleloop: where they are missing (the
+project's own environment), their rows must say so instead of failing the benchmark. No
+timing is asserted, only that every row measured the same work and the report is complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "peers" / "run.py"
+
+
+def test_peers_quick(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--workloads", "tutorial", "--steps", "3",
+                          "--warmup", "1", "--repeats", "1", "--out", str(tmp_path)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    [path] = tmp_path.glob("*_peers-quick.json")
+    data = json.loads(path.read_text())
+    md = path.with_suffix(".md").read_text()
+    assert data["what"] == "peers" and data["quick"]
+    [result] = data["data"]["results"]
+    rows = {r["key"]: r for r in result["rows"]}
+    assert list(rows) == ["raw", "raw-gather", "scaleloop", "accelerate", "fabric"]
+    assert rows["raw"]["ratio"] == pytest.approx(1.0)
+    for key, row in rows.items():
+        if "note" in row:                        # a peer that is not installed here
+            assert key in ("accelerate", "fabric") and "not installed" in row["note"]
+            continue
+        assert row["median"] > 0 and row["min"] <= row["median"] <= row["max"]
+        assert row["samples_per_run"] == 3 * 128                       # the same steps and batch for all
+        assert row["threads"] == [1]
+        assert row["ratio"] == pytest.approx(row["median"] / rows["raw"]["median"])
+    assert data["hardware"]["cpu"] and data["hardware"]["cores"] >= 1
+    assert data["data"]["load_average_start"] is None or len(data["data"]["load_average_start"]) == 3
+    assert "median / raw" in md and "Load average" in md
+
+
+def test_peers_rejects_unknown_names(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, str(SCRIPT), "--frameworks", "raw,keras", "--out", str(tmp_path)],
+                         env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and "keras" in res.stderr
