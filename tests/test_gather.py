@@ -44,9 +44,10 @@ class FakeDist:
         self.slots[self.local.rank] = value
         self.barrier.wait()
         values = list(self.slots)
-        self.barrier.wait()  # nobody overwrites a slot before everyone has read it
         if self.local.rank == 0:
+            # Counted before the second barrier so every rank reads the same count afterwards.
             self.calls += 1
+        self.barrier.wait()  # nobody overwrites a slot before everyone has read it
         return values
 
     def all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:

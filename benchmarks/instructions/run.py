@@ -28,7 +28,6 @@ Results: ``<out>/<date>_<hardware>_overhead-instructions-<model>.{md,json}``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -139,7 +138,7 @@ def main() -> int:
     steps = marks[1] - marks[0]
     with tempfile.TemporaryDirectory(prefix="scaleloop-callgrind-") as tmp:
         dump = Path(tmp) / "cg.out"
-        print(f"running under valgrind (minutes: importing torch alone takes 1-3 of them) ...", file=sys.stderr)
+        print("running under valgrind (minutes: importing torch alone takes 1-3 of them) ...", file=sys.stderr)
         subprocess.run(["valgrind", "--tool=callgrind", "--dump-before=getppid", f"--callgrind-out-file={dump}",
                         sys.executable, str(HERE), "--child", "--model", args.model],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

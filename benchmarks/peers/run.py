@@ -44,6 +44,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import importlib.metadata  # noqa: E402
+import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -294,21 +295,24 @@ def measure(framework: str, workload: Workload, ddp: bool, threads: int) -> dict
     trainer.run(workload.warmup)
     gc.collect()
     _barrier(ddp)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     loss, samples = trainer.run(workload.steps)
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     state = {k: v.detach().clone() for k, v in _inner(trainer.model).state_dict().items()}
+    # CPU seconds of this process (all its threads) per step: the work done, which another
+    # process's load on a shared machine changes far less than the wall time.
     result = {"elapsed_s": elapsed, "samples": samples, "loss": float(loss), "threads": torch.get_num_threads(),
-              "wrapper": _wrappers(trainer.model)}
+              "wrapper": _wrappers(trainer.model), "cpu_ms_per_step": 1e3 * cpu / workload.steps}
     if ddp:
         # The slowest rank decides when the step is over for all; samples count every rank's.
         ranks: list[Any] = [None] * dist.get_world_size()
         # Parameters only: BatchNorm's running statistics are each rank's own until DDP broadcasts
         # rank 0's at the next forward.
         checksum = float(sum(p.detach().double().sum() for p in _inner(trainer.model).parameters()))
-        dist.all_gather_object(ranks, (elapsed, samples, checksum))
+        dist.all_gather_object(ranks, (elapsed, samples, checksum, result["cpu_ms_per_step"]))
         result.update(elapsed_s=max(r[0] for r in ranks), samples=sum(r[1] for r in ranks),
-                      ranks_agree=len({r[2] for r in ranks}) == 1)   # DDP kept the replicas identical
+                      ranks_agree=len({r[2] for r in ranks}) == 1,    # DDP kept the replicas identical
+                      cpu_ms_per_step=statistics.fmean(r[3] for r in ranks))   # per process
     result["samples_per_s"] = result["samples"] / result["elapsed_s"]
     result["state"] = state
     return result
@@ -390,9 +394,13 @@ def run_workload(workload: Workload, frameworks: list[str], repeats: int, ddp: b
                "samples_per_run": reps[0][fw]["samples"]}
         if ddp:
             row["ranks_agree"] = all(r[fw]["ranks_agree"] for r in reps)
+        cpu = [r[fw]["cpu_ms_per_step"] for r in reps]
+        row.update(cpu_ms_per_step=statistics.median(cpu), cpu_ms_min=min(cpu), cpu_ms_max=max(cpu))
         if base is not None:
             per_rep = [a / b for a, b in zip(rates, base)]
             row.update(ratio=s["median"] / statistics.median(base), ratio_min=min(per_rep), ratio_max=max(per_rep))
+            base_cpu = statistics.median(r["raw"]["cpu_ms_per_step"] for r in reps)
+            row["cpu_ratio"] = base_cpu / row["cpu_ms_per_step"]   # above 1: less CPU per step than raw
         if fw in weights_vs_raw:
             row["weights_vs_raw"] = weights_vs_raw[fw]
         rows.append(row)
@@ -407,12 +415,15 @@ def _fmt_ratio_range(row: dict[str, Any]) -> str:
 
 
 def make_report(results: list[dict[str, Any]], args: argparse.Namespace, hw: dict[str, Any],
-                load_start: Optional[list[float]], load_end: Optional[list[float]], world: int) -> BenchReport:
+                load_start: Optional[list[float]], load_end: Optional[list[float]], world: int,
+                versions: Optional[dict[str, Any]] = None) -> BenchReport:
     tables = []
     for res in results:
         wl = res["workload"]
         rows = [dict(r, range=_fmt_ratio_range(r), iqr=(f"{fmt_rate(r['q1'])} - {fmt_rate(r['q3'])}"
-                                                         if "q1" in r else None))
+                                                         if "q1" in r else None),
+                     cpu=(f"{r['cpu_ms_per_step']:.2f} ({r['cpu_ms_min']:.2f} - {r['cpu_ms_max']:.2f})"
+                          if "cpu_ms_per_step" in r else None))
                 for r in res["rows"]]
         tables.append(Table(f"{wl['key']}: {wl['description']}, batch {wl['batch']} per process", [
             Column("framework", "framework"),
@@ -422,11 +433,17 @@ def make_report(results: list[dict[str, Any]], args: argparse.Namespace, hw: dic
             Column("ratio", "median / raw", lambda v: f"{v:.2f}"),
             Column("range", "per-repetition ratio to raw"),
             Column("ms_per_step", "ms / step", lambda v: f"{v:.2f}"),
+            Column("cpu", "CPU ms / step (min - max)"),
+            Column("cpu_ratio", "raw's CPU / its CPU", lambda v: f"{v:.2f}"),
             Column("note", "note")], rows,
             f"{args.repeats} interleaved repetitions (order rotated each time), each {wl['warmup']} untimed + "
             f"{wl['steps']} timed optimizer steps, {world} process(es) x {args.threads} thread(s). "
-            "'median / raw': median samples/s over the raw DataLoader loop's median; above 1 is faster than raw."))
-    versions = {"torch": torch.__version__, "accelerate": version_of("accelerate"),
+            "'median / raw': median samples/s over the raw DataLoader loop's median; above 1 is faster than raw. "
+            "'CPU ms / step': CPU time of the process (all its threads) per step, median (min - max): it leaves "
+            "out time spent waiting for a core, so other processes move it less than wall time (contention for "
+            "caches and memory still moves it). "
+            "'raw's CPU / its CPU': above 1 means less CPU per step than the raw loop."))
+    versions = versions or {"torch": torch.__version__, "accelerate": version_of("accelerate"),
                 "lightning": version_of("lightning"), "scaleloop": sl.__version__}
     what = "peers"
     title = (f"Peers: raw PyTorch vs scaleloop vs Accelerate vs Fabric, {world} process(es) x {args.threads} "
@@ -447,6 +464,38 @@ def make_report(results: list[dict[str, Any]], args: argparse.Namespace, hw: dic
     return report
 
 
+def _scaleloop_notes(res: dict[str, Any], key: str, rows: dict[str, dict[str, Any]]) -> list[str]:
+    """scaleloop against every other row, by wall time and by CPU time; where it is not faster."""
+    sl = rows["scaleloop"]
+    others = [k for k, r in rows.items() if k != "scaleloop" and "median" in r]
+    faster, slower, unclear = [], [], []
+    parts = []
+    for k in others:
+        ratios = [r["scaleloop"]["samples_per_s"] / r[k]["samples_per_s"] for r in res["repetitions"]]
+        cpu = rows[k]["cpu_ms_per_step"] / sl["cpu_ms_per_step"]
+        parts.append(f"{LABELS[k]} {sl['median'] / rows[k]['median']:.2f}x (per repetition {min(ratios):.2f} - "
+                     f"{max(ratios):.2f}; by CPU time per step {cpu:.2f}x)")
+        # Faster only if it was so in every repetition, side by side, and by CPU time too.
+        (faster if min(ratios) > 1 and cpu > 1 else slower if max(ratios) < 1 else unclear).append(LABELS[k])
+    notes = [f"{key}: scaleloop's samples/s over each other row's (above 1: scaleloop faster): " + "; ".join(parts)
+             + "."]
+    verdict = []
+    if faster:
+        verdict.append(f"faster in every repetition and by CPU time than {', '.join(faster)}")
+    if slower:
+        verdict.append(f"SLOWER in every repetition than {', '.join(slower)}")
+    if unclear:
+        verdict.append(f"NOT clearly faster than {', '.join(unclear)} (the per-repetition ratios lie on both "
+                       "sides of 1: within this machine's noise)")
+    notes.append(f"{key}: scaleloop is " + "; ".join(verdict) + ".")
+    if LABELS["raw-gather"] in unclear and faster:
+        notes.append(f"{key}: scaleloop's loader gathers a TensorDataset's batches with one index per tensor, as "
+                     "the raw-gather loop does by hand, instead of a DataLoader's sample-by-sample fetch and "
+                     "collate; scaleloop is within noise of that loop, so its lead over the DataLoader rows is "
+                     "that data path, not the rest of its loop.")
+    return notes
+
+
 def _pair_range(res: dict[str, Any], a: str, b: str) -> str:
     """min - max over the repetitions of a's samples/s over b's, measured side by side."""
     ratios = [r[a]["samples_per_s"] / r[b]["samples_per_s"] for r in res["repetitions"]]
@@ -454,8 +503,9 @@ def _pair_range(res: dict[str, Any], a: str, b: str) -> str:
 
 
 def _headline(res: dict[str, Any]) -> str:
-    parts = [f"{r['key']} {r['ratio']:.2f}x" for r in res["rows"] if "ratio" in r and r["key"] != "raw"]
-    return f"{res['workload']['key']}: samples/s vs raw DataLoader loop: " + ", ".join(parts)
+    parts = [f"{r['key']} {r['ratio']:.2f}x (CPU {r['cpu_ratio']:.2f}x)" for r in res["rows"]
+             if "ratio" in r and r["key"] != "raw"]
+    return f"{res['workload']['key']}: samples/s vs raw DataLoader loop (and by CPU time per step): " + ", ".join(parts)
 
 
 def _notes(results: list[dict[str, Any]], versions: dict[str, Any], load_start: Optional[list[float]],
@@ -479,22 +529,8 @@ def _notes(results: list[dict[str, Any]], versions: dict[str, Any], load_start: 
                              "raw loop's: the same number of steps and samples, but its batches come in another "
                              "order (it shards the DataLoader over the processes its own way).")
         sl_row = rows.get("scaleloop")
-        if sl_row and "ratio" in sl_row:
-            faster = [k for k, r in rows.items() if k != "scaleloop" and "median" in r
-                      and r["median"] > sl_row["median"]]
-            if faster:
-                notes.append(f"{key}: scaleloop is NOT the fastest here: " + "; ".join(
-                    f"{LABELS[k]} had a {rows[k]['median'] / sl_row['median']:.2f}x higher median (scaleloop / it "
-                    f"per repetition: {_pair_range(res, 'scaleloop', k)})" for k in faster) + ".")
-            else:
-                notes.append(f"{key}: scaleloop had the highest median.")
-            gather = rows.get("raw-gather")
-            if gather and "median" in gather:
-                notes.append(f"{key}: scaleloop's loader gathers a TensorDataset's batches with one index per "
-                             "tensor instead of fetching samples one by one and collating them, as the raw-gather "
-                             "loop does by hand. With the same data path on both sides, scaleloop's median is "
-                             f"{sl_row['median'] / gather['median']:.2f}x the raw-gather loop's (per repetition "
-                             f"{_pair_range(res, 'scaleloop', 'raw-gather')}).")
+        if sl_row and "median" in sl_row:
+            notes.extend(_scaleloop_notes(res, key, rows))
     for res in results:
         wrappers = {r["key"]: r["wrapper"] for r in res["rows"] if "wrapper" in r}
         notes.append(f"{res['workload']['key']}: the model as each framework wrapped it: "
@@ -522,7 +558,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--ddp", action="store_true", help="run under torchrun: DDP in every framework")
     parser.add_argument("--quick", action="store_true", help="a few steps and repetitions (a smoke test)")
     parser.add_argument("--out", default="benchmarks", help="directory for the .md and .json (default benchmarks)")
+    parser.add_argument("--render", metavar="JSON",
+                        help="measure nothing: write the tables and notes again from a result's JSON")
     args = parser.parse_args(argv)
+    if args.render:
+        return render(Path(args.render), Path(args.out))
 
     frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
     unknown = [f for f in frameworks if f not in FRAMEWORKS]
@@ -566,6 +606,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("\nwrote " + ", ".join(str(p) for p in paths.values()))
     if ddp:
         dist.destroy_process_group()
+    return 0
+
+
+def render(path: Path, out: Path) -> int:
+    """The report of a saved result, rebuilt with this version's tables and notes (same measurements)."""
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    st, data = saved["settings"], saved["data"]
+    args = argparse.Namespace(repeats=st["repeats"], threads=st["threads"], frameworks=",".join(st["frameworks"]),
+                              ddp=st["ddp"], quick=saved["quick"])
+    report = make_report(data["results"], args, saved["hardware"], data["load_average_start"],
+                         data["load_average_end"], st["processes"], versions=st["versions"])
+    report.command, report.date = saved["command"], saved["date"]
+    paths = write_report(report, out)
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
 
 

@@ -87,7 +87,7 @@ def test_scaling_default_is_compute_bound_and_repeated() -> None:
     """The efficiency check's default: a per-worker batch large enough that compute dominates the
     all-reduce, in interleaved repetitions; --quick stays one CI-sized pass."""
     args = parse("scaling")
-    assert bench_cli._value(args, "batch_size") >= 512
+    assert bench_cli._value(args, "model") == "convnet" and bench_cli._value(args, "batch_size") >= 256
     assert bench_cli._value(args, "repeats") >= 3
     assert args.target_efficiency == 0.9 and args.threads is None      # threads: 1 per worker (run() sets it)
     assert bench_cli._value(parse("scaling", "--quick"), "repeats") == 1

@@ -40,9 +40,20 @@ def test_peers_quick(tmp_path: Path) -> None:
         assert row["samples_per_run"] == 3 * 128                       # the same steps and batch for all
         assert row["threads"] == [1]
         assert row["ratio"] == pytest.approx(row["median"] / rows["raw"]["median"])
+        assert 0 < row["cpu_ms_min"] <= row["cpu_ms_per_step"] <= row["cpu_ms_max"]
+        assert row["cpu_ratio"] == pytest.approx(rows["raw"]["cpu_ms_per_step"] / row["cpu_ms_per_step"])
     assert data["hardware"]["cpu"] and data["hardware"]["cores"] >= 1
     assert data["data"]["load_average_start"] is None or len(data["data"]["load_average_start"]) == 3
-    assert "median / raw" in md and "Load average" in md
+    assert "median / raw" in md and "CPU ms / step" in md and "Load average" in md
+    assert "scaleloop is " in md                                      # the verdict, whatever it is
+
+    # --render rebuilds the report from the saved measurements, measuring nothing.
+    again = tmp_path / "again"
+    res = subprocess.run([sys.executable, str(SCRIPT), "--render", str(path), "--out", str(again)],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rendered = json.loads((again / path.name).read_text())
+    assert rendered["data"] == data["data"] and rendered["command"] == data["command"]
 
 
 def test_peers_rejects_unknown_names(tmp_path: Path) -> None:

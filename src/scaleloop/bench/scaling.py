@@ -117,7 +117,8 @@ def run_scaling(opts: ScalingOptions, say: Say) -> BenchReport:
     hw["load_1m_end"] = load_average()
     report = BenchReport(
         what="scaling", title=f"Scaling: {opts.strategy}, {'strong' if opts.strong else 'weak'} scaling, "
-                              f"{opts.workload.describe()}",
+                              f"{opts.workload.describe()}, batch {opts.batch_size} "
+                              f"{'global' if opts.strong else 'per worker'}",
         hardware=hw, slug=hardware_slug(hw, device.type), command=opts.command,
         settings={"workload": opts.workload.to_dict(), "workers": list(opts.workers), "strategy": opts.strategy,
                   "mode": "strong" if opts.strong else "weak", "batch_size": opts.batch_size,
