@@ -82,14 +82,27 @@ def test_unknown_key_raises_and_writes_nothing(tmp_path: Path) -> None:
     assert read_metrics(tmp_path / "metrics.csv") == []
 
 
-def test_rows_visible_before_close(tmp_path: Path) -> None:
+def test_rows_visible_before_close(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step rows reach the file at flush() (a checkpoint), at an epoch row, or once CSV_EVERY_S
+    has passed; not one system call per row."""
+    import scaleloop.metrics as metrics_module
+
+    clock = [100.0]
+    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: clock[0])
     logger = MetricsLogger(tmp_path, tensorboard=False)
     try:
         logger.log_step(1, 0, 16, train_loss=1.25)
+        assert read_metrics(tmp_path / "metrics.csv") == []                   # buffered
+        logger.flush()
         rows = read_metrics(tmp_path / "metrics.csv")
         assert len(rows) == 1 and float(rows[0]["train_loss"]) == 1.25
-        logger.log_epoch(0, 1, 16, test_acc=0.5)
-        assert [r["kind"] for r in read_metrics(tmp_path / "metrics.csv")] == ["step", "epoch"]
+        logger.log_step(2, 0, 32, train_loss=1.0)
+        clock[0] += metrics_module.CSV_EVERY_S                                  # a second later
+        logger.log_step(3, 0, 48, train_loss=0.75)
+        assert [r["step"] for r in read_metrics(tmp_path / "metrics.csv")] == ["1", "2", "3"]
+        logger.log_step(4, 0, 64, train_loss=0.5)
+        logger.log_epoch(0, 4, 64, test_acc=0.5)                                # an epoch row flushes
+        assert [r["kind"] for r in read_metrics(tmp_path / "metrics.csv")] == ["step"] * 4 + ["epoch"]
     finally:
         logger.close()
     logger.close()  # closing twice must be harmless
@@ -118,6 +131,25 @@ def test_tensorboard_events_written(tmp_path: Path) -> None:
     assert {"train/loss", "test/loss", "test/acc", "train/lr", "train/samples_per_s"} <= tags
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
     assert [e.step for e in acc.Scalars("test/acc")] == [3, 6]
+
+
+def test_tensorboard_step_scalars_reach_the_file_at_the_epoch_row(tmp_path: Path) -> None:
+    """Step scalars wait (the writer thread would compete with the steps), but an epoch row
+    writes and flushes them, before the logger is closed."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def steps_on_disk() -> list[int]:
+        acc = EventAccumulator(str(tmp_path / "tensorboard"))
+        acc.Reload()
+        return [e.step for e in acc.Scalars("train/loss")] if "train/loss" in acc.Tags()["scalars"] else []
+
+    with MetricsLogger(tmp_path) as logger:
+        for step in (1, 2):
+            logger.log_step(step, 1, 16 * step, train_loss=1.0 / step)
+        assert steps_on_disk() == []
+        logger.log_epoch(1, 2, 32, test_acc=0.5)
+        assert steps_on_disk() == [1, 2]
 
 
 def test_tensorboard_dir_attribute(tmp_path: Path) -> None:

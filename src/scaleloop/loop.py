@@ -300,6 +300,8 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
                     break
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and in_epoch < plan.steps_per_epoch:
                     pause = time.perf_counter()
+                    if metrics is not None:
+                        metrics.flush()   # the rows up to the checkpoint, on disk with it
                     checkpointer.save(model, optimizer, scheduler,
                                       Progress(epoch, in_epoch, step, samples, train_s + pause - epoch_start),
                                       running.state(env.device))

@@ -3,7 +3,7 @@
 Three modes (``--mode``), each measured side by side in one process run, repetitions
 interleaved (A, B, B, A, ...) so that whatever else changes on the machine during the benchmark
 (clock boost, another process) hits both sides alike; the headline is a ratio of medians, with
-the spread of the per-repetition ratios:
+the median, middle half and range of the per-repetition (paired) ratios:
 
 - ``loop`` (default): scaleloop's training loop (``scaleloop.loop.train``) against the
   tutorial's hand-written loop with the same data path (batches gathered from the in-memory
@@ -138,7 +138,9 @@ def _run_loops(opts: OverheadOptions, say: Say) -> BenchReport:
         what, title = "datapath", f"Data path: scaleloop's in-memory fast path vs the tutorial's DataLoader, " \
                                   f"{opts.workload.describe()}"
         headline = (f"scaleloop's loop is {1 / ratio:.2f}x as fast as the tutorial's DataLoader loop "
-                    f"(per-repetition {1 / ratios['max']:.2f}x - {1 / ratios['min']:.2f}x)")
+                    f"(paired, per repetition: median {1 / ratios['median']:.2f}x, middle half "
+                    f"{1 / ratios['q3']:.2f}x - {1 / ratios['q1']:.2f}x, all {1 / ratios['max']:.2f}x - "
+                    f"{1 / ratios['min']:.2f}x)")
         assert batches is not None
         tables.append(batches["table"])
         data["data_only"] = batches["data"]
@@ -146,7 +148,8 @@ def _run_loops(opts: OverheadOptions, say: Say) -> BenchReport:
     else:
         what, title = "overhead", f"Overhead: scaleloop's loop vs a raw PyTorch loop, {opts.workload.describe()}"
         headline = (f"scaleloop's loop takes {ratio:.3f}x the time of the raw loop "
-                    f"(per-repetition ratios {ratios['min']:.3f} - {ratios['max']:.3f})")
+                    f"(paired, per repetition: median {ratios['median']:.3f}, middle half {ratios['q1']:.3f} - "
+                    f"{ratios['q3']:.3f}, all {ratios['min']:.3f} - {ratios['max']:.3f})")
     report = BenchReport(
         what=what, title=title, hardware=hw, slug=hardware_slug(hw, device.type), command=opts.command,
         settings={"workload": opts.workload.to_dict(), "batch_size": opts.batch_size, "epochs": opts.epochs,

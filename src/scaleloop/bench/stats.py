@@ -6,7 +6,7 @@ from typing import Sequence
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:
-    """median, mean, min, max, and the spread ``(max - min) / median`` of ``values``.
+    """median, mean, min, max, quartiles (q1, q3) and the spread ``(max - min) / median`` of ``values``.
 
     The median, not the mean, is the headline: one repetition slowed by something else on the
     machine moves the mean but not the median.
@@ -15,12 +15,16 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
         raise ValueError("nothing to summarize")
     xs = [float(v) for v in values]
     median = statistics.median(xs)
+    # Inclusive quartiles: with few repetitions they stay inside the measured range.
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else (median, median, median)
     return {
         "n": len(xs),
         "median": median,
         "mean": statistics.fmean(xs),
         "min": min(xs),
         "max": max(xs),
+        "q1": q1,
+        "q3": q3,
         "spread": (max(xs) - min(xs)) / median if median else 0.0,
     }
 
