@@ -87,7 +87,7 @@ class Workload:
 WORKLOADS = {
     # Steps: a run of a second or more, so that a moment of other load on a shared machine
     # moves a repetition less.
-    "tutorial": Workload("tutorial", "SimpleNet (20 -> 128 -> 1) on RandomDataset 10,000 x 20, BCEWithLogitsLoss, "
+    "tutorial": Workload("tutorial", "SimpleNet (20 -> 64 -> 1) on RandomDataset 10,000 x 20, BCEWithLogitsLoss, "
                                      "Adam lr 1e-3", batch=128, warmup=20, steps=1200),
     "digits": Workload("digits", "ConvNet (width 32, BatchNorm) on scikit-learn digits (1,797 images 1x8x8), "
                                  "CrossEntropyLoss, Adam lr 1e-3", batch=64, warmup=10, steps=300),
@@ -99,7 +99,7 @@ def build(workload: Workload) -> tuple[TensorDataset, nn.Module, nn.Module]:
     if workload.key == "tutorial":
         dataset: TensorDataset = sl.RandomDataset(10_000, input_dim=20, generator=torch.Generator().manual_seed(SEED))
         torch.manual_seed(SEED)
-        return dataset, sl.SimpleNet(input_dim=20, hidden_dim=128, output_dim=1), nn.BCEWithLogitsLoss()
+        return dataset, sl.SimpleNet(input_dim=20, hidden_dim=64, output_dim=1), nn.BCEWithLogitsLoss()
     data = sl.build_datasets("digits", test_fraction=0.0, seed=SEED)
     torch.manual_seed(SEED)
     return data.train, sl.ConvNet(1, 10, (8, 8)), nn.CrossEntropyLoss()

@@ -128,6 +128,10 @@ def add_parser(subparsers: Any, parser_class: type[argparse.ArgumentParser]) -> 
                           help="loop: scaleloop's loop vs the same loop by hand, same data path (default); "
                                "datapath: vs the tutorial's DataLoader(shuffle=True) loop, and the batches alone; "
                                "startup: import scaleloop and scaleloop --help in fresh interpreters")
+    overhead.add_argument("--fused-optimizer", action="store_true",
+                          help="scaleloop's run uses the one-kernel optimizer (train --fused-optimizer); the hand-"
+                               "written loop uses it too in --mode loop, and stays as the tutorial writes it "
+                               "(PyTorch's default) in --mode datapath")
 
     mfu = sub.add_parser("mfu", help="model FLOPs utilisation of the built-in models",
                          description="FLOPs per sample counted with torch.utils.flop_counter, throughput measured, "
@@ -353,7 +357,7 @@ def _dispatch(args: argparse.Namespace, say: Callable[[str], None]) -> tuple[Any
         workload = _workload(args, resolve_device(args.device, multiprocess=False))
         opts = OverheadOptions(workload, batch_size=_value(args, "batch_size"), epochs=_value(args, "epochs"),
                                repeats=_value(args, "repeats"), threads=args.threads, quick=quick,
-                               command=line, mode=args.mode)
+                               command=line, mode=args.mode, fused_optimizer=args.fused_optimizer)
         return run_overhead(opts, say), (plots.plot_overhead if args.mode != "startup" else None)
     from scaleloop.bench.mfu import MODEL_DATA, MfuOptions, run_mfu
 

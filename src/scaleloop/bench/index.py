@@ -44,14 +44,20 @@ def render(results: list[dict[str, Any]]) -> str:
     if not results:
         return "\n".join(lines + ["No results yet."]) + "\n"
     lines += ["| date | hardware | benchmark | headline | files |", "| --- | --- | --- | --- | --- |"]
-    machines: dict[str, str] = {}
+    machines: dict[str, dict[str, set[str]]] = {}
     for r in results:
         stem = r["_stem"]
         files = f"[md]({stem}.md), [json]({stem}.json)" + (f", [png]({stem}.png)" if r.get("has_png", True) else "")
         lines.append(f"| {r.get('date', '')} | {r.get('hardware_slug', '')} | {r.get('title', r['what'])} | "
                      f"{(r.get('headline') or '').replace('|', '/')} | {files} |")
-        machines.setdefault(r.get("hardware_slug", ""), hardware_line(r["hardware"]))
-    lines += ["", "## Machines", ""] + [f"- `{slug}`: {line}" for slug, line in sorted(machines.items())]
+        # A slug names a class of machine (e.g. cpu-2core); different machines may share it.
+        seen = machines.setdefault(r.get("hardware_slug", ""), {})
+        seen.setdefault(hardware_line(r["hardware"]), set()).add(r.get("date", ""))
+    lines += ["", "## Machines", ""]
+    for slug, descriptions in sorted(machines.items()):
+        for line, dates in sorted(descriptions.items()):
+            when = f" (runs of {', '.join(sorted(dates))})" if len(descriptions) > 1 else ""
+            lines.append(f"- `{slug}`: {line}{when}")
     if not any(r["hardware"].get("gpus") for r in results):
         lines += ["", "No GPU results yet: no GPU was available to the runs above. On a GPU machine, the same "
                       "commands measure the GPUs (see docs/benchmarking.md)."]
