@@ -33,6 +33,22 @@ def test_datapath_quick(tmp_path: Path) -> None:
     assert "--mode datapath" in data["command"]
 
 
+@pytest.mark.parametrize("mode", ["loop", "datapath"])
+def test_fused_optimizer_is_scaleloops_and_the_tutorial_loop_keeps_its_own(tmp_path: Path, mode: str) -> None:
+    """--fused-optimizer: in --mode loop both loops use it (the same work, bit for bit); in
+    --mode datapath the tutorial's loop stays as written, so the weights differ by rounding only."""
+    argv = ["overhead", "--mode", mode, "--quick", "--threads", "1", "--data", "random", "--n-samples", "512",
+            "--batch-size", "128", "--fused-optimizer", "--out", str(tmp_path)]
+    assert bench_cli.main(argv) == 0
+    data, md = _read(tmp_path, "datapath" if mode == "datapath" else "overhead")
+    assert data["settings"]["fused_optimizer"] is True and "--fused-optimizer" in data["command"]
+    diff = data["data"]["final_weights_max_abs_diff"]
+    if mode == "loop":
+        assert diff == 0.0 and "and so did the raw loop" in md
+    else:
+        assert 0.0 < diff < 1e-4 and "PyTorch's default one" in md
+
+
 @pytest.mark.slow
 def test_startup_quick(tmp_path: Path) -> None:
     assert bench_cli.main(["overhead", "--mode", "startup", "--quick", "--repeats", "1", "--out", str(tmp_path)]) == 0
