@@ -72,8 +72,8 @@ class MetricsLogger:
 
     Rows are flushed to disk at every epoch row, at every checkpoint (:meth:`flush`) and
     otherwise at most every ``CSV_EVERY_S``, so an interrupted run keeps everything up to
-    its last checkpoint and loses at most the last second of step rows.  TensorBoard events go to ``run_dir/tensorboard/``
-    when ``tensorboard`` is true and the TensorBoard package is installed;
+    its last checkpoint and loses at most the last second of step rows.  TensorBoard events
+    go to ``run_dir/tensorboard/`` when ``tensorboard`` is true and the TensorBoard package is installed;
     :attr:`tensorboard_dir` is ``None`` otherwise.
     """
 
@@ -121,9 +121,9 @@ class MetricsLogger:
         except ImportError:
             return None
         # purge_step hides events a resumed run writes again (steps after its checkpoint).
-        # max_queue: with the default (10) every few scalars make the training thread wait for
-        # the writer thread (~60 us a scalar: +10% time on the tutorial workload's small steps);
-        # with room for 1000 a scalar costs ~6 us. flush_secs keeps a live view current.
+        # max_queue: an epoch's step scalars arrive in one burst (see _write_tensorboard); with
+        # the default queue of 10 the training thread would wait for the writer thread every
+        # few scalars (~60 us each), with room for 1000 a scalar costs ~6 us.
         return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step, max_queue=1000, flush_secs=10)
 
     def log_step(self, step: int, epoch: int, samples: int, **values: float) -> None:
