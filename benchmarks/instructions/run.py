@@ -10,7 +10,7 @@ instructions of the same steady-state training steps of
 
 - the raw loop (``scaleloop.bench.rawloop``, data path ``gather``: the tutorial's loop with
   batches gathered by ``index_select``, the same data path as scaleloop's), and
-- ``scaleloop.loop.train``,
+- ``scaleloop.loop.training.train``,
 
 both in one process, in the order raw, scaleloop, raw, scaleloop, after one untimed warm-up run
 of each. The counted span starts at the forward pass of optimizer step 10 and ends at that of
@@ -50,11 +50,11 @@ def child(model: str) -> None:
     """Runs under valgrind: warm up, then raw, scaleloop, raw, scaleloop with marked steps."""
     import torch
 
-    import scaleloop.loop
-    import scaleloop.tasks
+    import scaleloop.loop.training
+    import scaleloop.loop.tasks
     from scaleloop.bench.rawloop import raw_train
     from scaleloop.config import TrainConfig
-    from scaleloop.dist import DistEnv
+    from scaleloop.runtime.dist import DistEnv
 
     torch.set_num_threads(1)
     data, batch, hidden, marks = WORKLOADS[model]
@@ -63,7 +63,7 @@ def child(model: str) -> None:
                       checkpoints=False, device="cpu")
     env = DistEnv(device=torch.device("cpu"))
     tmp = tempfile.mkdtemp()
-    loss_fn = scaleloop.tasks.loss_fn
+    loss_fn = scaleloop.loop.tasks.loss_fn
     calls = [0]
 
     def marked(*args):   # the loss of every step, in both loops
@@ -72,14 +72,14 @@ def child(model: str) -> None:
             os.getppid()
         return loss_fn(*args)
 
-    scaleloop.tasks.loss_fn = marked       # rawloop imports it from here when it runs
-    scaleloop.loop.loss_fn = marked        # loop.train bound it at import
+    scaleloop.loop.tasks.loss_fn = marked       # rawloop imports it from here when it runs
+    scaleloop.loop.training.loss_fn = marked        # loop.train bound it at import
     runs = [0]
 
     def ours(mark: bool) -> None:
         runs[0] += 1
         calls[0] = 0 if mark else -10**9
-        scaleloop.loop.train(cfg.replace(out=f"{tmp}/{runs[0]}"), env, log=lambda _m: None)
+        scaleloop.loop.training.train(cfg.replace(out=f"{tmp}/{runs[0]}"), env, log=lambda _m: None)
 
     def raw(mark: bool) -> None:
         calls[0] = 0 if mark else -10**9

@@ -99,12 +99,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Resuming a run starts from that run's saved settings; flags still override them.
     cfg = config_for_resume(file_values, _flag_values(args))
 
-    from scaleloop import dist
-    from scaleloop.torchrun import run_under_torchrun
-    from scaleloop.loop import preflight, train
+    from scaleloop.runtime import dist
+    from scaleloop.runtime.torchrun import run_under_torchrun
+    from scaleloop.loop.training import preflight, train
     from scaleloop.checkpoint.resume import continues_run, run_dir_for
-    from scaleloop.rundir import default_run_dir, prepare_run_dir, write_atomic
-    from scaleloop.summary import format_result
+    from scaleloop.output.rundir import default_run_dir, prepare_run_dir, write_atomic
+    from scaleloop.output.summary import format_result
 
     # Started by torchrun or srun: this process is one worker. Otherwise it is the launcher.
     if not (dist.launched_by_torchrun() or dist.launched_by_slurm()):
@@ -190,7 +190,7 @@ def _auto_processes(cfg: TrainConfig) -> TrainConfig:
 
 
 def cmd_tune_batch(args: argparse.Namespace) -> int:
-    from scaleloop.tune import tune_batch_command
+    from scaleloop.loop.tune import tune_batch_command
 
     file_values = load_toml(args.config) if args.config else {}
     cfg = _auto_processes(resolve(file_values, _flag_values(args)))
@@ -199,7 +199,7 @@ def cmd_tune_batch(args: argparse.Namespace) -> int:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    from scaleloop.envinfo import collect_env, format_env
+    from scaleloop.runtime.envinfo import collect_env, format_env
 
     print(format_env(collect_env()))
     return 0

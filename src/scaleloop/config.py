@@ -19,7 +19,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
-from scaleloop.batching import check_batch_split
+from scaleloop.data.batching import check_batch_split
 from scaleloop.errors import UsageError
 
 STRATEGIES = ("auto", "single", "dp", "ddp", "allreduce", "fsdp", "pipeline")

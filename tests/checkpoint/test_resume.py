@@ -18,9 +18,9 @@ from scaleloop.checkpoint.store import (MANIFEST_FILE, STATE_FILE, CheckpointErr
                                         verify_checkpoint)
 from scaleloop.config import TrainConfig, to_toml
 from scaleloop.data.loader import Batch
-from scaleloop.dist import DistEnv
+from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
-from scaleloop.loop import train
+from scaleloop.loop.training import train
 
 CPU = DistEnv()
 

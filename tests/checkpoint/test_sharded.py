@@ -14,7 +14,7 @@ import torch
 from scaleloop.checkpoint.manager import _check_sharded, _missing_shards
 from scaleloop.checkpoint.store import (CheckpointError, begin_checkpoint, finish_checkpoint,
                                         verify_checkpoint)
-from scaleloop.dist import DistEnv
+from scaleloop.runtime.dist import DistEnv
 from scaleloop.models import SimpleNet
 from scaleloop.strategies import SingleDevice, distcp
 

@@ -23,8 +23,8 @@ import torch
 
 from procs import run, scaleloop
 from scaleloop.config import TrainConfig
-from scaleloop.dist import DistEnv
-from scaleloop.loop import train
+from scaleloop.runtime.dist import DistEnv
+from scaleloop.loop.training import train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

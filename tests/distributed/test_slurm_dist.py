@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from procs import child_env, kill_group
-from scaleloop.slurm import PORT_BASE, PORT_SPAN, port_for_job
+from scaleloop.runtime.slurm import PORT_BASE, PORT_SPAN, port_for_job
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

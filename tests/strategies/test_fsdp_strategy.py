@@ -17,10 +17,10 @@ from torch import nn
 
 from scaleloop.checkpoint.store import CheckpointError, verify_checkpoint
 from scaleloop.config import TrainConfig
-from scaleloop.dist import DistEnv
+from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
-from scaleloop.loop import train
-from scaleloop.memory import RankMemory, format_table, summary_line
+from scaleloop.loop.training import train
+from scaleloop.output.memory import RankMemory, format_table, summary_line
 from scaleloop.models import BiggerNet, ConvNet, SimpleNet, TinyGPT
 from scaleloop.strategies import FSDP, make_strategy
 from scaleloop.strategies.fsdp import fsdp_blocks

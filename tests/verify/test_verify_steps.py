@@ -9,8 +9,8 @@ import torch
 
 from scaleloop.config import TrainConfig
 from scaleloop.data.sampler import StepPlan
-from scaleloop.dist import DistEnv
-from scaleloop.loop import train
+from scaleloop.runtime.dist import DistEnv
+from scaleloop.loop.training import train
 from scaleloop.strategies import make_strategy
 from scaleloop.verify.explain import format_explain
 from scaleloop.verify.recorder import RECORD_FILE, Recorder, failure_file, step_file

@@ -189,7 +189,7 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
 
 def resolve_device(spec: str, multiprocess: bool) -> str:
     """The device type a bench runs on; multi-process benches cannot run on MPS."""
-    from scaleloop.devices import resolve_device as resolve
+    from scaleloop.runtime.devices import resolve_device as resolve
 
     device = resolve(spec).type
     if multiprocess and device == "mps":
@@ -223,7 +223,7 @@ def _workload(args: argparse.Namespace, device: str) -> Any:
 
 def _check_names(workload: Any) -> None:
     """Unknown model or dataset names fail here, in one line, before any process starts."""
-    from scaleloop.loop import preflight
+    from scaleloop.loop.training import preflight
 
     preflight(workload.to_config())
 

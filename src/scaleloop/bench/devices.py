@@ -1,6 +1,6 @@
 """``scaleloop bench devices``: the tutorial's timing of one short training on CPU, CUDA and MPS.
 
-The same ``TrainConfig`` (model, data, batch, epochs, seed) is trained with ``scaleloop.loop.train``
+The same ``TrainConfig`` (model, data, batch, epochs, seed) is trained with ``scaleloop.loop.training.train``
 on every device this machine has, one warm-up run and then ``repeats`` timed runs each; the
 table gives the median training time and samples/s, and the speed-up over the CPU. Devices
 that are missing are listed as such rather than left out, so a table from a laptop and one
@@ -54,8 +54,8 @@ def device_name(device: str) -> str:
 
 def time_training(opts: DevicesOptions, device: str) -> dict[str, Any]:
     """Warm up, then train ``repeats`` times on ``device``; medians and spreads of the runs."""
-    from scaleloop.dist import DistEnv
-    from scaleloop.loop import train
+    from scaleloop.runtime.dist import DistEnv
+    from scaleloop.loop.training import train
 
     cfg = opts.workload.to_config(device=device, strategy="single", batch_size=opts.batch_size,
                                   epochs=opts.epochs, test_fraction=0.2)

@@ -48,7 +48,7 @@ def train_flops_per_sample(model: torch.nn.Module, x: torch.Tensor, y: torch.Ten
     """FLOPs of one forward and backward pass per sample, counted on the batch ``(x, y)``."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from scaleloop.tasks import loss_fn
+    from scaleloop.loop.tasks import loss_fn
 
     with FlopCounterMode(display=False) as counter:
         loss_fn(info, model(x), y).backward()

@@ -37,7 +37,7 @@ class MfuOptions:
 
 def run_mfu(opts: MfuOptions, say: Say) -> BenchReport:
     from scaleloop.bench.worker import measure_run
-    from scaleloop.dist import DistEnv
+    from scaleloop.runtime.dist import DistEnv
 
     hw = describe_hardware()   # first: its load average is the one the measurements met
     device = torch.device(opts.workload.device)

@@ -5,7 +5,7 @@ interleaved (A, B, B, A, ...) so that whatever else changes on the machine durin
 (clock boost, another process) hits both sides alike; the headline is a ratio of medians, with
 the median, middle half and range of the per-repetition (paired) ratios:
 
-- ``loop`` (default): scaleloop's training loop (``scaleloop.loop.train``) against the
+- ``loop`` (default): scaleloop's training loop (``scaleloop.loop.training.train``) against the
   tutorial's hand-written loop with the same data path (batches gathered from the in-memory
   tensors with ``index_select``, see ``rawloop``). Same model, data, seed, batch and order:
   both end with the same weights. 1.00 means the loop costs nothing over the plain loop.
@@ -73,8 +73,8 @@ def run_overhead(opts: OverheadOptions, say: Say) -> BenchReport:
 
 
 def _run_loops(opts: OverheadOptions, say: Say) -> BenchReport:
-    from scaleloop.dist import DistEnv
-    from scaleloop.loop import train
+    from scaleloop.runtime.dist import DistEnv
+    from scaleloop.loop.training import train
 
     hw = describe_hardware()   # first: its load average is the one the measurements met
     device = torch.device(opts.workload.device)
@@ -123,7 +123,7 @@ def _run_loops(opts: OverheadOptions, say: Say) -> BenchReport:
         {"loop": raw_name, "median_s": raw_s["median"], "min_s": raw_s["min"],
          "max_s": raw_s["max"], "spread": raw_s["spread"], "samples_per_s": samples / raw_s["median"],
          "ratio": 1.0},
-        {"loop": "scaleloop (scaleloop.loop.train)", "median_s": sl_s["median"], "min_s": sl_s["min"],
+        {"loop": "scaleloop (scaleloop.loop.training.train)", "median_s": sl_s["median"], "min_s": sl_s["min"],
          "max_s": sl_s["max"], "spread": sl_s["spread"], "samples_per_s": samples / sl_s["median"],
          "ratio": ratio},
     ]

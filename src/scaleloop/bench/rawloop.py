@@ -42,13 +42,13 @@ def raw_train(cfg: TrainConfig, device: torch.device, data_path: str = "gather")
     from torch.utils.data import DataLoader, RandomSampler
 
     from scaleloop.data.datasets import build_datasets
-    from scaleloop.loop import build_optimizer, seed_everything
+    from scaleloop.loop.training import build_optimizer, seed_everything
     from scaleloop.models import build_model
-    from scaleloop.tasks import loss_fn
+    from scaleloop.loop.tasks import loss_fn
 
     if data_path not in DATA_PATHS:
         raise ValueError(f"data_path must be one of {DATA_PATHS}, got {data_path!r}")
-    # The same construction, in the same order, as scaleloop.loop.train: identical initial
+    # The same construction, in the same order, as scaleloop.loop.training.train: identical initial
     # weights and data. The criterion is scaleloop's, since it only picks the task's loss.
     seed_everything(cfg.seed)
     data = build_datasets(cfg.data, n_samples=cfg.n_samples, input_dim=cfg.input_dim, image_size=cfg.image_size,

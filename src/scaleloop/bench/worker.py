@@ -1,7 +1,7 @@
 """The instrumented training step, run by each worker: throughput, a step-time breakdown, and
 what is communicated.
 
-It trains with the same public strategy API as ``scaleloop.loop.train`` (``strategy.setup``,
+It trains with the same public strategy API as ``scaleloop.loop.training.train`` (``strategy.setup``,
 ``loader``, ``accumulate``, ``autocast``, ``backward``, ``optimizer_step``), with timers around
 each phase:
 
@@ -46,7 +46,7 @@ import torch.distributed as torch_dist
 from scaleloop.bench.breakdown import split_backward
 from scaleloop.bench.stats import interval_union, summarize
 from scaleloop.bench.workload import RunSpec, Workload, build, grad_bytes
-from scaleloop.dist import DistEnv, destroy_process_group, init_process_group
+from scaleloop.runtime.dist import DistEnv, destroy_process_group, init_process_group
 from scaleloop.errors import UsageError
 
 PROGRESS_PREFIX = "bench-worker:"
@@ -158,10 +158,10 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
 
     Every rank must call this; every rank gets the same, rank-aggregated result.
     """
-    from scaleloop.loop import build_optimizer
-    from scaleloop.precision import Precision
+    from scaleloop.loop.training import build_optimizer
+    from scaleloop.strategies.precision import Precision
     from scaleloop.strategies import make_strategy
-    from scaleloop.tasks import loss_fn
+    from scaleloop.loop.tasks import loss_fn
 
     if run.threads is not None and env.device.type == "cpu":
         torch.set_num_threads(run.threads)

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from scaleloop.dist import DistEnv
+from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
-from scaleloop.precision import Precision
+from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.allreduce import ManualAllReduce
 from scaleloop.strategies.base import ProcessGroupStrategy, Strategy
 from scaleloop.strategies.dataparallel import DataParallel

@@ -15,11 +15,11 @@ import torch.distributed as torch_dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from scaleloop.batching import check_batch_split
+from scaleloop.data.batching import check_batch_split
 from scaleloop.data.loader import Batch, ShardedLoader
 from scaleloop.data.sampler import StepPlan
-from scaleloop.dist import DistEnv
-from scaleloop.precision import Precision
+from scaleloop.runtime.dist import DistEnv
+from scaleloop.strategies.precision import Precision
 
 OptimizerLike = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
 _NOTHING = contextlib.nullcontext()   # reusable: it holds no state
@@ -134,7 +134,7 @@ class Strategy:
     def eval_indices(self, n: int) -> range:
         """The block of an ``n``-sample evaluation set this rank evaluates (each sample once over
         all ranks; a pipeline's stages all walk every sample)."""
-        from scaleloop.gather import shard_indices
+        from scaleloop.runtime.collectives import shard_indices
 
         return shard_indices(n, self.env)
 

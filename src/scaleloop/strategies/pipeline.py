@@ -43,12 +43,12 @@ import torch.distributed as torch_dist
 from torch import nn
 from torch.utils.data import Dataset
 
-from scaleloop.batching import check_batch_split
+from scaleloop.data.batching import check_batch_split
 from scaleloop.data.loader import Batch, ShardedLoader
 from scaleloop.data.sampler import StepPlan
-from scaleloop.dist import DistEnv
+from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
-from scaleloop.precision import Precision
+from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.base import OptimizerLike, ProcessGroupStrategy
 
 LossOf = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

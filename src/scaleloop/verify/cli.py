@@ -66,7 +66,7 @@ def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
 
 def resolve_verify(args: argparse.Namespace) -> tuple[TrainConfig, VerifyOptions]:
     """The distributed run's config and the verify options, validated; UsageError for bad input."""
-    from scaleloop import dist
+    from scaleloop.runtime import dist
 
     if dist.launched_by_torchrun() or dist.launched_by_slurm():
         raise UsageError("scaleloop verify starts its own worker processes; run it as one plain process, "
@@ -93,7 +93,7 @@ def resolve_verify(args: argparse.Namespace) -> tuple[TrainConfig, VerifyOptions
 def run(args: argparse.Namespace) -> int:
     """Execute ``scaleloop verify``: 0 if every check passed, 1 if one failed (UsageError: bad input)."""
     cfg, opts = resolve_verify(args)
-    from scaleloop.loop import preflight
+    from scaleloop.loop.training import preflight
     from scaleloop.plugins import resolve_factory
     from scaleloop.verify.command import verify
 

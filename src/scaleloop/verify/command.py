@@ -25,8 +25,8 @@ from torch import nn
 from scaleloop.config import TrainConfig, to_toml
 from scaleloop.data.info import Datasets
 from scaleloop.data.sampler import StepPlan
-from scaleloop.devices import resolve_device
-from scaleloop.dist import DistEnv
+from scaleloop.runtime.devices import resolve_device
+from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
 from scaleloop.strategies import make_strategy
 from scaleloop.verify import data as data_check
@@ -40,7 +40,7 @@ from scaleloop.verify.options import VerifyOptions
 from scaleloop.verify.probes import Probes, run_probes, unsynced_batchnorm
 from scaleloop.verify.recorder import RECORD_FILE, Recorder
 from scaleloop.verify.report import equivalence_verdict, format_table, rounding_note
-from scaleloop.loop import build_data_and_model
+from scaleloop.loop.training import build_data_and_model
 from scaleloop.verify.steps import RunSpec, run_steps
 from scaleloop.verify.sync import format_sync
 

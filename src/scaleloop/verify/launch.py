@@ -1,6 +1,6 @@
 """Start the N verify workers under torchrun and wait for them.
 
-The command is the one ``scaleloop train --nproc N`` uses (``scaleloop.torchrun``), with the
+The command is the one ``scaleloop train --nproc N`` uses (``scaleloop.runtime.torchrun``), with the
 hidden worker program in place of the CLI. Its output goes to ``torchrun.log`` in the report
 directory: the parent prints a table, not N interleaved logs, and shows the log's end when
 the workers fail for a reason it cannot name.
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from scaleloop.config import TrainConfig
-from scaleloop.torchrun import torchrun_command
+from scaleloop.runtime.torchrun import torchrun_command
 from scaleloop.verify.layout import LOG_FILE
 
 WORKER_MODULE = "scaleloop.verify.worker"

@@ -17,7 +17,7 @@ import torch
 from scaleloop.data.info import DataInfo
 from scaleloop.errors import UsageError
 from scaleloop.plugins import resolve_factory
-from scaleloop.tasks import loss_fn
+from scaleloop.loop.tasks import loss_fn
 
 Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

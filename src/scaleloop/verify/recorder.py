@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from scaleloop.data.loader import Batch, ShardedLoader
-from scaleloop.dist import DistEnv
+from scaleloop.runtime.dist import DistEnv
 from scaleloop.strategies.base import Strategy
 from scaleloop.verify.hashing import digest, full_tensor
 from scaleloop.verify.sync import check_sync

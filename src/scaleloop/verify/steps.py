@@ -1,6 +1,6 @@
 """The K training steps a verify run takes: the same code for the reference and for every worker.
 
-They follow ``scaleloop.loop.train`` step for step (same seeds, model, optimizer, learning-rate
+They follow ``scaleloop.loop.training.train`` step for step (same seeds, model, optimizer, learning-rate
 schedule, loader, accumulation, clipping, precision), so what verify proves holds for
 ``scaleloop train`` with the same settings, and leave out what does not change the weights
 (evaluation, checkpoints, metrics files).
@@ -13,11 +13,11 @@ from typing import Optional
 import torch
 
 from scaleloop.config import TrainConfig
-from scaleloop.dist import DistEnv
+from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
-from scaleloop.loop import build_data_and_model, build_optimizer
-from scaleloop.precision import Precision
-from scaleloop.schedule import build_scheduler, scaled_lr
+from scaleloop.loop.training import build_data_and_model, build_optimizer
+from scaleloop.strategies.precision import Precision
+from scaleloop.loop.schedule import build_scheduler, scaled_lr
 from scaleloop.strategies import make_strategy
 from scaleloop.verify.loss import resolve_loss
 from scaleloop.verify.recorder import Recorder

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from scaleloop.config import load_toml, resolve
-from scaleloop.dist import DistEnv, destroy_process_group, init_process_group
+from scaleloop.runtime.dist import DistEnv, destroy_process_group, init_process_group
 from scaleloop.verify.layout import CONFIG_FILE, OPTIONS_FILE, distributed_dir
 from scaleloop.verify.options import VerifyOptions
 from scaleloop.verify.recorder import Recorder

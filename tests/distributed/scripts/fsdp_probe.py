@@ -25,7 +25,7 @@ from torch.utils.data import TensorDataset
 
 import scaleloop as sl
 from scaleloop.data.info import DataInfo
-from scaleloop.evaluate import evaluate
+from scaleloop.loop.evaluate import evaluate
 from scaleloop.models import ConvNet, SimpleNet, TinyGPT
 from scaleloop.strategies import SingleDevice, make_strategy
 

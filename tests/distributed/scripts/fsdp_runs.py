@@ -10,7 +10,7 @@ from pathlib import Path
 
 import scaleloop as sl
 from scaleloop.config import TrainConfig
-from scaleloop.loop import train
+from scaleloop.loop.training import train
 
 # The same settings as SIX in test_fsdp.py (for the single-process references).
 BASE = dict(data="random", n_samples=1000, model="simplenet", epochs=1, max_steps=6, batch_size=64,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import scaleloop as sl
 from scaleloop.config import TrainConfig
-from scaleloop.loop import train
+from scaleloop.loop.training import train
 
 # The same settings as test_pipeline.py's references (one process).
 from pipeline_settings import RUNS

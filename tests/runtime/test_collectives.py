@@ -1,4 +1,4 @@
-"""scaleloop.gather in one process: sharding, and the collectives over ranks simulated by threads.
+"""scaleloop.runtime.collectives in one process: sharding, and the collectives over ranks simulated by threads.
 
 ``FakeDist`` stands in for ``torch.distributed`` (all_gather, all_gather_object, all_reduce)
 for W threads of one process, so the multi-rank logic (padding to the longest rank, cutting
@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler, TensorDataset
 
-import scaleloop.gather as gather
+import scaleloop.runtime.collectives as gather
 from scaleloop.data.info import DataInfo
-from scaleloop.dist import DistEnv
-from scaleloop.evaluate import evaluate
-from scaleloop.gather import gather_padded, gather_tensor, shard_indices, sum_over_ranks
+from scaleloop.runtime.dist import DistEnv
+from scaleloop.loop.evaluate import evaluate
+from scaleloop.runtime.collectives import gather_padded, gather_tensor, shard_indices, sum_over_ranks
 from scaleloop.strategies.base import Strategy
 
 

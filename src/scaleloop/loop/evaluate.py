@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 from scaleloop.data.info import DataInfo
 from scaleloop.data.loader import _move, tensors_of
 from scaleloop.strategies.base import Strategy
-from scaleloop.tasks import correct_count
+from scaleloop.loop.tasks import correct_count
 
 
 @dataclass(frozen=True)

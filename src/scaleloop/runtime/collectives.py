@@ -1,6 +1,6 @@
 """Exact distributed metrics: which samples this rank evaluates, and putting the results together.
 
-``scaleloop.evaluate`` uses these for loss and accuracy; they are public for your own metrics
+``scaleloop.loop.evaluate`` uses these for loss and accuracy; they are public for your own metrics
 (F1, AUC, per-class counts, predictions written to disk), which need every sample exactly once:
 
     mine = shard_indices(len(test_set), env)              # contiguous block, no padding
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as torch_dist
 
 from scaleloop.data.sampler import split_sizes
-from scaleloop.dist import DistEnv
+from scaleloop.runtime.dist import DistEnv
 
 
 def shard_indices(n: int, env: DistEnv) -> range:

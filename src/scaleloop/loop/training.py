@@ -22,20 +22,20 @@ from scaleloop.config import TrainConfig, to_toml
 from scaleloop.data.datasets import build_datasets
 from scaleloop.data.info import Datasets
 from scaleloop.data.loader import Batch
-from scaleloop.devices import describe_device
-from scaleloop.dist import DistEnv, restart_count
+from scaleloop.runtime.devices import describe_device
+from scaleloop.runtime.dist import DistEnv, restart_count
 from scaleloop.errors import UsageError
-from scaleloop.evaluate import EvalResult, evaluate
-from scaleloop.memory import MemoryProbe, RankMemory, measure, parameter_bytes, write_json
-from scaleloop.metrics import MetricsLogger, plot_curves
+from scaleloop.loop.evaluate import EvalResult, evaluate
+from scaleloop.output.memory import MemoryProbe, RankMemory, measure, parameter_bytes, write_json
+from scaleloop.output.metrics import MetricsLogger, plot_curves
 from scaleloop.models import build_model, count_parameters
-from scaleloop.precision import Precision
-from scaleloop.rundir import prepare_run_dir, write_atomic
-from scaleloop.running import RunningLoss
-from scaleloop.schedule import build_scheduler, describe_schedule, scaled_lr
-from scaleloop.speed import speed_up_model
+from scaleloop.strategies.precision import Precision
+from scaleloop.output.rundir import prepare_run_dir, write_atomic
+from scaleloop.loop.running import RunningLoss
+from scaleloop.loop.schedule import build_scheduler, describe_schedule, scaled_lr
+from scaleloop.loop.speed import speed_up_model
 from scaleloop.strategies import make_strategy
-from scaleloop.tasks import loss_fn
+from scaleloop.loop.tasks import loss_fn
 
 Log = Callable[[str], None]
 

@@ -1,4 +1,4 @@
-"""Tests for scaleloop.envinfo on the CPU-only development machine."""
+"""Tests for scaleloop.runtime.envinfo on the CPU-only development machine."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaleloop.envinfo import STRATEGY_NAMES, collect_env, format_env
+from scaleloop.runtime.envinfo import STRATEGY_NAMES, collect_env, format_env
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="expects a CPU-only machine")
 
@@ -161,10 +161,10 @@ def test_import_does_not_load_torch() -> None:
     code = (
         "import sys, scaleloop\n"
         "before = 'torch' in sys.modules\n"
-        "import scaleloop.envinfo\n"
+        "import scaleloop.runtime.envinfo\n"
         "print(before or 'torch' not in sys.modules)\n"
     )
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     result = subprocess.run(

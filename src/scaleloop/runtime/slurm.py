@@ -7,7 +7,7 @@ SLURM's block and cyclic distributions) and the port is derived from the job id,
 task computes the same address without talking to the others.
 
 Pure functions on a mapping of environment variables: no torch, nothing read from
-``os.environ`` here (``scaleloop.dist`` passes it in).
+``os.environ`` here (``scaleloop.runtime.dist`` passes it in).
 """
 from __future__ import annotations
 

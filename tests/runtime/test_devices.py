@@ -1,11 +1,11 @@
-"""Tests for scaleloop.devices and DistEnv.from_env (on this machine's CPU)."""
+"""Tests for scaleloop.runtime.devices and DistEnv.from_env (on this machine's CPU)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from scaleloop.devices import best_device, describe_device, device_for_local_rank, resolve_device
-from scaleloop.dist import DistEnv
+from scaleloop.runtime.devices import best_device, describe_device, device_for_local_rank, resolve_device
+from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
 
 HAS_CUDA = torch.cuda.is_available()

@@ -161,6 +161,6 @@ def to_json(ranks: Sequence[RankMemory], strategy: str) -> str:
 
 
 def write_json(path: Path, ranks: Sequence[RankMemory], strategy: str) -> None:
-    from scaleloop.rundir import write_atomic
+    from scaleloop.output.rundir import write_atomic
 
     write_atomic(path, to_json(ranks, strategy).encode())

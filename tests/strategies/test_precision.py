@@ -1,4 +1,4 @@
-"""Tests for scaleloop.precision on the CPU: autocast dtypes and fp16 loss scaling."""
+"""Tests for scaleloop.strategies.precision on the CPU: autocast dtypes and fp16 loss scaling."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from scaleloop.errors import UsageError
-from scaleloop.precision import Precision
+from scaleloop.strategies.precision import Precision
 
 CPU = torch.device("cpu")
 

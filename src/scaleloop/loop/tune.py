@@ -19,11 +19,11 @@ from torch import nn
 from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
-from scaleloop.batching import check_batch_split
+from scaleloop.data.batching import check_batch_split
 from scaleloop.data.loader import _move, tensors_of
-from scaleloop.devices import describe_device, device_for_local_rank, resolve_device
+from scaleloop.runtime.devices import describe_device, device_for_local_rank, resolve_device
 from scaleloop.errors import UsageError
-from scaleloop.precision import Precision
+from scaleloop.strategies.precision import Precision
 
 Fits = Callable[[int], bool]
 SampleFn = Callable[[int], tuple[Any, Any]]
@@ -302,8 +302,8 @@ def tune_batch(cfg: Any) -> TuneReport:
     device (local rank 0's), without a process group. Pass the config as it will be launched
     (``nproc`` already set to one process per GPU where ``--strategy auto`` does that).
     """
-    from scaleloop.loop import build_data_and_model, build_optimizer
-    from scaleloop.tasks import loss_fn
+    from scaleloop.loop.training import build_data_and_model, build_optimizer
+    from scaleloop.loop.tasks import loss_fn
 
     device = _accelerator(cfg.device)
     data, model = build_data_and_model(cfg)

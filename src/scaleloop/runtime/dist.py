@@ -15,8 +15,8 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as torch_dist
 
-from scaleloop import slurm
-from scaleloop.devices import device_for_local_rank, resolve_device
+from scaleloop.runtime import slurm
+from scaleloop.runtime.devices import device_for_local_rank, resolve_device
 from scaleloop.errors import UsageError
 
 

@@ -1,9 +1,9 @@
 """The end-of-run summary that ``scaleloop train`` prints."""
 from __future__ import annotations
 
-from scaleloop.loop import RunResult
-from scaleloop.memory import format_table, summary_line
-from scaleloop.metrics import format_rate, format_seconds, format_summary
+from scaleloop.loop.training import RunResult
+from scaleloop.output.memory import format_table, summary_line
+from scaleloop.output.metrics import format_rate, format_seconds, format_summary
 
 
 def format_result(result: RunResult) -> str:

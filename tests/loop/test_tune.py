@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-import scaleloop.tune as tune
-from scaleloop.batching import check_batch_split
+import scaleloop.loop.tune as tune
+from scaleloop.data.batching import check_batch_split
 from scaleloop.config import TrainConfig
 from scaleloop.errors import UsageError
-from scaleloop.tune import (BatchSearch, StepProbe, Trial, TuneReport, find_max_batch, format_report,
+from scaleloop.loop.tune import (BatchSearch, StepProbe, Trial, TuneReport, find_max_batch, format_report,
                             is_out_of_memory, search_max_batch, tune_batch_command)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,4 +1,4 @@
-"""Tests for scaleloop.schedule: learning-rate scaling, warm-up and schedules."""
+"""Tests for scaleloop.loop.schedule: learning-rate scaling, warm-up and schedules."""
 from __future__ import annotations
 
 import csv
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from scaleloop.config import TrainConfig
-from scaleloop.dist import DistEnv
+from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
-from scaleloop.loop import train
-from scaleloop.schedule import build_scheduler, describe_schedule, lr_factor, scaled_lr
+from scaleloop.loop.training import train
+from scaleloop.loop.schedule import build_scheduler, describe_schedule, lr_factor, scaled_lr
 
 
 def factor(step: int, schedule: str, total: int = 10, warmup: int = 0) -> float:
@@ -187,7 +187,7 @@ def test_constant_schedule_steps_like_lambdalr() -> None:
     import torch
 
     from scaleloop.config import TrainConfig
-    from scaleloop.schedule import build_scheduler
+    from scaleloop.loop.schedule import build_scheduler
 
     def pair():
         p = torch.nn.Parameter(torch.zeros(2))

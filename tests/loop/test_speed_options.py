@@ -11,9 +11,9 @@ import torch
 
 from scaleloop.cli import main
 from scaleloop.config import TrainConfig
-from scaleloop.dist import DistEnv
+from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
-from scaleloop.loop import RunResult, build_optimizer, train
+from scaleloop.loop.training import RunResult, build_optimizer, train
 from scaleloop.models import SimpleNet
 from scaleloop.strategies.base import Strategy
 

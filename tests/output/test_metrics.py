@@ -1,4 +1,4 @@
-"""Tests for scaleloop.metrics: CSV/TensorBoard logging, plotting and formatting."""
+"""Tests for scaleloop.output.metrics: CSV/TensorBoard logging, plotting and formatting."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from scaleloop.metrics import (
+from scaleloop.output.metrics import (
     METRIC_COLUMNS,
     MetricsLogger,
     format_rate,
@@ -85,7 +85,7 @@ def test_unknown_key_raises_and_writes_nothing(tmp_path: Path) -> None:
 def test_rows_visible_before_close(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Step rows reach the file at flush() (a checkpoint), at an epoch row, or once CSV_EVERY_S
     has passed; not one system call per row."""
-    import scaleloop.metrics as metrics_module
+    import scaleloop.output.metrics as metrics_module
 
     clock = [100.0]
     monkeypatch.setattr(metrics_module.time, "monotonic", lambda: clock[0])
@@ -223,12 +223,12 @@ def test_format_seconds(seconds: float, expected: str) -> None:
 
 def test_import_does_not_load_plotting_or_tensorboard() -> None:
     code = (
-        "import sys, scaleloop.metrics\n"
+        "import sys, scaleloop.output.metrics\n"
         "heavy = [m for m in ('matplotlib', 'tensorboard', 'torch.utils.tensorboard')"
         " if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     result = subprocess.run(

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scaleloop.dist import DistEnv, launched_by_slurm
+from scaleloop.runtime.dist import DistEnv, launched_by_slurm
 from scaleloop.errors import UsageError
-from scaleloop.slurm import first_host, parse_nodelist, parse_tasks_per_node, port_for_job, task_from_env
+from scaleloop.runtime.slurm import first_host, parse_nodelist, parse_tasks_per_node, port_for_job, task_from_env
 
 # What srun gives task 3 of `sbatch --nodes 2 --ntasks-per-node 2` + `srun python train.py`.
 SRUN_TASK_3 = {

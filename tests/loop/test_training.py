@@ -1,4 +1,4 @@
-"""Tests for scaleloop.loop.train and scaleloop.evaluate on small CPU runs."""
+"""Tests for scaleloop.loop.training.train and scaleloop.loop.evaluate on small CPU runs."""
 from __future__ import annotations
 
 import csv
@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from scaleloop.config import TrainConfig
 from scaleloop.data.datasets import build_datasets
-from scaleloop.dist import DistEnv
-from scaleloop.evaluate import EvalResult, evaluate
-from scaleloop.loop import RunResult, train
+from scaleloop.runtime.dist import DistEnv
+from scaleloop.loop.evaluate import EvalResult, evaluate
+from scaleloop.loop.training import RunResult, train
 from scaleloop.models import SimpleNet, build_model
 from scaleloop.strategies.base import Strategy
 

@@ -1,0 +1,32 @@
+"""The run and its loop: build a run, take steps, end epochs, finish.
+
+- ``build``: ``build_run`` makes everything a run needs (data, model, strategy, optimizer,
+  schedule, loader, loss) in one fixed order; train, verify, bench and tune-batch share it.
+- ``step``: ``Step``, the one training step (forward, loss, weighted backward, clipping,
+  optimizer and schedule step) with an observer for verify's recorder and bench's timers.
+- ``training``: ``train``, the loop behind ``scaleloop train``, and ``RunResult``.
+- ``evaluate``: exact evaluation over ranks. ``schedule``: learning-rate scaling and schedules.
+- ``running``: the running loss sums. ``tasks``: the loss for each task.
+- ``speed``: ``--compile``/``--channels-last`` set-up. ``tune``: ``scaleloop tune-batch``.
+
+Names are imported lazily: ``import scaleloop.loop`` does not import torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "train": "scaleloop.loop.training",
+    "RunResult": "scaleloop.loop.training",
+    "preflight": "scaleloop.loop.training",
+    "build_data_and_model": "scaleloop.loop.training",
+    "build_optimizer": "scaleloop.loop.training",
+    "seed_everything": "scaleloop.loop.training",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'scaleloop.loop' has no attribute {name!r}")

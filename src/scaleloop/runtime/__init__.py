@@ -1,0 +1,12 @@
+"""Launching and the process environment: who this process is, and how workers start.
+
+- ``dist``: ``DistEnv`` (rank, world size, device, backend; the one reader of the launcher's
+  variables) and the process group's start and end.
+- ``collectives``: sums, gathers and broadcasts over ranks as plain functions of a ``DistEnv``,
+  and the exact, padding-free helpers for user metrics (``gather_tensor``, ``shard_indices``).
+- ``devices``: the best device and a local rank's device.
+- ``torchrun``: ``scaleloop train --nproc/--nnodes`` re-launched under ``torch.distributed.run``.
+- ``spawn``: ``scaleloop.launch(fn, nproc=N)`` from a script or a notebook.
+- ``slurm``: ranks and the master address from SLURM's variables.
+- ``envinfo``: ``scaleloop env``.
+"""
