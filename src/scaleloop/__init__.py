@@ -1,7 +1,14 @@
 """scaleloop: a plain PyTorch training loop, scaled from one CPU to many GPUs and machines.
 
 The public API is re-exported here lazily, so that ``import scaleloop`` costs almost nothing
-until a name is used.
+until a name is used. The map:
+
+- ``loop``: the run and its loop (``scaleloop train``); ``strategies``: single, dp, ddp,
+  allreduce, fsdp, pipeline, and precision; ``data``: datasets, samplers, loaders;
+  ``checkpoint``: save and resume; ``runtime``: launching and the process environment;
+  ``output``: what a run writes and prints; ``verify`` and ``bench``: those subcommands.
+- ``config``: ``TrainConfig``; ``models``: the built-in models; ``plugins``: user code as
+  ``pkg.module:factory``; ``errors``: ``UsageError``; ``cli`` and ``__main__``: the command.
 """
 from __future__ import annotations
 

@@ -12,16 +12,16 @@ from typing import Any
 import pytest
 
 from scaleloop.bench import cli as bench_cli
-from scaleloop.cli import _Parser
+from scaleloop.runtime.cmdline import Parser
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def parse(*argv: str) -> argparse.Namespace:
     """Parse as ``scaleloop bench ...`` will, once cli.py registers the subcommand."""
-    parser = _Parser(prog="scaleloop")
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
-    bench_cli.add_parser(sub, _Parser)
+    parser = Parser(prog="scaleloop")
+    sub = parser.add_subparsers(dest="command", parser_class=Parser)
+    bench_cli.add_parser(sub, Parser)
     return parser.parse_args(["bench", *argv])
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from scaleloop.cli import _add_config_flags, _Parser
+from scaleloop.runtime.cmdline import Parser, add_config_flags
 from scaleloop.errors import UsageError
 from scaleloop.verify.__main__ import main as verify_main
 from scaleloop.verify.cli import add_parser, resolve_verify, run
@@ -15,9 +15,9 @@ FAST = ["--data", "random", "--n-samples", "64", "--model", "simplenet", "--devi
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    parser = _Parser(prog="scaleloop")
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
-    add_parser(sub, _Parser, _add_config_flags)
+    parser = Parser(prog="scaleloop")
+    sub = parser.add_subparsers(dest="command", parser_class=Parser)
+    add_parser(sub, Parser, add_config_flags)
     return parser.parse_args(["verify", *argv])
 
 
@@ -97,5 +97,5 @@ def test_help_lists_verify_flags_and_train_flags(capsys: pytest.CaptureFixture[s
 
 def test_subparsers_of_another_class_are_refused() -> None:
     parser = argparse.ArgumentParser()
-    with pytest.raises(TypeError, match="parser_class=_Parser"):
-        add_parser(parser.add_subparsers(), _Parser, _add_config_flags)
+    with pytest.raises(TypeError, match="parser_class=Parser"):
+        add_parser(parser.add_subparsers(), Parser, add_config_flags)

@@ -15,5 +15,6 @@ One module per job:
 - ``devices``, ``scaling``, ``strategies``, ``overhead``, ``mfu``: the bench commands
 - ``plots``      the PNG charts (matplotlib, imported lazily)
 - ``index``      benchmarks/README.md, rebuilt from the results' JSON
-- ``cli``        the ``bench`` subcommand's flags
+- ``startup``    what ``import scaleloop`` and ``scaleloop --help`` cost (``overhead --mode startup``)
+- ``cli``        the ``bench`` subcommand's flags; ``__main__``: ``python -m scaleloop.bench``
 """

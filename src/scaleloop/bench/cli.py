@@ -25,13 +25,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                       batch_size=128, epochs=1, repeats=1),
     },
     "scaling": {
-        # Compute-bound on purpose, for the efficiency check: the ConvNet reuses each of its 60 k
-        # weights at every pixel, so a step of 256 32x32 images is ~0.5 s of compute on one core
-        # while its gradients (242 kB) all-reduce in ~1.5 ms. An MLP cannot get there on a 2-core
-        # CPU: BiggerNet (hidden 1024) all-reduces 16.8 MB per step, 12.6 MB of it only after
-        # backward, and Gloo's reduction competes with the compute for the same cores (0.79 at a
-        # per-worker batch of 2048, see benchmarks/*scaling-b2048*); with 64 samples the step
-        # is mostly Adam and all-reduce. --model biggernet --batch-size 64 shows that case.
+        # Compute-bound on purpose; why, with measurements: docs/benchmarking.md, "Why this default".
         "normal": dict(model="convnet", data="images", image_size=32, n_samples=4096,
                        batch_size=256, steps=15, warmup=3, allreduce_reps=10, repeats=3),
         "quick": dict(model="biggernet", data="images", image_size=8, hidden_dim=128, n_samples=256,
@@ -373,11 +367,11 @@ def _dispatch(args: argparse.Namespace, say: Callable[[str], None]) -> tuple[Any
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m scaleloop.bench``: the ``bench`` command on its own, exactly as ``scaleloop bench``."""
-    from scaleloop.cli import EXIT_USAGE, _Parser
+    from scaleloop.runtime.cmdline import EXIT_USAGE, Parser
 
-    parser = _Parser(prog="scaleloop")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser, required=True)
-    add_parser(sub, _Parser)
+    parser = Parser(prog="scaleloop")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser, required=True)
+    add_parser(sub, Parser)
     try:
         args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
         return run(args)

@@ -44,12 +44,12 @@ def raw_train(cfg: TrainConfig, device: torch.device, data_path: str = "gather")
     from scaleloop.data.datasets import build_datasets
     from scaleloop.loop.training import build_optimizer, seed_everything
     from scaleloop.models import build_model
-    from scaleloop.loop.tasks import loss_fn
+    from scaleloop.loop.tasks import task_loss
 
     if data_path not in DATA_PATHS:
         raise ValueError(f"data_path must be one of {DATA_PATHS}, got {data_path!r}")
     # The same construction, in the same order, as scaleloop.loop.training.train: identical initial
-    # weights and data. The criterion is scaleloop's, since it only picks the task's loss.
+    # weights and data. The loss is scaleloop's, since it only picks the task's loss.
     seed_everything(cfg.seed)
     data = build_datasets(cfg.data, n_samples=cfg.n_samples, input_dim=cfg.input_dim, image_size=cfg.image_size,
                           seq_len=cfg.seq_len, vocab_size=cfg.vocab_size, test_fraction=cfg.test_fraction,
@@ -75,7 +75,7 @@ def raw_train(cfg: TrainConfig, device: torch.device, data_path: str = "gather")
             for x, y in loader:
                 x, y = x.to(device), y.to(device)
                 optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(info, model(x), y)
+                loss = task_loss(info, model(x), y)
                 loss.backward()
                 optimizer.step()
                 running_loss += loss.item() * x.size(0)
@@ -92,7 +92,7 @@ def raw_train(cfg: TrainConfig, device: torch.device, data_path: str = "gather")
             idx = order[i:i + batch]
             x, y = x_all.index_select(0, idx).to(device), y_all.index_select(0, idx).to(device)
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(info, model(x), y)
+            loss = task_loss(info, model(x), y)
             loss.backward()
             optimizer.step()
             epoch_loss += loss.detach() * len(idx)

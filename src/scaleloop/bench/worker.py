@@ -1,33 +1,10 @@
 """The instrumented training step, run by each worker: throughput, a step-time breakdown, and
 what is communicated.
 
-It trains with the same public strategy API as ``scaleloop.loop.training.train`` (``strategy.setup``,
-``loader``, ``accumulate``, ``autocast``, ``backward``, ``optimizer_step``), with timers around
-each phase:
-
-- data wait:  fetching the next batch onto the device
-- forward:    model and loss
-- backward:   ``strategy.backward``, which includes gradient communication (DDP all-reduces
-              buckets while backward runs and waits for the last one before it returns;
-              ``allreduce`` reduces every gradient after it)
-- optimizer:  the step and zeroing the gradients
-
-On the CPU the backward phase is split further, from the time each step's last gradient
-all-reduce was launched (DDP launches a bucket as soon as its gradients are ready, so the last
-launch is where backward's computation ended): backward compute, waiting for the slowest
-worker to reach its last launch (the workers' clocks are the same clock on one machine), and
-communication that backward did not hide. See ``bench/breakdown.py``. The training thread's CPU
-time in the compute phases (forward, backward compute, optimizer) is read too: wall time minus
-CPU time is time the thread spent off its core, on a shared machine mostly waiting for one.
-
-On CUDA the timers synchronise the device, which itself slows the step, so throughput is
-taken from a separate pass without them. Communication is measured three ways: the bytes
-DDP hands to its all-reduce per step (a communication hook), the wall time with an all-reduce
-in flight (the same hook, CPU only: a CUDA future completes before the GPU has finished), and
-a standalone all-reduce of the gradient size, timed with nothing else running.
-
-Run under torchrun: ``python -m torch.distributed.run --standalone --nproc-per-node N
--m scaleloop.bench.worker --spec spec.json --out result.json``; rank 0 writes the result.
+It trains through the public strategy API, as ``scaleloop.loop.training.train`` does, with timers
+around each phase (data wait, forward, backward, optimizer) and a DDP communication hook that
+counts and times the all-reduces. Started under torchrun by ``bench/launcher.py``; rank 0
+writes the result. The phases and measurements: docs/benchmarking.md, "The step-time breakdown".
 """
 from __future__ import annotations
 
@@ -45,7 +22,9 @@ import torch.distributed as torch_dist
 
 from scaleloop.bench.breakdown import split_backward
 from scaleloop.bench.stats import interval_union, summarize
-from scaleloop.bench.workload import RunSpec, Workload, build, grad_bytes
+from scaleloop.bench.workload import RunSpec, Workload, grad_bytes
+from scaleloop.loop.step import Observer, Step
+from scaleloop.runtime.collectives import barrier, gather_object
 from scaleloop.runtime.dist import DistEnv, destroy_process_group, init_process_group
 from scaleloop.errors import UsageError
 
@@ -152,27 +131,35 @@ def _endless(loader: Any) -> Iterator[Any]:
         epoch += 1
 
 
+class _PhaseTimer(Observer):
+    """Marks the end of the forward pass (the loss is known) inside ``Step.micro``."""
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self.sync = sync
+        self.forward_end = (0.0, 0.0)   # (wall, thread CPU time)
+
+    def forward_done(self, loss: torch.Tensor) -> None:
+        self.sync()
+        self.forward_end = (time.perf_counter(), time.thread_time())
+
+
 def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
                 allreduce_reps: int = 10) -> dict[str, Any]:
     """Train ``run`` for ``workload.warmup + workload.steps`` steps on every rank and measure it.
 
     Every rank must call this; every rank gets the same, rank-aggregated result.
     """
-    from scaleloop.loop.training import build_optimizer
-    from scaleloop.strategies.precision import Precision
-    from scaleloop.strategies import make_strategy
-    from scaleloop.loop.tasks import loss_fn
+    from scaleloop.loop.build import build_run
 
     if run.threads is not None and env.device.type == "cpu":
         torch.set_num_threads(run.threads)
     if run.global_batch % env.world_size:
         raise UsageError(f"global batch {run.global_batch} does not split over {env.world_size} workers")
-    cfg = workload.to_config()
-    data, model = build(workload, run.global_batch)
-    strategy = make_strategy(run.strategy, env, Precision(workload.precision, env.device))
-    model, optimizer = strategy.setup(model, lambda params: build_optimizer(cfg, params))
-    torch.manual_seed(workload.seed + env.rank)   # as the loop does: per-rank randomness from here on
-    loader = strategy.loader(data.train, run.global_batch, shuffle=True, seed=workload.seed, drop_last=True)
+    # At least two global batches, so that every timed step is full (drop_last).
+    cfg = workload.to_config(strategy=run.strategy, batch_size=run.global_batch, drop_last=True,
+                             n_samples=max(workload.n_samples, 2 * run.global_batch))
+    built = build_run(cfg, env)
+    strategy, model = built.strategy, built.model
     recorder = CommRecorder(env.device)
     comm_method = "none (one process)"
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -182,20 +169,23 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
     elif run.strategy == "allreduce":
         recorder.wrap_after_backward(strategy, model)
         recorder.attached = env.is_distributed
-        comm_method = "timed after_backward (explicit all-reduce)"
+        comm_method = "timed gradient all-reduce (explicit, after backward)"
     elif env.is_distributed:
         comm_method = f"not timed for {run.strategy}"
     model.train()
-    batches = _endless(loader)
+    batches = _endless(built.loader)
     device = env.device
     last_loss = torch.zeros(())
+    timer = _PhaseTimer(lambda: synchronize(device))
+    plain, timed = Step(built), Step(built, observer=timer)
 
     def steps(count: int, phases: bool, label: str) -> tuple[float, list[dict[str, float]]]:
         """Run ``count`` steps; returns the elapsed seconds and, with ``phases``, per-step timings."""
         nonlocal last_loss
         sync: Callable[[], None] = (lambda: synchronize(device)) if phases else (lambda: None)
+        step = timed if phases else plain
         records: list[dict[str, float]] = []
-        strategy.barrier()
+        barrier(env)
         synchronize(device)
         started = time.perf_counter()
         marks = {max(1, count * q // 4) for q in range(1, 5)}
@@ -205,22 +195,18 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
             batch = next(batches)
             sync()
             t1, c1 = time.perf_counter(), cpu()
-            x, y = batch
-            with strategy.accumulate(model, batch):
-                with strategy.autocast():
-                    loss = loss_fn(data.info, model(x), y)
-                sync()
-                t2, c2 = time.perf_counter(), cpu()
-                strategy.backward(loss, batch)
-                sync()
-                t3, c3 = time.perf_counter(), cpu()
+            loss = step.micro(batch)
+            sync()
+            t3, c3 = time.perf_counter(), cpu()
             launch = recorder.last_launch()
-            strategy.optimizer_step(optimizer)
+            step.update()
             sync()
             t4, c4 = time.perf_counter(), cpu()
             recorder.end_step()
-            last_loss = loss.detach()
+            if loss is not None:
+                last_loss = loss
             if phases:
+                t2, c2 = timer.forward_end
                 # CPU time of the compute phases: backward's up to its last all-reduce launch.
                 backward_cpu = (launch[1] if launch is not None and t2 <= launch[0] <= t3 else c3) - c2
                 records.append({"data_s": t1 - t0, "forward_s": t2 - t1, "backward_s": t3 - t2,
@@ -260,7 +246,7 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
         "threads": torch.get_num_threads(),
         "interop_threads": torch.get_num_interop_threads(),
     }
-    ranks = strategy.gather_object(local)
+    ranks = gather_object(local, env)
     nbytes = grad_bytes(strategy.unwrap(model))
     bench = allreduce_benchmark(nbytes, env, allreduce_reps) if env.is_distributed else None
     comm = {"method": comm_method, "grad_bytes": nbytes,
@@ -272,9 +258,7 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
         # reduce-scatters its gradients: 3 x (N-1)/N x S bytes per rank, 1.5 times an
         # all-reduce's 2(N-1)/N x S, in 3 collectives per unit. In all-reduce equivalents:
         comm.update(allreduce_equivalent_bytes=1.5 * nbytes, buckets_per_step=1.5 * units)
-    close = getattr(strategy, "close", None)
-    if close is not None:
-        close()   # a strategy that set up something of its own (FSDP's one-rank group) ends it
+    strategy.close()
     elapsed_max = max(r["elapsed_s"] for r in ranks)
 
     def rank_mean(key: str) -> Optional[float]:

@@ -4,6 +4,8 @@
 - ``state``: weights-only serialisation, RNG capture/restore, the model-shape check;
 - ``resume``: which checkpoint ``--resume`` means, and which settings a resumed run keeps;
 - ``manager``: :class:`Checkpointer`, which saves and restores through a strategy on every rank.
+
+Sharded (FSDP) state goes through ``scaleloop.strategies.distcp``.
 """
 from scaleloop.checkpoint.manager import Checkpointer, Progress, Resumed
 from scaleloop.checkpoint.store import CheckpointError, CheckpointInfo, verify_checkpoint

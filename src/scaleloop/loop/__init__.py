@@ -19,10 +19,14 @@ from typing import Any
 _EXPORTS = {
     "train": "scaleloop.loop.training",
     "RunResult": "scaleloop.loop.training",
-    "preflight": "scaleloop.loop.training",
-    "build_data_and_model": "scaleloop.loop.training",
-    "build_optimizer": "scaleloop.loop.training",
-    "seed_everything": "scaleloop.loop.training",
+    "Run": "scaleloop.loop.build",
+    "build_run": "scaleloop.loop.build",
+    "preflight": "scaleloop.loop.build",
+    "build_data_and_model": "scaleloop.loop.build",
+    "build_optimizer": "scaleloop.loop.build",
+    "seed_everything": "scaleloop.loop.build",
+    "Step": "scaleloop.loop.step",
+    "Observer": "scaleloop.loop.step",
 }
 
 

@@ -303,7 +303,7 @@ def tune_batch(cfg: Any) -> TuneReport:
     (``nproc`` already set to one process per GPU where ``--strategy auto`` does that).
     """
     from scaleloop.loop.training import build_data_and_model, build_optimizer
-    from scaleloop.loop.tasks import loss_fn
+    from scaleloop.loop.tasks import task_loss
 
     device = _accelerator(cfg.device)
     data, model = build_data_and_model(cfg)
@@ -312,7 +312,7 @@ def tune_batch(cfg: Any) -> TuneReport:
     workers = torch.cuda.device_count() if cfg.strategy == "dp" and device.type == "cuda" else cfg.world_size
     # A per-device micro-batch never holds more than its share of the training set.
     cap = max(1, -(-len(data.train) // (workers * cfg.accumulate)))
-    search = find_max_batch(lambda: model, data.train, device, loss=lambda out, y: loss_fn(info, out, y),
+    search = find_max_batch(lambda: model, data.train, device, loss=lambda out, y: task_loss(info, out, y),
                             optimizer=lambda params: build_optimizer(cfg, params), precision=cfg.precision,
                             max_batch=cap)
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None

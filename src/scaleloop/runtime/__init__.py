@@ -9,4 +9,6 @@
 - ``spawn``: ``scaleloop.launch(fn, nproc=N)`` from a script or a notebook.
 - ``slurm``: ranks and the master address from SLURM's variables.
 - ``envinfo``: ``scaleloop env``.
+- ``launcher``: ``scaleloop train`` behind its flags: train here, or start the workers under torchrun.
+- ``cmdline``: the command line's shared parts (one-line-error parser, config flags, exit codes).
 """

@@ -1,4 +1,8 @@
-"""Exact distributed metrics: which samples this rank evaluates, and putting the results together.
+"""Collectives as plain functions of a ``DistEnv``, and exact distributed metrics.
+
+``sum_over_ranks``, ``gather_object``, ``broadcast_object`` and ``barrier`` are what the loop,
+checkpoints, verify and bench use to agree across ranks. The rest says which samples this
+rank evaluates and puts the results together.
 
 ``scaleloop.loop.evaluate`` uses these for loss and accuracy; they are public for your own metrics
 (F1, AUC, per-class counts, predictions written to disk), which need every sample exactly once:
@@ -18,7 +22,7 @@ same order. With one process none of them touches ``torch.distributed``.
 from __future__ import annotations
 
 import zlib
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
 import torch.distributed as torch_dist
@@ -96,6 +100,30 @@ def sum_over_ranks(values: Union[torch.Tensor, Sequence[float]], env: DistEnv) -
     out = total.to(env.device)
     torch_dist.all_reduce(out, op=torch_dist.ReduceOp.SUM)
     return out.to(total.device)
+
+
+def gather_object(obj: Any, env: DistEnv) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order, on every rank."""
+    if env.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * env.world_size
+    torch_dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, env: DistEnv) -> Any:
+    """Rank 0's picklable ``obj`` on every rank (the others' ``obj`` is ignored)."""
+    if env.world_size == 1:
+        return obj
+    box = [obj]
+    torch_dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(env: DistEnv) -> None:
+    """Wait until every rank has called it."""
+    if env.world_size > 1:
+        torch_dist.barrier()
 
 
 def _gather_parts(rows: torch.Tensor, env: DistEnv) -> list[torch.Tensor]:

@@ -1,4 +1,11 @@
-"""Strategies: how one training loop uses one device, several, or several machines."""
+"""Strategies: how one training loop uses one device, several, or several machines.
+
+- ``base``: the ``Strategy`` interface; ``single``: one device; ``dataparallel``: ``nn.DataParallel``;
+  ``ddp``: DistributedDataParallel; ``allreduce``: the gradient all-reduce written out by hand;
+  ``fsdp``: FSDP2 sharding; ``pipeline``: layers cut into stages, one per process.
+- ``precision``: autocast and the fp16 GradScaler; ``syncbn``: BatchNorm over all ranks on any
+  device; ``distcp``: sharded state through ``torch.distributed.checkpoint``.
+"""
 from __future__ import annotations
 
 from typing import Optional

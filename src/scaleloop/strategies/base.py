@@ -90,17 +90,19 @@ class Strategy:
         return self.precision.autocast()
 
     def forward_backward(self, model: nn.Module, batch: Batch,
-                         loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Optional[torch.Tensor]:
-        """Forward and backward of one micro-batch (call it inside :meth:`accumulate`).
+                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Optional[torch.Tensor]:
+        """Forward and backward of one micro-batch, gradient synchronisation skipped on all but
+        the step's last micro-batch.
 
-        ``loss_of(output, target)`` is the mean loss over the samples it is given. Returns that
+        ``loss_fn(output, target)`` is the mean loss over the samples it is given. Returns that
         loss for the whole micro-batch, detached, or None on a rank that does not compute it
         (a pipeline's earlier stages).
         """
         x, y = batch
-        with self.autocast():
-            loss = loss_of(model(x), y)
-        self.backward(loss, batch)
+        with self.accumulate(model, batch):
+            with self.autocast():
+                loss = loss_fn(model(x), y)
+            self.backward(loss, batch)
         return loss.detach()
 
     def backward(self, loss: torch.Tensor, batch: Optional[Batch] = None) -> None:

@@ -1,39 +1,10 @@
 """Fully sharded data parallelism (FSDP2, ``torch.distributed.fsdp.fully_shard``).
 
-Data parallel like DDP (each rank trains on its own block of the global batch, gradients are
-averaged over ranks), but no rank holds the whole model: every parameter is cut along its
-first dimension into one shard per rank, and so are its gradient and its optimizer state.
-
-- **Forward:** before a unit (a block, see below) runs, its parameters are all-gathered from
-  the shards; after it ran they are freed again. So every forward pass is a collective.
-- **Backward:** the unit's parameters are gathered again, and its gradients are
-  reduce-scattered: each rank receives the *average* over ranks of its own shard's gradient,
-  as DDP's all-reduce averages (so loss weighting for accumulation stays exact).
-- **Optimizer:** each rank updates only its shard, with optimizer state for its shard alone.
-
-Memory per rank for parameters, gradients and optimizer state is about 1/N of DDP's (the
-memory report at the end of a run shows it); the price is more communication.
-
-**Units (which modules are sharded and gathered together).** ``fully_shard`` is applied to
-each block, then to the root (the root unit takes what no block holds, e.g. embeddings):
-
-1. the model's own ``fsdp_blocks()`` method, if it has one (return the modules to wrap);
-2. else ``model.blocks`` when it is a ``ModuleList``/``Sequential`` (TinyGPT's transformer blocks);
-3. else the children of the model that hold parameters, after stepping down through a chain of
-   single parameter-holding children: SimpleNet/BiggerNet -> ``net`` -> each ``Linear``;
-   ConvNet -> ``features`` and ``head``.
-
-**Mixed precision** is FSDP's ``MixedPrecisionPolicy`` rather than autocast: bf16/fp16
-parameters for compute (cast once per all-gather), gradients reduced in fp32, the sharded
-master weights and optimizer state in fp32. BatchNorm layers form units of their own that keep
-fp32 parameters (their running statistics are fp32; BatchNorm takes low-precision input with fp32
-parameters). fp16 keeps the ``GradScaler``: its inf/NaN check on DTensor gradients is reduced
-over the ranks (DTensor's dispatcher does so for ``_amp_foreach_non_finite_check_and_unscale_``),
-so all ranks skip the same steps; tests/distributed check it.
-
-**One process** (``--nproc 1``): FSDP needs a process group, so this strategy starts a one-rank
-group of its own (and ``close`` ends it). The code path is the same as with N ranks, which is
-what lets a checkpoint move between 1 and N processes.
+Data parallel like DDP, but each rank holds 1/N of every parameter, its gradient and its
+optimizer state; units (blocks, then the root) are all-gathered for forward and backward and
+their gradients reduce-scattered. Mixed precision is FSDP's ``MixedPrecisionPolicy``; one
+process runs as a one-rank group. How it shards, which modules are units, precision,
+checkpoints: docs/strategies.md, "--strategy fsdp".
 """
 from __future__ import annotations
 

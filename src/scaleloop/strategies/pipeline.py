@@ -1,35 +1,10 @@
 """Pipeline model parallelism: the model's layers cut into stages, one stage per process.
 
-Where data parallelism gives every process the whole model and part of the batch, a pipeline
-gives every process part of the model and the whole batch. Stage 0 runs the first layers and
-sends its activations to stage 1, and so on; gradients flow back the same way. Cutting each
-step's batch into ``--microbatches M`` pieces lets stage 0 start on piece 2 while stage 1 works
-on piece 1 (the GPipe schedule: all forwards, then all backwards). The run of stages is
-``torch.distributed.pipelining`` (``PipelineStage`` and ``ScheduleGPipe``); this module decides
-the cut, weights the loss and makes the checkpoints ordinary ones.
-
-**The cut.** The model is flattened into layers with its ``as_sequential()`` method (every
-built-in model has one) or, for an ``nn.Sequential``, its children. A layer without parameters
-(ReLU, Flatten, pooling) stays with the layer before it; the runs are then cut into
-``world size`` contiguous stages with the largest stage's parameter count as small as possible.
-
-**Exact loss weighting.** Each piece's loss is its mean loss times its share of the step's
-samples (``scale_grads=False``), so the summed gradients are those of one step on the whole
-batch, whatever the number of pieces. Pieces must be equal in size for the schedule's fixed
-receive buffers: when a step's batch does not divide into ``M``, it is cut into the largest
-number of equal pieces below ``M`` that does (a note says so once).
-
-**Tied weights.** A parameter used by two stages (TinyGPT's embedding and output head) has a
-copy on each; after the last backward of a step their gradients are summed over the stages, so
-both copies take the same step.
-
-**Checkpoints and the exported model are ordinary, whole-model ones:** rank 0 gathers every
-stage's weights and optimizer state under the whole model's names and numbering, so a pipeline
-checkpoint resumes with ``--strategy single``/``ddp`` and the other way round.
-
-Not offered: fp16 (each stage's GradScaler would skip steps on its own), SyncBatchNorm, and a
-pipeline combined with data parallelism. BatchNorm inside a pipeline normalises each piece on
-its own, so with ``M > 1`` its results differ from one process (a note says so).
+The stages run with ``torch.distributed.pipelining`` (``PipelineStage``, ``ScheduleGPipe``);
+this module decides the cut (``as_sequential()``, balanced by parameters), weights each
+micro-batch's loss so that a step equals one on the whole batch, sums tied weights' gradients
+and makes checkpoints whole-model ones. The rules and what is not offered:
+docs/strategies.md, "--strategy pipeline".
 """
 from __future__ import annotations
 
@@ -51,7 +26,7 @@ from scaleloop.errors import UsageError
 from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.base import OptimizerLike, ProcessGroupStrategy
 
-LossOf = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def pipeline_layers(model: nn.Module) -> list[nn.Module]:
@@ -212,7 +187,7 @@ class PipelineParallel(ProcessGroupStrategy):
         self._schedules: dict[tuple[str, int], Any] = {}
         self._tied: list[tuple[int, int, Optional[nn.Parameter]]] = []  # (global index, numel, local param)
         self._owned: set[int] = set()  # global indices whose gradient this stage counts in the norm
-        self._loss_of: Optional[LossOf] = None
+        self._loss_fn: Optional[LossFn] = None
         self._per_sample = 1.0
         self._noted_uneven: set[int] = set()
         self.notes: list[str] = []
@@ -344,13 +319,13 @@ class PipelineParallel(ProcessGroupStrategy):
     def _piece_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # The piece's mean loss weighted by its share of the step: summed over the pieces and
         # micro-steps, exactly the step's mean loss.
-        assert self._loss_of is not None
-        return self._loss_of(output, target) * (target.shape[0] * self._per_sample)
+        assert self._loss_fn is not None
+        return self._loss_fn(output, target) * (target.shape[0] * self._per_sample)
 
-    def forward_backward(self, model: nn.Module, batch: Batch, loss_of: LossOf) -> Optional[torch.Tensor]:
+    def forward_backward(self, model: nn.Module, batch: Batch, loss_fn: LossFn) -> Optional[torch.Tensor]:
         x, y = batch
         schedule = self._schedule("train", len(batch))
-        self._loss_of = loss_of
+        self._loss_fn = loss_fn
         self._per_sample = batch.loss_scale / len(batch)
         losses: list[torch.Tensor] = []
         if self.is_first:

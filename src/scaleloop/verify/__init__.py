@@ -2,7 +2,8 @@
 
 Modules, one job each (torch is imported only by the ones that train or compare):
 
-- ``cli``       the subcommand's flags and entry point (``add_parser``, ``run``)
+- ``cli``       the subcommand's flags and entry point (``add_parser``, ``run``); ``__main__``:
+  ``python -m scaleloop.verify``
 - ``options``   what was asked (steps, checks, step to explain, user loss), passed to workers
 - ``command``   the whole run: reference, workers, checks, report
 - ``steps``     the K training steps, shared by the reference and every worker
@@ -13,7 +14,7 @@ Modules, one job each (torch is imported only by the ones that train or compare)
 - ``data``      per-batch SHA-256, per-epoch coverage, DistributedSampler padding
 - ``sync``      a hash of every parameter and buffer on every rank
 - ``explain``   one step, rank by rank
-- ``hashing``, ``loss``, ``layout``: digests, the loss used, where files go
+- ``hashing``, ``layout``: digests, where files go (the loss is ``loop.tasks.resolve_loss``)
 
 For your own loop, ``scaleloop.verify.data.coverage`` and ``distributed_sampler_coverage``
 audit any sampler's index lists, and ``scaleloop.verify.sync.check_sync`` compares replicas.

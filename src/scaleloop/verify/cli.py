@@ -6,11 +6,11 @@ the work starts in :func:`run`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Any, Callable
 
-from scaleloop.config import TrainConfig, coerce, flag, load_toml, resolve
+from scaleloop.config import TrainConfig, load_toml, resolve
 from scaleloop.errors import UsageError
+from scaleloop.runtime.cmdline import flag_values
 from scaleloop.verify.options import CHECKS, DEFAULT_STEPS, VerifyOptions, parse_checks
 
 DESCRIPTION = (
@@ -59,11 +59,6 @@ def add_parser(subparsers: Any, parser_class: type, add_config_flags: Callable[[
     return parser
 
 
-def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    return {k: coerce(k, v, flag(k)) for k, v in vars(args).items() if k in names}
-
-
 def resolve_verify(args: argparse.Namespace) -> tuple[TrainConfig, VerifyOptions]:
     """The distributed run's config and the verify options, validated; UsageError for bad input."""
     from scaleloop.runtime import dist
@@ -71,7 +66,7 @@ def resolve_verify(args: argparse.Namespace) -> tuple[TrainConfig, VerifyOptions
     if dist.launched_by_torchrun() or dist.launched_by_slurm():
         raise UsageError("scaleloop verify starts its own worker processes; run it as one plain process, "
                          "not under torchrun or srun")
-    values = {**(load_toml(args.config) if args.config else {}), **_flag_values(args)}
+    values = {**(load_toml(args.config) if args.config else {}), **flag_values(args)}
     strategy = values.get("strategy", "auto")
     if strategy == "single":
         raise UsageError("--strategy single has nothing to compare with one process; use ddp, allreduce or dp")

@@ -35,7 +35,7 @@ from scaleloop.verify.diagnose import Cause, fallback, failure_cause, name_cause
 from scaleloop.verify.explain import format_explain
 from scaleloop.verify.launch import start_workers, worker_errors
 from scaleloop.verify.layout import CONFIG_FILE, OPTIONS_FILE, distributed_dir, reference_dir
-from scaleloop.verify.loss import resolve_loss
+from scaleloop.loop.tasks import resolve_loss
 from scaleloop.verify.options import VerifyOptions
 from scaleloop.verify.probes import Probes, run_probes, unsynced_batchnorm
 from scaleloop.verify.recorder import RECORD_FILE, Recorder

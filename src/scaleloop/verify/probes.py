@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from scaleloop.strategies.syncbn import GlobalBatchNorm
-from scaleloop.verify.loss import Criterion
+from scaleloop.loop.tasks import LossFn
 
 
 def unsynced_batchnorm(model: nn.Module) -> list[str]:
@@ -54,12 +54,12 @@ def draws_random_numbers(model: nn.Module, x: torch.Tensor) -> bool:
     return any(not torch.equal(a, b) for a, b in zip(before, after))
 
 
-def unused_parameters(model: nn.Module, x: torch.Tensor, y: torch.Tensor, criterion: Criterion) -> list[str]:
+def unused_parameters(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> list[str]:
     """Parameters that get no gradient from one forward and backward (DDP fails on them by default)."""
     probe = copy.deepcopy(model).train()
     probe.zero_grad(set_to_none=True)
     with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
-        criterion(probe(x), y).backward()
+        loss_fn(probe(x), y).backward()
     return [n for n, p in probe.named_parameters() if p.requires_grad and p.grad is None]
 
 
@@ -96,7 +96,7 @@ class LossSplit:
     pieces: int
 
 
-def loss_split(model: nn.Module, criterion: Criterion, x: torch.Tensor, y: torch.Tensor,
+def loss_split(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
                groups: Sequence[Sequence[int]], rtol: float = 1e-4) -> LossSplit:
     """Compare the loss of each reference piece with the losses of its distributed pieces.
 
@@ -112,10 +112,10 @@ def loss_split(model: nn.Module, criterion: Criterion, x: torch.Tensor, y: torch
         start = 0
         for sizes in groups:
             n = sum(sizes)
-            whole = float(criterion(out[start:start + n], y[start:start + n]))
+            whole = float(loss_fn(out[start:start + n], y[start:start + n]))
             losses, offset = [], start
             for size in sizes:
-                losses.append(float(criterion(out[offset:offset + size], y[offset:offset + size])))
+                losses.append(float(loss_fn(out[offset:offset + size], y[offset:offset + size])))
                 offset += size
             mean = sum(size / n * loss for size, loss in zip(sizes, losses))
             total = sum(losses)
@@ -141,7 +141,7 @@ class Probes:
     loss: Optional[LossSplit]
 
 
-def run_probes(model: nn.Module, criterion: Criterion, x: object, y: object,
+def run_probes(model: nn.Module, loss_fn: LossFn, x: object, y: object,
                groups: Sequence[Sequence[int]]) -> Probes:
     """All probes on ``model`` with the first step's batch ``(x, y)`` (tensors on the model's device).
 
@@ -149,8 +149,8 @@ def run_probes(model: nn.Module, criterion: Criterion, x: object, y: object,
     """
     tensors = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
     random = draws_random_numbers(model, x) if tensors else None
-    unused = unused_parameters(model, x, y, criterion) if tensors else None
+    unused = unused_parameters(model, x, y, loss_fn) if tensors else None
     flat = [s for g in groups for s in g]
     coupling = batch_coupling(model, x, flat) if tensors and not random and len(flat) > 1 else None
-    split = loss_split(model, criterion, x, y, groups) if tensors and len(flat) > 1 else None
+    split = loss_split(model, loss_fn, x, y, groups) if tensors and len(flat) > 1 else None
     return Probes(unsynced_batchnorm(model), dropout_layers(model), random, unused, coupling, split)

@@ -1,6 +1,6 @@
 """What one verify run records, on every rank, and how rank 0 writes it down.
 
-The training code (``steps.run_steps``) calls the recorder at fixed points of each step. Every
+The training step (``loop.step.Step``) calls the recorder, its observer, at fixed points of each step. Every
 rank records its own micro-batches (sample indices, a SHA-256 of the data, the local loss) and
 which parameters received a gradient; rank 0 also saves, after every optimizer step, all
 parameters and the synchronised gradients of that step. At the end the ranks' records are
@@ -21,6 +21,7 @@ from torch import nn
 
 from scaleloop.data.loader import Batch, ShardedLoader
 from scaleloop.runtime.dist import DistEnv
+from scaleloop.loop.step import Observer
 from scaleloop.strategies.base import Strategy
 from scaleloop.verify.hashing import digest, full_tensor
 from scaleloop.verify.sync import check_sync
@@ -37,8 +38,8 @@ def failure_file(run_dir: Path, rank: int) -> Path:
     return run_dir / f"failure-rank{rank}.json"
 
 
-class Recorder:
-    """Records one process's view of a verify run; rank 0 writes it into ``out``."""
+class Recorder(Observer):
+    """Records one process's view of a verify run (as the step's observer); rank 0 writes it into ``out``."""
 
     def __init__(self, env: DistEnv, out: Path, *, explain_step: Optional[int] = None,
                  audit_data: bool = False, check_sync: bool = False) -> None:
@@ -95,8 +96,10 @@ class Recorder:
         self.micro.append({"step": self.step, "epoch_step": batch.step, "micro": batch.plan.micro,
                            "indices": batch.indices.tolist(), "sha": digest(x, y)})
 
-    def micro_loss(self, loss: torch.Tensor, batch: Batch) -> None:
+    def micro_done(self, batch: Batch, loss: Optional[torch.Tensor]) -> None:
         """After backward: the micro-batch's loss, and its weight in the step's loss."""
+        if loss is None:   # a pipeline's earlier stage computes no loss
+            return
         value = float(loss.detach().float())
         n = len(batch)
         self.micro[-1].update(loss=value, n=n)

@@ -1,0 +1,144 @@
+"""Building a run: everything ``train``, ``verify``, ``bench`` and ``tune-batch`` train with,
+made by one function in one fixed order, so that the same settings give the same weights
+whichever of them runs.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from scaleloop.config import TrainConfig
+from scaleloop.data.datasets import build_datasets
+from scaleloop.data.info import Datasets
+from scaleloop.data.loader import ShardedLoader
+from scaleloop.errors import UsageError
+from scaleloop.loop.schedule import LearningRate, build_scheduler, scaled_lr
+from scaleloop.loop.speed import speed_up_model
+from scaleloop.loop.tasks import LossFn, resolve_loss
+from scaleloop.models import build_model, count_parameters
+from scaleloop.output.memory import parameter_bytes
+from scaleloop.runtime.dist import DistEnv
+from scaleloop.strategies import make_strategy
+from scaleloop.strategies.base import Strategy
+from scaleloop.strategies.precision import Precision
+
+
+@dataclass
+class Run:
+    """A built run: placed model, optimizer, schedule, this rank's loader and the loss."""
+
+    cfg: TrainConfig
+    env: DistEnv
+    data: Datasets
+    model: nn.Module                 # as the strategy placed (wrapped, sharded, cut) it
+    strategy: Strategy
+    optimizer: torch.optim.Optimizer
+    scheduler: Any                   # a torch LR scheduler; ``step()`` after each optimizer step
+    loader: ShardedLoader
+    loss_fn: LossFn                  # ``loss_fn(output, target)``: the mean loss of a batch
+    lr: LearningRate
+    total_steps: int                 # optimizer steps the whole run takes (the schedule's length)
+    parameters: int                  # of the whole model, before a strategy shards or cuts it
+    model_bytes: int
+    notes: list[str] = field(default_factory=list)   # what --compile/--channels-last did
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: identical initial weights, identical data order."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_data_and_model(cfg: TrainConfig) -> tuple[Datasets, nn.Module]:
+    """The datasets and the freshly initialised model, exactly as every run builds them (seeded)."""
+    seed_everything(cfg.seed)
+    data = build_datasets(cfg.data, data_dir=cfg.data_dir, n_samples=cfg.n_samples,
+                          input_dim=cfg.input_dim, image_size=cfg.image_size, seq_len=cfg.seq_len,
+                          vocab_size=cfg.vocab_size, test_fraction=cfg.test_fraction, seed=cfg.seed)
+    return data, build_model(cfg.model, data.info, hidden_dim=cfg.hidden_dim)
+
+
+def build_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter],
+                    lr: Optional[float] = None) -> torch.optim.Optimizer:
+    """The optimizer named by ``cfg.optimizer`` with its hyperparameters (``lr`` overrides ``cfg.lr``)."""
+    lr = cfg.lr if lr is None else lr
+    if cfg.optimizer == "sgd":
+        kind, options = torch.optim.SGD, dict(lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    else:
+        kind = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+        options = dict(lr=lr, weight_decay=cfg.weight_decay)
+    if not cfg.fused_optimizer:
+        return kind(params, **options)  # PyTorch's default implementation for the parameters' device
+    params = list(params)
+    try:
+        # One kernel over all parameters (CUDA and the CPU have them; torch checks the device).
+        return kind(params, fused=True, **options)
+    except RuntimeError:
+        return kind(params, foreach=True, **options)  # the multi-tensor loop: a few kernels per step
+
+
+def build_run(cfg: TrainConfig, env: DistEnv, *, loss: Optional[str] = None,
+              data: Optional[Callable[[TrainConfig], tuple[Datasets, nn.Module]]] = None) -> Run:
+    """Build the run ``cfg`` describes on this rank of ``env``.
+
+    ``loss``: a user loss ``pkg.module:fn`` (default: the task's own). ``data``: what builds the
+    datasets and the model (default: :func:`build_data_and_model`; ``bench`` sizes its data to
+    the batch). Every rank builds the same model from the same seed; the strategy then places it.
+    """
+    datasets, model = (data or build_data_and_model)(cfg)
+    parameters, model_bytes = count_parameters(model), parameter_bytes(model)
+    strategy = make_strategy(cfg.strategy, env, Precision(cfg.precision, env.device), cfg.accumulate,
+                             cfg.sync_batchnorm, microbatches=cfg.microbatches)
+    lr = scaled_lr(cfg)
+    notes = speed_up_model(model, cfg, env.device)
+    model, optimizer = strategy.setup(model, lambda params: build_optimizer(cfg, params, lr.peak))
+    if cfg.compile:
+        # In place (nn.Module.compile): the module, its wrappers' isinstance checks and its
+        # state_dict keys stay what they were (no ``_orig_mod.`` prefix in checkpoints).
+        model.compile()
+    # From here on each rank draws its own random numbers (dropout, augmentation), like
+    # independent workers would; the data order stays shared, drawn from cfg.seed + epoch.
+    torch.manual_seed(cfg.seed + env.rank)
+    loader = strategy.loader(datasets.train, cfg.batch_size, shuffle=True, seed=cfg.seed,
+                             drop_last=cfg.drop_last, num_workers=cfg.num_workers)
+    try:
+        loader.configure(pin_memory=cfg.pin_memory, persistent_workers=cfg.persistent_workers,
+                         on_device=cfg.data_on_device, channels_last=cfg.channels_last)
+    except ValueError as exc:
+        raise UsageError(f"--data-on-device: {exc}" if cfg.data_on_device else str(exc)) from None
+    total_steps = loader.plan.steps_per_epoch * cfg.epochs
+    if cfg.max_steps is not None:
+        total_steps = min(total_steps, cfg.max_steps)
+    return Run(cfg=cfg, env=env, data=datasets, model=model, strategy=strategy, optimizer=optimizer,
+               scheduler=build_scheduler(optimizer, cfg, total_steps), loader=loader,
+               loss_fn=resolve_loss(loss, datasets.info), lr=lr, total_steps=total_steps,
+               parameters=parameters, model_bytes=model_bytes, notes=notes)
+
+
+def preflight(cfg: TrainConfig) -> None:
+    """Checks worth doing once, before N worker processes start: names, user code, data directory."""
+    from scaleloop.data.datasets import DATASET_NAMES
+    from scaleloop.models import MODEL_NAMES
+    from scaleloop.plugins import is_factory_spec, resolve_factory
+
+    for what, name, known in (("model", cfg.model, MODEL_NAMES), ("data", cfg.data, DATASET_NAMES)):
+        if is_factory_spec(name):
+            resolve_factory(name, what)
+        elif name.lower() not in known:
+            raise UsageError(f"unknown {'dataset' if what == 'data' else what} {name!r}; choose one of "
+                             f"{', '.join(known)}, or give 'package.module:factory'")
+    if cfg.data == "mnist" and not cfg.data_dir:
+        raise UsageError("dataset 'mnist' reads IDX files from a directory: pass --data-dir DIR (it never downloads)")
+    if cfg.strategy == "pipeline":
+        # The cut into stages is known before any worker starts: a model too shallow for
+        # --nproc stages fails here, in one line, rather than in every worker.
+        from scaleloop.strategies.pipeline import pipeline_layers, plan_stages
+
+        _, model = build_data_and_model(cfg)
+        plan_stages(pipeline_layers(model), cfg.world_size, cfg.model)

@@ -1,0 +1,95 @@
+"""The training step, written once: ``train``, ``verify`` and ``bench`` all run this code.
+
+A step is one or more micro-batches (``Step.micro``: forward, loss, backward weighted by the
+micro-batch's share of the global step; the strategy skips gradient synchronisation on all
+but the last) and one update (``Step.update``: clip, optimizer step, schedule step). The
+caller keeps the loop over the loader, so that a reader sees where a step starts and ends::
+
+    for batch in run.loader:
+        loss = step.micro(batch)
+        if batch.last_micro:
+            lr = step.update()
+
+``verify``'s recorder and ``bench``'s timers watch a step through an :class:`Observer`; with
+none (``scaleloop train``), the step costs nothing beyond the strategy's own calls.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from scaleloop.data.loader import Batch
+from scaleloop.loop.build import Run
+from scaleloop.output.memory import gradient_bytes
+
+
+class Observer:
+    """Hooks into a :class:`Step`, in the order they run; each does nothing unless overridden."""
+
+    def micro_batch(self, batch: Batch) -> None:
+        """Before a micro-batch's forward pass."""
+
+    def forward_done(self, loss: torch.Tensor) -> None:
+        """After a micro-batch's loss is computed, before its backward (per pipeline piece
+        under the pipeline strategy, which interleaves the two)."""
+
+    def micro_done(self, batch: Batch, loss: Optional[torch.Tensor]) -> None:
+        """After a micro-batch's backward; ``loss`` is None on a rank that computes none."""
+
+    def synced(self) -> None:
+        """After the step's last backward: gradients are synchronised, not yet clipped."""
+
+    def stepped(self) -> None:
+        """After the optimizer and the schedule have stepped."""
+
+
+class Step:
+    """One optimizer step of a built :class:`Run`, micro-batch by micro-batch."""
+
+    def __init__(self, run: Run, observer: Optional[Observer] = None) -> None:
+        self.model = run.model
+        self.optimizer = run.optimizer
+        self.scheduler = run.scheduler
+        self.strategy = run.strategy
+        self.clip = run.cfg.clip_grad
+        self.observer = observer
+        self._loss_fn = run.loss_fn
+        # Only an observer needs the moment the loss is known; without one, no extra call.
+        self.loss_fn = run.loss_fn if observer is None else self._observed_loss
+        #: The gradients' bytes at the first update (they exist only between backward and step).
+        self.gradient_bytes: Optional[int] = None
+        self._measured = False
+
+    def _observed_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self._loss_fn(output, target)
+        self.observer.forward_done(loss)  # type: ignore[union-attr]
+        return loss
+
+    def micro(self, batch: Batch) -> Optional[torch.Tensor]:
+        """Forward and backward of one micro-batch; its mean loss, detached (None on a rank
+        that computes no loss: a pipeline's earlier stages)."""
+        observer = self.observer
+        if observer is not None:
+            observer.micro_batch(batch)
+        loss = self.strategy.forward_backward(self.model, batch, self.loss_fn)
+        if observer is not None:
+            observer.micro_done(batch, loss)
+        return loss
+
+    def update(self) -> float:
+        """Clip, step the optimizer (fp16: skipped on overflow) and the schedule; returns the
+        learning rate the step used."""
+        observer = self.observer
+        if observer is not None:
+            observer.synced()
+        if self.clip is not None:
+            self.strategy.clip_grad_norm(self.model, self.optimizer, self.clip)
+        if not self._measured:
+            self.gradient_bytes, self._measured = gradient_bytes(self.model), True
+        self.strategy.optimizer_step(self.optimizer)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        if observer is not None:
+            observer.stepped()
+        return lr

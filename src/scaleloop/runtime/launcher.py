@@ -1,0 +1,122 @@
+"""``scaleloop train`` behind its flags: train in this process, or start N workers under torchrun.
+
+:func:`launch_train` decides. A process started by torchrun or srun is one worker and trains.
+Otherwise it is the launcher: for several processes it checks what it can first (names,
+resume), prepares the run directory, writes the resolved ``config.toml`` and re-launches
+``scaleloop train --config`` under torchrun; for one process it trains here.
+Torch is imported only when a run starts.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from scaleloop.config import TrainConfig, to_toml
+from scaleloop.runtime.cmdline import EXIT_INTERRUPTED
+
+if TYPE_CHECKING:
+    from scaleloop.loop.training import RunResult
+
+
+class Interrupted(Exception):
+    """Ctrl-C (or SIGINT/SIGTERM of the workers); says how to continue if a checkpoint exists."""
+
+    def __init__(self, run_dir: Optional[Path]) -> None:
+        from scaleloop.checkpoint.store import CHECKPOINTS_DIR, list_checkpoints
+
+        text = "interrupted; everything written so far is kept"
+        if run_dir is not None and list_checkpoints(run_dir / CHECKPOINTS_DIR):
+            text += f"; continue from the last checkpoint with: scaleloop train --out {run_dir}"
+        super().__init__(text)
+
+
+class WorkersFailed(Exception):
+    """The workers started under torchrun failed; their own messages were already printed."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"the worker processes failed (torchrun exit code {code}); the messages above say why")
+        self.code = code
+
+
+def launch_train(cfg: TrainConfig) -> Optional["RunResult"]:
+    """Train ``cfg``; the result on the process that prints it (rank 0 here), else None.
+
+    None also when this process only launched the workers under torchrun (they print their
+    own summary). Raises :class:`Interrupted` on Ctrl-C, :class:`WorkersFailed` when torchrun
+    reports a failure, ``UsageError`` for bad settings.
+    """
+    from scaleloop.runtime import dist
+    from scaleloop.loop.training import train
+    from scaleloop.checkpoint.resume import run_dir_for
+    from scaleloop.output.rundir import default_run_dir
+
+    # Started by torchrun or srun: this process is one worker. Otherwise it is the launcher.
+    if not (dist.launched_by_torchrun() or dist.launched_by_slurm()):
+        cfg = auto_processes(cfg)
+        if cfg.world_size > 1:
+            _launch_workers(cfg)
+            return None
+        # Named now, so that an interrupted run can say where to resume it from.
+        out = run_dir_for(cfg) or default_run_dir(cfg.model, cfg.data)
+        cfg = cfg.replace(out=str(out))
+
+    env = dist.DistEnv.from_env(device=cfg.device, backend=cfg.backend)
+    dist.init_process_group(env)
+    try:
+        result = train(cfg, env)
+    except KeyboardInterrupt:
+        raise Interrupted(Path(cfg.out) if cfg.out and env.is_main else None) from None
+    finally:
+        dist.destroy_process_group()
+    return result if env.is_main else None
+
+
+def _launch_workers(cfg: TrainConfig) -> None:
+    """Start ``cfg.world_size`` workers under torchrun and wait for them."""
+    from scaleloop.runtime.torchrun import run_under_torchrun
+    from scaleloop.loop.training import preflight
+    from scaleloop.checkpoint.resume import continues_run, run_dir_for
+    from scaleloop.output.rundir import default_run_dir, prepare_run_dir, write_atomic
+
+    # Check what can be checked before starting N processes, then hand the workers the fully
+    # resolved config (run directory included) as a file: every worker and node then trains
+    # with exactly the same settings.
+    preflight(cfg)
+    source = _check_resume(cfg)
+    out = run_dir_for(cfg) or default_run_dir(cfg.model, cfg.data)
+    cfg = cfg.replace(out=str(out))
+    run_dir = prepare_run_dir(cfg.out, cfg.model, cfg.data,
+                              continuing=source is not None and continues_run(out, source))
+    resolved = run_dir / "config.toml"
+    write_atomic(resolved, to_toml(cfg).encode())
+    try:
+        code = run_under_torchrun(cfg, ["train", "--config", str(resolved)])
+    except KeyboardInterrupt:
+        raise Interrupted(run_dir) from None
+    if code == EXIT_INTERRUPTED or code < 0:
+        raise Interrupted(run_dir)
+    if code != 0:
+        raise WorkersFailed(code)
+
+
+def _check_resume(cfg: TrainConfig) -> Optional[Path]:
+    """Before starting workers: the checkpoint to resume (None: a fresh start), checked against ``cfg``."""
+    from scaleloop.checkpoint.resume import check_compatible, find_checkpoint
+
+    info = find_checkpoint(cfg, restarting=False, warn=lambda msg: print(f"scaleloop: {msg}", file=sys.stderr))
+    if info is None:
+        return None
+    if isinstance(info.meta.get("config"), dict):
+        check_compatible(info.meta["config"], cfg, str(info.path))
+    return info.path
+
+
+def auto_processes(cfg: TrainConfig) -> TrainConfig:
+    """``--strategy auto`` on a machine with several GPUs: one DDP process per GPU."""
+    if cfg.strategy != "auto" or cfg.world_size > 1 or cfg.device not in ("auto", "cuda"):
+        return cfg
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return cfg.replace(nproc=gpus, strategy="ddp") if gpus > 1 else cfg

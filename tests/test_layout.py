@@ -1,0 +1,144 @@
+"""The package's layout stays legible: no import cycles, and every package says what is in it.
+
+Both tests read the source with ``ast`` and import nothing, so they take no time and hold
+whether or not torch is installed.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+from typing import Iterator, Optional
+
+ROOT = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "scaleloop"
+
+
+def module_name(path: Path) -> str:
+    """``src/scaleloop/loop/training.py`` -> ``scaleloop.loop.training``; an ``__init__`` is its package."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
+
+
+def _absolute(node: ast.ImportFrom, name: str, is_package: bool) -> Optional[str]:
+    """The module an ``ImportFrom`` names, relative imports resolved against ``name``."""
+    if not node.level:
+        return node.module
+    base = name.split(".") if is_package else name.split(".")[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every module of the package that ``path`` imports, at module level or inside functions.
+
+    ``import a.b`` imports ``a.b``; ``from a import b`` imports ``a.b`` when ``b`` is a submodule,
+    else ``a``. A package counts as the module its ``__init__`` is.
+    """
+    found: set[str] = set()
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            target = _absolute(node, name, is_package)
+            if not target:
+                continue
+            for alias in node.names:
+                found.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in modules else target)
+    return {m for m in found if m in modules and m != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = all_modules()
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    cycles = [_one_cycle(graph, set(c)) for c in components]
+    # A tangle of more modules than its shortest cycle: name them all.
+    return [cycle + ([f"(tangled: {', '.join(c)})"] if len(c) > len(cycle) - 1 else [])
+            for cycle, c in zip(cycles, components)]
+
+
+def _one_cycle(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """A shortest cycle through the component's first module, as a path that ends where it starts."""
+    start = min(component)
+    paths = {start: [start]}
+    queue = [start]
+    while queue:
+        v = queue.pop(0)
+        for w in sorted(graph[v] & component):
+            if w == start:
+                return paths[v] + [start]
+            if w not in paths:
+                paths[w] = paths[v] + [w]
+                queue.append(w)
+    raise AssertionError(f"no cycle through {start}")   # pragma: no cover
+
+
+def test_the_import_graph_finds_a_planted_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycles(graph) == [["a", "b", "c", "a"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles() -> None:
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in cycles)
+
+
+def packages() -> Iterator[Path]:
+    yield from sorted(p.parent for p in (ROOT / PACKAGE).rglob("__init__.py"))
+
+
+def test_every_package_docstring_maps_its_modules() -> None:
+    missing = []
+    for package in packages():
+        tree = ast.parse((package / "__init__.py").read_text(encoding="utf-8"))
+        doc = ast.get_docstring(tree) or ""
+        named = set(re.findall(r"``([\w.]+)``", doc))
+        members = [p.stem for p in package.glob("*.py") if p.name != "__init__.py"]
+        members += [p.name for p in package.iterdir() if (p / "__init__.py").is_file()]
+        absent = sorted(m for m in members if m not in named)
+        if absent:
+            missing.append(f"{module_name(package / '__init__.py')}: {', '.join(absent)}")
+    assert not missing, "package docstrings that do not name (in ``double backticks``) these modules:\n" + \
+        "\n".join("  " + m for m in missing)
