@@ -15,7 +15,7 @@ The diff from 02_ddp.py:
   float32. bf16 keeps fp32's exponent range, so it needs no loss scaling; with "fp16" the
   strategy adds a GradScaler and ``optimizer_step`` skips steps whose gradients overflowed.
 - the loss printed is the mean over the whole step (all micro-steps, all ranks), not rank 0's
-  share: ``strategy.reduce_sum`` adds the ranks' parts.
+  share: ``sl.sum_over_ranks`` adds the ranks' parts.
 
 With ``--precision fp32`` the weights equal 00_single.py's up to float rounding (the tests
 check 1e-5 of the largest weight); in bf16 they are close, not equal.
@@ -59,7 +59,7 @@ for epoch in range(100):
         if batch.last_micro:
             strategy.optimizer_step(optimizer)
             step += 1
-            step_loss = strategy.reduce_sum(step_loss)                      # new: all ranks' parts
+            step_loss = sl.sum_over_ranks(step_loss, env)                   # new: all ranks' parts
             if env.is_main and (step == 1 or step % 10 == 0):
                 print(f"step {step}: loss {step_loss.item():.4f}")
             step_loss.zero_()

@@ -32,6 +32,7 @@ from torch import nn
 import scaleloop as sl
 from scaleloop.checkpoint.state import capture_rng, from_bytes, restore_rng, to_bytes   # new
 from scaleloop.checkpoint.store import newest_valid, prune, write_checkpoint            # new
+from scaleloop.runtime.collectives import broadcast_object, gather_object              # new
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", help="save the final weights here")
@@ -58,7 +59,7 @@ root = Path(args.ckpt_dir)
 
 def save_checkpoint(step: int, epoch: int, step_in_epoch: int) -> None:                      # new
     """Every rank calls this: the RNG states are gathered from all of them (a collective)."""
-    rngs = strategy.gather_object(capture_rng(env.device))
+    rngs = gather_object(capture_rng(env.device), env)
     if env.is_main:   # replicas: rank 0 holds everything else
         state = {"model": strategy.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
                  "step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "rng": rngs}
@@ -70,7 +71,7 @@ def save_checkpoint(step: int, epoch: int, step_in_epoch: int) -> None:         
 def load_checkpoint() -> tuple[int, int, int]:                                               # new
     """The newest valid checkpoint into model and optimizer; returns (step, epoch, step_in_epoch)."""
     found = newest_valid(root, warn=print) if env.is_main else None
-    data = strategy.broadcast_object(found.state_file.read_bytes() if found else None)
+    data = broadcast_object(found.state_file.read_bytes() if found else None, env)
     if data is None:
         return 0, 0, 0                                  # nothing to resume: a fresh start
     state = from_bytes(data, str(root))                 # weights-only: tensors and plain values
@@ -100,7 +101,7 @@ for epoch in range(start_epoch, 100):                                           
         if batch.last_micro:
             strategy.optimizer_step(optimizer)
             step += 1
-            step_loss = strategy.reduce_sum(step_loss)
+            step_loss = sl.sum_over_ranks(step_loss, env)
             if env.is_main and (step == 1 or step % 10 == 0):
                 print(f"step {step}: loss {step_loss.item():.4f}")
             step_loss.zero_()

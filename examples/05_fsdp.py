@@ -13,11 +13,11 @@ The diff from 04_checkpoint.py:
   trains on its half of the global batch, and N processes train the model one process would.
   The first line printed says how much of the model each rank holds.
 - the checkpoint: no rank holds the whole model or optimizer state, so no rank can write it
-  alone. Rank 0 creates the temporary checkpoint directory and tells every rank its name;
-  every rank writes its own pieces into it (``strategy.save_sharded``: one ``__<rank>_0.distcp``
+  alone. Rank 0 creates the temporary checkpoint directory; ``strategy.save_checkpoint`` tells
+  every rank its name and every rank writes its own pieces into it (one ``__<rank>_0.distcp``
   file each, through torch.distributed.checkpoint); rank 0 adds ``state.pt`` (position, RNG
   states) and the checksummed manifest, then renames it into place. On resume every rank reads
-  the pieces it needs (``strategy.load_sharded``), whatever the number of processes that wrote
+  the pieces it needs (``strategy.load_checkpoint``), whatever the number of processes that wrote
   them: a checkpoint of 2 processes resumes on 1, or on 4. Every rank must see the directory:
   on several machines it has to be on a shared file system.
 - the final weights: ``strategy.full_state_dict(model)`` gathers the pieces into rank 0's CPU
@@ -36,6 +36,7 @@ import scaleloop as sl
 from scaleloop.checkpoint.state import capture_rng, from_bytes, restore_rng, to_bytes
 from scaleloop.checkpoint.store import (begin_checkpoint, finish_checkpoint, newest_valid,   # new
                                         prune)
+from scaleloop.runtime.collectives import broadcast_object, gather_object
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", help="save the final weights here")
@@ -59,7 +60,7 @@ strategy = sl.strategy("fsdp", env, precision=args.precision, accumulate=args.ac
 model, optimizer = strategy.setup(model, lambda params: torch.optim.SGD(params, lr=0.1))
 loader = strategy.loader(dataset, batch_size=128, shuffle=True, seed=0)
 root = Path(args.ckpt_dir)
-held = strategy.gather_object(sum(p.to_local().numel() for p in model.parameters()))   # new
+held = gather_object(sum(p.to_local().numel() for p in model.parameters()), env)     # new
 if env.is_main:                                                                         # new
     print(f"{strategy.describe()} x {env.world_size}: of the {total:,} parameters, "
           + ", ".join(f"rank {r} holds {n:,}" for r, n in enumerate(held)))
@@ -68,11 +69,10 @@ if env.is_main:                                                                 
 def save_checkpoint(step: int, epoch: int, step_in_epoch: int) -> None:
     """Every rank calls this: each writes its own pieces (a collective)."""
     tmp = begin_checkpoint(root, step) if env.is_main else None                        # new
-    tmp = Path(strategy.broadcast_object(str(tmp) if tmp else None))                     # new: rank 0's, on every rank
-    strategy.save_sharded(model, optimizer, tmp)                                        # new: every rank
-    rngs = strategy.gather_object(capture_rng(env.device))
+    entries = strategy.save_checkpoint(model, optimizer, tmp)                          # new: every rank, into rank 0's tmp
+    rngs = gather_object(capture_rng(env.device), env)
     if env.is_main:
-        state = {"sharded": "torch.distributed.checkpoint",   # model and optimizer: the .distcp files
+        state = {**entries,   # new: {"sharded": ...}, the model and optimizer are the .distcp files
                  "step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "rng": rngs}
         path = finish_checkpoint(root, step, tmp, {"state.pt": to_bytes(state)},     # new
                                  {"world_size": env.world_size})
@@ -83,11 +83,11 @@ def save_checkpoint(step: int, epoch: int, step_in_epoch: int) -> None:
 def load_checkpoint() -> tuple[int, int, int]:
     """The newest valid checkpoint into model and optimizer; returns (step, epoch, step_in_epoch)."""
     found = newest_valid(root, warn=print) if env.is_main else None
-    data = strategy.broadcast_object((str(found.path), found.state_file.read_bytes()) if found else None)
+    data = broadcast_object((str(found.path), found.state_file.read_bytes()) if found else None, env)
     if data is None:
         return 0, 0, 0
     path, state = Path(data[0]), from_bytes(data[1], data[0])
-    strategy.load_sharded(model, optimizer, path)        # new: each rank reads the pieces it needs
+    strategy.load_checkpoint(model, optimizer, state, path)   # new: each rank reads the pieces it needs
     if env.rank < len(state["rng"]):
         restore_rng(state["rng"][env.rank], env.device)
     if env.is_main:
@@ -112,7 +112,7 @@ for epoch in range(start_epoch, 100):
         if batch.last_micro:
             strategy.optimizer_step(optimizer)
             step += 1
-            step_loss = strategy.reduce_sum(step_loss)
+            step_loss = sl.sum_over_ranks(step_loss, env)
             if env.is_main and (step == 1 or step % 10 == 0):
                 print(f"step {step}: loss {step_loss.item():.4f}")
             step_loss.zero_()

@@ -60,7 +60,7 @@ def train(strategy_name: str) -> dict:                                  # new: t
             if batch.last_micro:
                 strategy.optimizer_step(optimizer)
                 step += 1
-                losses.append(strategy.reduce_sum(step_loss).item())   # over all ranks
+                losses.append(sl.sum_over_ranks(step_loss, env).item())   # over all ranks
                 step_loss.zero_()
             if step == args.steps:
                 break

@@ -10,7 +10,7 @@ instructions of the same steady-state training steps of
 
 - the raw loop (``scaleloop.bench.rawloop``, data path ``gather``: the tutorial's loop with
   batches gathered by ``index_select``, the same data path as scaleloop's), and
-- ``scaleloop.loop.training.train``,
+- ``scaleloop.loop.training.train`` (``scaleloop train``'s loop),
 
 both in one process, in the order raw, scaleloop, raw, scaleloop, after one untimed warm-up run
 of each. The counted span starts at the forward pass of optimizer step 10 and ends at that of
@@ -63,17 +63,18 @@ def child(model: str) -> None:
                       checkpoints=False, device="cpu")
     env = DistEnv(device=torch.device("cpu"))
     tmp = tempfile.mkdtemp()
-    loss_fn = scaleloop.loop.tasks.loss_fn
+    task_loss = scaleloop.loop.tasks.task_loss
     calls = [0]
 
     def marked(*args):   # the loss of every step, in both loops
         calls[0] += 1
         if calls[0] in marks:
             os.getppid()
-        return loss_fn(*args)
+        return task_loss(*args)
 
-    scaleloop.loop.tasks.loss_fn = marked       # rawloop imports it from here when it runs
-    scaleloop.loop.training.loss_fn = marked        # loop.train bound it at import
+    # Both loops look it up in scaleloop.loop.tasks when they call it (rawloop imports it at
+    # run time; the run's loss_fn calls the module's task_loss).
+    scaleloop.loop.tasks.task_loss = marked
     runs = [0]
 
     def ours(mark: bool) -> None:

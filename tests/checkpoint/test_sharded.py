@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaleloop.checkpoint.manager import _check_sharded, _missing_shards
 from scaleloop.checkpoint.store import (CheckpointError, begin_checkpoint, finish_checkpoint,
                                         verify_checkpoint)
 from scaleloop.runtime.dist import DistEnv
@@ -19,6 +18,11 @@ from scaleloop.models import SimpleNet
 from scaleloop.strategies import SingleDevice, distcp
 
 STRATEGY = SingleDevice(DistEnv())
+SHARDED = {"sharded": distcp.SHARDED_FORMAT}   # what state.pt holds of a sharded checkpoint's model
+
+
+def load(model: SimpleNet, directory: Path) -> None:
+    STRATEGY.load_checkpoint(model, torch.optim.Adam(model.parameters()), SHARDED, directory)
 
 
 def saved(tmp_path: Path, hidden: int = 8) -> tuple[Path, SimpleNet, torch.optim.Optimizer]:
@@ -51,7 +55,7 @@ def test_round_trip_into_a_fresh_model_and_optimizer(tmp_path: Path) -> None:
     torch.manual_seed(1)
     fresh = SimpleNet(4, 8, 2)
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.5)
-    STRATEGY.load_sharded(fresh, fresh_opt, directory)
+    STRATEGY.load_checkpoint(fresh, fresh_opt, SHARDED, directory)
     for key, value in model.state_dict().items():
         assert torch.equal(value, fresh.state_dict()[key]), key
     a, b = optimizer.state_dict(), fresh_opt.state_dict()
@@ -63,20 +67,20 @@ def test_round_trip_into_a_fresh_model_and_optimizer(tmp_path: Path) -> None:
 
 def test_a_missing_shard_is_reported_as_a_shared_file_system_problem(tmp_path: Path) -> None:
     directory, _, _ = saved(tmp_path)
-    assert _missing_shards(directory) is None
+    assert distcp.missing_shards(directory) is None
     (directory / "__0_0.distcp").unlink()
-    message = _missing_shards(directory)
+    message = distcp.missing_shards(directory)
     assert message is not None and "__0_0.distcp" in message and "file system that all nodes share" in message
 
 
 def test_a_checkpoint_a_rank_cannot_see_is_refused(tmp_path: Path) -> None:
     (tmp_path / "elsewhere").mkdir()
     with pytest.raises(CheckpointError, match=r"not visible to rank\(s\) 0: .*share"):
-        _check_sharded(STRATEGY, SimpleNet(4, 8, 2), tmp_path / "elsewhere")
+        load(SimpleNet(4, 8, 2), tmp_path / "elsewhere")
 
 
 def test_a_checkpoint_of_another_model_names_the_shapes(tmp_path: Path) -> None:
     directory, _, _ = saved(tmp_path, hidden=8)
-    _check_sharded(STRATEGY, SimpleNet(4, 8, 2), directory)
+    load(SimpleNet(4, 8, 2), directory)
     with pytest.raises(CheckpointError, match=r"net.0.weight \(8, 4\) vs \(16, 4\)"):
-        _check_sharded(STRATEGY, SimpleNet(4, 16, 2), directory)
+        load(SimpleNet(4, 16, 2), directory)

@@ -162,16 +162,16 @@ def test_default_config_learns_digits(tmp_path: Path) -> None:
 
 # --- evaluate ---------------------------------------------------------------------------
 
-class Recording(Strategy):
-    """A strategy for one rank of a pretend job: remembers what it would all-reduce."""
+def recording(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """What ``evaluate`` would all-reduce, call by call (the pretend ranks below have no process group)."""
+    reduced: list[torch.Tensor] = []
 
-    def __init__(self, env: DistEnv) -> None:
-        super().__init__(env)
-        self.reduced: list[torch.Tensor] = []
-
-    def reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        self.reduced.append(values.clone())
+    def record(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
+        reduced.append(values.clone())
         return values
+
+    monkeypatch.setattr("scaleloop.loop.evaluate.sum_over_ranks", record)
+    return reduced
 
 
 def _classifier():
@@ -210,17 +210,19 @@ def test_evaluate_binary_task() -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3, 5])
-def test_evaluate_splits_the_test_set_over_ranks_without_overlap(world: int) -> None:
+def test_evaluate_splits_the_test_set_over_ranks_without_overlap(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
     data, model = _classifier()
     x, y = data.test.tensors
     with torch.no_grad():
         model.eval()
         out = model(x)
     totals = torch.zeros(3, dtype=torch.float64)
+    reduced = recording(monkeypatch)
     for rank in range(world):
-        strategy = Recording(DistEnv(rank=rank, world_size=world, local_rank=rank, local_world_size=world))
+        strategy = Strategy(DistEnv(rank=rank, world_size=world, local_rank=rank, local_world_size=world))
         evaluate(model, data.test, data.info, strategy, batch_size=16)
-        (sums,) = strategy.reduced
+        (sums,) = reduced
+        reduced.clear()
         totals += sums
     # what the all-reduce would give: every sample counted exactly once over the ranks
     assert int(totals[2]) == len(y)
@@ -228,7 +230,7 @@ def test_evaluate_splits_the_test_set_over_ranks_without_overlap(world: int) -> 
     assert float(totals[0]) / len(y) == pytest.approx(float(F.cross_entropy(out, y)), rel=1e-5)
 
 
-def test_evaluate_with_fewer_test_samples_than_ranks() -> None:
+def test_evaluate_with_fewer_test_samples_than_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ranks with no test sample still take part (and a DataLoader-backed set does not crash)."""
     from torch.utils.data import Dataset
 
@@ -249,11 +251,12 @@ def test_evaluate_with_fewer_test_samples_than_ranks() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     totals = torch.zeros(3, dtype=torch.float64)
+    reduced = recording(monkeypatch)
     for rank in range(3):
-        strategy = Recording(DistEnv(rank=rank, world_size=3, local_rank=rank, local_world_size=3))
+        strategy = Strategy(DistEnv(rank=rank, world_size=3, local_rank=rank, local_world_size=3))
         result = evaluate(model, ds, info, strategy)
         assert result.samples == 2
-        totals += strategy.reduced[0]
+        totals += reduced.pop()
     with torch.no_grad():
         out = model(ds.x)
     assert int(totals[2]) == 2

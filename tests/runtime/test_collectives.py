@@ -225,10 +225,7 @@ def test_sum_over_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
 # --- evaluate uses the same blocks ----------------------------------------------------------
 
 class FakeRankStrategy(Strategy):
-    """One pretend rank whose reduction goes through sum_over_ranks (so through FakeDist)."""
-
-    def reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        return sum_over_ranks(values, self.env)
+    """One pretend rank: ``evaluate`` reduces through sum_over_ranks, so through FakeDist."""
 
 
 def _float64_problem(n: int = 101):
@@ -244,12 +241,12 @@ def test_evaluate_counts_each_rank_block(monkeypatch: pytest.MonkeyPatch) -> Non
     ds, info, model = _float64_problem()
     seen: list[tuple[int, int]] = []
 
-    class Counting(FakeRankStrategy):
-        def reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-            seen.append((self.env.rank, int(values[2])))
-            return super().reduce_sum(values)
+    def counting(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
+        seen.append((env.rank, int(values[2])))
+        return sum_over_ranks(values, env)
 
-    on_ranks(3, lambda env: evaluate(model, ds, info, Counting(env), batch_size=8), monkeypatch)
+    monkeypatch.setattr("scaleloop.loop.evaluate.sum_over_ranks", counting)
+    on_ranks(3, lambda env: evaluate(model, ds, info, FakeRankStrategy(env), batch_size=8), monkeypatch)
     assert sorted(seen) == [(r, len(shard_indices(101, env_of(r, 3)))) for r in range(3)]
 
 

@@ -12,6 +12,7 @@ One module per job:
 - ``breakdown``  why N workers are not N x one: data, compute, communication and idle time per step
 - ``flops``      FLOPs per sample (``torch.utils.flop_counter``), peak FLOP/s, MFU
 - ``rawloop``    the hand-written PyTorch loop that the overhead bench compares against
+- ``loopcost``   the loop's own cost per step, piece by piece (batch objects, step calls, loss sums, logging)
 - ``devices``, ``scaling``, ``strategies``, ``overhead``, ``mfu``: the bench commands
 - ``plots``      the PNG charts (matplotlib, imported lazily)
 - ``index``      benchmarks/README.md, rebuilt from the results' JSON

@@ -112,6 +112,13 @@ def _run_loops(opts: OverheadOptions, say: Say) -> BenchReport:
             say(f"  repetition {i + 1}/{opts.repeats}: {'tutorial' if data_path == 'dataloader' else 'raw'} "
                 f"{rep['raw_s']:.3f} s, scaleloop {rep['scaleloop_s']:.3f} s (x{rep['ratio']:.3f})")
         batches = _data_only(cfg, device, opts, say) if opts.mode == "datapath" else None
+        steps_per_run = ours.steps
+    cost = None
+    if opts.mode == "loop":
+        from scaleloop.bench.loopcost import measure_loop_cost
+
+        say("overhead (loop): the loop's own cost per step, piece by piece")
+        cost = measure_loop_cost(cfg, device)
 
     raw_s = summarize([r["raw_s"] for r in reps])
     sl_s = summarize([r["scaleloop_s"] for r in reps])
@@ -134,9 +141,13 @@ def _run_loops(opts: OverheadOptions, say: Say) -> BenchReport:
         f"{opts.repeats} repetitions of {opts.epochs} epoch(s) each ({samples:,} samples), "
         f"{opts.workload.describe()}, batch {opts.batch_size}, {describe_threads(device)}.")
     tables = [table]
+    if cost is not None:
+        from scaleloop.bench.loopcost import loop_cost_table
+
+        tables.append(loop_cost_table(cost, raw_s["median"] / max(steps_per_run, 1)))
     data: dict[str, Any] = {"ratio": ratio, "ratio_per_repetition": ratios, "raw_s": raw_s, "scaleloop_s": sl_s,
                             "scaleloop_wall_s": wall, "final_weights_max_abs_diff": weights_diff,
-                            "data_path": data_path, "repetitions": reps}
+                            "data_path": data_path, "repetitions": reps, "loop_cost": cost}
     if opts.mode == "datapath":
         what, title = "datapath", f"Data path: scaleloop's in-memory fast path vs the tutorial's DataLoader, " \
                                   f"{opts.workload.describe()}"

@@ -46,7 +46,7 @@ class CommRecorder:
     """Bytes and in-flight time of the gradient all-reduces of each step.
 
     For DDP it is a communication hook that wraps PyTorch's default all-reduce hook; for the
-    hand-written ``allreduce`` strategy it wraps ``strategy.after_backward``.
+    hand-written ``allreduce`` strategy it wraps the strategy's ``_sync_gradients`` hook.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -107,7 +107,7 @@ class CommRecorder:
 
     def wrap_after_backward(self, strategy: Any, model: torch.nn.Module) -> None:
         """Time the explicit all-reduce that ``allreduce`` runs after backward."""
-        inner = strategy.after_backward
+        inner = strategy._sync_gradients
         nbytes = grad_bytes(model)
 
         def timed() -> None:
@@ -120,7 +120,7 @@ class CommRecorder:
                 synchronize(self.device)
             self._record(start, time.perf_counter(), nbytes if strategy.env.is_distributed else 0)
 
-        strategy.after_backward = timed  # an instance attribute wins over the method
+        strategy._sync_gradients = timed  # an instance attribute wins over the method
 
 
 def _endless(loader: Any) -> Iterator[Any]:

@@ -12,12 +12,13 @@ Restore: rank 0 picks and verifies the checkpoint and broadcasts its bytes, so e
 loads exactly the same state even without a shared file system, and an error is raised on
 every rank alike instead of leaving the others waiting.
 
-Sharded strategies (``strategy.sharded_checkpoint``, FSDP) differ in who writes the model and
-optimizer: rank 0 creates the temporary checkpoint directory and tells every rank its name,
-every rank writes its shards into it with ``torch.distributed.checkpoint`` (``save_sharded``),
-then rank 0 adds ``state.pt`` (everything else) and the manifest over all files, and renames
-it into place. On restore every rank reads the shards it needs itself (``load_sharded``), on
-any world size. That needs a directory every rank sees: a file system shared by all nodes.
+The model and optimizer are the strategy's: ``strategy.save_checkpoint`` gets the temporary
+checkpoint directory (on rank 0, which writes ``state.pt``) and returns ``state.pt``'s model and
+optimizer entries there; ``strategy.load_checkpoint`` loads them back, whichever strategy and
+world size wrote them. A sharded strategy (FSDP) has every rank write its shards into that
+directory (``torch.distributed.checkpoint``) and returns a marker instead; rank 0 then adds
+``state.pt`` and the manifest over all files, and renames it into place. Reading the shards
+back needs a directory every rank sees: a file system shared by all nodes.
 """
 from __future__ import annotations
 
@@ -30,18 +31,12 @@ import torch
 from torch import nn
 
 from scaleloop.checkpoint.resume import check_compatible, find_checkpoint
-from scaleloop.checkpoint.state import (capture_rng, check_model_state, from_bytes, restore_rng,
-                                        to_bytes)
+from scaleloop.checkpoint.state import capture_rng, from_bytes, restore_rng, to_bytes
 from scaleloop.checkpoint.store import (CHECKPOINTS_DIR, FORMAT_VERSION, STATE_FILE, CheckpointError,
-                                        begin_checkpoint, finish_checkpoint, prune, retire_after,
-                                        write_checkpoint)
+                                        begin_checkpoint, finish_checkpoint, prune, retire_after)
 from scaleloop.config import TrainConfig
-from scaleloop.strategies import distcp
+from scaleloop.runtime.collectives import broadcast_object, gather_object, sum_over_ranks
 from scaleloop.strategies.base import Strategy
-
-#: ``state.pt``'s marker (and the manifest's) for a checkpoint whose model and optimizer state are
-#: in ``torch.distributed.checkpoint`` files beside it rather than in ``state.pt``.
-SHARDED_FORMAT = "torch.distributed.checkpoint"
 
 
 @dataclass
@@ -96,24 +91,16 @@ class Checkpointer:
         started = time.perf_counter()
         strategy = self.strategy
         env = strategy.env
-        writer = strategy.writes_checkpoint and self.root is not None
-        tmp: Optional[Path] = None
-        if strategy.sharded_checkpoint:
-            # Rank 0 names the directory; every rank writes its shards into it.
-            if writer:
-                tmp = begin_checkpoint(self.root, progress.global_step)
-            shared = strategy.broadcast_object(str(tmp) if tmp is not None else None)
-            if shared is not None:
-                strategy.save_sharded(model, optimizer, Path(shared))
-            model_and_optim: dict[str, Any] = {"sharded": SHARDED_FORMAT}
-        else:
-            model_and_optim = strategy.checkpoint_state(model, optimizer)
-        rngs = strategy.gather_object(capture_rng(env.device))
-        totals = strategy.reduce_sum(sums.detach().clone()).cpu()
+        # Rank 0 (the one with the run directory) creates the checkpoint's temporary directory;
+        # the strategy says what state.pt holds of the model and optimizer (and a sharded one
+        # writes its shards into that directory from every rank).
+        tmp = begin_checkpoint(self.root, progress.global_step) if self.root is not None else None
+        model_and_optim = strategy.save_checkpoint(model, optimizer, tmp)
+        rngs = gather_object(capture_rng(env.device), env)
+        totals = sum_over_ranks(sums, env).cpu()
         self._last_step = progress.global_step
         path = None
-        error: Optional[str] = None
-        if writer:
+        if tmp is not None and model_and_optim is not None:
             config = asdict(self.cfg)
             state = {
                 "format_version": FORMAT_VERSION,
@@ -130,22 +117,11 @@ class Checkpointer:
             meta = {"epoch": progress.epoch, "step_in_epoch": progress.step_in_epoch,
                     "samples": progress.samples, "world_size": env.world_size,
                     "strategy": strategy.name, "config": config}
-            files = {STATE_FILE: to_bytes(state)}
-            if tmp is not None:
-                error = _missing_shards(tmp)
-                if error is None:
-                    path = finish_checkpoint(self.root, progress.global_step, tmp, files,
-                                             {**meta, "sharded": SHARDED_FORMAT})
-            else:
-                path = write_checkpoint(self.root, progress.global_step, files, meta)
-            if path is not None:
-                prune(self.root, self.cfg.keep_checkpoints)
-                self.last_path = path
-        if strategy.sharded_checkpoint:
-            # Every rank stops alike if rank 0 could not complete the checkpoint.
-            error = strategy.broadcast_object(error)
-            if error is not None:
-                raise CheckpointError(error)
+            if "sharded" in model_and_optim:   # the manifest names the format too
+                meta["sharded"] = model_and_optim["sharded"]
+            path = finish_checkpoint(self.root, progress.global_step, tmp, {STATE_FILE: to_bytes(state)}, meta)
+            prune(self.root, self.cfg.keep_checkpoints)
+            self.last_path = path
         self.written += 1
         self.seconds += time.perf_counter() - started
         return path
@@ -164,7 +140,7 @@ class Checkpointer:
                     payload = (None, info.state_file.read_bytes(), str(info.path))
             except (CheckpointError, OSError) as exc:
                 payload = (str(exc), None, None)
-        error, data, source = strategy.broadcast_object(payload)
+        error, data, source = broadcast_object(payload, env)
         if error is not None:
             raise CheckpointError(error)
         if data is None or source is None:
@@ -172,16 +148,8 @@ class Checkpointer:
         state = from_bytes(data, source)
         if isinstance(state.get("config"), Mapping):
             check_compatible(state["config"], self.cfg, source)
-        sharded = state.get("sharded") is not None
-        if sharded:
-            _check_sharded(strategy, model, Path(source))
-        else:
-            check_model_state(strategy.expected_model_state(model), state["model"], source)
         try:
-            if sharded:
-                strategy.load_sharded(model, optimizer, Path(source))
-            else:
-                strategy.load_checkpoint_state(model, optimizer, state)
+            strategy.load_checkpoint(model, optimizer, state, Path(source))
             if scheduler is not None and state.get("scheduler"):
                 scheduler.load_state_dict(state["scheduler"])
             strategy.precision.load_state_dict(state.get("scaler") or {})
@@ -198,9 +166,7 @@ class Checkpointer:
         if saved_world != env.world_size:
             notes.append(f"note: the checkpoint was written by {saved_world} process(es), this run has "
                          f"{env.world_size}; the global batch is unchanged, so step {progress.step_in_epoch} "
-                         "of the epoch holds the same samples, "
-                         + ("each seen whole by every pipeline stage" if strategy.name == "pipeline"
-                            else "now split over the new ranks"))
+                         f"of the epoch holds the same samples, now {strategy.batch_split}")
             if env.rank >= len(rngs):
                 # A rank that did not exist gets its own fresh stream, as a new worker would.
                 torch.manual_seed(self.cfg.seed + env.rank + 1_000_003 * progress.global_step)
@@ -208,26 +174,3 @@ class Checkpointer:
         return Resumed(source=Path(source), progress=progress, sums=sums,
                        saved_world_size=saved_world, notes=notes)
 
-
-def _missing_shards(directory: Path) -> Optional[str]:
-    """On rank 0, after every rank wrote its shards: None if all of them are in ``directory``."""
-    present = {p.name for p in directory.iterdir()}
-    missing = sorted(distcp.referenced_files(directory) - present) if distcp.METADATA_FILE in present else ["(.metadata)"]
-    if not missing:
-        return None
-    return (f"sharded checkpoint {str(directory)!r} is incomplete: {', '.join(missing[:4])} written by other ranks "
-            "are not there; every rank writes its own shards, so the run directory must be on a file system "
-            "that all nodes share")
-
-
-def _check_sharded(strategy: Strategy, model: nn.Module, directory: Path) -> None:
-    """Before loading a sharded checkpoint: every rank sees it, and it fits the model (same error on all ranks)."""
-    seen = strategy.gather_object((directory / distcp.METADATA_FILE).is_file())
-    blind = [rank for rank, ok in enumerate(seen) if not ok]
-    if blind:
-        raise CheckpointError(f"sharded checkpoint {str(directory)!r} is not visible to rank(s) "
-                              f"{', '.join(map(str, blind))}: every rank reads its shards itself, so the run "
-                              "directory must be on a file system that all nodes share")
-    saved = {key: (torch.empty(shape, device="meta") if shape is not None else None)
-             for key, shape in distcp.saved_model_shapes(directory).items()}
-    check_model_state(strategy.expected_model_state(model), saved, str(directory))

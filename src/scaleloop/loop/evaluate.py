@@ -1,7 +1,6 @@
 """Exact evaluation: every test sample counted once, whatever the world size."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -12,6 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from scaleloop.data.info import DataInfo
 from scaleloop.data.loader import _move, tensors_of
+from scaleloop.runtime.collectives import sum_over_ranks
 from scaleloop.strategies.base import Strategy
 from scaleloop.loop.tasks import correct_count
 
@@ -27,31 +27,26 @@ def evaluate(model: nn.Module, dataset: Dataset, info: DataInfo, strategy: Strat
              batch_size: int = 512) -> EvalResult:
     """Loss and accuracy over all of ``dataset``, the same for 1 or N ranks.
 
-    Each rank walks its contiguous block ``shard_indices(len(dataset), env)`` (no padding,
-    so nothing is counted twice) in local batches of up to ``batch_size`` samples. Per-sample
+    Each rank walks the block that ``strategy.eval_shard`` gives it (data parallel: its
+    contiguous ``shard_indices(len(dataset), env)``, no padding, so nothing is counted twice)
+    in local batches of up to ``batch_size`` samples. Per-sample
     losses are summed in float64 rather than averaged per batch, so the totals do not depend
     on how the samples were cut into ranks and batches; the sums of loss, correct predictions
     and predictions are then added over ranks. ``loss`` is the mean per prediction (per token
     for language models), as in training.
 
     Every rank must call it. With a strategy whose forward pass is a collective (FSDP), ranks
-    with fewer local batches run filler forwards so that all ranks run the same number.
+    with fewer local batches run filler forwards (``eval_shard``'s ``fillers``) so that all
+    ranks run the same number; their outputs are discarded.
     """
     env = strategy.env
     n = len(dataset)
-    mine = strategy.eval_indices(n)
     was_training = model.training
     model.eval()
     strategy.sync_buffers(model)
+    mine, extra = strategy.eval_shard(n, batch_size)
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
     correct = total = 0
-    extra = 0
-    if strategy.collective_forward:
-        # Each forward is a collective (FSDP gathers parameters in it), so a rank with fewer
-        # batches (or none) runs as many more as it lacks, on one sample whose output is
-        # discarded: the results are those of the real batches only.
-        own = math.ceil(len(mine) / batch_size)
-        extra = max(strategy.gather_object(own)) - own
     with torch.no_grad():
         for x, y in _batches(dataset, mine, batch_size, env.device):
             out = strategy.eval_forward(model, x)
@@ -64,13 +59,12 @@ def evaluate(model: nn.Module, dataset: Dataset, info: DataInfo, strategy: Strat
         if extra > 0:
             filler, _ = next(_batches(dataset, range(0, 1), 1, env.device))
             for _ in range(extra):
-                with strategy.autocast():
-                    model(filler)
+                strategy.eval_forward(model, filler)
     model.train(was_training)
     # A rank with no samples (fewer samples than ranks) still joins the reduction.
     sums = torch.stack([loss_sum, torch.tensor(float(correct), dtype=torch.float64, device=env.device),
                         torch.tensor(float(total), dtype=torch.float64, device=env.device)])
-    sums = strategy.reduce_sum(sums)
+    sums = sum_over_ranks(sums, env)
     predictions = float(sums[2])
     if predictions == 0:
         return EvalResult(loss=float("nan"), accuracy=float("nan"), samples=n)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from scaleloop.loop.training import RunResult
 from scaleloop.output.memory import format_table, summary_line
 from scaleloop.output.metrics import format_rate, format_seconds, format_summary
+from scaleloop.strategies import batch_split_of
 
 
 def format_result(result: RunResult) -> str:
@@ -41,9 +42,7 @@ def describe_epoch(result: RunResult) -> str:
                 f"the last {result.dropped_per_epoch} of each shuffled order dropped")
     text = f"{used:,} samples in {result.steps_per_epoch} steps, each once, no padding"
     if result.steps_per_epoch * result.last_step_samples != used:
-        over = "every stage" if result.strategy.startswith("pipeline") else "workers"
-        split = "seen whole by" if over == "every stage" else "split evenly over"
-        text += f" (last step {result.last_step_samples}, {split} {over})"
+        text += f" (last step {result.last_step_samples}, {batch_split_of(result.strategy)})"
     return text
 
 

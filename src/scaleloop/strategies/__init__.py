@@ -1,8 +1,9 @@
 """Strategies: how one training loop uses one device, several, or several machines.
 
-- ``base``: the ``Strategy`` interface; ``single``: one device; ``dataparallel``: ``nn.DataParallel``;
-  ``ddp``: DistributedDataParallel; ``allreduce``: the gradient all-reduce written out by hand;
-  ``fsdp``: FSDP2 sharding; ``pipeline``: layers cut into stages, one per process.
+- ``base``: the ``Strategy`` contract, and ``HandWrittenLoop``: the hand-written loop's calls;
+  ``single``: one device; ``dataparallel``: ``nn.DataParallel``; ``ddp``: DistributedDataParallel;
+  ``allreduce``: the gradient all-reduce written out by hand; ``fsdp``: FSDP2 sharding;
+  ``pipeline``: layers cut into stages, one per process.
 - ``precision``: autocast and the fp16 GradScaler; ``syncbn``: BatchNorm over all ranks on any
   device; ``distcp``: sharded state through ``torch.distributed.checkpoint``.
 """
@@ -14,15 +15,16 @@ from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
 from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.allreduce import ManualAllReduce
-from scaleloop.strategies.base import ProcessGroupStrategy, Strategy
+from scaleloop.strategies.base import EvalShard, HandWrittenLoop, ProcessGroupStrategy, Strategy
 from scaleloop.strategies.dataparallel import DataParallel
 from scaleloop.strategies.ddp import DDP
 from scaleloop.strategies.fsdp import FSDP
 from scaleloop.strategies.pipeline import PipelineParallel
 from scaleloop.strategies.single import SingleDevice
 
-__all__ = ["Strategy", "ProcessGroupStrategy", "SingleDevice", "DataParallel", "DDP",
-           "ManualAllReduce", "FSDP", "PipelineParallel", "STRATEGY_CLASSES", "make_strategy", "resolve_strategy_name"]
+__all__ = ["Strategy", "HandWrittenLoop", "ProcessGroupStrategy", "EvalShard", "SingleDevice", "DataParallel", "DDP",
+           "ManualAllReduce", "FSDP", "PipelineParallel", "STRATEGY_CLASSES", "make_strategy", "resolve_strategy_name",
+           "batch_split_of"]
 
 STRATEGY_CLASSES: dict[str, type[Strategy]] = {
     "single": SingleDevice,
@@ -32,6 +34,12 @@ STRATEGY_CLASSES: dict[str, type[Strategy]] = {
     "fsdp": FSDP,
     "pipeline": PipelineParallel,
 }
+
+
+def batch_split_of(described: str) -> str:
+    """How a step's batch reaches the ranks (``Strategy.batch_split``) under the strategy that
+    ``described`` names: a ``describe()`` text, which starts with the strategy's registered name."""
+    return STRATEGY_CLASSES.get(described.split(" ", 1)[0], Strategy).batch_split
 
 
 def resolve_strategy_name(name: str, env: DistEnv) -> str:

@@ -1,63 +1,77 @@
-"""The small interface every strategy implements, with the single-process behaviour as default.
+"""The interface every strategy implements, with the single-process behaviour as default.
 
-A strategy owns what changes between "one process" and "many": how the model is wrapped,
-which samples this rank loads, how gradients are synchronised, and how numbers reported by
-rank 0 are reduced over all ranks. The training loop only talks to this interface.
+A strategy owns what changes between "one process" and "many": how the model is placed,
+which samples this rank loads, how gradients are synchronised, and how checkpoints are
+written and read. The training step (``scaleloop.loop.step``) and the loop only talk to
+:class:`Strategy`; the hand-written-loop calls (``accumulate``, ``autocast``, ``backward``)
+are :class:`HandWrittenLoop`'s, which every strategy but the pipeline is. The contract, and
+how a new strategy plugs in: docs/strategies.md, "The strategy contract".
+
+Collectives over ranks are not strategy methods: they are the functions of
+``scaleloop.runtime.collectives`` (``sum_over_ranks``, ``gather_object``, ``broadcast_object``,
+``barrier``), which need only the ``DistEnv``.
 """
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as torch_dist
 from torch import nn
 from torch.utils.data import Dataset
 
+import scaleloop.strategies.distcp as distcp
 from scaleloop.data.batching import check_batch_split
 from scaleloop.data.loader import Batch, ShardedLoader
 from scaleloop.data.sampler import StepPlan
+from scaleloop.runtime.collectives import gather_object, shard_indices
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.strategies.precision import Precision
 
 OptimizerLike = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _NOTHING = contextlib.nullcontext()   # reusable: it holds no state
 
 
+class EvalShard(NamedTuple):
+    """What one rank evaluates of an evaluation set (see :meth:`Strategy.eval_shard`)."""
+
+    indices: range     #: the samples this rank evaluates (each sample once over all ranks)
+    fillers: int = 0   #: forwards to run after its own batches, outputs discarded
+
+
 class Strategy:
-    """Single-process defaults; subclasses override what their parallelism changes."""
+    """The contract, with single-process defaults; subclasses override what their parallelism changes."""
 
     name = "base"
-    #: Each rank holds only part of the model and optimizer state, so every rank writes its part
-    #: of a checkpoint (``save_sharded``) instead of rank 0 writing it all (``checkpoint_state``).
-    sharded_checkpoint = False
-    #: Each forward pass is a collective (FSDP all-gathers parameters in it): every rank must run
-    #: the same number of them, also when evaluating a test set that splits unevenly.
-    collective_forward = False
+    #: How a step's global batch reaches the ranks, in words for summaries and notes.
+    batch_split = "split evenly over workers"
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
                  sync_batchnorm: bool = False) -> None:
         self.env = env
         self.precision = precision or Precision("fp32", env.device)
         self.accumulate_steps = accumulate
-        self.sync_batchnorm = sync_batchnorm
-        self.check()
+        self._sync_batchnorm = sync_batchnorm
+        self._check()
 
-    def check(self) -> None:
+    # --- hooks for subclasses -----------------------------------------------------------
+    def _check(self) -> None:
         """Raise UsageError if this strategy cannot run in ``env`` (and say what to do instead)."""
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        """Wrap the (already moved) model for this strategy."""
+        return model
 
     # --- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Move/wrap the model; ``optimizer`` is an optimizer or a ``params -> optimizer`` factory."""
-        model = self.wrap(model.to(self.env.device))
+        model = self._wrap(model.to(self.env.device))
         if not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(model.parameters())
         return model, optimizer
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """Wrap the (already moved) model for this strategy."""
-        return model
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's own module inside whatever wrapper ``setup`` added (DDP, DataParallel), and
@@ -76,50 +90,16 @@ class Strategy:
                              pin_memory=self.env.device.type == "cuda")
 
     # --- one step -----------------------------------------------------------------------
-    def accumulate(self, model: nn.Module, batch: Union[Batch, int]) -> contextlib.AbstractContextManager:
-        """Context for one micro-step's forward and backward (strategies skip sync inside it)."""
-        return _NOTHING  # (not a generator: entered on every micro-step)
-
-    def is_sync_step(self, batch: Union[Batch, int]) -> bool:
-        """True on the micro-step after which gradients are synchronised and the optimizer steps."""
-        if isinstance(batch, Batch):
-            return batch.last_micro
-        return (batch + 1) % self.accumulate_steps == 0
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        return self.precision.autocast()
-
-    def forward_backward(self, model: nn.Module, batch: Batch,
-                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Optional[torch.Tensor]:
+    def forward_backward(self, model: nn.Module, batch: Batch, loss_fn: LossFn) -> Optional[torch.Tensor]:
         """Forward and backward of one micro-batch, gradient synchronisation skipped on all but
-        the step's last micro-batch.
+        the step's last micro-batch (after whose backward the gradients are synchronised).
 
         ``loss_fn(output, target)`` is the mean loss over the samples it is given. Returns that
         loss for the whole micro-batch, detached, or None on a rank that does not compute it
         (a pipeline's earlier stages).
         """
-        x, y = batch
-        with self.accumulate(model, batch):
-            with self.autocast():
-                loss = loss_fn(model(x), y)
-            self.backward(loss, batch)
-        return loss.detach()
-
-    def backward(self, loss: torch.Tensor, batch: Optional[Batch] = None) -> None:
-        """Backward on the loss weighted for accumulation (and fp16 loss scaling).
-
-        With a ``Batch`` the weight is its exact share of the global step; without one, the
-        micro-batches are assumed equal (weight ``1 / accumulate``).
-        """
-        scale = batch.loss_scale if batch is not None else 1.0 / self.accumulate_steps
-        # A weight of exactly 1 (one process, no accumulation) is skipped: x * 1.0 is x, bit
-        # for bit, forward and backward, and the multiplication would be one more op per step.
-        self.precision.scale(loss * scale if scale != 1.0 else loss).backward()
-        if batch is None or batch.last_micro:
-            self.after_backward()
-
-    def after_backward(self) -> None:
-        """Hook after the last micro-step's backward (manual gradient synchronisation goes here)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement forward_backward "
+                                  "(or derive from HandWrittenLoop)")
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Unscale (fp16) and clip the global gradient norm; returns the norm before clipping."""
@@ -133,71 +113,20 @@ class Strategy:
         return stepped
 
     # --- evaluation ---------------------------------------------------------------------
-    def eval_indices(self, n: int) -> range:
-        """The block of an ``n``-sample evaluation set this rank evaluates (each sample once over
-        all ranks; a pipeline's stages all walk every sample)."""
-        from scaleloop.runtime.collectives import shard_indices
-
-        return shard_indices(n, self.env)
+    def eval_shard(self, n: int, batch_size: int) -> EvalShard:
+        """Which samples of an ``n``-sample evaluation set this rank evaluates (each sample once
+        over all ranks; a pipeline's stages all walk every sample), and how many filler forwards
+        it runs after its own batches of ``batch_size``, so that every rank runs as many where a
+        forward is a collective (FSDP). Every rank must call it."""
+        return EvalShard(shard_indices(n, self.env))
 
     def eval_forward(self, model: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
         """The model's output for ``x`` in evaluation (under ``torch.no_grad``), or None on a rank
         that does not produce outputs (a pipeline's earlier stages)."""
-        with self.autocast():
+        with self.precision.autocast():
             return model(x)
 
-    # --- numbers rank 0 reports ---------------------------------------------------------
-    def reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        """Sum a tensor over all ranks (every rank must call it)."""
-        return values
-
-    def barrier(self) -> None:
-        """Wait for every rank."""
-
-    def gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order, on every rank (every rank must call it)."""
-        return [obj]
-
-    def broadcast_object(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank (every rank must call it; others pass anything)."""
-        return obj
-
-    # --- checkpoints --------------------------------------------------------------------
-    @property
-    def writes_checkpoint(self) -> bool:
-        """Whether this rank writes the checkpoint file: with replicas, rank 0 holds everything."""
-        return self.env.is_main
-
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The full model (unwrapped, so it loads into a plain module) and optimizer state."""
-        return {"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
-
-    def expected_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """What a checkpoint's ``model`` entry must hold: keys and shapes of the user's whole module."""
-        return self.unwrap(model).state_dict()
-
-    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                              state: dict[str, Any]) -> None:
-        """Load what :meth:`checkpoint_state` saved (on every rank: replicas start equal)."""
-        self.unwrap(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-
-    def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-        """Every rank writes its part of the model and optimizer state into ``directory``
-        (``torch.distributed.checkpoint``; a collective)."""
-        from scaleloop.strategies import distcp
-
-        distcp.save_state(self.unwrap(model), optimizer, directory)
-
-    def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-        """Load a checkpoint that :meth:`save_sharded` wrote, with any world size (a collective).
-
-        Any strategy can: a replicated one reads the whole state on every rank.
-        """
-        from scaleloop.strategies import distcp
-
-        distcp.load_state(self.unwrap(model), optimizer, directory)
-
+    # --- the model's state ----------------------------------------------------------------
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """The user's module's full ``state_dict`` on rank 0, on the CPU or not (every rank must
         call it: for a sharded strategy it is a collective; other ranks may get an empty dict)."""
@@ -207,15 +136,119 @@ class Strategy:
         """Make every rank's buffers (BatchNorm statistics) rank 0's, where the strategy does not
         already (a collective). Called before evaluating, checkpointing and exporting."""
 
+    # --- checkpoints --------------------------------------------------------------------
+    def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        directory: Optional[Path]) -> Optional[dict[str, Any]]:
+        """The model and optimizer part of a checkpoint (every rank calls it: it may be a collective).
+
+        ``directory`` is the checkpoint's (temporary) directory on the rank that writes
+        ``state.pt``, rank 0, and None on the other ranks (and on rank 0 when nothing is written).
+        Returns, on that rank only, the entries ``state.pt`` holds for the model and optimizer;
+        None on every other rank. Here rank 0 holds the whole state: ``{"model", "optimizer"}``.
+        """
+        if directory is None:
+            return None
+        return {"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                        directory: Path) -> None:
+        """Load the model and optimizer part of the checkpoint in ``directory`` whose ``state.pt``
+        holds ``state`` (every rank calls it, with the same ``state``).
+
+        Any strategy loads both kinds, written with any world size: a whole-state checkpoint
+        (``state["model"]``, ``state["optimizer"]``) and a sharded one (``state["sharded"]``:
+        ``torch.distributed.checkpoint`` files in ``directory``, which every rank must see).
+        CheckpointError when the checkpoint does not fit the model.
+        """
+        from scaleloop.checkpoint.state import check_model_state
+
+        if state.get("sharded") is not None:
+            _check_sharded(self, model, directory)
+            self._load_sharded(model, optimizer, directory)
+        else:
+            check_model_state(self._expected_model_state(model), state["model"], str(directory))
+            self._load_whole(model, optimizer, state)
+
+    def _expected_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """What a checkpoint's model must hold: keys and shapes of the user's whole module."""
+        return self.unwrap(model).state_dict()
+
+    def _load_whole(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load a whole-state checkpoint's ``model`` and ``optimizer`` (on every rank: replicas start equal)."""
+        self.unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    def _load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+        """Load a sharded checkpoint's files, with any world size (a collective); a replicated
+        strategy reads the whole state on every rank."""
+        distcp.load_state(self.unwrap(model), optimizer, directory)
+
+    # --- the end, and what a run prints --------------------------------------------------
     def close(self) -> None:
         """Release what the strategy itself set up (the end of ``train``)."""
 
     def describe(self) -> str:
+        """The strategy in a few words, starting with its ``name`` (the run's header and summary)."""
         return self.name
 
     def details(self) -> list[str]:
         """Lines a run prints after its header (how the strategy placed the model, notes)."""
         return []
+
+
+class HandWrittenLoop(Strategy):
+    """The calls of a hand-written training loop (README, examples/), for every strategy whose
+    ranks each run the whole model; ``forward_backward`` is made of them::
+
+        with strategy.accumulate(model, batch):
+            with strategy.autocast():
+                loss = loss_fn(model(x), y)
+            strategy.backward(loss, batch)
+        if batch.last_micro:
+            strategy.optimizer_step(optimizer)
+    """
+
+    def accumulate(self, model: nn.Module, batch: Union[Batch, int]) -> contextlib.AbstractContextManager:
+        """Context for one micro-step's forward and backward (strategies skip sync inside it)."""
+        return _NOTHING  # (not a generator: entered on every micro-step)
+
+    def is_sync_step(self, batch: Union[Batch, int]) -> bool:
+        """True on the micro-step after which gradients are synchronised and the optimizer steps."""
+        if isinstance(batch, Batch):
+            return batch.last_micro
+        return (batch + 1) % self.accumulate_steps == 0
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Context for the forward pass and the loss: autocast to the run's precision."""
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor, batch: Optional[Batch] = None) -> None:
+        """Backward on the loss weighted for accumulation (and fp16 loss scaling).
+
+        With a ``Batch`` the weight is its exact share of the global step; without one, the
+        micro-batches are assumed equal (weight ``1 / accumulate``).
+        """
+        scale = batch.loss_scale if batch is not None else 1.0 / self.accumulate_steps
+        # A weight of exactly 1 (one process, no accumulation) is skipped: x * 1.0 is x, bit
+        # for bit, forward and backward, and the multiplication would be one more op per step.
+        self.precision.scale(loss * scale if scale != 1.0 else loss).backward()
+        if batch is None or batch.last_micro:
+            self._sync_gradients()
+
+    def _sync_gradients(self) -> None:
+        """Hook after the last micro-step's backward (manual gradient synchronisation goes here)."""
+
+    def forward_backward(self, model: nn.Module, batch: Batch, loss_fn: LossFn) -> Optional[torch.Tensor]:
+        x, y = batch
+        with self.accumulate(model, batch):
+            with self.autocast():
+                loss = loss_fn(model(x), y)
+            self.backward(loss, batch)
+        return loss.detach()
+
+    def eval_forward(self, model: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+        with self.autocast():
+            return model(x)
 
 
 def _uncompiled(model: nn.Module) -> nn.Module:
@@ -226,32 +259,25 @@ def _uncompiled(model: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) else model
 
 
+def _check_sharded(strategy: Strategy, model: nn.Module, directory: Path) -> None:
+    """Before loading a sharded checkpoint: every rank sees it, and it fits the model (same error on all ranks)."""
+    from scaleloop.checkpoint.state import check_model_state
+    from scaleloop.checkpoint.store import CheckpointError
+
+    seen = gather_object((directory / distcp.METADATA_FILE).is_file(), strategy.env)
+    blind = [rank for rank, ok in enumerate(seen) if not ok]
+    if blind:
+        raise CheckpointError(f"sharded checkpoint {str(directory)!r} is not visible to rank(s) "
+                              f"{', '.join(map(str, blind))}: every rank reads its shards itself, so the run "
+                              "directory must be on a file system that all nodes share")
+    saved = {key: (torch.empty(shape, device="meta") if shape is not None else None)
+             for key, shape in distcp.saved_model_shapes(directory).items()}
+    check_model_state(strategy._expected_model_state(model), saved, str(directory))
+
+
 class ProcessGroupStrategy(Strategy):
     """A strategy with one process per device in a ``torch.distributed`` process group."""
 
-    def check(self) -> None:
+    def _check(self) -> None:
         if self.env.is_distributed and not torch_dist.is_initialized():
             raise RuntimeError(f"{self.name}: call scaleloop.init_process_group(env) before building the strategy")
-
-    def reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        if self.env.is_distributed:
-            torch_dist.all_reduce(values, op=torch_dist.ReduceOp.SUM)
-        return values
-
-    def barrier(self) -> None:
-        if self.env.is_distributed:
-            torch_dist.barrier()
-
-    def gather_object(self, obj: Any) -> list[Any]:
-        if not self.env.is_distributed:
-            return [obj]
-        out: list[Any] = [None] * self.env.world_size
-        torch_dist.all_gather_object(out, obj)
-        return out
-
-    def broadcast_object(self, obj: Any) -> Any:
-        if not self.env.is_distributed:
-            return obj
-        box = [obj]
-        torch_dist.broadcast_object_list(box, src=0)
-        return box[0]

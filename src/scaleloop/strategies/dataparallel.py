@@ -10,23 +10,23 @@ import torch
 from torch import nn
 
 from scaleloop.errors import UsageError
-from scaleloop.strategies.base import Strategy
+from scaleloop.strategies.base import HandWrittenLoop
 
 
-class DataParallel(Strategy):
+class DataParallel(HandWrittenLoop):
     """Single process, all visible CUDA GPUs."""
 
     name = "dp"
 
-    def check(self) -> None:
+    def _check(self) -> None:
         if self.env.device.type != "cuda":
             raise UsageError(
                 "--strategy dp needs CUDA GPUs (nn.DataParallel splits each batch over the GPUs of "
                 f"one process) and this run is on {self.env.device.type}; use --strategy single, or "
                 "--strategy ddp --nproc N for N processes on the CPU")
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        if self.sync_batchnorm:
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        if self._sync_batchnorm:
             raise UsageError("--sync-batchnorm needs one process per device; use --strategy ddp with it")
         return nn.DataParallel(model)
 

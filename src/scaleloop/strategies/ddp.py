@@ -8,11 +8,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from scaleloop.data.loader import Batch
-from scaleloop.strategies.base import ProcessGroupStrategy
+from scaleloop.strategies.base import HandWrittenLoop, ProcessGroupStrategy
 from scaleloop.strategies.syncbn import convert_batchnorm
 
 
-class DDP(ProcessGroupStrategy):
+class DDP(HandWrittenLoop, ProcessGroupStrategy):
     """Each rank holds a full replica; DDP averages gradients over ranks as backward runs.
 
     DDP broadcasts rank 0's parameters and buffers when it wraps the model, so all replicas
@@ -21,10 +21,10 @@ class DDP(ProcessGroupStrategy):
 
     name = "ddp"
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def _wrap(self, model: nn.Module) -> nn.Module:
         if not self.env.is_distributed:
             return model  # DDP over one process would only add overhead
-        if self.sync_batchnorm:
+        if self._sync_batchnorm:
             model = convert_batchnorm(model, self.env.device)
         device_ids = [self.env.device] if self.env.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)

@@ -26,6 +26,9 @@ from torch import nn
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
 METADATA_FILE = ".metadata"
+#: ``state.pt``'s marker (and the manifest's) for a checkpoint whose model and optimizer state are
+#: in these files beside it rather than in ``state.pt``.
+SHARDED_FORMAT = "torch.distributed.checkpoint"
 
 
 @contextlib.contextmanager
@@ -84,3 +87,15 @@ def referenced_files(directory: Path) -> set[str]:
     metadata = FileSystemReader(str(directory)).read_metadata()
     storage = metadata.storage_data or {}
     return {info.relative_path for info in storage.values()}
+
+
+def missing_shards(directory: Path) -> Optional[str]:
+    """On rank 0, after every rank wrote its shards: None if all of them are in ``directory``,
+    else what is missing and why that happens (no file system shared by all nodes)."""
+    present = {p.name for p in directory.iterdir()}
+    missing = sorted(referenced_files(directory) - present) if METADATA_FILE in present else ["(.metadata)"]
+    if not missing:
+        return None
+    return (f"sharded checkpoint {str(directory)!r} is incomplete: {', '.join(missing[:4])} written by other ranks "
+            "are not there; every rank writes its own shards, so the run directory must be on a file system "
+            "that all nodes share")

@@ -9,8 +9,9 @@ checkpoints: docs/strategies.md, "--strategy fsdp".
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
-from typing import Any, Iterator, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
 import torch.distributed as torch_dist
@@ -18,7 +19,9 @@ from torch import nn
 
 from scaleloop.data.loader import Batch
 from scaleloop.errors import UsageError
-from scaleloop.strategies.base import ProcessGroupStrategy
+import scaleloop.strategies.distcp as distcp
+from scaleloop.runtime.collectives import broadcast_object, gather_object
+from scaleloop.strategies.base import EvalShard, HandWrittenLoop, ProcessGroupStrategy
 from scaleloop.strategies.syncbn import convert_batchnorm
 
 
@@ -51,20 +54,18 @@ def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
         return children
 
 
-class FSDP(ProcessGroupStrategy):
+class FSDP(HandWrittenLoop, ProcessGroupStrategy):
     """Parameters, gradients and optimizer state sharded over ranks with FSDP2's ``fully_shard``."""
 
     name = "fsdp"
-    sharded_checkpoint = True
-    collective_forward = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.units = 0
         self._own_group = False
 
-    def check(self) -> None:
-        super().check()
+    def _check(self) -> None:
+        super()._check()
         if self.env.device.type not in ("cpu", "cuda"):
             raise UsageError(f"--strategy fsdp runs on CUDA GPUs (NCCL) or on the CPU (Gloo), not on "
                              f"{self.env.device.type}; use --strategy single")
@@ -86,14 +87,14 @@ class FSDP(ProcessGroupStrategy):
         if torch_dist.is_initialized():
             return
         # One process: a one-rank group of our own (several processes get theirs from
-        # scaleloop.init_process_group, which check() insists on).
+        # scaleloop.init_process_group, which _check() insists on).
         cuda = self.env.device.type == "cuda"
         torch_dist.init_process_group(backend=self.env.backend or ("nccl" if cuda else "gloo"),
                                       store=torch_dist.HashStore(), rank=0, world_size=1,
                                       device_id=self.env.device if cuda else None)
         self._own_group = True
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def _wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -102,7 +103,7 @@ class FSDP(ProcessGroupStrategy):
                              "use --strategy ddp or single")
         blocks = fsdp_blocks(model)
         self._ensure_process_group()
-        if self.sync_batchnorm and self.env.is_distributed:
+        if self._sync_batchnorm and self.env.is_distributed:
             model = convert_batchnorm(model, self.env.device)
             blocks = fsdp_blocks(model)
         # All ranks start from rank 0's weights and buffers, as with DDP (fully_shard keeps
@@ -164,6 +165,14 @@ class FSDP(ProcessGroupStrategy):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
+    # --- evaluation ---------------------------------------------------------------------
+    def eval_shard(self, n: int, batch_size: int) -> EvalShard:
+        # Each forward is a collective (FSDP gathers parameters in it), so a rank with fewer
+        # batches (or none) runs as many more as it lacks (on a sample whose output is discarded).
+        shard = super().eval_shard(n, batch_size)
+        own = math.ceil(len(shard.indices) / batch_size)
+        return shard._replace(fillers=max(gather_object(own, self.env)) - own)
+
     # --- buffers, export ----------------------------------------------------------------
     def sync_buffers(self, model: nn.Module) -> None:
         # FSDP shards parameters, not buffers: each rank's BatchNorm running statistics follow
@@ -182,20 +191,25 @@ class FSDP(ProcessGroupStrategy):
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     # --- checkpoints --------------------------------------------------------------------
-    @property
-    def writes_checkpoint(self) -> bool:
-        # Rank 0 writes state.pt and the manifest; every rank writes its shard (save_sharded).
-        return self.env.is_main
-
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        raise NotImplementedError("fsdp writes sharded checkpoints: use save_sharded (every rank)")
-
-    def save_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        directory: Optional[Path]) -> Optional[dict[str, Any]]:
+        """No rank holds the whole state: rank 0 tells every rank ``directory``, each writes its
+        shards into it (``torch.distributed.checkpoint``), and ``state.pt`` gets the marker."""
+        shared = broadcast_object(str(directory) if directory is not None else None, self.env)
+        if shared is None:
+            return None
         self.sync_buffers(model)
-        super().save_sharded(model, optimizer, directory)
+        distcp.save_state(self.unwrap(model), optimizer, Path(shared))
+        # Every rank stops alike if rank 0 does not see all the shards.
+        error = distcp.missing_shards(Path(shared)) if directory is not None else None
+        error = broadcast_object(error, self.env)
+        if error is not None:
+            from scaleloop.checkpoint.store import CheckpointError
 
-    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                              state: dict[str, Any]) -> None:
+            raise CheckpointError(error)
+        return {"sharded": distcp.SHARDED_FORMAT} if directory is not None else None
+
+    def _load_whole(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Load a replicated strategy's checkpoint (full tensors, on every rank) into the shards."""
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                              set_optimizer_state_dict)

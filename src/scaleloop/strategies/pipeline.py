@@ -24,7 +24,7 @@ from scaleloop.data.sampler import StepPlan
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
 from scaleloop.strategies.precision import Precision
-from scaleloop.strategies.base import OptimizerLike, ProcessGroupStrategy
+from scaleloop.strategies.base import EvalShard, OptimizerLike, ProcessGroupStrategy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -174,9 +174,15 @@ class StageModule(nn.Module):
 
 
 class PipelineParallel(ProcessGroupStrategy):
-    """GPipe pipeline over all ranks: rank r runs stage r (see the module docstring)."""
+    """GPipe pipeline over all ranks: rank r runs stage r (see the module docstring).
+
+    A rank runs only its stage, so ``model(x)`` is not the model's output: a step goes through
+    ``forward_backward`` (the step contract), and there are no hand-written-loop calls
+    (``accumulate``, ``autocast``, ``backward``: ``HandWrittenLoop``'s).
+    """
 
     name = "pipeline"
+    batch_split = "seen whole by every stage"
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
                  sync_batchnorm: bool = False, *, microbatches: int = 1) -> None:
@@ -192,15 +198,15 @@ class PipelineParallel(ProcessGroupStrategy):
         self._noted_uneven: set[int] = set()
         self.notes: list[str] = []
 
-    def check(self) -> None:
-        super().check()
+    def _check(self) -> None:
+        super()._check()
         if self.env.world_size < 2:
             raise UsageError("--strategy pipeline puts the model's layers on several processes, one stage each: "
                              "run it with --nproc 2 (or more)")
         if self.precision.name == "fp16":
             raise UsageError("--strategy pipeline does not support --precision fp16: each stage's GradScaler "
                              "would skip steps on its own; use --precision bf16 (or fp32)")
-        if self.sync_batchnorm:
+        if self._sync_batchnorm:
             raise UsageError("--sync-batchnorm synchronises BatchNorm over data-parallel ranks; a pipeline has "
                              "none: drop it")
         if self.microbatches < 1:
@@ -221,14 +227,14 @@ class PipelineParallel(ProcessGroupStrategy):
     # --- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Cut ``model`` into stages and keep this rank's (moved to its device) with its optimizer."""
-        stage = self.wrap(model)
+        stage = self._wrap(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(stage.parameters())
         if len(optimizer.param_groups) != 1:
             raise UsageError("--strategy pipeline supports optimizers with one parameter group")
         return stage, optimizer
 
-    def wrap(self, model: nn.Module) -> StageModule:
+    def _wrap(self, model: nn.Module) -> StageModule:
         """This rank's stage of ``model`` (the other stages' layers are not kept)."""
         layers = pipeline_layers(model)
         self.plan = plan_stages(layers, self.env.world_size, type(model).__name__)
@@ -341,11 +347,6 @@ class PipelineParallel(ProcessGroupStrategy):
         # The pieces' weighted losses add up to the micro-batch's share of the step's loss.
         return torch.stack([l.detach().float() for l in losses]).sum() / batch.loss_scale
 
-    def backward(self, loss: torch.Tensor, batch: Optional[Batch] = None) -> None:
-        raise UsageError("with the pipeline strategy a rank runs only its stage, so model(x) is not the model's "
-                         "output: run each micro-batch with strategy.forward_backward(model, batch, loss_fn), "
-                         "which works with every strategy")
-
     def _sum_tied_gradients(self) -> None:
         """Add up the gradients of parameters that several stages hold (each has part of it)."""
         if not self._tied:
@@ -382,8 +383,8 @@ class PipelineParallel(ProcessGroupStrategy):
         return total
 
     # --- evaluation ---------------------------------------------------------------------
-    def eval_indices(self, n: int) -> range:
-        return range(0, n)
+    def eval_shard(self, n: int, batch_size: int) -> EvalShard:
+        return EvalShard(range(0, n))
 
     def eval_forward(self, model: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
         schedule = self._schedule("eval", len(x))
@@ -391,7 +392,7 @@ class PipelineParallel(ProcessGroupStrategy):
         return out if self.is_last else None
 
     # --- checkpoints and the exported model ---------------------------------------------
-    def expected_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+    def _expected_model_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         assert self._module is not None
         return {key: torch.empty(shape, device="meta") for key, shape in self._module.full_shapes.items()}
 
@@ -426,13 +427,15 @@ class PipelineParallel(ProcessGroupStrategy):
         group = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
         return moved, group
 
-    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The whole model's weights and optimizer state, as one process would save them (rank 0)."""
+    def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        directory: Optional[Path]) -> Optional[dict[str, Any]]:
+        """The whole model's weights and optimizer state, as one process would save them: the
+        stages send their parts to rank 0 (every rank calls it)."""
         assert self._module is not None
         weights = self.full_state_dict(model)
         parts = self._gather_to_main(self._optimizer_part(optimizer))
-        if parts is None:
-            return {}
+        if parts is None or directory is None:
+            return None
         # A tied parameter's state exists on each stage holding it, identical: keep the first.
         merged: dict[int, Any] = {}
         for state, _ in parts:
@@ -444,8 +447,7 @@ class PipelineParallel(ProcessGroupStrategy):
                 "optimizer": {"state": dict(sorted(merged.items())),
                               "param_groups": [{**group, "params": list(range(n))}]}}
 
-    def load_checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                              state: dict[str, Any]) -> None:
+    def _load_whole(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Take this stage's part of a whole-model checkpoint (written by any strategy)."""
         assert self._module is not None
         saved = state["model"]
@@ -467,7 +469,7 @@ class PipelineParallel(ProcessGroupStrategy):
         group = {k: v for k, v in full["param_groups"][0].items() if k != "params"}
         optimizer.load_state_dict({"state": local_state, "param_groups": [{**group, "params": list(range(len(params)))}]})
 
-    def load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    def _load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
         from scaleloop.checkpoint.store import CheckpointError
 
         raise CheckpointError(f"{directory} is a sharded (--strategy fsdp) checkpoint, which --strategy pipeline "

@@ -79,17 +79,15 @@ def verify(cfg: TrainConfig, opts: VerifyOptions, say: Say = print) -> int:
         (root / CONFIG_FILE).write_text(to_toml(cfg), encoding="utf-8")
         opts.write(root / OPTIONS_FILE)
         device = resolve_device(cfg.device)
-        if cfg.strategy == "pipeline":
-            raise UsageError("scaleloop verify compares data-parallel strategies (ddp, allreduce, fsdp, dp) with one "
-                             "process; for the pipeline, compare the model.pt of `scaleloop train --strategy pipeline` "
-                             "with a one-process run's (docs/strategies.md shows how)")
         if cfg.strategy == "dp":
             make_strategy("dp", DistEnv(device=device))  # says what to do instead when there are no GPUs
         data, model = build_data_and_model(cfg)
         # BatchNorm sees micro-batches, so the reference must accumulate as the distributed run
         # does (micro-step k covers the same samples for any number of ranks); otherwise one
         # process takes the whole global batch at once, the plainest meaning of "the same training".
-        ref_accumulate = cfg.accumulate if unsynced_batchnorm(model) or cfg.sync_batchnorm else 1
+        # A pipeline cuts each micro-step further into --microbatches pieces, which BatchNorm sees.
+        pieces = cfg.accumulate * (cfg.microbatches if _pipeline(cfg) else 1)
+        ref_accumulate = pieces if unsynced_batchnorm(model) or cfg.sync_batchnorm else 1
         session = Session(cfg, opts, root, say, device, data, model, _world(cfg), ref_accumulate)
         _header(session)
         reference, code = _run_both(session)
@@ -112,6 +110,11 @@ def _report_root(report: Optional[str]) -> Iterator[Path]:
     yield root
 
 
+def _pipeline(cfg: TrainConfig) -> bool:
+    """Whether the distributed run cuts the model into stages, one per rank (no data parallelism)."""
+    return cfg.strategy == "pipeline"
+
+
 def _world(cfg: TrainConfig) -> int:
     if cfg.strategy == "dp":
         return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
@@ -130,6 +133,11 @@ def _header(s: Session) -> None:
     if s.opts.needs_reference:
         s.say(f"  reference:   1 process (single), accumulate {s.ref_accumulate}: "
               f"{cfg.batch_size // s.ref_accumulate} samples per backward")
+    if _pipeline(cfg):
+        s.say(f"  distributed: {s.world} processes (pipeline), one stage of the model each, accumulate "
+              f"{cfg.accumulate}: every stage runs all {cfg.batch_size // cfg.accumulate} samples per backward in "
+              f"{cfg.microbatches} pipeline micro-batch(es)")
+        return
     s.say(f"  distributed: {s.world} {'GPUs in 1 process' if cfg.strategy == 'dp' else 'processes'} ({cfg.strategy}), "
           f"accumulate {cfg.accumulate}: {cfg.batch_size // (s.world * cfg.accumulate)} samples per rank per "
           "backward" + (", --sync-batchnorm" if cfg.sync_batchnorm else ""))
@@ -202,8 +210,10 @@ def _report(s: Session, reference: Optional[dict[str, Any]], code: int) -> int:
         return 1
     ranks = run["ranks"] if run else []
     ref_micro = reference["ranks"][0]["micro"] if reference else []
+    data_ranks, stage_problems = _data_ranks(s, ranks)
     records = Records(reference, run, failures,
-                      data_check.step_mismatches(ref_micro, ranks, s.opts.steps) if reference else [],
+                      stage_problems + (data_check.step_mismatches(ref_micro, data_ranks, s.opts.steps)
+                                        if reference else []),
                       data_check.content_mismatches(s.data.train, ranks))
 
     results: list[tuple[str, bool]] = []
@@ -222,8 +232,13 @@ def _report(s: Session, reference: Optional[dict[str, Any]], code: int) -> int:
             s.say(line)
         results.append(("sync", passed))
     if run is not None and s.opts.explain_step is not None:
-        for line in format_explain(s.opts.explain_step, run, reference):
-            s.say(line)
+        if _pipeline(s.cfg):
+            s.say(f"explain: not available under --strategy pipeline: every rank runs its own stage of the model on "
+                  f"the same samples, so there is no per-rank gradient of one parameter to all-reduce; the step "
+                  f"table compares every parameter and gradient with 1 process")
+        else:
+            for line in format_explain(s.opts.explain_step, run, reference):
+                s.say(line)
     failed = [name for name, ok in results if not ok]
     summary = "; ".join(f"{name} {'passed' if ok else 'FAILED'}" for name, ok in results)
     s.say(f"verify: {'FAIL' if failed else 'PASS'} ({summary})"
@@ -246,6 +261,11 @@ def _equivalence(s: Session, r: Records) -> bool:
         s.say(note)
     passed, verdict = equivalence_verdict(rows, s.opts.steps, s.world, s.cfg.strategy, tol, bool(r.failures))
     s.say(verdict)
+    if _pipeline(s.cfg):
+        # Said, not skipped silently: what this comparison does not cover under the pipeline.
+        s.say("  (pipeline: the loss is the last stage's; parameters and gradients are gathered from all stages "
+              "under the model's own names; each rank finds the unused parameters of its own stage; --explain "
+              "does not apply: no rank computes a gradient another rank also computes)")
     if passed:
         return True
     causes: list[Cause] = [failure_cause(r.failures)] if r.failures else []
@@ -253,7 +273,8 @@ def _equivalence(s: Session, r: Records) -> bool:
                       for n in names}
                      | {n for f in r.failures for names in f.get("no_grad_before", {}).values() for n in names})
     step_samples = len(data_check.step_indices(r.reference["ranks"][0]["micro"], 1))
-    named = name_causes(s.cfg, world=s.world, accumulate=s.cfg.accumulate, step_samples=step_samples,
+    world, accumulate = _pieces(s)
+    named = name_causes(s.cfg, world=world, accumulate=accumulate, step_samples=step_samples,
                         probes=_probe(s, r.reference), step_problems=r.step_problems,
                         content_problems=r.content_problems, no_grad=no_grad)
     causes += named
@@ -267,6 +288,33 @@ def _equivalence(s: Session, r: Records) -> bool:
     return False
 
 
+def _pieces(s: Session) -> tuple[int, int]:
+    """(data-parallel ranks, pieces per rank and step) of the distributed run: how its step's batch is cut.
+
+    A pipeline has no data parallelism: its stages all see the whole batch, cut into
+    --accumulate micro-steps of --microbatches pieces each.
+    """
+    if _pipeline(s.cfg):
+        return 1, s.cfg.accumulate * s.cfg.microbatches
+    return s.world, s.cfg.accumulate
+
+
+def _data_ranks(s: Session, ranks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The ranks whose samples make up the distributed run's steps, and problems found in doing so.
+
+    Data-parallel ranks each train on their share: all of them. A pipeline's stages all walk the
+    same batches (the first stage uses the inputs, the last the targets): stage 0 stands for the
+    run, and every other stage must have loaded exactly its samples.
+    """
+    if not _pipeline(s.cfg) or not ranks:
+        return ranks, []
+    first = [(m["step"], m["micro"], m["indices"]) for m in ranks[0]["micro"]]
+    problems = [f"stage {r['rank']} loaded other batches than stage 0 (the stages of a pipeline must walk the "
+                "same samples)" for r in ranks[1:]
+                if [(m["step"], m["micro"], m["indices"]) for m in r["micro"]] != first]
+    return ranks[:1], problems
+
+
 def _probe(s: Session, reference: dict[str, Any]) -> Optional[Probes]:
     """Run the probes on the first step's batch; None when that batch cannot be rebuilt."""
     indices = data_check.step_indices(reference["ranks"][0]["micro"], 1)
@@ -274,7 +322,8 @@ def _probe(s: Session, reference: dict[str, Any]) -> Optional[Probes]:
         return None
     x, y = data_check.load_samples(s.data.train, indices)
     x, y = (t.to(s.device) if isinstance(t, torch.Tensor) else t for t in (x, y))
-    groups = piece_groups(len(indices), s.world, s.cfg.accumulate, s.ref_accumulate)
+    world, accumulate = _pieces(s)
+    groups = piece_groups(len(indices), world, accumulate, s.ref_accumulate)
     return run_probes(s.model.to(s.device), resolve_loss(s.opts.loss, s.data.info), x, y, groups)
 
 
@@ -282,6 +331,8 @@ def _data(s: Session, r: Records) -> bool:
     """``--check data``: the per-rank batch digests, the steps against the reference, the coverage."""
     assert r.run is not None
     ranks, n = r.run["ranks"], r.run["n_samples"]
+    data_ranks, _ = _data_ranks(s, ranks)
+    data_world = _pieces(s)[0]
     s.say("data: SHA-256 of every batch each rank trained on, checked against the dataset's samples at its indices")
     for line in data_check.batch_table(ranks, s.data.train, r.run["accumulate"]):
         s.say(line)
@@ -292,15 +343,17 @@ def _data(s: Session, r: Records) -> bool:
         s.say("  steps: " + ("each step's samples over all ranks are exactly those 1 process trains on"
                              if not r.step_problems else f"MISMATCH: {r.step_problems[0]}"))
     passed = not mismatches and not r.step_problems
-    planned = StepPlan(n, s.cfg.batch_size, world_size=s.world, accumulate=s.cfg.accumulate,
+    planned = StepPlan(n, s.cfg.batch_size, world_size=data_world, accumulate=s.cfg.accumulate,
                        drop_last=s.cfg.drop_last).dropped_per_epoch
-    s.say("coverage: which samples each epoch used, over all ranks")
-    for epoch in sorted({m["epoch"] for rank in ranks for m in rank["audit"]}):
-        cov = data_check.coverage((m["indices"] for rank in ranks for m in rank["audit"] if m["epoch"] == epoch),
-                                  n, epoch)
-        ok, line = data_check.format_coverage(cov, s.world, planned)
+    s.say("coverage: which samples each epoch used, over all ranks"
+          + (" (pipeline: stage 0's, which every stage walks)" if _pipeline(s.cfg) else ""))
+    for epoch in sorted({m["epoch"] for rank in data_ranks for m in rank["audit"]}):
+        cov = data_check.coverage((m["indices"] for rank in data_ranks for m in rank["audit"]
+                                   if m["epoch"] == epoch), n, epoch)
+        ok, line = data_check.format_coverage(cov, data_world, planned)
         passed &= ok
         s.say(line)
-    s.say(data_check.format_sampler_comparison(n, s.world, s.cfg.seed))
+    if data_world > 1:
+        s.say(data_check.format_sampler_comparison(n, s.world, s.cfg.seed))
     s.say(f"data verdict: {'PASS' if passed else 'FAIL'}")
     return passed

@@ -14,6 +14,11 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return gather() if callable(gather) else t
 
 
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a sharded ``DTensor`` (FSDP's parameters), whose ranks hold parts of it."""
+    return callable(getattr(t, "full_tensor", None))
+
+
 def _update(h: "hashlib._Hash", obj: Any) -> None:
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()

@@ -6,6 +6,12 @@ which parameters received a gradient; rank 0 also saves, after every optimizer s
 parameters and the synchronised gradients of that step. At the end the ranks' records are
 gathered to rank 0, which writes ``record.json`` next to the per-step ``step-NNNN.pt`` files.
 
+Parameters and gradients are always saved whole, under the names of the user's module: a
+sharded (FSDP) parameter is gathered from its shards, and under the pipeline strategy, where
+each rank holds one stage (a ``StageModule``), the stages' parts are gathered to rank 0 and
+named by the whole model's ``state_dict`` keys. Only the pipeline's last stage computes the
+loss; the others add zeros to the step's loss sums.
+
 Every collective here (the step loss, the explained step's all-reduce, the final gathers) is
 called by every rank at the same point, so ranks never wait on each other forever.
 """
@@ -20,10 +26,12 @@ import torch
 from torch import nn
 
 from scaleloop.data.loader import Batch, ShardedLoader
+from scaleloop.runtime.collectives import gather_object, sum_over_ranks
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.loop.step import Observer
 from scaleloop.strategies.base import Strategy
-from scaleloop.verify.hashing import digest, full_tensor
+from scaleloop.strategies.pipeline import StageModule
+from scaleloop.verify.hashing import digest, full_tensor, is_sharded
 from scaleloop.verify.sync import check_sync
 
 RECORD_FILE = "record.json"
@@ -64,6 +72,10 @@ class Recorder(Observer):
         self.hooks_see_grads: Optional[bool] = None
         self.strategy: Optional[Strategy] = None
         self.module: Optional[nn.Module] = None
+        # Under the pipeline strategy this rank holds one stage of the model: its parameters
+        # are recorded under the whole model's names and gathered from all stages to rank 0.
+        self.stage = False
+        self._names: dict[str, str] = {}    # local parameter name -> the user's module's name
         self.first_param = ""
         if env.is_main:
             out.mkdir(parents=True, exist_ok=True)
@@ -73,7 +85,9 @@ class Recorder(Observer):
         """Watch the (wrapped) ``model``: a hook on each parameter sees its local gradient."""
         self.strategy = strategy
         self.module = strategy.unwrap(model)
-        trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self.stage = isinstance(self.module, StageModule)
+        self._names = whole_model_names(self.module)
+        trainable = [(self._names[n], p) for n, p in self.module.named_parameters() if p.requires_grad]
         self.first_param = trainable[0][0] if trainable else ""
         for name, param in trainable:
             param.register_hook(self._hook(name))
@@ -107,40 +121,64 @@ class Recorder(Observer):
 
     def synced(self) -> None:
         """After the step's last backward, gradients synchronised: loss, unused parameters, gradients."""
-        strategy, module = self._attached()
-        total = strategy.reduce_sum(self._sums.to(self.env.device)).cpu()
+        _, module = self._attached()
+        total = sum_over_ranks(self._sums.to(self.env.device), self.env).cpu()
         self.losses.append(float(total[0] / total[1]) if float(total[1]) > 0 else float("nan"))
         self._sums.zero_()
         if self.hooks_see_grads is None:
             fired = torch.tensor([1.0 if self._used else 0.0], device=self.env.device)
-            self.hooks_see_grads = float(strategy.reduce_sum(fired)) > 0  # the same answer on every rank
+            self.hooks_see_grads = float(sum_over_ranks(fired, self.env)) > 0  # the same answer on every rank
         if self.hooks_see_grads:
-            trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+            trainable = [self._names[n] for n, p in module.named_parameters() if p.requires_grad]
             self.no_grad[self.step] = [n for n in trainable if n not in self._used]
         self._used.clear()
         scale = self._grad_scale()
-        grads = {}
-        for name, param in module.named_parameters():
-            if param.grad is not None:
-                g = full_tensor(param.grad)
-                if self.env.is_main:
-                    grads[name] = (g.detach().float() / scale).cpu()
-        if self.step == self.explain_step:
+        grads = self._whole(lambda p: p.grad)
+        if self.step == self.explain_step and not self.stage:
+            # A pipeline's ranks hold different parameters: no local gradients to all-reduce.
             self._explain(module, scale)
-        self._grads = grads
+        self._grads = {name: g.float() / scale for name, g in grads.items()}
 
     def stepped(self) -> None:
         """After the optimizer step: rank 0 saves this step's parameters and gradients."""
-        _, module = self._attached()
-        params = {}
-        for name, param in module.named_parameters():
-            whole = full_tensor(param)  # every rank: gathering a sharded parameter is a collective
-            if self.env.is_main:
-                params[name] = whole.detach().cpu().clone()
+        params = self._whole(lambda p: p)
         if self.env.is_main:
             torch.save({"params": params, "grads": self._grads}, step_file(self.out, self.step))
         self._grads = {}
         self.step += 1
+
+    def _whole(self, pick: Callable[[nn.Parameter], Optional[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """``pick(param)`` of every parameter of the whole model, on the CPU, by the user's module's
+        names, on rank 0 ({} elsewhere); parameters whose ``pick`` is None are left out.
+
+        A collective (every rank must call it): sharded tensors are gathered from their shards,
+        and a pipeline's stages send their parts to rank 0 (a tied parameter held by several
+        stages is taken from the first: the strategy keeps its copies equal).
+        """
+        _, module = self._attached()
+        if not self.stage:
+            out = {}
+            for name, param in module.named_parameters():
+                t = pick(param)
+                if t is not None:
+                    whole = full_tensor(t)  # every rank: gathering a sharded tensor is a collective
+                    if self.env.is_main:
+                        out[name] = whole.detach().cpu().clone()
+            return out
+        mine = {}
+        for name, param in module.named_parameters():
+            t = pick(param)
+            if t is not None:
+                mine[self._names[name]] = t.detach().cpu().clone()
+        parts = gather_object(mine, self.env)
+        if not self.env.is_main:
+            return {}
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            for name, t in part.items():
+                merged.setdefault(name, t)
+        order = {name: i for i, name in enumerate(getattr(module, "full_shapes", {}))}  # state_dict order
+        return {name: merged[name] for name in sorted(merged, key=lambda n: order.get(n, len(order)))}
 
     def _grad_scale(self) -> float:
         scaler = self._attached()[0].precision.scaler
@@ -148,7 +186,6 @@ class Recorder(Observer):
 
     def _explain(self, module: nn.Module, scale: float) -> None:
         """The first layer's gradient before and after synchronisation, and an all-reduce by hand."""
-        strategy = self._attached()[0]
         param = dict(module.named_parameters()).get(self.first_param)
         if param is None:  # a model without trainable parameters: nothing to explain
             return
@@ -160,7 +197,7 @@ class Recorder(Observer):
             # gradient and divide by the number of ranks.
             # (a DTensor's .shape is the whole parameter's: no collective needed here)
             mine = local if local is not None else torch.zeros(tuple(param.shape))
-            averaged = strategy.reduce_sum(mine.clone().to(self.env.device)) / self.env.world_size
+            averaged = sum_over_ranks(mine.to(self.env.device), self.env) / self.env.world_size
         self.explain = {
             "param": self.first_param,
             "local_norm": float(local.norm()) if local is not None else None,
@@ -169,8 +206,8 @@ class Recorder(Observer):
             "synced_vs_allreduced": (float((synced.to(averaged.device) - averaged).abs().max())
                                      if synced is not None and averaged is not None else None),
             "writes_files": bool(self.env.is_main),
-            # A sharded strategy has every rank write its part of each checkpoint.
-            "writes_checkpoint_shard": bool(getattr(strategy, "sharded_checkpoint", False)),
+            # Sharded parameters (FSDP's DTensors): every rank writes its part of each checkpoint.
+            "writes_checkpoint_shard": is_sharded(param),
         }
         self._local = None
 
@@ -192,19 +229,21 @@ class Recorder(Observer):
         sync = check_sync(strategy, module) if self.check_sync else None
         mine = {"rank": self.env.rank, "micro": self.micro, "no_grad": self.no_grad,
                 "explain": self.explain, "audit": self.audit}
-        ranks = strategy.gather_object(mine)
+        ranks = gather_object(mine, self.env)
         if not self.env.is_main:
             return
         record = {"world_size": self.env.world_size, "strategy": strategy.describe(),
                   "accumulate": strategy.accumulate_steps, "steps_done": len(self.losses),
                   "losses": self.losses, "first_param": self.first_param,
-                  "n_samples": len(loader.dataset), "ranks": ranks, "sync": sync}
+                  "n_samples": len(loader.dataset), "ranks": ranks, "sync": sync,
+                  "pipeline_stages": self.env.world_size if self.stage else 0}
         (self.out / RECORD_FILE).write_text(json.dumps(record), encoding="utf-8")
 
     def fail(self, exc: BaseException) -> None:
         """Write what this rank knows about a failed run (no collectives: the others may be gone)."""
         self.out.mkdir(parents=True, exist_ok=True)
-        names = [n for n, p in self.module.named_parameters() if p.requires_grad] if self.module is not None else []
+        names = ([self._names.get(n, n) for n, p in self.module.named_parameters() if p.requires_grad]
+                 if self.module is not None else [])
         record = {"rank": self.env.rank, "step": self.step, "steps_done": len(self.losses),
                   "losses": self.losses, "first_param": self.first_param,
                   "error": f"{type(exc).__name__}: {exc}".strip(),
@@ -217,3 +256,15 @@ class Recorder(Observer):
         if self.strategy is None or self.module is None:
             raise RuntimeError("Recorder.attach(strategy, model) must be called first")
         return self.strategy, self.module
+
+
+def whole_model_names(module: nn.Module) -> dict[str, str]:
+    """Each parameter's name in ``module`` -> its name in the user's model.
+
+    The same for a whole model (or one wrapped and unwrapped again); for a pipeline stage
+    (``StageModule``), the whole model's ``state_dict`` key of the tensor (the first, for a
+    tied one, which is what the whole model's ``named_parameters()`` gives).
+    """
+    if not isinstance(module, StageModule):
+        return {name: name for name, _ in module.named_parameters()}
+    return {name: (module.global_keys.get(name) or [name])[0] for name, _ in module.named_parameters()}

@@ -27,6 +27,7 @@ import scaleloop as sl
 from scaleloop.data.info import DataInfo
 from scaleloop.loop.evaluate import evaluate
 from scaleloop.models import ConvNet, SimpleNet, TinyGPT
+from scaleloop.runtime.collectives import gather_object
 from scaleloop.strategies import SingleDevice, make_strategy
 
 env = sl.DistEnv.from_env(device="cpu")
@@ -72,7 +73,7 @@ for step in range(2):
     changed = any(not torch.equal(b, p.detach().to_local()) for b, p in zip(before, model.parameters()))
     results.append({"stepped": stepped, "changed": changed, "scale": strategy.precision.scaler.get_scale(),
                     "norm_finite": math.isfinite(norm)})
-everyone = strategy.gather_object(results)
+everyone = gather_object(results, env)
 assert everyone[0] == everyone[1], f"ranks disagree on fp16 steps: {everyone}"
 assert not everyone[0][0]["stepped"] and not everyone[0][0]["changed"], everyone
 assert everyone[0][1]["stepped"] and everyone[0][1]["changed"], everyone
@@ -126,7 +127,7 @@ if rank == 0:
     assert all(t.device.type == "cpu" for t in full.values())
 else:
     assert full == {}, list(full)
-counts = strategy.gather_object(len(full))
+counts = gather_object(len(full), env)
 assert counts[0] > 0 and counts[1] == 0, counts
 report["full_state_dict_entries"] = counts
 

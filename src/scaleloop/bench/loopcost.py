@@ -1,0 +1,153 @@
+"""What scaleloop's loop itself costs per optimizer step, piece by piece, in microseconds.
+
+Each piece is timed on its own, many times over, and the fastest of several rounds is kept
+(the least disturbed by other work on the machine). Pieces that do torch work are timed
+against the same torch work done by hand, so what is left is the bookkeeping:
+
+- ``batch objects``: an epoch from scaleloop's loader (``Batch`` with its plan) minus the same
+  ``index_select`` calls done by hand, per step;
+- ``step calls``: ``Step.micro`` + ``Step.update`` (strategy, precision, schedule) minus the
+  hand-written forward, loss, backward and optimizer step on the same one-weight model;
+- ``loss sums``: ``RunningLoss.add`` per step, and its flush at each log row;
+- ``schedule``: one ``scheduler.step()``;
+- ``log row``: the global loss and a ``metrics.csv`` row, every ``log_every`` steps.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from scaleloop.bench.report import Column, Table
+
+Bench = Callable[[int], None]
+
+
+def _best_us(fn: Bench, n: int, rounds: int = 7) -> float:
+    """Fastest of ``rounds`` timings of ``fn(n)``, in microseconds per iteration."""
+    return _best_pair_us(fn, None, n, rounds)[0]
+
+
+def _extra_us(ours: Bench, raw: Bench, n: int, rounds: int = 9) -> float:
+    """What ``ours`` costs beyond ``raw`` per iteration: rounds interleaved, fastest of each kept."""
+    a, b = _best_pair_us(ours, raw, n, rounds)
+    return a - b
+
+
+def _best_pair_us(first: Bench, second: Any, n: int, rounds: int) -> tuple[float, float]:
+    fns = [first] if second is None else [first, second]
+    for fn in fns:
+        fn(max(1, n // 10))   # warm caches and lazy initialisation
+    best = [float("inf")] * len(fns)
+    for r in range(rounds):
+        order = range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))
+        for i in order:
+            start = time.perf_counter()
+            fns[i](n)
+            best[i] = min(best[i], time.perf_counter() - start)
+    us = [1e6 * b / n for b in best]
+    return us[0], (us[1] if len(us) > 1 else 0.0)
+
+
+def measure_loop_cost(cfg: Any, device: torch.device) -> dict[str, Any]:
+    """The loop's own cost per step for ``cfg``'s batch and plan (tiny model: bookkeeping only)."""
+    from scaleloop.data.loader import ShardedLoader
+    from scaleloop.data.sampler import StepPlan
+    from scaleloop.loop.build import build_run
+    from scaleloop.loop.running import RunningLoss
+    from scaleloop.loop.schedule import build_scheduler
+    from scaleloop.loop.step import Step
+    from scaleloop.loop.training import _Ledger, _log_window
+    from scaleloop.output.metrics import MetricsLogger
+    from scaleloop.runtime.dist import DistEnv
+
+    env = DistEnv(device=device)
+    run = build_run(cfg.replace(checkpoints=False, tensorboard=False), env)
+    dataset, steps = run.data.train, run.loader.plan.steps_per_epoch
+    plan = StepPlan(len(dataset), cfg.batch_size, seed=cfg.seed)
+    loader = ShardedLoader(dataset, plan, device)
+    xs, ys = dataset.tensors if hasattr(dataset, "tensors") else (None, None)
+    index_lists = [plan.step_indices(0, s) for s in range(steps)]
+
+    def ours_epochs(n: int) -> None:
+        for _ in range(n):
+            loader.set_epoch(0)
+            for _batch in loader:
+                pass
+
+    def raw_epochs(n: int) -> None:
+        for _ in range(n):
+            for idx in index_lists:
+                if xs is not None:
+                    xs.index_select(0, idx), ys.index_select(0, idx)
+
+    pieces: dict[str, float] = {}
+    if xs is not None:
+        pieces["batch objects"] = _extra_us(ours_epochs, raw_epochs, 20) / max(steps, 1)
+
+    # The step's calls around a model so small that its torch work is the same few kernels on both sides.
+    tiny = torch.nn.Linear(1, 1).to(device)
+    opt = torch.optim.SGD(tiny.parameters(), lr=0.0)
+    x, y = torch.ones(2, 1, device=device), torch.ones(2, 1, device=device)
+    mse = torch.nn.functional.mse_loss
+    batch = next(iter(loader))
+    small = type(batch)(x, y, batch.plan)
+    run.model, run.optimizer, run.loss_fn = tiny, opt, mse
+    run.scheduler = build_scheduler(opt, run.cfg, run.total_steps)   # the run's schedule, on this optimizer
+    step = Step(run)
+
+    def ours_steps(n: int) -> None:
+        for _ in range(n):
+            step.micro(small)
+            step.update()
+
+    def raw_steps(n: int) -> None:
+        for _ in range(n):
+            mse(tiny(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def schedule_steps(n: int) -> None:
+        for _ in range(n):
+            run.scheduler.step()
+
+    pieces["step calls (strategy, precision, schedule)"] = _extra_us(ours_steps, raw_steps, 2000)
+    pieces["  of which: schedule step"] = _best_us(schedule_steps, 20000)
+    loss = torch.zeros((), device=device)
+    running = RunningLoss()
+
+    def add(n: int) -> None:
+        for _ in range(n):
+            running.add(loss, 64)
+        running.new_window()
+
+    pieces["loss sums"] = _best_us(add, 2000)
+    with tempfile.TemporaryDirectory(prefix="scaleloop-loopcost-") as tmp:
+        metrics = MetricsLogger(Path(tmp), tensorboard=False)
+        ledger = _Ledger(time.perf_counter())
+
+        def log_rows(n: int) -> None:
+            for _ in range(n):
+                running.add(loss, 64)
+                _log_window(run, running, metrics, None, ledger, 0, 64, time.perf_counter())
+
+        pieces[f"log row (every {cfg.log_every} steps)"] = _best_us(log_rows, 500) / cfg.log_every
+        metrics.close()
+    total = sum(v for k, v in pieces.items() if not k.startswith("  "))
+    return {"pieces_us": pieces, "total_us": total}
+
+
+def loop_cost_table(cost: dict[str, Any], step_s: float) -> Table:
+    """The pieces as a table, each also as a share of the measured step time ``step_s``."""
+    rows = [{"piece": k, "us": v, "share": v / (1e6 * step_s) if step_s > 0 else 0.0}
+            for k, v in cost["pieces_us"].items()]
+    rows.append({"piece": "total", "us": cost["total_us"],
+                 "share": cost["total_us"] / (1e6 * step_s) if step_s > 0 else 0.0})
+    return Table("The loop's own cost per optimizer step", [
+        Column("piece", "piece"), Column("us", "us per step", lambda v: f"{v:.1f}"),
+        Column("share", "of a step", lambda v: f"{100 * v:.2f}%")], rows,
+        f"Each piece timed alone (fastest of 7 rounds), minus the same torch work done by hand; a step of "
+        f"this workload takes {1e3 * step_s:.3f} ms (the raw loop's median). Negative: within timing noise.")

@@ -1,0 +1,46 @@
+"""``scaleloop verify --strategy pipeline``: 2 stages against 1 process, step by step.
+
+TinyGPT's tied embedding and head lie on different stages: the recorder gathers both stages'
+parameters and gradients to rank 0 under the model's own names, so the step table compares the
+whole model; the loss comes from the last stage. What cannot apply to a pipeline (--explain's
+per-rank all-reduce, replicas to hash) is said in the output.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from procs import run
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+TINYGPT = ["--model", "tinygpt", "--data", "tokens", "--n-samples", "512", "--batch-size", "32",
+           "--steps", "3", "--device", "cpu", "--strategy", "pipeline", "--nproc", "2"]
+
+
+def test_tinygpt_pipeline_equals_one_process_and_says_what_does_not_apply(tmp_path: Path) -> None:
+    report = tmp_path / "report"
+    res = run([sys.executable, "-m", "scaleloop.verify", *TINYGPT, "--check", "all", "--explain", "2",
+               "--report", str(report)], cwd=tmp_path, timeout=240)
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout}\n{res.stderr}"
+    out = res.stdout
+    assert "distributed: 2 processes (pipeline), one stage of the model each" in out
+    assert "verdict: PASS - 2 processes (pipeline) train the same model as 1 process over 3 step(s)" in out, out
+    table = out[out.index("  step   loss"):out.index("  tolerance (fp32)")].splitlines()
+    assert [line.split()[0] for line in table[1:]] == ["1", "2", "3"]
+    assert "(pipeline: the loss is the last stage's" in out
+    # Every stage walked the same batches, which are those 1 process trains on.
+    assert "steps: each step's samples over all ranks are exactly those 1 process trains on" in out
+    assert "data verdict: PASS" in out
+    # No replicas; the tied embedding/head is held by both stages and stays identical.
+    assert "sync: pipeline: each of 2 ranks holds its own stage, so there are no replicas" in out
+    assert "every stage holding one of them holds an identical copy" in out
+    assert "explain: not available under --strategy pipeline" in out
+    assert out.rstrip().splitlines()[-1].startswith("verify: PASS (equivalence passed; data passed; sync passed)")
+    # Rank 0 saved the whole model (both stages) under the model's own names, as the reference did.
+    ref = torch.load(report / "single" / "step-0003.pt", weights_only=True)
+    dist = torch.load(report / "dist" / "step-0003.pt", weights_only=True)
+    assert list(dist["params"]) == list(ref["params"]) and set(dist["grads"]) == set(ref["grads"])
