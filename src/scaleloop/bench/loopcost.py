@@ -54,69 +54,85 @@ def _best_pair_us(first: Bench, second: Any, n: int, rounds: int) -> tuple[float
 
 def measure_loop_cost(cfg: Any, device: torch.device) -> dict[str, Any]:
     """The loop's own cost per step for ``cfg``'s batch and plan (tiny model: bookkeeping only)."""
-    from scaleloop.data.loader import ShardedLoader
-    from scaleloop.data.sampler import StepPlan
     from scaleloop.loop.build import build_run
-    from scaleloop.loop.running import RunningLoss
-    from scaleloop.loop.schedule import build_scheduler
-    from scaleloop.loop.step import Step
-    from scaleloop.loop.training import _Ledger, _log_window
-    from scaleloop.output.metrics import MetricsLogger
     from scaleloop.runtime.dist import DistEnv
 
-    env = DistEnv(device=device)
-    run = build_run(cfg.replace(checkpoints=False, tensorboard=False), env)
+    run = build_run(cfg.replace(checkpoints=False, tensorboard=False), DistEnv(device=device))
+    pieces = {**_batch_cost(run), **_step_cost(run), **_bookkeeping_cost(run)}
+    total = sum(v for k, v in pieces.items() if not k.startswith("  "))
+    return {"pieces_us": pieces, "total_us": total}
+
+
+def _batch_cost(run: Any) -> dict[str, float]:
+    """An epoch of scaleloop's batches against the same ``index_select`` calls by hand, per step."""
+    from scaleloop.data.loader import ShardedLoader, tensors_of
+    from scaleloop.data.sampler import StepPlan
+
     dataset, steps = run.data.train, run.loader.plan.steps_per_epoch
-    plan = StepPlan(len(dataset), cfg.batch_size, seed=cfg.seed)
-    loader = ShardedLoader(dataset, plan, device)
-    xs, ys = dataset.tensors if hasattr(dataset, "tensors") else (None, None)
+    tensors = tensors_of(dataset)
+    if tensors is None or not steps:
+        return {}
+    xs, ys = tensors
+    plan = StepPlan(len(dataset), run.cfg.batch_size, seed=run.cfg.seed)
+    loader = ShardedLoader(dataset, plan, run.env.device)
     index_lists = [plan.step_indices(0, s) for s in range(steps)]
 
-    def ours_epochs(n: int) -> None:
+    def ours(n: int) -> None:
         for _ in range(n):
             loader.set_epoch(0)
             for _batch in loader:
                 pass
 
-    def raw_epochs(n: int) -> None:
+    def raw(n: int) -> None:
         for _ in range(n):
             for idx in index_lists:
-                if xs is not None:
-                    xs.index_select(0, idx), ys.index_select(0, idx)
+                xs.index_select(0, idx), ys.index_select(0, idx)
 
-    pieces: dict[str, float] = {}
-    if xs is not None:
-        pieces["batch objects"] = _extra_us(ours_epochs, raw_epochs, 20) / max(steps, 1)
+    return {"batch objects (epoch plan, Batch)": _extra_us(ours, raw, 20) / steps}
 
-    # The step's calls around a model so small that its torch work is the same few kernels on both sides.
+
+def _step_cost(run: Any) -> dict[str, float]:
+    """``Step.micro`` + ``Step.update`` around a one-weight model, against the same calls by hand."""
+    from scaleloop.loop.schedule import build_scheduler
+    from scaleloop.loop.step import Step
+
+    device = run.env.device
     tiny = torch.nn.Linear(1, 1).to(device)
     opt = torch.optim.SGD(tiny.parameters(), lr=0.0)
     x, y = torch.ones(2, 1, device=device), torch.ones(2, 1, device=device)
     mse = torch.nn.functional.mse_loss
-    batch = next(iter(loader))
+    batch = next(iter(run.loader))
     small = type(batch)(x, y, batch.plan)
     run.model, run.optimizer, run.loss_fn = tiny, opt, mse
     run.scheduler = build_scheduler(opt, run.cfg, run.total_steps)   # the run's schedule, on this optimizer
     step = Step(run)
 
-    def ours_steps(n: int) -> None:
+    def ours(n: int) -> None:
         for _ in range(n):
             step.micro(small)
             step.update()
 
-    def raw_steps(n: int) -> None:
+    def raw(n: int) -> None:
         for _ in range(n):
             mse(tiny(x), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-    def schedule_steps(n: int) -> None:
+    def schedule(n: int) -> None:
         for _ in range(n):
             run.scheduler.step()
 
-    pieces["step calls (strategy, precision, schedule)"] = _extra_us(ours_steps, raw_steps, 2000)
-    pieces["  of which: schedule step"] = _best_us(schedule_steps, 20000)
-    loss = torch.zeros((), device=device)
+    return {"step calls (strategy, precision, schedule)": _extra_us(ours, raw, 2000),
+            "  of which: schedule step": _best_us(schedule, 20000)}
+
+
+def _bookkeeping_cost(run: Any) -> dict[str, float]:
+    """The running loss sums per step, and a log row spread over the steps between rows."""
+    from scaleloop.loop.running import RunningLoss
+    from scaleloop.loop.training import _Ledger, _log_window
+    from scaleloop.output.metrics import MetricsLogger
+
+    loss = torch.zeros((), device=run.env.device)
     running = RunningLoss()
 
     def add(n: int) -> None:
@@ -124,7 +140,7 @@ def measure_loop_cost(cfg: Any, device: torch.device) -> dict[str, Any]:
             running.add(loss, 64)
         running.new_window()
 
-    pieces["loss sums"] = _best_us(add, 2000)
+    pieces = {"loss sums": _best_us(add, 2000)}
     with tempfile.TemporaryDirectory(prefix="scaleloop-loopcost-") as tmp:
         metrics = MetricsLogger(Path(tmp), tensorboard=False)
         ledger = _Ledger(time.perf_counter())
@@ -134,10 +150,9 @@ def measure_loop_cost(cfg: Any, device: torch.device) -> dict[str, Any]:
                 running.add(loss, 64)
                 _log_window(run, running, metrics, None, ledger, 0, 64, time.perf_counter())
 
-        pieces[f"log row (every {cfg.log_every} steps)"] = _best_us(log_rows, 500) / cfg.log_every
+        pieces[f"log row (every {run.cfg.log_every} steps)"] = _best_us(log_rows, 500) / run.cfg.log_every
         metrics.close()
-    total = sum(v for k, v in pieces.items() if not k.startswith("  "))
-    return {"pieces_us": pieces, "total_us": total}
+    return pieces
 
 
 def loop_cost_table(cost: dict[str, Any], step_s: float) -> Table:

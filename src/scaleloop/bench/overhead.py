@@ -72,19 +72,15 @@ def run_overhead(opts: OverheadOptions, say: Say) -> BenchReport:
         torch.set_num_threads(previous)
 
 
-def _run_loops(opts: OverheadOptions, say: Say) -> BenchReport:
-    from scaleloop.runtime.dist import DistEnv
+def _repetitions(opts: OverheadOptions, cfg: Any, raw_cfg: Any, data_path: str,
+                 say: Say) -> tuple[list[dict[str, Any]], float, int]:
+    """Interleaved repetitions of both loops; returns them, the final weights' largest
+    difference, and the optimizer steps of one run."""
     from scaleloop.loop.training import train
+    from scaleloop.runtime.dist import DistEnv
 
-    hw = describe_hardware()   # first: its load average is the one the measurements met
     device = torch.device(opts.workload.device)
-    cfg = opts.workload.to_config(strategy="single", batch_size=opts.batch_size, epochs=opts.epochs,
-                                  test_fraction=0.2, fused_optimizer=opts.fused_optimizer)
     env = DistEnv(device=device)
-    data_path = "dataloader" if opts.mode == "datapath" else "gather"
-    # The tutorial's loop as written: PyTorch's default optimizer, whatever scaleloop's uses.
-    raw_cfg = cfg.replace(fused_optimizer=False) if data_path == "dataloader" else cfg
-    raw_name = "tutorial loop, DataLoader(shuffle=True)" if data_path == "dataloader" else "raw PyTorch (hand-written)"
     reps: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="scaleloop-bench-overhead-") as tmp:
         def scaleloop_run(i: int):
@@ -111,8 +107,20 @@ def _run_loops(opts: OverheadOptions, say: Say) -> BenchReport:
             reps.append(rep)
             say(f"  repetition {i + 1}/{opts.repeats}: {'tutorial' if data_path == 'dataloader' else 'raw'} "
                 f"{rep['raw_s']:.3f} s, scaleloop {rep['scaleloop_s']:.3f} s (x{rep['ratio']:.3f})")
-        batches = _data_only(cfg, device, opts, say) if opts.mode == "datapath" else None
-        steps_per_run = ours.steps
+    return reps, weights_diff, ours.steps
+
+
+def _run_loops(opts: OverheadOptions, say: Say) -> BenchReport:
+    hw = describe_hardware()   # first: its load average is the one the measurements met
+    device = torch.device(opts.workload.device)
+    cfg = opts.workload.to_config(strategy="single", batch_size=opts.batch_size, epochs=opts.epochs,
+                                  test_fraction=0.2, fused_optimizer=opts.fused_optimizer)
+    data_path = "dataloader" if opts.mode == "datapath" else "gather"
+    # The tutorial's loop as written: PyTorch's default optimizer, whatever scaleloop's uses.
+    raw_cfg = cfg.replace(fused_optimizer=False) if data_path == "dataloader" else cfg
+    raw_name = "tutorial loop, DataLoader(shuffle=True)" if data_path == "dataloader" else "raw PyTorch (hand-written)"
+    reps, weights_diff, steps_per_run = _repetitions(opts, cfg, raw_cfg, data_path, say)
+    batches = _data_only(cfg, device, opts, say) if opts.mode == "datapath" else None
     cost = None
     if opts.mode == "loop":
         from scaleloop.bench.loopcost import measure_loop_cost
@@ -173,6 +181,14 @@ def _run_loops(opts: OverheadOptions, say: Say) -> BenchReport:
                   "mode": opts.mode, "fused_optimizer": opts.fused_optimizer},
         tables=tables, quick=opts.quick, data=data)
     report.headline = headline
+    report.notes = _notes(opts, raw_cfg, data_path, weights_diff)
+    report.notes.append(f"scaleloop end to end (set-up, evaluation each epoch, run directory, curves): median "
+                        f"{wall['median']:.2f} s per run; the raw loop does none of that.")
+    return report
+
+
+def _notes(opts: OverheadOptions, raw_cfg: Any, data_path: str, weights_diff: float) -> list[str]:
+    """What the two loops did alike and apart, for the report's notes."""
     same = (f"Same work: both loops train on the same batches in the same order; their final weights differ by at "
             f"most {weights_diff:.2e}.")
     if opts.fused_optimizer:
@@ -181,7 +197,7 @@ def _run_loops(opts: OverheadOptions, say: Say) -> BenchReport:
                     "the tutorial's loop PyTorch's default one, as the tutorial writes it: their rounding differs "
                     "slightly, hence a difference in the weights."))
     if data_path == "gather":
-        report.notes = [
+        return [
             same,
             "Same data path on both sides: each batch is one index_select per tensor from the in-memory "
             "dataset (scaleloop's fast path; the raw loop does the same by hand), so the ratio measures the "
@@ -189,17 +205,13 @@ def _run_loops(opts: OverheadOptions, say: Say) -> BenchReport:
             "Timed span, for both: the epochs' batch loops (scaleloop's RunResult.train_s). scaleloop also logs "
             "a global loss every 10 steps inside that span (a reduction and a CSV row), which the raw loop does not.",
         ]
-    else:
-        report.notes = [
-            same,
-            "The tutorial's loop: DataLoader(dataset, batch_size=B, sampler=RandomSampler(dataset, generator=g)) "
-            "- the sampler shuffle=True builds - with g re-seeded every epoch so that it draws scaleloop's "
-            "permutation; each batch is B __getitem__ calls and a collation, and the loss is read with "
-            "loss.item() every step, as the tutorial writes it.",
-        ]
-    report.notes.append(f"scaleloop end to end (set-up, evaluation each epoch, run directory, curves): median "
-                        f"{wall['median']:.2f} s per run; the raw loop does none of that.")
-    return report
+    return [
+        same,
+        "The tutorial's loop: DataLoader(dataset, batch_size=B, sampler=RandomSampler(dataset, generator=g)) "
+        "- the sampler shuffle=True builds - with g re-seeded every epoch so that it draws scaleloop's "
+        "permutation; each batch is B __getitem__ calls and a collation, and the loss is read with "
+        "loss.item() every step, as the tutorial writes it.",
+    ]
 
 
 def _data_only(cfg: Any, device: torch.device, opts: OverheadOptions, say: Say) -> dict[str, Any]:

@@ -105,7 +105,7 @@ class CommRecorder:
 
         return fut.then(done)
 
-    def wrap_after_backward(self, strategy: Any, model: torch.nn.Module) -> None:
+    def wrap_gradient_sync(self, strategy: Any, model: torch.nn.Module) -> None:
         """Time the explicit all-reduce that ``allreduce`` runs after backward."""
         inner = strategy._sync_gradients
         nbytes = grad_bytes(model)
@@ -143,6 +143,70 @@ class _PhaseTimer(Observer):
         self.forward_end = (time.perf_counter(), time.thread_time())
 
 
+class _TimedSteps:
+    """Runs the run's ``Step`` over an endless loader, with or without per-phase timers."""
+
+    def __init__(self, built: Any, env: DistEnv, recorder: CommRecorder, say: Say, label: str) -> None:
+        self.env, self.recorder, self.say, self.label = env, recorder, say, label
+        self.device = env.device
+        self.timer = _PhaseTimer(lambda: synchronize(self.device))
+        self.plain, self.timed = Step(built), Step(built, observer=self.timer)
+        self.batches = _endless(built.loader)
+        self.last_loss = torch.zeros(())
+
+    def run(self, count: int, phases: bool, what: str) -> tuple[float, list[dict[str, Any]]]:
+        """Run ``count`` steps; returns the elapsed seconds and, with ``phases``, per-step timings."""
+        device, recorder = self.device, self.recorder
+        sync: Callable[[], None] = (lambda: synchronize(device)) if phases else (lambda: None)
+        step = self.timed if phases else self.plain
+        records: list[dict[str, Any]] = []
+        barrier(self.env)
+        synchronize(device)
+        started = time.perf_counter()
+        marks = {max(1, count * q // 4) for q in range(1, 5)}
+        cpu = time.thread_time
+        for i in range(count):
+            t0 = time.perf_counter()
+            batch = next(self.batches)
+            sync()
+            t1, c1 = time.perf_counter(), cpu()
+            loss = step.micro(batch)
+            sync()
+            t3, c3 = time.perf_counter(), cpu()
+            launch = recorder.last_launch()
+            step.update()
+            sync()
+            t4, c4 = time.perf_counter(), cpu()
+            recorder.end_step()
+            if loss is not None:
+                self.last_loss = loss
+            if phases:
+                t2, c2 = self.timer.forward_end
+                # CPU time of the compute phases: backward's up to its last all-reduce launch.
+                backward_cpu = (launch[1] if launch is not None and t2 <= launch[0] <= t3 else c3) - c2
+                records.append({"data_s": t1 - t0, "forward_s": t2 - t1, "backward_s": t3 - t2,
+                                "optimizer_s": t4 - t3, "step_s": t4 - t0,
+                                "compute_cpu_s": (c2 - c1) + backward_cpu + (c4 - c3),
+                                "marks": (t2, t3, launch[0] if launch is not None else None)})
+            if i + 1 in marks:
+                self.say(f"{self.label}: {what} step {i + 1}/{count}")
+        synchronize(device)
+        return time.perf_counter() - started, records
+
+
+def _attach_comm_recorder(built: Any, run: RunSpec, env: DistEnv, recorder: CommRecorder) -> str:
+    """Put the recorder where this strategy's gradient all-reduce happens; returns how it is timed."""
+    if isinstance(built.model, torch.nn.parallel.DistributedDataParallel):
+        built.model.register_comm_hook(state=None, hook=recorder.ddp_hook)
+        recorder.attached = True
+        return "DDP communication hook"
+    if run.strategy == "allreduce":
+        recorder.wrap_gradient_sync(built.strategy, built.model)
+        recorder.attached = env.is_distributed
+        return "timed gradient all-reduce (explicit, after backward)"
+    return f"not timed for {run.strategy}" if env.is_distributed else "none (one process)"
+
+
 def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
                 allreduce_reps: int = 10) -> dict[str, Any]:
     """Train ``run`` for ``workload.warmup + workload.steps`` steps on every rank and measure it.
@@ -159,78 +223,41 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
     cfg = workload.to_config(strategy=run.strategy, batch_size=run.global_batch, drop_last=True,
                              n_samples=max(workload.n_samples, 2 * run.global_batch))
     built = build_run(cfg, env)
-    strategy, model = built.strategy, built.model
     recorder = CommRecorder(env.device)
-    comm_method = "none (one process)"
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        model.register_comm_hook(state=None, hook=recorder.ddp_hook)
-        recorder.attached = True
-        comm_method = "DDP communication hook"
-    elif run.strategy == "allreduce":
-        recorder.wrap_after_backward(strategy, model)
-        recorder.attached = env.is_distributed
-        comm_method = "timed gradient all-reduce (explicit, after backward)"
-    elif env.is_distributed:
-        comm_method = f"not timed for {run.strategy}"
-    model.train()
-    batches = _endless(built.loader)
-    device = env.device
-    last_loss = torch.zeros(())
-    timer = _PhaseTimer(lambda: synchronize(device))
-    plain, timed = Step(built), Step(built, observer=timer)
-
-    def steps(count: int, phases: bool, label: str) -> tuple[float, list[dict[str, float]]]:
-        """Run ``count`` steps; returns the elapsed seconds and, with ``phases``, per-step timings."""
-        nonlocal last_loss
-        sync: Callable[[], None] = (lambda: synchronize(device)) if phases else (lambda: None)
-        step = timed if phases else plain
-        records: list[dict[str, float]] = []
-        barrier(env)
-        synchronize(device)
-        started = time.perf_counter()
-        marks = {max(1, count * q // 4) for q in range(1, 5)}
-        cpu = time.thread_time
-        for i in range(count):
-            t0 = time.perf_counter()
-            batch = next(batches)
-            sync()
-            t1, c1 = time.perf_counter(), cpu()
-            loss = step.micro(batch)
-            sync()
-            t3, c3 = time.perf_counter(), cpu()
-            launch = recorder.last_launch()
-            step.update()
-            sync()
-            t4, c4 = time.perf_counter(), cpu()
-            recorder.end_step()
-            if loss is not None:
-                last_loss = loss
-            if phases:
-                t2, c2 = timer.forward_end
-                # CPU time of the compute phases: backward's up to its last all-reduce launch.
-                backward_cpu = (launch[1] if launch is not None and t2 <= launch[0] <= t3 else c3) - c2
-                records.append({"data_s": t1 - t0, "forward_s": t2 - t1, "backward_s": t3 - t2,
-                                "optimizer_s": t4 - t3, "step_s": t4 - t0,
-                                "compute_cpu_s": (c2 - c1) + backward_cpu + (c4 - c3),
-                                "marks": (t2, t3, launch[0] if launch is not None else None)})
-            if i + 1 in marks:
-                say(f"{run.label}: {label} step {i + 1}/{count}")
-        synchronize(device)
-        return time.perf_counter() - started, records
-
-    steps(workload.warmup, phases=False, label="warm-up")
+    comm_method = _attach_comm_recorder(built, run, env, recorder)
+    built.model.train()
+    steps = _TimedSteps(built, env, recorder, say, run.label)
+    steps.run(workload.warmup, phases=False, what="warm-up")
     # On the CPU the phase timers cost nothing, so one pass gives throughput and breakdown.
     # On an accelerator the synchronising timers would slow the step: a separate pass.
-    separate = device.type != "cpu"
+    separate = env.device.type != "cpu"
     recorder.active = not separate
-    elapsed, records = steps(workload.steps, phases=not separate, label="timed")
+    elapsed, records = steps.run(workload.steps, phases=not separate, what="timed")
     if separate:
         recorder.active = True
-        _, records = steps(workload.steps, phases=True, label="breakdown")
+        _, records = steps.run(workload.steps, phases=True, what="breakdown")
     recorder.active = False
+    ranks = gather_object(_local_result(elapsed, records, recorder, steps.last_loss, env.device), env)
+    nbytes = grad_bytes(built.strategy.unwrap(built.model))
+    bench = allreduce_benchmark(nbytes, env, allreduce_reps) if env.is_distributed else None
+    comm = {"method": comm_method, "grad_bytes": nbytes,
+            "reduced_bytes_per_step": ranks[0]["reduced_bytes_per_step"],
+            "buckets_per_step": ranks[0]["buckets_per_step"]}
+    units = getattr(built.strategy, "units", None)
+    if run.strategy == "fsdp" and env.is_distributed and units:
+        # FSDP all-gathers each unit's parameters in forward and again in backward and
+        # reduce-scatters its gradients: 3 x (N-1)/N x S bytes per rank, 1.5 times an
+        # all-reduce's 2(N-1)/N x S, in 3 collectives per unit. In all-reduce equivalents:
+        comm.update(allreduce_equivalent_bytes=1.5 * nbytes, buckets_per_step=1.5 * units)
+    built.strategy.close()
+    return _combine(ranks, workload, run, env, comm, bench, built.strategy.describe())
 
+
+def _local_result(elapsed: float, records: list[dict[str, Any]], recorder: CommRecorder,
+                  last_loss: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    """This rank's measurements, to be gathered."""
     timed = bool(recorder.steps)
-    local = {
+    return {
         "elapsed_s": elapsed,
         "phases": {k: summarize([r[k] for r in records])["mean"] for k in (*PHASES, "step_s")},
         "step_median_s": summarize([r["step_s"] for r in records])["median"],
@@ -246,19 +273,11 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
         "threads": torch.get_num_threads(),
         "interop_threads": torch.get_num_interop_threads(),
     }
-    ranks = gather_object(local, env)
-    nbytes = grad_bytes(strategy.unwrap(model))
-    bench = allreduce_benchmark(nbytes, env, allreduce_reps) if env.is_distributed else None
-    comm = {"method": comm_method, "grad_bytes": nbytes,
-            "reduced_bytes_per_step": ranks[0]["reduced_bytes_per_step"],
-            "buckets_per_step": ranks[0]["buckets_per_step"]}
-    units = getattr(strategy, "units", None)
-    if run.strategy == "fsdp" and env.is_distributed and units:
-        # FSDP all-gathers each unit's parameters in forward and again in backward and
-        # reduce-scatters its gradients: 3 x (N-1)/N x S bytes per rank, 1.5 times an
-        # all-reduce's 2(N-1)/N x S, in 3 collectives per unit. In all-reduce equivalents:
-        comm.update(allreduce_equivalent_bytes=1.5 * nbytes, buckets_per_step=1.5 * units)
-    strategy.close()
+
+
+def _combine(ranks: list[dict[str, Any]], workload: Workload, run: RunSpec, env: DistEnv,
+             comm: dict[str, Any], bench: Optional[dict[str, Any]], strategy: str) -> dict[str, Any]:
+    """The run's result from every rank's measurements (the same on every rank)."""
     elapsed_max = max(r["elapsed_s"] for r in ranks)
 
     def rank_mean(key: str) -> Optional[float]:
@@ -276,11 +295,11 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
         breakdown.update(backward_compute_s=None, wait_s=None, comm_exposed_s=None)
     # CPU time is the compute's only where the compute ran on this thread and backward is split.
     breakdown["compute_cpu_s"] = (rank_mean("compute_cpu_s")
-                                  if device.type == "cpu" and breakdown["backward_compute_s"] is not None else None)
-
+                                  if env.device.type == "cpu" and breakdown["backward_compute_s"] is not None
+                                  else None)
     return {
-        "label": run.label, "strategy": strategy.describe(), "ok": True,
-        "world_size": env.world_size, "device": device.type, "threads": run.threads,
+        "label": run.label, "strategy": strategy, "ok": True,
+        "world_size": env.world_size, "device": env.device.type, "threads": run.threads,
         "global_batch": run.global_batch, "per_worker_batch": run.global_batch // env.world_size,
         "steps": workload.steps, "warmup": workload.warmup,
         "samples_per_s": run.global_batch * workload.steps / elapsed_max,
