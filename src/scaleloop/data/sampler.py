@@ -31,7 +31,9 @@ def split_sizes(n: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-@dataclass(frozen=True)
+# Not frozen: a frozen dataclass sets each field through object.__setattr__, and one is made
+# per micro-step inside the timed loop (slots: 0.6 us instead of 1.5 us each). Treat it as read-only.
+@dataclass(slots=True)
 class MicroBatch:
     """The indices one rank trains on in one micro-step, and how to weight its loss."""
 
