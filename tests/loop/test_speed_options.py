@@ -13,7 +13,8 @@ from scaleloop.cli import main
 from scaleloop.config import TrainConfig
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
-from scaleloop.loop.training import RunResult, build_optimizer, train
+from scaleloop.loop.build import build_optimizer
+from scaleloop.loop.training import RunResult, train
 from scaleloop.models import SimpleNet
 from scaleloop.strategies.base import Strategy
 

@@ -42,7 +42,7 @@ def raw_train(cfg: TrainConfig, device: torch.device, data_path: str = "gather")
     from torch.utils.data import DataLoader, RandomSampler
 
     from scaleloop.data.datasets import build_datasets
-    from scaleloop.loop.training import build_optimizer, seed_everything
+    from scaleloop.loop.build import build_optimizer, seed_everything
     from scaleloop.models import build_model
     from scaleloop.loop.tasks import task_loss
 

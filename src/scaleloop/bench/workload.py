@@ -80,7 +80,7 @@ def build(workload: Workload, global_batch: int):  # -> (Datasets, nn.Module)
     The training set holds at least two global batches, so that every timed step is full.
     """
     from scaleloop.data.datasets import build_datasets
-    from scaleloop.loop.training import seed_everything
+    from scaleloop.loop.build import seed_everything
     from scaleloop.models import build_model
 
     seed_everything(workload.seed)

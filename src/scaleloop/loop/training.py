@@ -32,9 +32,6 @@ from scaleloop.runtime.collectives import gather_object, sum_over_ranks
 from scaleloop.runtime.devices import describe_device
 from scaleloop.runtime.dist import DistEnv, restart_count
 
-# Kept importable from here: they were defined in this module before ``build`` existed.
-from scaleloop.loop.build import build_data_and_model, build_optimizer, preflight, seed_everything  # noqa: F401
-
 Log = Callable[[str], None]
 
 

@@ -302,7 +302,7 @@ def tune_batch(cfg: Any) -> TuneReport:
     device (local rank 0's), without a process group. Pass the config as it will be launched
     (``nproc`` already set to one process per GPU where ``--strategy auto`` does that).
     """
-    from scaleloop.loop.training import build_data_and_model, build_optimizer
+    from scaleloop.loop.build import build_data_and_model, build_optimizer
     from scaleloop.loop.tasks import task_loss
 
     device = _accelerator(cfg.device)

@@ -75,7 +75,7 @@ def launch_train(cfg: TrainConfig) -> Optional["RunResult"]:
 def _launch_workers(cfg: TrainConfig) -> None:
     """Start ``cfg.world_size`` workers under torchrun and wait for them."""
     from scaleloop.runtime.torchrun import run_under_torchrun
-    from scaleloop.loop.training import preflight
+    from scaleloop.loop.build import preflight
     from scaleloop.checkpoint.resume import continues_run, run_dir_for
     from scaleloop.output.rundir import default_run_dir, prepare_run_dir, write_atomic
 

@@ -40,7 +40,7 @@ from scaleloop.verify.options import VerifyOptions
 from scaleloop.verify.probes import Probes, run_probes, unsynced_batchnorm
 from scaleloop.verify.recorder import RECORD_FILE, Recorder
 from scaleloop.verify.report import equivalence_verdict, format_table, rounding_note
-from scaleloop.loop.training import build_data_and_model
+from scaleloop.loop.build import build_data_and_model
 from scaleloop.verify.steps import RunSpec, run_steps
 from scaleloop.verify.sync import format_sync
 
