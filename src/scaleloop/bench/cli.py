@@ -38,7 +38,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                       batch_size=32, steps=6, warmup=2, allreduce_reps=3),
     },
     "overhead": {
-        "normal": dict(model="simplenet", data="digits", hidden_dim=128, batch_size=64, epochs=5, repeats=7),
+        "normal": dict(model="simplenet", data="digits", hidden_dim=128, batch_size=64, epochs=5, repeats=31),
         "quick": dict(model="simplenet", data="digits", hidden_dim=128, batch_size=64, epochs=1, repeats=3),
     },
     "mfu": {

@@ -48,7 +48,7 @@ class OverheadOptions:
     workload: Workload
     batch_size: int = 64
     epochs: int = 5
-    repeats: int = 7
+    repeats: int = 31  # fewer leave a 1-2% ratio inside the noise of a shared machine
     threads: Optional[int] = None     # CPU threads for both loops (None: torch's default)
     quick: bool = False
     command: str = "scaleloop bench overhead"
