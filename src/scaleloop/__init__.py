@@ -37,6 +37,9 @@ _EXPORTS = {
     "build_datasets": "scaleloop.data.datasets",
     "RandomDataset": "scaleloop.data.datasets",
     "DataInfo": "scaleloop.data.info",
+    "DictTensorDataset": "scaleloop.data.batch",
+    "call_model": "scaleloop.data.batch",
+    "move": "scaleloop.data.batch",
     "Datasets": "scaleloop.data.info",
     "UsageError": "scaleloop.errors",
     "shard_indices": "scaleloop.runtime.collectives",
@@ -57,12 +60,14 @@ __all__ = sorted(_EXPORTS) + ["__version__", "strategy"]
 
 
 def strategy(name: str, env: Any, precision: str = "fp32", accumulate: int = 1, *,
-             sync_batchnorm: bool = False, microbatches: int = 1) -> Any:
+             sync_batchnorm: bool = False, microbatches: int = 1, find_unused_parameters: bool = False,
+             static_graph: bool = False) -> Any:
     """Shorthand for ``make_strategy``: ``sl.strategy("ddp", env, precision="bf16")``,
     ``sl.strategy("pipeline", env, microbatches=4)``."""
     from scaleloop.strategies import make_strategy
 
-    return make_strategy(name, env, precision, accumulate, sync_batchnorm, microbatches=microbatches)
+    return make_strategy(name, env, precision, accumulate, sync_batchnorm, microbatches=microbatches,
+                         find_unused_parameters=find_unused_parameters, static_graph=static_graph)
 
 
 def __getattr__(name: str) -> Any:

@@ -21,6 +21,7 @@ else:  # pragma: no cover - exercised only on 3.10
 
 from scaleloop.data.batching import check_batch_split
 from scaleloop.errors import UsageError
+from scaleloop.output.trackers import TRACKERS, check_installed
 
 STRATEGIES = ("auto", "single", "dp", "ddp", "allreduce", "fsdp", "pipeline")
 BACKENDS = ("gloo", "nccl")
@@ -28,6 +29,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "step")
 LR_SCALINGS = ("none", "linear", "sqrt")
+TASKS = ("auto", "classification", "binary", "regression", "lm")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] = (), group: str = "training") -> Any:
@@ -49,6 +51,14 @@ class TrainConfig:
     seq_len: int = _opt(64, "tokens per sample for --data tokens", group="model and data")
     vocab_size: int = _opt(256, "vocabulary size for --data tokens", group="model and data")
     test_fraction: float = _opt(0.2, "share held out as the test set (digits, generated datasets)", group="model and data")
+    task: str = _opt("auto", "what the target is: auto (from the first sample), classification, binary, "
+                     "regression (mean squared error) or lm", TASKS, group="model and data")
+    loss: Optional[str] = _opt(None, "your loss, package.module:fn, fn(prediction, target) -> the mean loss over the "
+                               "batch (default: the model's own loss if it returns one, else the task's)",
+                               group="model and data")
+    metrics: Optional[str] = _opt(None, "your evaluation metrics, package.module:fn[,...], fn(prediction, target) -> "
+                                  "one value per sample (or the batch mean); reported over the whole test set",
+                                  group="model and data")
 
     # how to train
     epochs: int = _opt(20, "passes over the training set")
@@ -77,6 +87,10 @@ class TrainConfig:
     microbatches: int = _opt(1, "--strategy pipeline: cut each micro-step's batch into this many pieces that "
                              "flow through the stages one after another (GPipe)", group="hardware")
     sync_batchnorm: bool = _opt(False, "compute BatchNorm statistics over the global batch (all ranks), as one process would", group="hardware")
+    find_unused_parameters: bool = _opt(False, "ddp: allow parameters that get no gradient in a step (DDP searches the "
+                                        "graph after every forward; costs time)", group="hardware")
+    static_graph: bool = _opt(False, "ddp: the set of parameters used is the same every step (unused ones allowed; "
+                              "cheaper than --find-unused-parameters)", group="hardware")
 
     # speed: how the same computation runs, not what it computes (see docs/benchmarking.md)
     compile: bool = _opt(False, "torch.compile the model (inductor; on the CPU it needs a C++ compiler); the first "
@@ -117,7 +131,10 @@ class TrainConfig:
     out: Optional[str] = _opt(None, "run directory (default: runs/<date>-<time>-<model>-<data>)", group="output")
     log_every: int = _opt(10, "optimizer steps between metric rows in metrics.csv", group="output")
     progress: bool = _opt(True, "show a progress bar", group="output")
-    tensorboard: bool = _opt(True, "write TensorBoard event files when tensorboard is installed", group="output")
+    tracker: str = _opt("tensorboard", "where metrics go besides metrics.csv: TensorBoard events in <run>/tensorboard "
+                        "(if installed), a W&B or MLflow run (see docs/tracking.md), or nowhere", TRACKERS, group="output")
+    tensorboard: bool = _opt(True, "write the events of --tracker tensorboard (--no-tensorboard: as --tracker none)",
+                             group="output")
 
     def validate(self) -> "TrainConfig":
         """Check every value; raise UsageError naming the flag and what to use instead."""
@@ -137,6 +154,14 @@ class TrainConfig:
         _require(self.clip_grad is None or self.clip_grad > 0, "clip_grad", "a positive number")
         _require(0 <= self.test_fraction < 1, "test_fraction", "in [0, 1)")
         _require(self.num_workers >= 0, "num_workers", "zero or positive")
+        for name in ("loss", "metrics"):
+            for spec in (getattr(self, name) or "").split(","):
+                if getattr(self, name) is not None and ":" not in spec:
+                    raise UsageError(f"{flag(name)} {spec.strip()!r}: expected 'package.module:function'")
+        if (self.find_unused_parameters or self.static_graph) and self.strategy not in ("auto", "ddp"):
+            which = "--find-unused-parameters" if self.find_unused_parameters else "--static-graph"
+            raise UsageError(f"{which} is an option of DistributedDataParallel: use it with --strategy ddp "
+                             f"(not {self.strategy})")
         if self.persistent_workers and self.num_workers == 0:
             raise UsageError("--persistent-workers keeps DataLoader worker processes between epochs, and "
                              "--num-workers is 0 (no workers): add --num-workers N, or drop it")
@@ -157,6 +182,7 @@ class TrainConfig:
         _require(self.checkpoint_every >= 0, "checkpoint_every", "zero (epoch ends only) or a positive integer")
         _require(self.keep_checkpoints >= 1, "keep_checkpoints", "a positive integer (use --no-checkpoints to write none)")
         _require(bool(self.resume.strip()), "resume", "auto, never, or a checkpoint path")
+        check_installed(self.tracker)   # a missing W&B/MLflow package: now, before the run directory exists
         if self.nnodes > 1 and not (self.master_addr or self.rdzv_endpoint):
             raise UsageError(f"--nnodes {self.nnodes} needs where to meet: --master-addr HOST (with --node-rank) "
                              "or --rdzv-endpoint HOST:PORT")

@@ -274,6 +274,9 @@ def build_model(name: str, info: DataInfo, hidden_dim: int = 128) -> nn.Module:
             "use --model tinygpt"
         )
 
+    if info.task == "none":
+        raise UsageError(f"model {key!r} needs a target to learn from, and dataset {info.name!r} has none (its samples "
+                         "have no 'labels' entry); give the samples labels, or use a model that returns its own loss")
     output_dim = 1 if info.task == "binary" else info.num_classes
     if key == "convnet":
         shape = info.input_shape

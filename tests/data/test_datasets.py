@@ -228,6 +228,15 @@ def empty():
 def scalar_float():
     return TensorDataset(torch.zeros(3, 2), torch.zeros(3))
 
+def int_rows():
+    return TensorDataset(torch.zeros(3, 2), torch.zeros(3, 4, dtype=torch.long))
+
+def float_rows():
+    return TensorDataset(torch.zeros(3, 2), torch.randn(3, 4))
+
+def float_not_binary():
+    return TensorDataset(torch.zeros(3, 2), torch.tensor([[0.0], [1.0], [0.5]]))
+
 def negative():
     return TensorDataset(torch.zeros(3, 2), torch.tensor([0, -1, 2]))
 
@@ -284,14 +293,20 @@ def test_factory_generic_dataset_with_int_labels(factories: str) -> None:
     assert data.info == DataInfo(spec, "classification", (3,), 9)  # labels 0, 2, ..., 8
 
 
+@pytest.mark.parametrize("factory, outputs", [("scalar_float", 1), ("float_rows", 4), ("float_not_binary", 1)])
+def test_float_targets_other_than_binary_are_regression(factories: str, factory: str, outputs: int) -> None:
+    spec = f"{factories}:{factory}"
+    assert build_datasets(spec).info == DataInfo(spec, "regression", (2,), outputs)
+
+
 @pytest.mark.parametrize("factory, expected", [
     ("number", "returned int"),
     ("triple", "returned tuple"),
     ("empty", "training set is empty"),
-    ("scalar_float", "cannot tell the task"),
+    ("int_rows", "cannot tell the task"),
     ("negative", "negative class index"),
     ("iterable", "map-style torch Dataset"),
-    ("mismatched", "test samples have x shape [5]"),
+    ("mismatched", "test samples have input shape [5]"),
     ("nonexistent", "has no attribute"),
 ])
 def test_bad_factory_results(factories: str, factory: str, expected: str) -> None:

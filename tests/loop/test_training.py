@@ -216,7 +216,7 @@ def test_evaluate_splits_the_test_set_over_ranks_without_overlap(world: int, mon
     with torch.no_grad():
         model.eval()
         out = model(x)
-    totals = torch.zeros(3, dtype=torch.float64)
+    totals = torch.zeros(5, dtype=torch.float64)  # loss, predictions, correct, judged, samples
     reduced = recording(monkeypatch)
     for rank in range(world):
         strategy = Strategy(DistEnv(rank=rank, world_size=world, local_rank=rank, local_world_size=world))
@@ -225,8 +225,8 @@ def test_evaluate_splits_the_test_set_over_ranks_without_overlap(world: int, mon
         reduced.clear()
         totals += sums
     # what the all-reduce would give: every sample counted exactly once over the ranks
-    assert int(totals[2]) == len(y)
-    assert int(totals[1]) == int((out.argmax(1) == y).sum())
+    assert int(totals[1]) == int(totals[3]) == int(totals[4]) == len(y)
+    assert int(totals[2]) == int((out.argmax(1) == y).sum())
     assert float(totals[0]) / len(y) == pytest.approx(float(F.cross_entropy(out, y)), rel=1e-5)
 
 
@@ -250,7 +250,7 @@ def test_evaluate_with_fewer_test_samples_than_ranks(monkeypatch: pytest.MonkeyP
     ds, info = Plain(), DataInfo("plain", "classification", (3,), 2)
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
-    totals = torch.zeros(3, dtype=torch.float64)
+    totals = torch.zeros(5, dtype=torch.float64)  # loss, predictions, correct, judged, samples
     reduced = recording(monkeypatch)
     for rank in range(3):
         strategy = Strategy(DistEnv(rank=rank, world_size=3, local_rank=rank, local_world_size=3))
@@ -259,6 +259,6 @@ def test_evaluate_with_fewer_test_samples_than_ranks(monkeypatch: pytest.MonkeyP
         totals += reduced.pop()
     with torch.no_grad():
         out = model(ds.x)
-    assert int(totals[2]) == 2
-    assert int(totals[1]) == int((out.argmax(1) == ds.y).sum())
+    assert int(totals[1]) == int(totals[4]) == 2
+    assert int(totals[2]) == int((out.argmax(1) == ds.y).sum())
     assert float(totals[0]) / 2 == pytest.approx(float(F.cross_entropy(out, ds.y)), rel=1e-6)

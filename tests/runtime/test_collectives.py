@@ -241,8 +241,9 @@ def test_evaluate_counts_each_rank_block(monkeypatch: pytest.MonkeyPatch) -> Non
     ds, info, model = _float64_problem()
     seen: list[tuple[int, int]] = []
 
+    # values: loss sum, predictions, correct, judged, samples (see evaluate)
     def counting(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
-        seen.append((env.rank, int(values[2])))
+        seen.append((env.rank, int(values[4])))
         return sum_over_ranks(values, env)
 
     monkeypatch.setattr("scaleloop.loop.evaluate.sum_over_ranks", counting)

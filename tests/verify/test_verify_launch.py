@@ -18,7 +18,7 @@ def test_workers_are_started_like_train_workers_but_run_the_verify_worker(tmp_pa
 
 
 def test_options_travel_to_the_workers_unchanged(tmp_path: Path) -> None:
-    opts = VerifyOptions(steps=4, checks=("equivalence", "sync"), explain_step=2, loss="m:f", tolerance=1e-4)
+    opts = VerifyOptions(steps=4, checks=("equivalence", "sync"), explain_step=2, tolerance=1e-4)
     opts.write(tmp_path / "verify.json")
     assert VerifyOptions.read(tmp_path / "verify.json") == opts
 

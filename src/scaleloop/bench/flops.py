@@ -48,10 +48,11 @@ def train_flops_per_sample(model: torch.nn.Module, x: torch.Tensor, y: torch.Ten
     """FLOPs of one forward and backward pass per sample, counted on the batch ``(x, y)``."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from scaleloop.loop.tasks import task_loss
+    from scaleloop.data.batch import call_model
+    from scaleloop.loop.tasks import resolve_loss
 
     with FlopCounterMode(display=False) as counter:
-        task_loss(info, model(x), y).backward()
+        resolve_loss(None, info)(call_model(model, x), y).backward()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops() / x.shape[0]
 

@@ -4,4 +4,5 @@
   ``info``: what a model needs to know about a dataset.
 - ``sampler``: the step plan (each rank's samples per micro-batch, on the global batch);
   ``loader``: batches for one rank from that plan; ``batching``: the global-batch rule.
+- ``batch``: the one rule for what in a sample is input and target, and how the model is called.
 """

@@ -5,12 +5,13 @@ gathers whole batches from ``.tensors`` with an index tensor instead of per-samp
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from scaleloop.data.batch import describe, first_tensor, split, tensors_of
 from scaleloop.data.info import DataInfo, Datasets
 from scaleloop.errors import UsageError
 from scaleloop.plugins import call_factory, is_factory_spec, resolve_factory
@@ -172,42 +173,75 @@ def _from_factory(spec: str, options: dict[str, Any]) -> Datasets:
     return Datasets(train, test, infer_info(spec, train, test))
 
 
-def infer_info(name: str, train: Dataset, test: Optional[Dataset] = None) -> DataInfo:
-    """Guess a ``DataInfo`` from the first ``(x, y)`` sample of ``train``.
+def infer_info(name: str, train: Dataset, test: Optional[Dataset] = None, task: str = "auto") -> DataInfo:
+    """Guess a ``DataInfo`` from the first sample of ``train``, cut into inputs and target by
+    ``scaleloop.data.batch.split``; ``task`` (not ``auto``) says the task instead of guessing it.
 
-    ``y`` a float tensor of shape ``(1,)`` means binary; an integer scalar means
-    classification (``num_classes`` = largest label + 1); an integer 1-d tensor shaped like an
-    integer 1-d ``x`` means a language model (``num_classes`` = largest token + 1).
+    A float target of shape ``(1,)`` holding only 0 and 1 means binary; any other float target
+    means regression (``num_classes`` = values per sample); an integer scalar means classification
+    (``num_classes`` = largest label + 1); an integer 1-d target shaped like an integer 1-d input
+    means a language model (``num_classes`` = largest token + 1). A mapping sample without a
+    target (the model computes its own loss) gives the task ``none``.
     """
     sample = train[0]
-    if not isinstance(sample, (tuple, list)) or len(sample) != 2:
-        raise UsageError(f"--data {name!r}: a sample must be an (x, y) pair, got "
-                         f"{type(sample).__name__}")
-    x, y = (_as_tensor(v) for v in sample)
-    if x is None or y is None:
-        raise UsageError(f"--data {name!r}: x and y must be tensors, arrays or numbers, got "
-                         f"{type(sample[0]).__name__} and {type(sample[1]).__name__}")
+    inputs, target = split_sample(name, sample)
+    x, y = _as_tensor(first_tensor(inputs) if not isinstance(inputs, (int, float)) else inputs), target
+    if x is None:
+        raise UsageError(f"--data {name!r}: the sample's inputs must be tensors, arrays or numbers, got {describe(inputs)}")
     shape = tuple(x.shape)
-    if y.is_floating_point() and tuple(y.shape) == (1,):
-        info = DataInfo(name, "binary", shape, 1)
-    elif _is_int(y) and y.dim() == 0:
-        info = DataInfo(name, "classification", shape, _max_value(name, train, test, (1,)) + 1)
-    elif _is_int(y) and _is_int(x) and y.dim() == 1 and y.shape == x.shape:
-        info = DataInfo(name, "lm", shape, _max_value(name, train, test, (0, 1)) + 1)
+    if y is None:
+        info = DataInfo(name, "none", shape, 0)
     else:
-        raise UsageError(
-            f"--data {name!r}: cannot tell the task from the first sample (x {list(x.shape)} "
-            f"{x.dtype}, y {list(y.shape)} {y.dtype}); expected y as a float tensor of shape "
-            "[1] (binary), an integer class index (classification), or an int64 tensor shaped "
-            "like a 1-d int64 x (lm); or return a scaleloop Datasets with your own DataInfo"
-        )
+        y = _as_tensor(y)
+        if y is None:
+            raise UsageError(f"--data {name!r}: the target must be a tensor, an array or a number, got "
+                             f"{describe(target)}")
+        info = _task_of(name, x, y, train, test, task)
     if test is not None and len(test) > 0:
-        test_x = _as_tensor(test[0][0])
+        test_x = first_tensor(split_sample(name, test[0])[0])
         if test_x is None or tuple(test_x.shape) != shape:
-            raise UsageError(f"--data {name!r}: test samples have x shape "
+            raise UsageError(f"--data {name!r}: test samples have input shape "
                              f"{None if test_x is None else list(test_x.shape)}, "
                              f"but training samples have {list(shape)}")
     return info
+
+
+def split_sample(name: str, sample: Any) -> tuple[Any, Any]:
+    """``split`` with the error naming the dataset."""
+    try:
+        return split(sample)
+    except UsageError as exc:
+        raise UsageError(f"--data {name!r}: {exc}") from None
+
+
+def _task_of(name: str, x: torch.Tensor, y: torch.Tensor, train: Dataset, test: Optional[Dataset],
+             task: str) -> DataInfo:
+    shape = tuple(x.shape)
+    if task == "auto":
+        if y.is_floating_point():
+            task = "binary" if tuple(y.shape) == (1,) and _only_zero_one(train, test) else "regression"
+        elif _is_int(y) and y.dim() == 0:
+            task = "classification"
+        elif _is_int(y) and _is_int(x) and y.dim() == 1 and y.shape == x.shape:
+            task = "lm"
+        else:
+            raise UsageError(
+                f"--data {name!r}: cannot tell the task from the first sample (input {list(x.shape)} "
+                f"{x.dtype}, target {list(y.shape)} {y.dtype}); expected a float target (regression, or "
+                "binary when it is [1] of 0/1), an integer class index (classification), or an int64 tensor "
+                "shaped like a 1-d int64 input (lm); or say it with --task")
+    if task == "regression":
+        return DataInfo(name, "regression", shape, max(1, y.numel()))
+    if task == "binary":
+        return DataInfo(name, "binary", shape, 1)
+    if task == "classification":
+        if not _is_int(y) or y.dim() != 0:
+            raise UsageError(f"--data {name!r}: --task classification needs an integer class index per sample, "
+                             f"got a target {list(y.shape)} {y.dtype}")
+        return DataInfo(name, "classification", shape, _max_value(name, train, test, lm=False) + 1)
+    if not (_is_int(y) and y.dim() == 1):
+        raise UsageError(f"--data {name!r}: --task lm needs integer token targets, got {list(y.shape)} {y.dtype}")
+    return DataInfo(name, "lm", shape, _max_value(name, train, test, lm=True) + 1)
 
 
 def _as_tensor(value: Any) -> Optional[torch.Tensor]:
@@ -224,9 +258,32 @@ def _is_int(t: torch.Tensor) -> bool:
     return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
 
 
-def _max_value(name: str, train: Dataset, test: Optional[Dataset],
-               fields: tuple[int, ...]) -> int:
-    """Largest integer in the given sample fields over both sets; negatives are an error.
+def _columns_or_samples(ds: Dataset) -> Iterator[tuple[Any, Any]]:
+    """``(inputs, target)`` of the whole dataset at once when it holds tensors in memory, else
+    of each sample (a generic dataset can only be read one sample at a time)."""
+    columns = tensors_of(ds)
+    if columns is not None:
+        yield split(columns)
+        return
+    for i in range(len(ds)):  # type: ignore[arg-type]
+        yield split(ds[i])
+
+
+def _only_zero_one(train: Dataset, test: Optional[Dataset]) -> bool:
+    """Every target of both sets is 0 or 1 (a binary task, not a regression)."""
+    for ds in (train, test):
+        if ds is None or len(ds) == 0:
+            continue
+        for _, y in _columns_or_samples(ds):
+            y = torch.as_tensor(y)
+            if not bool(((y == 0) | (y == 1)).all()):
+                return False
+    return True
+
+
+def _max_value(name: str, train: Dataset, test: Optional[Dataset], lm: bool) -> int:
+    """Largest integer among the targets (and, for a language model, the input tokens) over
+    both sets; negatives are an error.
 
     Scanning the test set too keeps the model's output wide enough for every test label.
     """
@@ -234,17 +291,13 @@ def _max_value(name: str, train: Dataset, test: Optional[Dataset],
     for ds in (train, test):
         if ds is None or len(ds) == 0:
             continue
-        if isinstance(ds, TensorDataset):
-            values = [ds.tensors[f] for f in fields]
-        else:
-            # A generic dataset can only be read one sample at a time.
-            values = []
-            for i in range(len(ds)):
-                sample = ds[i]
-                values.extend(torch.as_tensor(sample[f]).reshape(-1) for f in fields)
-            values = [torch.cat(values)]
-        for v in values:
-            low, high = min(low, int(v.min())), max(high, int(v.max()))
+        for inputs, y in _columns_or_samples(ds):
+            values = [torch.as_tensor(y).reshape(-1)]
+            if lm:
+                values.append(torch.as_tensor(first_tensor(inputs)).reshape(-1))
+            for v in values:
+                if v.numel():
+                    low, high = min(low, int(v.min())), max(high, int(v.max()))
     if low < 0:
         raise UsageError(f"--data {name!r}: found a negative class index or token ({low}); "
                          "labels and tokens must be integers from 0 upward")

@@ -6,7 +6,7 @@ from typing import Literal, Optional
 
 from torch.utils.data import Dataset
 
-Task = Literal["classification", "binary", "lm"]
+Task = Literal["classification", "binary", "regression", "lm", "none"]
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,11 @@ class DataInfo:
     - ``binary``: y is a float tensor of shape ``(1,)`` holding 0.0 or 1.0; ``num_classes == 1``.
     - ``lm``: x and y are int64 token tensors of shape ``(seq_len,)`` (y is x shifted by one);
       ``input_shape == (seq_len,)`` and ``num_classes`` is the vocabulary size.
+    - ``regression``: y is a float tensor (any shape); the loss is the mean squared error and
+      ``num_classes`` is the number of values per sample (the model's output width).
+    - ``none``: the samples carry no target; the model returns its own loss.
+
+    ``input_shape`` is the shape of the sample's first input tensor.
     """
 
     name: str

@@ -2,8 +2,8 @@
 
 Two paths give the same batches:
 
-- in-memory tensors (``TensorDataset`` and every built-in dataset): a batch is one
-  ``index_select`` per tensor — no per-sample ``__getitem__`` and no collation;
+- in-memory tensors (``TensorDataset``, ``DictTensorDataset`` and every built-in dataset): a
+  batch is one ``index_select`` per tensor — no per-sample ``__getitem__`` and no collation;
 - any other ``Dataset``: a ``torch.utils.data.DataLoader`` driven by the plan's index lists
   (so worker processes and custom collate functions still work).
 
@@ -22,16 +22,21 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 
+from scaleloop.data.batch import Columns, move, split, take, tensors_of
 from scaleloop.data.sampler import MicroBatch, StepPlan
 
 
 class Batch(tuple):
-    """``(x, y)`` that also knows where it sits in the plan (``batch.step``, ``batch.loss_scale``...).
+    """``(inputs, target)`` that also knows where it sits in the plan (``batch.step``,
+    ``batch.loss_scale``...).
 
-    It unpacks like a tuple, so ``for x, y in loader`` works; pass the batch itself to
-    ``strategy.backward(loss, batch)`` to weight a smaller last micro-batch exactly.
+    It unpacks like a tuple, so ``for x, y in loader`` works. ``inputs`` is what the model is
+    called with (a tensor, a tuple of positional inputs or a mapping of keyword inputs, see
+    ``scaleloop.data.batch``), ``target`` the labels (None when the model computes its own
+    loss from its inputs). Pass the batch itself to ``strategy.backward(loss, batch)`` to weight
+    a smaller last micro-batch exactly; ``len(batch)`` is its number of samples.
     """
 
     plan: MicroBatch
@@ -61,29 +66,6 @@ class Batch(tuple):
         return int(self.plan.indices.numel())
 
 
-def tensors_of(dataset: Dataset) -> Optional[Sequence[torch.Tensor]]:
-    """The dataset's ``(x, y)`` tensors when it is an in-memory ``TensorDataset``, else None."""
-    # A subclass that overrides __getitem__ (augmentation, transforms) must be read through
-    # it, so only datasets that index their tensors exactly as TensorDataset does qualify.
-    if getattr(type(dataset), "__getitem__", None) is not TensorDataset.__getitem__:
-        return None
-    tensors = getattr(dataset, "tensors", None)
-    if isinstance(tensors, (tuple, list)) and len(tensors) == 2 and all(
-            isinstance(t, torch.Tensor) for t in tensors):
-        return tensors
-    return None
-
-
-def _move(obj: Any, device: torch.device, non_blocking: bool) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=non_blocking)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_move(o, device, non_blocking) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _move(v, device, non_blocking) for k, v in obj.items()}
-    return obj
-
-
 class _EpochBatches:
     """The current epoch's index lists, as a DataLoader ``batch_sampler`` that outlives epochs
     (a DataLoader with persistent workers is built once and re-iterated every epoch)."""
@@ -104,7 +86,7 @@ class ShardedLoader:
     def __init__(self, dataset: Dataset, plan: StepPlan, device: torch.device, *,
                  num_workers: int = 0, collate_fn: Optional[Callable[[list], Any]] = None,
                  pin_memory: bool = False, persistent_workers: bool = False, on_device: bool = False,
-                 channels_last: bool = False) -> None:
+                 channels_last: bool = False, keep_target: bool = False) -> None:
         self.dataset = dataset
         self.plan = plan
         self.device = device
@@ -114,6 +96,8 @@ class ShardedLoader:
         self.epoch = 0
         self.start_step = 0
         self._loader: Optional[DataLoader] = None
+        #: A mapping sample's target entry is also passed to the model (``data.batch.split``).
+        self.keep_target = keep_target
         self.configure(pin_memory=pin_memory, persistent_workers=persistent_workers, on_device=on_device,
                        channels_last=channels_last)
 
@@ -136,7 +120,7 @@ class ShardedLoader:
                 raise ValueError(f"keeping the data on the device needs in-memory tensors (a TensorDataset or a "
                                  f"built-in dataset); {type(self.dataset).__name__} is read sample by sample")
             if on_device and self.device.type == "cuda":
-                need = sum(t.numel() * t.element_size() for t in self._tensors)
+                need = sum(t.numel() * t.element_size() for t in _values(self._tensors))
                 free, _ = torch.cuda.mem_get_info(self.device)
                 if need > free // 2:   # the rest is for the model, its activations and the optimizer
                     raise ValueError(f"the training set takes {need / 2**30:.2f} GiB, more than half of the "
@@ -144,7 +128,7 @@ class ShardedLoader:
             self.on_device = on_device
         if channels_last is not None:
             self.channels_last = channels_last
-        self._source: Optional[Sequence[torch.Tensor]] = None  # the tensors batches are gathered from
+        self._source: Optional[Columns] = None  # the tensors batches are gathered from
         return self
 
     @property
@@ -183,8 +167,8 @@ class ShardedLoader:
         else:
             loader = DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers,
                                 collate_fn=self.collate_fn, pin_memory=self.pin_memory, generator=seeds)
-        for p, (x, y) in zip(plans, loader):
-            x, y = _move(x, self.device, self.pin_memory), _move(y, self.device, self.pin_memory)
+        for p, sample in zip(plans, loader):
+            x, y = split(move(sample, self.device, self.pin_memory), self.keep_target)
             if self.channels_last:
                 x = _channels_last(x)
             yield Batch(x, y, p)
@@ -192,10 +176,13 @@ class ShardedLoader:
     def _gathered(self, plans: list[MicroBatch]) -> Iterator[Batch]:
         """The fast path: each batch is one ``index_select`` per tensor."""
         if self._source is None:
-            x_all, y_all = self._tensors
+            source = self._tensors
             if self.on_device:
-                x_all, y_all = x_all.to(self.device), y_all.to(self.device)
-            self._source = (x_all, y_all)
+                source = move(source, self.device)
+            self._source = source
+        if not (isinstance(self._source, tuple) and len(self._source) == 2):
+            yield from self._gathered_columns(plans)
+            return
         x_all, y_all = self._source
         # (A plain loop below: its cost per batch is part of every training step.)
         if x_all.device.type == y_all.device.type == self.device.type:
@@ -224,6 +211,20 @@ class ShardedLoader:
                 x, y = x_all.index_select(0, idx), y_all.index_select(0, idx)
             x, y = x.to(self.device, non_blocking=pinned), y.to(self.device, non_blocking=pinned)
             yield Batch(_channels_last(x) if self.channels_last else x, y, p)
+
+    def _gathered_columns(self, plans: list[MicroBatch]) -> Iterator[Batch]:
+        """The fast path for more than two tensors, or named ones: every column gathered, then
+        cut into inputs and target like a collated batch."""
+        assert self._source is not None
+        here = next(iter(_values(self._source))).device
+        for p in plans:
+            sample = take(self._source, p.indices.to(here))
+            x, y = split(move(sample, self.device, self.pin_memory), self.keep_target)
+            yield Batch(_channels_last(x) if self.channels_last else x, y, p)
+
+
+def _values(columns: Columns) -> Sequence[torch.Tensor]:
+    return list(columns.values()) if isinstance(columns, dict) else columns
 
 
 def _pinned_like(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from scaleloop.config import TrainConfig
-from scaleloop.data.datasets import build_datasets
+from scaleloop.data.datasets import build_datasets, infer_info
 from scaleloop.data.info import Datasets
+from scaleloop.data.batch import keeps_target
 from scaleloop.data.loader import ShardedLoader
 from scaleloop.errors import UsageError
 from scaleloop.loop.schedule import LearningRate, build_scheduler, scaled_lr
 from scaleloop.loop.speed import speed_up_model
-from scaleloop.loop.tasks import LossFn, resolve_loss
+from scaleloop.loop.tasks import LossFn, MetricFn, resolve_loss, resolve_metrics
 from scaleloop.models import build_model, count_parameters
 from scaleloop.output.memory import parameter_bytes
 from scaleloop.runtime.dist import DistEnv
@@ -41,6 +42,8 @@ class Run:
     scheduler: Any                   # a torch LR scheduler; ``step()`` after each optimizer step
     loader: ShardedLoader
     loss_fn: LossFn                  # ``loss_fn(output, target)``: the mean loss of a batch
+    user_loss: bool                  # loss_fn is the user's (--loss), not the model's or the task's
+    metrics: dict[str, MetricFn]     # the user's evaluation metrics (--metrics)
     lr: LearningRate
     total_steps: int                 # optimizer steps the whole run takes (the schedule's length)
     parameters: int                  # of the whole model, before a strategy shards or cuts it
@@ -61,6 +64,8 @@ def build_data_and_model(cfg: TrainConfig) -> tuple[Datasets, nn.Module]:
     data = build_datasets(cfg.data, data_dir=cfg.data_dir, n_samples=cfg.n_samples,
                           input_dim=cfg.input_dim, image_size=cfg.image_size, seq_len=cfg.seq_len,
                           vocab_size=cfg.vocab_size, test_fraction=cfg.test_fraction, seed=cfg.seed)
+    if cfg.task != "auto" and data.info.task != cfg.task:
+        data = Datasets(data.train, data.test, infer_info(cfg.data, data.train, data.test, task=cfg.task))
     return data, build_model(cfg.model, data.info, hidden_dim=cfg.hidden_dim)
 
 
@@ -83,18 +88,20 @@ def build_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter],
         return kind(params, foreach=True, **options)  # the multi-tensor loop: a few kernels per step
 
 
-def build_run(cfg: TrainConfig, env: DistEnv, *, loss: Optional[str] = None,
+def build_run(cfg: TrainConfig, env: DistEnv, *,
               data: Optional[Callable[[TrainConfig], tuple[Datasets, nn.Module]]] = None) -> Run:
     """Build the run ``cfg`` describes on this rank of ``env``.
 
-    ``loss``: a user loss ``pkg.module:fn`` (default: the task's own). ``data``: what builds the
-    datasets and the model (default: :func:`build_data_and_model`; ``bench`` sizes its data to
-    the batch). Every rank builds the same model from the same seed; the strategy then places it.
+    ``data``: what builds the datasets and the model (default: :func:`build_data_and_model`;
+    ``bench`` sizes its data to the batch). Every rank builds the same model from the same
+    seed; the strategy then places it.
     """
     datasets, model = (data or build_data_and_model)(cfg)
+    keep_target = keeps_target(model, datasets.train)
     parameters, model_bytes = count_parameters(model), parameter_bytes(model)
     strategy = make_strategy(cfg.strategy, env, Precision(cfg.precision, env.device), cfg.accumulate,
-                             cfg.sync_batchnorm, microbatches=cfg.microbatches)
+                             cfg.sync_batchnorm, microbatches=cfg.microbatches,
+                             find_unused_parameters=cfg.find_unused_parameters, static_graph=cfg.static_graph)
     lr = scaled_lr(cfg)
     notes = speed_up_model(model, cfg, env.device)
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(cfg, params, lr.peak))
@@ -110,6 +117,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, *, loss: Optional[str] = None,
     try:
         loader.configure(pin_memory=cfg.pin_memory, persistent_workers=cfg.persistent_workers,
                          on_device=cfg.data_on_device, channels_last=cfg.channels_last)
+        loader.keep_target = keep_target
     except ValueError as exc:
         raise UsageError(f"--data-on-device: {exc}" if cfg.data_on_device else str(exc)) from None
     total_steps = loader.plan.steps_per_epoch * cfg.epochs
@@ -117,7 +125,8 @@ def build_run(cfg: TrainConfig, env: DistEnv, *, loss: Optional[str] = None,
         total_steps = min(total_steps, cfg.max_steps)
     return Run(cfg=cfg, env=env, data=datasets, model=model, strategy=strategy, optimizer=optimizer,
                scheduler=build_scheduler(optimizer, cfg, total_steps), loader=loader,
-               loss_fn=resolve_loss(loss, datasets.info), lr=lr, total_steps=total_steps,
+               loss_fn=resolve_loss(cfg.loss, datasets.info), user_loss=cfg.loss is not None,
+               metrics=resolve_metrics(cfg.metrics), lr=lr, total_steps=total_steps,
                parameters=parameters, model_bytes=model_bytes, notes=notes)
 
 
@@ -133,6 +142,9 @@ def preflight(cfg: TrainConfig) -> None:
         elif name.lower() not in known:
             raise UsageError(f"unknown {'dataset' if what == 'data' else what} {name!r}; choose one of "
                              f"{', '.join(known)}, or give 'package.module:factory'")
+    if cfg.loss is not None:
+        resolve_factory(cfg.loss, "loss")
+    resolve_metrics(cfg.metrics)
     if cfg.data == "mnist" and not cfg.data_dir:
         raise UsageError("dataset 'mnist' reads IDX files from a directory: pass --data-dir DIR (it never downloads)")
     if cfg.strategy == "pipeline":

@@ -1,106 +1,114 @@
 """Exact evaluation: every test sample counted once, whatever the world size."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from scaleloop.data.batch import move, split, tensors_of
 from scaleloop.data.info import DataInfo
-from scaleloop.data.loader import _move, tensors_of
+from scaleloop.loop.tasks import LossFn, MetricFn, correct_count, own_loss, prediction_of, task_loss_sum
 from scaleloop.runtime.collectives import sum_over_ranks
 from scaleloop.strategies.base import Strategy
-from scaleloop.loop.tasks import correct_count
 
 
 @dataclass(frozen=True)
 class EvalResult:
     loss: float
-    accuracy: float
+    accuracy: float                  # NaN where the task has none (regression, a model's own loss)
     samples: int
+    metrics: dict[str, float] = field(default_factory=dict)   # the user's, over every sample
 
 
 def evaluate(model: nn.Module, dataset: Dataset, info: DataInfo, strategy: Strategy,
-             batch_size: int = 512) -> EvalResult:
-    """Loss and accuracy over all of ``dataset``, the same for 1 or N ranks.
+             batch_size: int = 512, *, loss_fn: Optional[LossFn] = None, keep_target: bool = False,
+             metrics: Optional[dict[str, MetricFn]] = None) -> EvalResult:
+    """Loss, accuracy and the user's ``metrics`` over all of ``dataset``, the same for 1 or N ranks.
 
     Each rank walks the block that ``strategy.eval_shard`` gives it (data parallel: its
     contiguous ``shard_indices(len(dataset), env)``, no padding, so nothing is counted twice)
-    in local batches of up to ``batch_size`` samples. Per-sample
-    losses are summed in float64 rather than averaged per batch, so the totals do not depend
-    on how the samples were cut into ranks and batches; the sums of loss, correct predictions
-    and predictions are then added over ranks. ``loss`` is the mean per prediction (per token
-    for language models), as in training.
+    in local batches of up to ``batch_size`` samples. Sums, not batch means, are added up in
+    float64 and then over ranks, so the totals do not depend on how the samples were cut into
+    ranks and batches. ``loss`` is the mean per prediction (per token for language models) of
+    the task's loss; with the user's ``loss_fn``, or a model that returns its own loss, it is
+    the mean over samples of that loss's batch means, weighted by batch size. A metric
+    ``fn(prediction, target)`` gives one value per sample (averaged over samples) or a batch
+    mean (weighted by batch size). ``keep_target``: a mapping sample's target entry is passed
+    to the model (see ``scaleloop.data.batch``).
 
     Every rank must call it. With a strategy whose forward pass is a collective (FSDP), ranks
     with fewer local batches run filler forwards (``eval_shard``'s ``fillers``) so that all
     ranks run the same number; their outputs are discarded.
     """
     env = strategy.env
-    n = len(dataset)
+    n = len(dataset)  # type: ignore[arg-type]
+    metrics = metrics or {}
     was_training = model.training
     model.eval()
     strategy.sync_buffers(model)
     mine, extra = strategy.eval_shard(n, batch_size)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
-    correct = total = 0
+    # loss sum, predictions, correct, predictions judged for accuracy, samples, then the metrics' sums
+    sums = torch.zeros(5 + len(metrics), dtype=torch.float64, device=env.device)
     with torch.no_grad():
-        for x, y in _batches(dataset, mine, batch_size, env.device):
+        for x, y in _batches(dataset, mine, batch_size, env.device, keep_target):
             out = strategy.eval_forward(model, x)
             if out is None:  # this rank computes no outputs (a pipeline's earlier stage)
                 continue
-            loss_sum += _loss_sum(info, out, y)
-            c, t = correct_count(info, out, y)
-            correct += c
-            total += t
+            sums += _batch_sums(info, out, y, loss_fn, metrics).to(sums.device)
         if extra > 0:
-            filler, _ = next(_batches(dataset, range(0, 1), 1, env.device))
+            filler, _ = next(_batches(dataset, range(0, 1), 1, env.device, keep_target))
             for _ in range(extra):
                 strategy.eval_forward(model, filler)
     model.train(was_training)
     # A rank with no samples (fewer samples than ranks) still joins the reduction.
-    sums = torch.stack([loss_sum, torch.tensor(float(correct), dtype=torch.float64, device=env.device),
-                        torch.tensor(float(total), dtype=torch.float64, device=env.device)])
-    sums = sum_over_ranks(sums, env)
-    predictions = float(sums[2])
+    sums = sum_over_ranks(sums, env).tolist()
+    loss_sum, predictions, correct, judged, samples = sums[:5]
     if predictions == 0:
         return EvalResult(loss=float("nan"), accuracy=float("nan"), samples=n)
-    return EvalResult(loss=float(sums[0]) / predictions, accuracy=float(sums[1]) / predictions, samples=n)
+    return EvalResult(loss=loss_sum / predictions, accuracy=correct / judged if judged else float("nan"), samples=n,
+                      metrics={name: value / samples for name, value in zip(metrics, sums[5:])})
 
 
-def _loss_sum(info: DataInfo, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``tasks.loss_fn``'s loss summed over the predictions, in float64.
-
-    A float32 batch mean would round differently for differently composed batches (and so
-    for different world sizes); per-sample losses are computed in at least float32 (half
-    precision outputs are upcast, as in ``loss_fn``), then added up in float64.
-    """
-    out = output.to(torch.promote_types(output.dtype, torch.float32))
-    if info.task == "binary":
-        losses = F.binary_cross_entropy_with_logits(out, target.to(out.dtype).view_as(out), reduction="none")
-    elif info.task == "lm":
-        losses = F.cross_entropy(out.flatten(0, -2), target.flatten(), reduction="none")
+def _batch_sums(info: DataInfo, output: Any, target: Any, loss_fn: Optional[LossFn],
+                metrics: dict[str, MetricFn]) -> torch.Tensor:
+    """One batch's loss sum, predictions, correct, judged, samples and metric sums (float64)."""
+    own = own_loss(output) if loss_fn is None else None
+    prediction = prediction_of(output) if (target is not None or metrics) else None
+    n = len(prediction) if prediction is not None else len(own) if own is not None and own.dim() else 0
+    if loss_fn is not None or own is not None:
+        batch_mean = loss_fn(output, target) if loss_fn is not None else own
+        n = n or 1
+        loss_sum, predictions = float(batch_mean.double().mean()) * n, n
     else:
-        losses = F.cross_entropy(out, target, reduction="none")
-    return losses.double().sum()
+        loss_total, predictions = task_loss_sum(info, prediction, target)
+        loss_sum = float(loss_total)
+    correct = judged = 0
+    if prediction is not None and target is not None and info.task not in ("regression", "none"):
+        correct, judged = correct_count(info, prediction, target)
+    values = [loss_sum, predictions, correct, judged, n]
+    for fn in metrics.values():
+        value = fn(prediction, target).detach().double()
+        values.append(float(value.sum()) if value.dim() and len(value) == n else float(value.mean()) * n)
+    return torch.tensor(values, dtype=torch.float64)
 
 
-def _batches(dataset: Dataset, indices: range, batch_size: int,
-             device: torch.device) -> Iterator[tuple[Any, Any]]:
-    """``(x, y)`` for consecutive slices of ``indices``, on ``device``."""
+def _batches(dataset: Dataset, indices: range, batch_size: int, device: torch.device,
+             keep_target: bool) -> Iterator[tuple[Any, Any]]:
+    """``(inputs, target)`` for consecutive slices of ``indices``, on ``device``."""
     starts = range(indices.start, indices.stop, batch_size)
-    tensors = tensors_of(dataset)
-    if tensors is not None:
-        x_all, y_all = tensors
+    columns = tensors_of(dataset)
+    if columns is not None:
         for s in starts:  # contiguous: slicing, no gather
             e = min(s + batch_size, indices.stop)
-            yield x_all[s:e].to(device), y_all[s:e].to(device)
+            part = ({k: t[s:e] for k, t in columns.items()} if isinstance(columns, dict)
+                    else tuple(t[s:e] for t in columns))
+            yield split(move(part, device), keep_target)
         return
     if not starts:  # a DataLoader cannot collate an empty batch
         return
     batches = [list(range(s, min(s + batch_size, indices.stop))) for s in starts]
-    for x, y in DataLoader(dataset, batch_sampler=batches):
-        yield _move(x, device, False), _move(y, device, False)
+    for sample in DataLoader(dataset, batch_sampler=batches):
+        yield split(move(sample, device), keep_target)

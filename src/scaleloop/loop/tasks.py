@@ -1,34 +1,82 @@
-"""Loss and accuracy for each kind of target (see ``DataInfo.task``), and the user's own loss.
+"""Losses and metrics for each kind of target (see ``DataInfo.task``), the user's own loss, and
+the one rule for what a model returns.
+
+A model's output is read by one rule (:func:`prediction_of`, :func:`own_loss`):
+
+- a tensor is the prediction;
+- a tuple or list: its first element is the prediction;
+- a mapping with ``logits``, or an object with a ``logits`` attribute (a Hugging Face
+  ``ModelOutput``): that is the prediction;
+- a mapping or object that also holds a ``loss`` (a Hugging Face model given ``labels``): the
+  model computed its own loss, and without ``--loss`` that is the loss trained on.
 
 Every loss a run trains with is a ``loss_fn(output, target)`` returning the MEAN loss over the
 batch's samples: the step weights each micro-batch by its share of the global step, which
 makes N ranks x K micro-steps equal one process only for a sample-weighted mean (see
-docs/verification.md for losses normalised otherwise).
+docs/verification.md for losses normalised otherwise, such as a model's own per-token loss).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 
+from scaleloop.data.batch import describe
 from scaleloop.data.info import DataInfo
 from scaleloop.errors import UsageError
 
-#: ``loss_fn(output, target) -> scalar tensor``, the mean over the batch.
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``loss_fn(output, target) -> scalar tensor``, the mean over the batch; ``output`` is what the
+#: model returned (read by :func:`prediction_of`), ``target`` the batch's target.
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+#: What a model may return, said in the one-line error for anything else.
+OUTPUT_RULE = ("a tensor, a tuple or list whose first element is the prediction, or a mapping or object "
+               "with 'logits' (a Hugging Face ModelOutput) or with its own 'loss'")
+
+
+def prediction_of(output: Any) -> torch.Tensor:
+    """The prediction in a model's output, by the rule in this module's docstring."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise UsageError(f"the model returned {describe(output)}; expected {OUTPUT_RULE}")
+
+
+def own_loss(output: Any) -> Optional[torch.Tensor]:
+    """The loss the model computed itself (a Hugging Face model given ``labels``), or None."""
+    if isinstance(output, torch.Tensor):
+        return None
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
 
 
 def resolve_loss(spec: Optional[str], info: DataInfo) -> LossFn:
-    """The user's ``pkg.module:fn`` (checked to return a scalar), or the built-in loss for ``info``."""
+    """The user's ``pkg.module:fn`` (given the prediction and the target; checked to return a
+    scalar), or the model's own loss when it returns one, else the built-in loss for ``info``."""
     if spec is None:
-        return lambda output, target: task_loss(info, output, target)
+        def builtin(output: Any, target: Any) -> torch.Tensor:
+            if type(output) is torch.Tensor:  # the common case first: one type check per step
+                return task_loss(info, output, target)
+            loss = own_loss(output)
+            if loss is not None:
+                return loss.reshape(()) if loss.numel() == 1 else loss.mean()
+            if target is None:
+                raise UsageError("the batch has no target (no 'labels' entry) and the model returned no 'loss'; "
+                                 "give the batch labels or return the loss from the model")
+            return task_loss(info, prediction_of(output), target)
+
+        return builtin
     from scaleloop.plugins import resolve_factory
 
     fn = resolve_factory(spec, "loss")
 
-    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = fn(output, target)
+    def loss_fn(output: Any, target: Any) -> torch.Tensor:
+        loss = fn(prediction_of(output), target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise UsageError(f"--loss {spec!r} returned {shape}, not a scalar tensor; "
@@ -38,17 +86,77 @@ def resolve_loss(spec: Optional[str], info: DataInfo) -> LossFn:
     return loss_fn
 
 
+#: ``metric(prediction, target) -> tensor``: one value per sample, or the batch's mean.
+MetricFn = Callable[[torch.Tensor, Any], torch.Tensor]
+
+
+def resolve_metrics(spec: Optional[str]) -> dict[str, MetricFn]:
+    """The user's metrics, ``pkg.module:fn[,pkg.module:fn2...]``, by the function's name."""
+    if not spec:
+        return {}
+    from scaleloop.plugins import resolve_factory
+
+    metrics: dict[str, MetricFn] = {}
+    for one in (part.strip() for part in spec.split(",") if part.strip()):
+        fn = resolve_factory(one, "metrics")
+        name = getattr(fn, "__name__", one.rsplit(":", 1)[-1])
+        metrics[name if name not in metrics else one] = _checked_metric(one, fn)
+    return metrics
+
+
+def _checked_metric(spec: str, fn: Callable[..., Any]) -> MetricFn:
+    def metric(prediction: torch.Tensor, target: Any) -> torch.Tensor:
+        value = fn(prediction, target)
+        if not isinstance(value, torch.Tensor):
+            try:
+                value = torch.as_tensor(value, dtype=torch.float64)
+            except (TypeError, ValueError, RuntimeError):
+                raise UsageError(f"--metrics {spec!r} returned {type(value).__name__}; return a tensor of one value "
+                                 "per sample, or the batch's mean") from None
+        if value.dim() > 1 or (value.dim() == 1 and len(value) not in (1, len(prediction))):
+            raise UsageError(f"--metrics {spec!r} returned a tensor {list(value.shape)} for a batch of "
+                             f"{len(prediction)}; return one value per sample, or the batch's mean")
+        return value
+
+    return metric
+
+
 def task_loss(info: DataInfo, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean loss over the batch: cross-entropy, binary cross-entropy on logits, or next-token CE."""
+    """Mean loss over the batch: cross-entropy, binary cross-entropy on logits, next-token CE,
+    or mean squared error (regression)."""
     if info.task == "binary":
         return F.binary_cross_entropy_with_logits(output.float(), target.float().view_as(output))
     if info.task == "lm":
         return F.cross_entropy(output.float().flatten(0, -2), target.flatten())
+    if info.task == "regression":
+        return F.mse_loss(output.float(), target.float().view_as(output))
     return F.cross_entropy(output.float(), target)
 
 
+def task_loss_sum(info: DataInfo, output: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the task's loss summed over the batch's predictions in float64, predictions): tokens for
+    ``lm``, samples otherwise (a regression sample's loss is the mean over its values, as in training).
+
+    Per-prediction losses are computed in at least float32, then added up in float64, so the
+    total does not depend on how the samples were cut into ranks and batches.
+    """
+    out = output.to(torch.promote_types(output.dtype, torch.float32))
+    if info.task == "binary":
+        losses = F.binary_cross_entropy_with_logits(out, target.to(out.dtype).view_as(out), reduction="none")
+    elif info.task == "lm":
+        losses = F.cross_entropy(out.flatten(0, -2), target.flatten(), reduction="none")
+    elif info.task == "regression":
+        losses = F.mse_loss(out, target.to(out.dtype).view_as(out), reduction="none").reshape(len(out), -1).mean(1)
+    else:
+        losses = F.cross_entropy(out, target, reduction="none")
+    return losses.double().sum(), losses.numel()
+
+
 def correct_count(info: DataInfo, output: torch.Tensor, target: torch.Tensor) -> tuple[int, int]:
-    """(correct predictions, predictions made) — tokens for ``lm``, samples otherwise."""
+    """(correct predictions, predictions made) — tokens for ``lm``, samples otherwise; (0, 0)
+    for regression, which has no accuracy."""
+    if info.task == "regression":
+        return 0, 0
     if info.task == "binary":
         pred = (output > 0).to(target.dtype).view_as(target)
         return int((pred == target).sum()), target.numel()

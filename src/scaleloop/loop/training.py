@@ -102,7 +102,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     resumed = checkpointer.restore(run.model, run.optimizer, run.scheduler, restarting=restart_count() > 0)
     at = resumed.progress if resumed is not None else Progress()
     run_dir = _open_run_dir(run, checkpointer, resumed)
-    metrics = (MetricsLogger(run_dir, tensorboard=cfg.tensorboard,
+    metrics = (MetricsLogger(run_dir, tensorboard=cfg.tensorboard, tracker=cfg.tracker, config=cfg,
                              keep_until_step=at.global_step if resumed is not None or restart_count() > 0 else None)
                if run_dir is not None else None)
     _announce(run, resumed, say)
@@ -251,19 +251,17 @@ def _checkpoint(run: Run, checkpointer: Checkpointer, metrics: Optional[MetricsL
 def _end_epoch(run: Run, checkpointer: Checkpointer, metrics: Optional[MetricsLogger], running: RunningLoss,
                ledger: _Ledger, epoch: int, in_epoch: int, say: Log) -> None:
     """The epoch's global loss, the test set, the epoch's log row and line, and a checkpoint."""
-    env, data = run.env, run.data
+    env = run.env
     ledger.epochs_run = epoch + 1
     total = sum_over_ranks(running.epoch_sums(env.device), env).tolist()
     ledger.train_loss = total[0] / total[1] if total[1] > 0 else float("nan")
-    test = ledger.test = (evaluate(run.model, data.test, data.info, run.strategy)
-                          if data.test is not None and len(data.test) else None)
+    test = ledger.test = _evaluate(run)
     if metrics is not None:
         metrics.log_epoch(epoch + 1, ledger.step, ledger.samples, train_loss=ledger.train_loss,
                           test_loss=test.loss if test else None, test_acc=test.accuracy if test else None,
                           lr=ledger.lr, samples_per_s=ledger.samples / max(ledger.train_s, 1e-9),
                           wall_s=time.perf_counter() - ledger.started)
-    say(f"epoch {epoch + 1}: train loss {ledger.train_loss:.4f}"
-        + (f", test loss {test.loss:.4f}, test accuracy {test.accuracy:.2%}" if test else ""))
+    say(f"epoch {epoch + 1}: train loss {ledger.train_loss:.4f}" + (f", {describe_test(test)}" if test else ""))
     # At the epoch's end (or where --max-steps stopped inside it): the next run starts after it.
     finished = in_epoch >= run.loader.plan.steps_per_epoch
     checkpointer.save(run.model, run.optimizer, run.scheduler,
@@ -271,13 +269,31 @@ def _end_epoch(run: Run, checkpointer: Checkpointer, metrics: Optional[MetricsLo
                                ledger.step, ledger.samples, ledger.train_s), running.state(env.device))
 
 
+def _evaluate(run: Run) -> Optional[EvalResult]:
+    """The test set's loss, accuracy and the user's metrics (None without a test set)."""
+    test = run.data.test
+    if test is None or not len(test):  # type: ignore[arg-type]
+        return None
+    return evaluate(run.model, test, run.data.info, run.strategy, loss_fn=run.loss_fn if run.user_loss else None,
+                    keep_target=run.loader.keep_target, metrics=run.metrics)
+
+
+def describe_test(test: EvalResult) -> str:
+    """``test loss L, test accuracy A, <metric> V``: what the task has (no accuracy for a regression)."""
+    parts = [f"test loss {test.loss:.4f}"]
+    if test.accuracy == test.accuracy:  # not NaN
+        parts.append(f"test accuracy {test.accuracy:.2%}")
+    parts += [f"{name} {value:.4g}" for name, value in test.metrics.items()]
+    return ", ".join(parts)
+
+
 def _finish(run: Run, run_dir: Optional[Path], checkpointer: Checkpointer, resumed: Optional[Resumed],
             ledger: _Ledger, gradient_bytes: Optional[int]) -> RunResult:
     """Final weights (the user's own module, unsharded: a collective for a sharded strategy),
     memory per rank, curves, and the result."""
-    env, data, strategy, plan = run.env, run.data, run.strategy, run.loader.plan
-    if ledger.test is None and data.test is not None and len(data.test):
-        ledger.test = evaluate(run.model, data.test, data.info, strategy)  # nothing trained: the checkpoint's model
+    env, strategy, plan = run.env, run.strategy, run.loader.plan
+    if ledger.test is None:
+        ledger.test = _evaluate(run)  # nothing trained: the checkpoint's model
     final_weights = strategy.full_state_dict(run.model)
     memory = tuple(gather_object(measure(run.model, run.optimizer, env.rank, env.device, gradient_bytes,
                                          run.model_bytes), env))

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from scaleloop.data.batching import check_batch_split
-from scaleloop.data.loader import _move, tensors_of
+from scaleloop.data.batch import call_model, move, split, take, tensors_of
 from scaleloop.runtime.devices import describe_device, device_for_local_rank, resolve_device
 from scaleloop.errors import UsageError
 from scaleloop.strategies.precision import Precision
@@ -160,29 +160,28 @@ class StepProbe:
 
     def _train(self, batch: int) -> None:
         for _ in range(self.steps):
-            x, y = self.sample(batch)
-            x, y = _move(x, self.device, False), _move(y, self.device, False)
+            x, y = move(self.sample(batch), self.device)
             with self.precision.autocast():
-                value = self.loss(self.model(x), y)
+                value = self.loss(call_model(self.model, x), y)
             self.precision.scale(value).backward()
             self.precision.step(self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
         _synchronize(self.device)
 
 
-def sample_from(dataset: Dataset) -> SampleFn:
-    """``sample(batch)``: the first ``batch`` samples of ``dataset`` (repeated when it is smaller)."""
+def sample_from(dataset: Dataset, keep_target: bool = False) -> SampleFn:
+    """``sample(batch)``: ``(inputs, target)`` of the first ``batch`` samples of ``dataset``
+    (repeated when it is smaller), cut as the loader cuts them (``scaleloop.data.batch``)."""
     n = len(dataset)  # type: ignore[arg-type]
     if n < 1:
         raise UsageError("the dataset is empty: there is nothing to size a batch with")
-    tensors = tensors_of(dataset)
+    columns = tensors_of(dataset)
 
     def sample(batch: int) -> tuple[Any, Any]:
         index = torch.arange(batch) % n
-        if tensors is not None:
-            return tensors[0][index], tensors[1][index]
-        x, y = default_collate([dataset[i] for i in index.tolist()])
-        return x, y
+        if columns is not None:
+            return split(take(columns, index), keep_target)
+        return split(default_collate([dataset[i] for i in index.tolist()]), keep_target)
 
     return sample
 
@@ -246,7 +245,9 @@ def _accelerator(device: Union[torch.device, str]) -> torch.device:
 
 
 def _mean_square(output: Any, _target: Any) -> torch.Tensor:
-    return output.float().square().mean()
+    from scaleloop.loop.tasks import prediction_of
+
+    return prediction_of(output).float().square().mean()
 
 
 def _release(device: torch.device, collect: bool = True) -> None:
@@ -302,8 +303,9 @@ def tune_batch(cfg: Any) -> TuneReport:
     device (local rank 0's), without a process group. Pass the config as it will be launched
     (``nproc`` already set to one process per GPU where ``--strategy auto`` does that).
     """
+    from scaleloop.data.batch import keeps_target
     from scaleloop.loop.build import build_data_and_model, build_optimizer
-    from scaleloop.loop.tasks import task_loss
+    from scaleloop.loop.tasks import resolve_loss
 
     device = _accelerator(cfg.device)
     data, model = build_data_and_model(cfg)
@@ -312,7 +314,8 @@ def tune_batch(cfg: Any) -> TuneReport:
     workers = torch.cuda.device_count() if cfg.strategy == "dp" and device.type == "cuda" else cfg.world_size
     # A per-device micro-batch never holds more than its share of the training set.
     cap = max(1, -(-len(data.train) // (workers * cfg.accumulate)))
-    search = find_max_batch(lambda: model, data.train, device, loss=lambda out, y: task_loss(info, out, y),
+    sample = sample_from(data.train, keeps_target(model, data.train))
+    search = find_max_batch(lambda: model, sample, device, loss=resolve_loss(cfg.loss, info),
                             optimizer=lambda params: build_optimizer(cfg, params), precision=cfg.precision,
                             max_batch=cap)
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None

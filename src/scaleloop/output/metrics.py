@@ -1,22 +1,24 @@
-"""Rank-0 writers for a run directory: a metrics CSV, TensorBoard events and a PNG.
+"""Rank-0 writers for a run directory: a metrics CSV, a tracker (TensorBoard, W&B, MLflow) and a PNG.
 
 Only the process with rank 0 should create a :class:`MetricsLogger`; the other
-ranks have nothing to write.  matplotlib and TensorBoard are imported lazily
-inside the functions that need them, because importing either costs far more
+ranks have nothing to write.  matplotlib and the trackers' packages are imported lazily
+inside the functions that need them, because importing any of them costs far more
 start-up time than the training script itself on a small CPU run.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
+import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Mapping, Optional, Union
 
-# Seconds between TensorBoard writes of step rows inside an epoch (see _write_tensorboard).
-TB_EVERY_S = 30.0
+from scaleloop.output.trackers import TensorBoardTracker, Tracker, open_tracker, tracker_row
+
 # Seconds between flushes of metrics.csv inside an epoch: a killed run loses at most this much.
 CSV_EVERY_S = 1.0
 
@@ -46,17 +48,6 @@ METRIC_COLUMNS: tuple[str, ...] = (
 # Columns a caller may pass as keyword values; the others are positional.
 _VALUE_COLUMNS = frozenset(METRIC_COLUMNS) - {"kind", "epoch", "step", "samples"}
 
-# CSV column -> TensorBoard tag.  Grouping by "train/" and "test/" makes
-# TensorBoard put them in two collapsible sections.
-_TB_TAGS = {
-    "train_loss": "train/loss",
-    "test_loss": "test/loss",
-    "test_acc": "test/acc",
-    "lr": "train/lr",
-    "samples_per_s": "train/samples_per_s",
-    "wall_s": "train/wall_s",
-}
-
 
 def _format_cell(value: float) -> str:
     # repr() of a float round-trips exactly, so reading the CSV back loses nothing.
@@ -68,19 +59,42 @@ def _format_cell(value: float) -> str:
 
 
 class MetricsLogger:
-    """Append step and epoch metrics to ``run_dir/metrics.csv`` and TensorBoard.
+    """Append step and epoch metrics to ``run_dir/metrics.csv`` and to a tracker.
 
     Rows are flushed to disk at every epoch row, at every checkpoint (:meth:`flush`) and
     otherwise at most every ``CSV_EVERY_S``, so an interrupted run keeps everything up to
-    its last checkpoint and loses at most the last second of step rows.  TensorBoard events
-    go to ``run_dir/tensorboard/`` when ``tensorboard`` is true and the TensorBoard package is installed;
+    its last checkpoint and loses at most the last second of step rows.
+
+    ``tracker``: a name of :data:`~scaleloop.output.trackers.TRACKERS` or a
+    :class:`~scaleloop.output.trackers.Tracker`; by default TensorBoard, which
+    ``tensorboard=False`` (the setting older configs hold) turns off. The tracker starts
+    first, so that a missing package is an error before anything is written; ``config`` (a
+    mapping, or a dataclass such as ``TrainConfig``) is logged to it once. TensorBoard events
+    go to ``run_dir/tensorboard/`` when the TensorBoard package is installed;
     :attr:`tensorboard_dir` is ``None`` otherwise.
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, keep_until_step: int | None = None) -> None:
+    def __init__(self, run_dir: Path, tensorboard: bool = True, keep_until_step: int | None = None,
+                 tracker: Union[str, Tracker, None] = None, config: Any = None) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if tracker is None or tracker == "tensorboard":
+            tracker = "tensorboard" if tensorboard else "none"
+        self.tracker: Optional[Tracker] = (open_tracker(tracker, self.run_dir, resume_step=keep_until_step)
+                                           if isinstance(tracker, str) else tracker)
+        self.tensorboard_dir: Path | None = (self.tracker.log_dir if isinstance(self.tracker, TensorBoardTracker)
+                                             else None)
         self.csv_path = self.run_dir / "metrics.csv"
+        try:
+            if self.tracker is not None and config is not None:
+                self.tracker.log_config(_as_mapping(config))
+            self._open_csv(keep_until_step)
+        except BaseException as exc:
+            if self.tracker is not None:
+                self.tracker.close(exc)
+            raise
+
+    def _open_csv(self, keep_until_step: int | None) -> None:
         if keep_until_step is not None and self.csv_path.exists():
             # A resumed run: keep what was logged up to its checkpoint and append after it;
             # rows of steps that the resumed run takes again are dropped, not duplicated.
@@ -92,16 +106,7 @@ class MetricsLogger:
             self._writer = csv.DictWriter(self._file, fieldnames=METRIC_COLUMNS, restval="")
             self._writer.writeheader()
         self._file.flush()
-
-        self.tensorboard_dir: Path | None = None
-        self._tb: Any = None
-        self._tb_pending: list[tuple[str, float, int]] = []
-        self._tb_written = self._csv_flushed = time.monotonic()
-        if tensorboard:
-            purge = keep_until_step + 1 if keep_until_step is not None else None
-            self._tb = self._open_tensorboard(self.run_dir / "tensorboard", purge)
-            if self._tb is not None:
-                self.tensorboard_dir = self.run_dir / "tensorboard"
+        self._csv_flushed = time.monotonic()
 
     def _truncate(self, keep_until_step: int) -> None:
         rows = [r for r in read_metrics(self.csv_path)
@@ -112,19 +117,6 @@ class MetricsLogger:
             writer.writeheader()
             writer.writerows(rows)
         tmp.replace(self.csv_path)
-
-    @staticmethod
-    def _open_tensorboard(log_dir: Path, purge_step: int | None = None) -> Any:
-        try:
-            # torch raises ImportError from this module when tensorboard is absent.
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            return None
-        # purge_step hides events a resumed run writes again (steps after its checkpoint).
-        # max_queue: an epoch's step scalars arrive in one burst (see _write_tensorboard); with
-        # the default queue of 10 the training thread would wait for the writer thread every
-        # few scalars (~60 us each), with room for 1000 a scalar costs ~6 us.
-        return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step, max_queue=1000, flush_secs=10)
 
     def log_step(self, step: int, epoch: int, samples: int, **values: float) -> None:
         """Record one optimizer step; ``values`` are keys of :data:`METRIC_COLUMNS`."""
@@ -159,32 +151,12 @@ class MetricsLogger:
         if kind == "epoch" or time.monotonic() - self._csv_flushed >= CSV_EVERY_S:
             self.flush()
 
-        if self._tb is not None:
-            for key, value in values.items():
-                if value is None:
-                    continue
-                # Per-step train loss is noisy; keep epoch means under their own tag
-                # so both curves stay readable in one TensorBoard panel.
-                tag = _TB_TAGS[key]
-                if kind == "epoch" and key == "train_loss":
-                    tag = "train/epoch_loss"
-                self._tb_pending.append((tag, float(value), int(step)))
-            if kind == "epoch" or time.monotonic() - self._tb_written >= TB_EVERY_S:
-                self._write_tensorboard()
-
-    def _write_tensorboard(self) -> None:
-        """Hand the pending scalars to TensorBoard's writer, and flush it.
-
-        Step rows wait for the end of the epoch (or TB_EVERY_S): TensorBoard's writer thread
-        checksums every event in pure Python, and writing as the rows come competed with the
-        training steps for the interpreter (+9% time on the tutorial workload's 0.5 ms steps).
-        metrics.csv still gets every row at once.
-        """
-        for tag, value, step in self._tb_pending:
-            self._tb.add_scalar(tag, value, global_step=step)
-        self._tb_pending.clear()
-        self._tb.flush()
-        self._tb_written = time.monotonic()
+        if self.tracker is not None:
+            # Step rows wait in the tracker (at most TB_EVERY_S, see BufferedTracker); an epoch
+            # row sends them all.
+            self.tracker.log_metrics(int(step), tracker_row(kind, values))
+            if kind == "epoch":
+                self.tracker.flush()
 
     def flush(self) -> None:
         """Write what is buffered to metrics.csv now (a checkpoint calls this first, so that
@@ -193,15 +165,18 @@ class MetricsLogger:
             self._file.flush()
         self._csv_flushed = time.monotonic()
 
-    def close(self) -> None:
-        """Flush and close the CSV file and the TensorBoard writer; safe to call twice."""
+    def close(self, error: Optional[BaseException] = None) -> None:
+        """Flush and close the CSV file and end the tracker's run; safe to call twice.
+
+        The tracker's run ends as failed when ``error`` is given, or when ``close`` runs in a
+        ``finally`` that an exception passes through (as around the training loop).
+        """
         if self._file is not None:
             self._file.close()
             self._file = None
-        if self._tb is not None:
-            self._write_tensorboard()
-            self._tb.close()
-            self._tb = None
+        if self.tracker is not None:
+            tracker, self.tracker = self.tracker, None
+            tracker.close(error if error is not None else _passing_through(sys._getframe(1)))
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -212,7 +187,25 @@ class MetricsLogger:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        self.close(exc)
+
+
+def _passing_through(frame: Any) -> Optional[BaseException]:
+    """The exception propagating through ``frame`` (its traceback holds the frame), if any; not
+    one that a caller further up is handling (training started from an ``except`` block)."""
+    exc = sys.exc_info()[1]
+    tb = exc.__traceback__ if exc is not None else None
+    while tb is not None:
+        if tb.tb_frame is frame:
+            return exc
+        tb = tb.tb_next
+    return None
+
+
+def _as_mapping(config: Any) -> Mapping[str, Any]:
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return dataclasses.asdict(config)
+    return dict(config)
 
 
 def read_metrics(csv_path: Path) -> list[dict[str, str]]:

@@ -1,6 +1,9 @@
 """The end-of-run summary that ``scaleloop train`` prints."""
 from __future__ import annotations
 
+from typing import Optional
+
+from scaleloop.loop.evaluate import EvalResult
 from scaleloop.loop.training import RunResult
 from scaleloop.output.memory import format_table, summary_line
 from scaleloop.output.metrics import format_rate, format_seconds, format_summary
@@ -17,7 +20,7 @@ def format_result(result: RunResult) -> str:
         ("precision", result.precision),
         ("epochs", f"{result.epochs} ({result.steps} steps, {result.samples:,} samples)"),
         ("final train loss", f"{result.train_loss:.4f}"),
-        ("test accuracy", f"{test.accuracy:.2%} (test loss {test.loss:.4f}, {test.samples:,} samples)" if test else "no test set"),
+        _test_row(test),
         ("throughput", format_rate(result.samples_per_s)),
         ("wall time", f"{format_seconds(result.wall_s)} (training {format_seconds(result.train_s)})"),
     ]
@@ -32,6 +35,15 @@ def format_result(result: RunResult) -> str:
     if len(result.memory) > 1:
         text += "\n" + format_table(result.memory)
     return text
+
+
+def _test_row(test: Optional[EvalResult]) -> tuple[str, str]:
+    if test is None:
+        return "test accuracy", "no test set"
+    metrics = "".join(f", {name} {value:.4g}" for name, value in test.metrics.items())
+    if test.accuracy != test.accuracy:  # NaN: a regression, or a model's own loss
+        return "test loss", f"{test.loss:.4f}{metrics} ({test.samples:,} samples)"
+    return "test accuracy", f"{test.accuracy:.2%} (test loss {test.loss:.4f}{metrics}, {test.samples:,} samples)"
 
 
 def describe_epoch(result: RunResult) -> str:

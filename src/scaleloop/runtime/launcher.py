@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from scaleloop.config import TrainConfig, to_toml
+from scaleloop.errors import UsageError
 from scaleloop.runtime.cmdline import EXIT_INTERRUPTED
 
 if TYPE_CHECKING:
@@ -65,6 +66,10 @@ def launch_train(cfg: TrainConfig) -> Optional["RunResult"]:
     dist.init_process_group(env)
     try:
         result = train(cfg, env)
+    except UsageError as exc:
+        if env.is_distributed and cfg.out:
+            _leave_usage_error(Path(cfg.out), str(exc))
+        raise
     except KeyboardInterrupt:
         raise Interrupted(Path(cfg.out) if cfg.out and env.is_main else None) from None
     finally:
@@ -97,7 +102,32 @@ def _launch_workers(cfg: TrainConfig) -> None:
     if code == EXIT_INTERRUPTED or code < 0:
         raise Interrupted(run_dir)
     if code != 0:
+        said = _take_usage_error(run_dir)
+        if said is not None:  # a worker found bad input (the user's model or data): say it as one line
+            raise UsageError(said)
         raise WorkersFailed(code)
+
+
+# A worker that stops on bad input leaves its one-line message here for the launcher.
+USAGE_ERROR_FILE = "usage-error.txt"
+
+
+def _leave_usage_error(run_dir: Path, message: str) -> None:
+    try:
+        with open(run_dir / USAGE_ERROR_FILE, "x", encoding="utf-8") as f:  # the first worker's only
+            f.write(message)
+    except OSError:
+        pass  # another worker was first, or this node does not see the run directory
+
+
+def _take_usage_error(run_dir: Path) -> Optional[str]:
+    path = run_dir / USAGE_ERROR_FILE
+    try:
+        message = path.read_text(encoding="utf-8").strip()
+        path.unlink()
+    except OSError:
+        return None
+    return message or None
 
 
 def _check_resume(cfg: TrainConfig) -> Optional[Path]:

@@ -50,8 +50,10 @@ def resolve_strategy_name(name: str, env: DistEnv) -> str:
 
 
 def make_strategy(name: str, env: DistEnv, precision: Optional[Precision | str] = None,
-                  accumulate: int = 1, sync_batchnorm: bool = False, *, microbatches: int = 1) -> Strategy:
-    """Build a strategy by name (``auto`` picks one for ``env``); ``microbatches`` is the pipeline's."""
+                  accumulate: int = 1, sync_batchnorm: bool = False, *, microbatches: int = 1,
+                  find_unused_parameters: bool = False, static_graph: bool = False) -> Strategy:
+    """Build a strategy by name (``auto`` picks one for ``env``); ``microbatches`` is the pipeline's,
+    ``find_unused_parameters`` and ``static_graph`` are DDP's."""
     if isinstance(precision, str) or precision is None:
         precision = Precision(precision or "fp32", env.device)
     concrete = resolve_strategy_name(name, env)
@@ -67,4 +69,10 @@ def make_strategy(name: str, env: DistEnv, precision: Optional[Precision | str] 
     if microbatches > 1:
         raise UsageError(f"microbatches={microbatches} applies to the pipeline strategy only; use accumulate "
                          f"to split a step's batch with {concrete}")
+    if cls is DDP:
+        return DDP(env, precision, accumulate, sync_batchnorm, find_unused_parameters=find_unused_parameters,
+                   static_graph=static_graph)
+    if find_unused_parameters or static_graph:
+        raise UsageError(f"find_unused_parameters and static_graph are options of DistributedDataParallel: use them "
+                         f"with the ddp strategy, not {concrete}")
     return cls(env, precision, accumulate, sync_batchnorm)

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import scaleloop.strategies.distcp as distcp
+from scaleloop.data.batch import call_model
 from scaleloop.data.batching import check_batch_split
 from scaleloop.data.loader import Batch, ShardedLoader
 from scaleloop.data.sampler import StepPlan
@@ -120,11 +121,11 @@ class Strategy:
         forward is a collective (FSDP). Every rank must call it."""
         return EvalShard(shard_indices(n, self.env))
 
-    def eval_forward(self, model: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """The model's output for ``x`` in evaluation (under ``torch.no_grad``), or None on a rank
-        that does not produce outputs (a pipeline's earlier stages)."""
+    def eval_forward(self, model: nn.Module, x: Any) -> Any:
+        """The model's output for the inputs ``x`` in evaluation (under ``torch.no_grad``), or None
+        on a rank that does not produce outputs (a pipeline's earlier stages)."""
         with self.precision.autocast():
-            return model(x)
+            return call_model(model, x)
 
     # --- the model's state ----------------------------------------------------------------
     def full_state_dict(self, model: nn.Module) -> dict[str, Any]:
@@ -242,13 +243,13 @@ class HandWrittenLoop(Strategy):
         x, y = batch
         with self.accumulate(model, batch):
             with self.autocast():
-                loss = loss_fn(model(x), y)
+                loss = loss_fn(call_model(model, x), y)
             self.backward(loss, batch)
         return loss.detach()
 
-    def eval_forward(self, model: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+    def eval_forward(self, model: nn.Module, x: Any) -> Any:
         with self.autocast():
-            return model(x)
+            return call_model(model, x)
 
 
 def _uncompiled(model: nn.Module) -> nn.Module:

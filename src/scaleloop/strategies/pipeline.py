@@ -330,6 +330,7 @@ class PipelineParallel(ProcessGroupStrategy):
 
     def forward_backward(self, model: nn.Module, batch: Batch, loss_fn: LossFn) -> Optional[torch.Tensor]:
         x, y = batch
+        _check_one_tensor(x, y)
         schedule = self._schedule("train", len(batch))
         self._loss_fn = loss_fn
         self._per_sample = batch.loss_scale / len(batch)
@@ -386,7 +387,8 @@ class PipelineParallel(ProcessGroupStrategy):
     def eval_shard(self, n: int, batch_size: int) -> EvalShard:
         return EvalShard(range(0, n))
 
-    def eval_forward(self, model: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+    def eval_forward(self, model: nn.Module, x: Any) -> Optional[torch.Tensor]:
+        _check_one_tensor(x, None)
         schedule = self._schedule("eval", len(x))
         out = schedule.step(x) if self.is_first else schedule.step()
         return out if self.is_last else None
@@ -477,3 +479,13 @@ class PipelineParallel(ProcessGroupStrategy):
 
 
 __all__ = ["PipelineParallel", "StageModule", "StagePlan", "pipeline_layers", "plan_stages"]
+
+
+def _check_one_tensor(x: Any, y: Any) -> None:
+    """The pipeline passes one tensor between stages and gives the last stage one target."""
+    if not isinstance(x, torch.Tensor) or not (y is None or isinstance(y, torch.Tensor)):
+        from scaleloop.data.batch import describe
+
+        raise UsageError(f"--strategy pipeline needs batches of one input tensor and one target tensor, got inputs "
+                         f"{describe(x)}{'' if y is None else ' and target ' + describe(y)}; "
+                         "use ddp or fsdp for models with several or named inputs")

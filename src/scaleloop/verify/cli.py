@@ -45,9 +45,6 @@ def add_parser(subparsers: Any, parser_class: type, add_config_flags: Callable[[
     group.add_argument("--explain", nargs="?", type=int, const=1, default=None, metavar="STEP",
                        help="print a per-rank account of step STEP (default 1): samples, local loss, the "
                             "first layer's gradient norm before and after synchronisation")
-    group.add_argument("--loss", metavar="PKG.MODULE:FN",
-                       help="your loss, fn(output, target) -> the mean loss over the batch (default: the "
-                            "built-in loss for the data's task)")
     group.add_argument("--tolerance", type=float, metavar="X",
                        help="largest parameter difference, relative to the largest weight, that counts as "
                             "equal (default: 1e-5 fp32, 1e-2 bf16, 5e-3 fp16; loss and gradient tolerances "
@@ -81,7 +78,7 @@ def resolve_verify(args: argparse.Namespace) -> tuple[TrainConfig, VerifyOptions
     if cfg.strategy != "dp" and cfg.nproc < 2:
         raise UsageError(f"--nproc {cfg.nproc} would compare one process with itself; use --nproc 2 or more")
     opts = VerifyOptions(steps=args.steps, checks=parse_checks(args.check), explain_step=args.explain,
-                         loss=args.loss, tolerance=args.tolerance, report=args.report).validate()
+                         tolerance=args.tolerance, report=args.report).validate()
     return cfg, opts
 
 
@@ -89,10 +86,7 @@ def run(args: argparse.Namespace) -> int:
     """Execute ``scaleloop verify``: 0 if every check passed, 1 if one failed (UsageError: bad input)."""
     cfg, opts = resolve_verify(args)
     from scaleloop.loop.build import preflight
-    from scaleloop.plugins import resolve_factory
     from scaleloop.verify.command import verify
 
     preflight(cfg)
-    if opts.loss is not None:
-        resolve_factory(opts.loss, "loss")
     return verify(cfg, opts)

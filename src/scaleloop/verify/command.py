@@ -129,7 +129,7 @@ def _header(s: Session) -> None:
     cfg = s.cfg
     s.say(f"verify: {cfg.model} on {s.data.info.name} ({len(s.data.train):,} training samples), global batch "
           f"{cfg.batch_size}, {s.opts.steps} step(s), {cfg.precision}, {cfg.optimizer} lr {cfg.lr:g}, seed {cfg.seed}"
-          + (f", loss {s.opts.loss}" if s.opts.loss else ""))
+          + (f", loss {s.cfg.loss}" if s.cfg.loss else ""))
     if s.opts.needs_reference:
         s.say(f"  reference:   1 process (single), accumulate {s.ref_accumulate}: "
               f"{cfg.batch_size // s.ref_accumulate} samples per backward")
@@ -172,7 +172,7 @@ def _run_reference(s: Session) -> dict[str, Any]:
     env = DistEnv(device=s.device)
     recorder = Recorder(env, reference_dir(s.root), explain_step=s.opts.explain_step)
     try:
-        run_steps(s.cfg, env, RunSpec("single", s.ref_accumulate, s.opts.steps, s.opts.loss), recorder)
+        run_steps(s.cfg, env, RunSpec("single", s.ref_accumulate, s.opts.steps), recorder)
     except UsageError:
         raise
     except Exception as exc:  # the user's model or loss fails on its own: nothing to compare
@@ -189,7 +189,7 @@ def _run_dataparallel(s: Session) -> int:
     recorder = Recorder(env, distributed_dir(s.root), explain_step=s.opts.explain_step,
                         audit_data="data" in s.opts.checks, check_sync="sync" in s.opts.checks)
     try:
-        run_steps(s.cfg, env, RunSpec("dp", s.cfg.accumulate, s.opts.steps, s.opts.loss), recorder)
+        run_steps(s.cfg, env, RunSpec("dp", s.cfg.accumulate, s.opts.steps), recorder)
     except UsageError:
         raise
     except Exception as exc:
@@ -321,10 +321,12 @@ def _probe(s: Session, reference: dict[str, Any]) -> Optional[Probes]:
     if not indices:
         return None
     x, y = data_check.load_samples(s.data.train, indices)
-    x, y = (t.to(s.device) if isinstance(t, torch.Tensor) else t for t in (x, y))
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+        return None  # the probes cut tensors into pieces; named or several inputs are not probed
+    x, y = x.to(s.device), y.to(s.device)
     world, accumulate = _pieces(s)
     groups = piece_groups(len(indices), world, accumulate, s.ref_accumulate)
-    return run_probes(s.model.to(s.device), resolve_loss(s.opts.loss, s.data.info), x, y, groups)
+    return run_probes(s.model.to(s.device), resolve_loss(s.cfg.loss, s.data.info), x, y, groups)
 
 
 def _data(s: Session, r: Records) -> bool:

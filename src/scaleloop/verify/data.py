@@ -19,23 +19,29 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler
 from torch.utils.data._utils.collate import default_collate
 
-from scaleloop.data.loader import tensors_of
+from scaleloop.data.batch import split, take, tensors_of
 from scaleloop.verify.hashing import digest
 
 
 def load_samples(dataset: Dataset, indices: Sequence[int]) -> tuple[Any, Any]:
-    """``(x, y)`` of the samples at ``indices``, built the way scaleloop's loader builds a batch."""
-    tensors = tensors_of(dataset)
-    if tensors is not None:
-        idx = torch.as_tensor(list(indices), dtype=torch.long)
-        return tensors[0].index_select(0, idx), tensors[1].index_select(0, idx)
-    x, y = default_collate([dataset[i] for i in indices])
-    return x, y
+    """``(inputs, target)`` of the samples at ``indices``, built the way scaleloop's loader builds
+    a batch (a mapping's target entry left out of the inputs, as :func:`batch_digest` hashes it)."""
+    columns = tensors_of(dataset)
+    if columns is not None:
+        return split(take(columns, torch.as_tensor(list(indices), dtype=torch.long)))
+    return split(default_collate([dataset[i] for i in indices]))
+
+
+def batch_digest(inputs: Any, target: Any) -> str:
+    """The SHA-256 of a batch's data, whether or not its target is also among the model's inputs."""
+    if isinstance(inputs, dict) and target is not None:
+        inputs = {k: v for k, v in inputs.items() if v is not target}
+    return digest(inputs, target)
 
 
 def expected_digest(dataset: Dataset, indices: Sequence[int]) -> str:
     """The SHA-256 a rank must report for a batch of these samples."""
-    return digest(*load_samples(dataset, indices))
+    return batch_digest(*load_samples(dataset, indices))
 
 
 @dataclass(frozen=True)

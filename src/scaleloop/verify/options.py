@@ -27,7 +27,6 @@ class VerifyOptions:
     steps: int = DEFAULT_STEPS
     checks: tuple[str, ...] = ("equivalence",)
     explain_step: Optional[int] = None
-    loss: Optional[str] = None
     tolerance: Optional[float] = None
     report: Optional[str] = None
 
@@ -43,8 +42,6 @@ class VerifyOptions:
                              f"(--steps {self.steps})")
         if self.tolerance is not None and not self.tolerance > 0:
             raise UsageError("--tolerance must be a positive number")
-        if self.loss is not None and ":" not in self.loss:
-            raise UsageError(f"--loss {self.loss!r}: expected 'package.module:function' (function(output, target) -> loss)")
         return self
 
     @property

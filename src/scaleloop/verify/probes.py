@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from scaleloop.strategies.syncbn import GlobalBatchNorm
-from scaleloop.loop.tasks import LossFn
+from scaleloop.loop.tasks import LossFn, prediction_of
 
 
 def unsynced_batchnorm(model: nn.Module) -> list[str]:
@@ -106,7 +106,7 @@ def loss_split(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
     """
     probe = copy.deepcopy(model).eval()
     with torch.no_grad():
-        out = probe(x).float()
+        out = prediction_of(probe(x)).float()
         mean_ok = sum_ok = True
         worst = (0.0, 0.0, 0.0, 0.0)  # (deviation, whole, mean, sum)
         start = 0

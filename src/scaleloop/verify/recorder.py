@@ -31,7 +31,8 @@ from scaleloop.runtime.dist import DistEnv
 from scaleloop.loop.step import Observer
 from scaleloop.strategies.base import Strategy
 from scaleloop.strategies.pipeline import StageModule
-from scaleloop.verify.hashing import digest, full_tensor, is_sharded
+from scaleloop.verify.data import batch_digest
+from scaleloop.verify.hashing import full_tensor, is_sharded
 from scaleloop.verify.sync import check_sync
 
 RECORD_FILE = "record.json"
@@ -108,7 +109,7 @@ class Recorder(Observer):
         """Before the forward pass: which samples this rank trains on, and a digest of their data."""
         x, y = batch
         self.micro.append({"step": self.step, "epoch_step": batch.step, "micro": batch.plan.micro,
-                           "indices": batch.indices.tolist(), "sha": digest(x, y)})
+                           "indices": batch.indices.tolist(), "sha": batch_digest(x, y)})
 
     def micro_done(self, batch: Batch, loss: Optional[torch.Tensor]) -> None:
         """After backward: the micro-batch's loss, and its weight in the step's loss."""
@@ -219,7 +220,7 @@ class Recorder(Observer):
             for batch in loader:
                 x, y = batch
                 self.audit.append({"epoch": epoch, "step": batch.step, "micro": batch.plan.micro,
-                                   "indices": batch.indices.tolist(), "sha": digest(x, y)})
+                                   "indices": batch.indices.tolist(), "sha": batch_digest(x, y)})
 
     def finish(self, loader: ShardedLoader, epochs_touched: int) -> None:
         """Audit the data if asked, hash every tensor on every rank, gather all to rank 0, write."""

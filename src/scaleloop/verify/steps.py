@@ -8,7 +8,6 @@ does not change the weights (evaluation, checkpoints, metrics files).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from scaleloop.config import TrainConfig
 from scaleloop.errors import UsageError
@@ -25,7 +24,6 @@ class RunSpec:
     strategy: str
     accumulate: int
     steps: int
-    loss: Optional[str] = None
 
 
 def run_steps(cfg: TrainConfig, env: DistEnv, spec: RunSpec, recorder: Recorder) -> None:
@@ -33,7 +31,7 @@ def run_steps(cfg: TrainConfig, env: DistEnv, spec: RunSpec, recorder: Recorder)
     # The reference side runs one process: a pipeline's --microbatches applies to the pipeline only.
     microbatches = cfg.microbatches if spec.strategy == "pipeline" else 1
     run = build_run(cfg.replace(strategy=spec.strategy, accumulate=spec.accumulate, microbatches=microbatches),
-                    env, loss=spec.loss)
+                    env)
     plan = run.loader.plan
     if plan.steps_per_epoch == 0:
         raise UsageError(f"the training set ({plan.n} samples) is smaller than one step of "

@@ -36,7 +36,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     recorder = Recorder(env, distributed_dir(root), explain_step=opts.explain_step,
                         audit_data="data" in opts.checks, check_sync="sync" in opts.checks)
     try:
-        run_steps(cfg, env, RunSpec(cfg.strategy, cfg.accumulate, opts.steps, opts.loss), recorder)
+        run_steps(cfg, env, RunSpec(cfg.strategy, cfg.accumulate, opts.steps), recorder)
     except Exception as exc:  # recorded for the parent's diagnosis, then a plain non-zero exit
         recorder.fail(exc)
         print(f"scaleloop verify: rank {env.rank} failed at step {recorder.step}: {type(exc).__name__}: {exc}",

@@ -1,0 +1,27 @@
+"""Under torchrun with 2 processes: short ``scaleloop.train`` runs of the models in usermodels.py.
+
+One launch for all of them. Usage: usermodel_runs.py ROOT; each run writes ROOT/<name>; rank 0
+prints one JSON line with each run's strategy description. The runs are RUNS in
+test_usermodels.py (imported from there, so that the references train the same settings).
+"""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/distributed, for the settings
+
+import scaleloop as sl  # noqa: E402
+from scaleloop.config import TrainConfig  # noqa: E402
+from scaleloop.loop.training import train  # noqa: E402
+from usermodel_settings import BASE, RUNS  # noqa: E402
+
+root = Path(sys.argv[1])
+env = sl.DistEnv.from_env(device="cpu")
+sl.init_process_group(env)
+described = {}
+for name, changes in RUNS.items():
+    cfg = TrainConfig(**{**BASE, **changes, "nproc": 2, "out": str(root / name)}).validate()
+    described[name] = train(cfg, env, log=lambda _msg: None).strategy
+sl.destroy_process_group()
+if env.is_main:
+    print(json.dumps(described))

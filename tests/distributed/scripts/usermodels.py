@@ -1,0 +1,150 @@
+"""Models and data as users write them, for ``--model/--data usermodels:NAME`` in the tests.
+
+- ``Unused``: a layer that never gets a gradient; ``Frozen``/``FrozenSeq``: a frozen first layer;
+- ``Keywords`` on ``keyword_data`` (in memory) or ``keyword_items`` (a map-style dataset of
+  dicts, read through the DataLoader): keyword inputs and ``labels``, returning an object with
+  ``logits`` and its own ``loss`` like a Hugging Face model;
+- ``TwoInputs`` on ``two_input_data``: ``model(a, b)`` from samples ``(a, b, y)``;
+- ``Regressor`` on ``regression_data``: float targets of 3 values (mean squared error).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+from scaleloop import DictTensorDataset
+
+
+class Unused(nn.Module):
+    def __init__(self, info: Any = None) -> None:
+        super().__init__()
+        self.net = nn.Linear(64, 10)
+        self.spare = nn.Linear(64, 10)  # never called
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.flatten(1))
+
+
+class Frozen(nn.Module):
+    def __init__(self, info: Any = None) -> None:
+        super().__init__()
+        self.body = nn.Linear(64, 32)
+        self.head = nn.Linear(32, 10)
+        self.body.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x.flatten(1))))
+
+
+def FrozenSeq(info: Any = None) -> nn.Sequential:
+    """Frozen first layer in a model the pipeline strategy can cut into stages."""
+    model = nn.Sequential(nn.Flatten(1), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
+    model[1].requires_grad_(False)
+    return model
+
+
+class Output:
+    """Like a Hugging Face ``ModelOutput``: attributes ``loss`` (given labels) and ``logits``."""
+
+    def __init__(self, logits: torch.Tensor, loss: Optional[torch.Tensor]) -> None:
+        self.logits, self.loss = logits, loss
+
+
+class Keywords(nn.Module):
+    def __init__(self, info: Any = None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                labels: Optional[torch.Tensor] = None) -> Output:
+        mask = attention_mask.unsqueeze(-1).float()
+        logits = self.head((self.embed(input_ids) * mask).sum(1) / mask.sum(1))
+        return Output(logits, nn.functional.cross_entropy(logits, labels) if labels is not None else None)
+
+
+def _keyword_tensors(n: int = 200) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (n, 12), generator=g)
+    mask = (torch.arange(12) < torch.randint(4, 13, (n, 1), generator=g)).long()
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids[:, 0] % 3}
+
+
+def keyword_data() -> tuple[Dataset, Dataset]:
+    t = _keyword_tensors()
+    return (DictTensorDataset({k: v[:160] for k, v in t.items()}),
+            DictTensorDataset({k: v[160:] for k, v in t.items()}))
+
+
+class _Items(Dataset):
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors["labels"])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.tensors.items()}
+
+
+def keyword_items() -> tuple[Dataset, Dataset]:
+    t = _keyword_tensors()
+    return _Items({k: v[:160] for k, v in t.items()}), _Items({k: v[160:] for k, v in t.items()})
+
+
+class TwoInputs(nn.Module):
+    def __init__(self, info: Any = None) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 8), nn.Linear(3, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.a(a) + self.b(b))
+        return self.head(h), h  # (prediction, extra): the first element is the prediction
+
+
+def two_input_data() -> tuple[Dataset, Dataset]:
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(300, 5, generator=g), torch.randn(300, 3, generator=g)
+    y = (a[:, 0] > 0).long() * 2 + (b[:, 0] > 0).long()
+    return TensorDataset(a[:240], b[:240], y[:240]), TensorDataset(a[240:], b[240:], y[240:])
+
+
+class Regressor(nn.Module):
+    def __init__(self, info: Any = None) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.net(x)}
+
+
+def regression_data() -> tuple[Dataset, Dataset]:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(300, 6, generator=g)
+    y = torch.stack([x[:, 0] + x[:, 1], x[:, 2] * 0.5, -x[:, 3]], dim=1)
+    return TensorDataset(x[:240], y[:240]), TensorDataset(x[240:], y[240:])
+
+
+def abs_error(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A user metric: one value per sample."""
+    return (prediction - target).abs().flatten(1).mean(1)
+
+
+def huber(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A user loss: the mean over the batch."""
+    return nn.functional.smooth_l1_loss(prediction, target)
+
+
+class Chatty(nn.Module):
+    """Returns something no rule reads."""
+
+    def __init__(self, info: Any = None) -> None:
+        super().__init__()
+        self.net = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> str:
+        return "a string"

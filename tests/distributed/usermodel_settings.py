@@ -1,0 +1,20 @@
+"""The runs of scripts/usermodel_runs.py (2 processes) and of their 1-process references."""
+BASE = dict(epochs=2, max_steps=8, batch_size=32, optimizer="adam", lr=0.01, progress=False, tensorboard=False,
+            log_every=1, device="cpu", checkpoints=False)
+
+#: name -> settings; each trains on 2 processes and is compared with strategy single on one.
+RUNS = {
+    "unused-find": dict(model="usermodels:Unused", data="digits", strategy="ddp", find_unused_parameters=True),
+    "unused-static": dict(model="usermodels:Unused", data="digits", strategy="ddp", static_graph=True),
+    "unused-fsdp": dict(model="usermodels:Unused", data="digits", strategy="fsdp"),
+    "frozen-ddp": dict(model="usermodels:Frozen", data="digits", strategy="ddp", accumulate=2),
+    "frozen-fsdp": dict(model="usermodels:Frozen", data="digits", strategy="fsdp"),
+    "frozen-allreduce": dict(model="usermodels:Frozen", data="digits", strategy="allreduce"),
+    "frozen-pipeline": dict(model="usermodels:FrozenSeq", data="digits", strategy="pipeline"),
+    "keywords-ddp": dict(model="usermodels:Keywords", data="usermodels:keyword_data", strategy="ddp", accumulate=2),
+    "keywords-fsdp": dict(model="usermodels:Keywords", data="usermodels:keyword_data", strategy="fsdp"),
+    "keyword-items-ddp": dict(model="usermodels:Keywords", data="usermodels:keyword_items", strategy="ddp"),
+    "two-inputs-ddp": dict(model="usermodels:TwoInputs", data="usermodels:two_input_data", strategy="ddp"),
+    "regression-ddp": dict(model="usermodels:Regressor", data="usermodels:regression_data", strategy="ddp",
+                           metrics="usermodels:abs_error", loss="usermodels:huber"),
+}
