@@ -265,3 +265,22 @@ def test_evaluate_does_not_depend_on_world_size_or_batching(monkeypatch: pytest.
         assert r.samples == 101
         assert r.accuracy == float((out.argmax(1) == y).sum()) / 101
         assert r.loss == pytest.approx(float(F.cross_entropy(out, y)), rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_user_metrics_count_every_sample_once_over_ranks(monkeypatch: pytest.MonkeyPatch, world: int) -> None:
+    ds, info, model = _float64_problem()
+    x, y = ds.tensors
+    with torch.no_grad():
+        out = model(x)
+    metrics = {
+        "hits": lambda pred, target: (pred.argmax(1) == target).double(),   # one value per sample
+        "batch_mean": lambda pred, target: pred.max(1).values.mean(),       # a batch mean, weighted by size
+        "inputs": lambda pred, target: target.double() * 1000 + pred[:, 0],  # any lost or repeated sample shows
+    }
+    results = on_ranks(world, lambda env: evaluate(model, ds, info, FakeRankStrategy(env), batch_size=7,
+                                                   metrics=metrics), monkeypatch)
+    for r in results:
+        assert r.metrics["hits"] == pytest.approx(float((out.argmax(1) == y).double().mean()), rel=1e-12)
+        assert r.metrics["batch_mean"] == pytest.approx(float(out.max(1).values.mean()), rel=1e-12)
+        assert r.metrics["inputs"] == pytest.approx(float((y.double() * 1000 + out[:, 0]).mean()), rel=1e-12)
