@@ -18,3 +18,26 @@ RUNS = {
     "regression-ddp": dict(model="usermodels:Regressor", data="usermodels:regression_data", strategy="ddp",
                            metrics="usermodels:abs_error", loss="usermodels:huber"),
 }
+
+#: Third-party models train with SGD: Adam divides each gradient by its own running size, which
+#: turns rounding noise in a gradient that is zero in exact arithmetic (an attention key's bias:
+#: softmax ignores a shift) into full-size steps, so 2 ranks and 1 would part by lr per step.
+THIRD_PARTY = dict(optimizer="sgd", lr=0.1)
+
+#: Hugging Face transformers models (scripts/hfmodels.py): their own loss, keyword batches.
+HF_RUNS = {
+    "gpt2-ddp": dict(**THIRD_PARTY, model="hfmodels:gpt2_tiny", data="hfmodels:lm_data", strategy="ddp", accumulate=2),
+    "gpt2-fsdp": dict(**THIRD_PARTY, model="hfmodels:gpt2_tiny", data="hfmodels:lm_data", strategy="fsdp"),
+    "bert-ddp": dict(**THIRD_PARTY, model="hfmodels:bert_tiny", data="hfmodels:classification_data", strategy="ddp"),
+    "bert-fsdp": dict(**THIRD_PARTY, model="hfmodels:bert_tiny", data="hfmodels:classification_data", strategy="fsdp",
+                      accumulate=2),
+}
+
+#: timm models (scripts/hfmodels.py), pretrained=False.
+VISION_RUNS = {
+    "resnet-ddp": dict(**THIRD_PARTY, model="hfmodels:resnet_tiny", data="hfmodels:image_data", strategy="ddp", sync_batchnorm=True),
+    "resnet-fsdp": dict(**THIRD_PARTY, model="hfmodels:resnet_tiny", data="hfmodels:image_data", strategy="fsdp",
+                        sync_batchnorm=True),
+    "vit-ddp": dict(**THIRD_PARTY, model="hfmodels:vit_tiny", data="hfmodels:image_data", strategy="ddp"),
+    "vit-fsdp": dict(**THIRD_PARTY, model="hfmodels:vit_tiny", data="hfmodels:image_data", strategy="fsdp"),
+}

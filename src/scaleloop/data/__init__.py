@@ -3,6 +3,7 @@
 - ``datasets``: the built-in datasets and user factories; ``mnist``: MNIST's IDX files;
   ``info``: what a model needs to know about a dataset.
 - ``sampler``: the step plan (each rank's samples per micro-batch, on the global batch);
-  ``loader``: batches for one rank from that plan; ``batching``: the global-batch rule.
+  ``loader``: batches for one rank from that plan; ``batching``: the global-batch rule;
+  ``streaming``: the same for a stream (an ``IterableDataset``), split as it is read.
 - ``batch``: the one rule for what in a sample is input and target, and how the model is called.
 """

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from scaleloop.errors import UsageError
 
@@ -125,13 +125,22 @@ def takes_keyword(model: nn.Module, name: str) -> bool:
 def keeps_target(model: nn.Module, dataset: Dataset) -> bool:
     """Whether a mapping sample's target entry is passed to ``model`` (its forward takes it)."""
     try:
-        sample = dataset[0]
-    except Exception:  # an iterable or odd dataset: decided per batch by the default (left out)
+        sample = first_sample(dataset)
+    except Exception:  # an empty or odd dataset: decided per batch by the default (left out)
         return False
     if not isinstance(sample, Mapping):
         return False
     key = target_key(sample)
     return key is not None and takes_keyword(model, key)
+
+
+def first_sample(dataset: Dataset) -> Any:
+    """``dataset[0]``, or the first sample a stream (an ``IterableDataset``) yields; IndexError when empty."""
+    if isinstance(dataset, IterableDataset):
+        for sample in dataset:
+            return sample
+        raise IndexError("the stream yielded no sample")
+    return dataset[0]
 
 
 def move(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:

@@ -9,14 +9,21 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from scaleloop.data.batch import describe, first_tensor, split, tensors_of
+from scaleloop.data.batch import describe, first_sample, first_tensor, split, tensors_of
 from scaleloop.data.info import DataInfo, Datasets
 from scaleloop.errors import UsageError
 from scaleloop.plugins import call_factory, is_factory_spec, resolve_factory
 
+#: Target value that cross-entropy skips (PyTorch's and Hugging Face's convention for padding).
+IGNORE_INDEX = -100
+
 DATASET_NAMES = ("digits", "random", "mnist", "images", "tokens")
+
+# What the factory of a stream returns when the task needs every label (docs/streaming.md).
+_GIVE_INFO = ("return scaleloop.Datasets(train, test, scaleloop.DataInfo(name, '{task}', input_shape, num_classes)) "
+              "from the factory")
 
 # Token streams are built from a fixed vocabulary of short random "phrases", so that a
 # language model can lower its loss by memorising them, while generation stays vectorised.
@@ -43,14 +50,14 @@ class RandomDataset(TensorDataset):
 def build_datasets(name: str, *, data_dir: str | None = None, n_samples: int = 10_000,
                    input_dim: int = 20, image_size: int = 32, num_classes: int = 10,
                    seq_len: int = 64, vocab_size: int = 256, test_fraction: float = 0.2,
-                   seed: int = 0) -> Datasets:
+                   seed: int = 0, task: str = "auto") -> Datasets:
     """Build the train/test datasets named ``name`` (see ``DATASET_NAMES``) or a user factory.
 
     Built-ins are deterministic for a given ``seed``. With ``test_fraction == 0`` there is no
     test set. A user factory ``pkg.module:factory`` is called with no arguments, or with one
     dict of the keyword options here; it may return a ``Datasets``, a ``(train, test)`` tuple
     (``test`` may be None) or a single ``Dataset``, and for the last two the ``DataInfo`` is
-    inferred from the first training sample. Bad input raises ``UsageError``.
+    inferred from the first training sample (``task`` as in ``infer_info``). Bad input raises ``UsageError``.
     """
     sizes = {"n_samples": n_samples, "input_dim": input_dim, "image_size": image_size,
              "num_classes": num_classes, "seq_len": seq_len, "vocab_size": vocab_size}
@@ -65,7 +72,7 @@ def build_datasets(name: str, *, data_dir: str | None = None, n_samples: int = 1
 
     if is_factory_spec(name):
         options = dict(sizes, test_fraction=test_fraction, seed=seed, data_dir=data_dir)
-        return _from_factory(name, options)
+        return _from_factory(name, options, task)
     n_test = max(1, int(n_samples * test_fraction)) if test_fraction > 0 else 0
     if name == "digits":
         return _digits(test_fraction, seed)
@@ -150,7 +157,7 @@ def _tokens(n_train: int, n_test: int, seq_len: int, vocab_size: int, seed: int)
     return Datasets(train, test, DataInfo("tokens", "lm", (seq_len,), vocab_size))
 
 
-def _from_factory(spec: str, options: dict[str, Any]) -> Datasets:
+def _from_factory(spec: str, options: dict[str, Any], task: str = "auto") -> Datasets:
     """Call a user factory and normalise what it returns into ``Datasets``."""
     result = call_factory(resolve_factory(spec, "data"), options)
     if isinstance(result, Datasets):
@@ -165,12 +172,13 @@ def _from_factory(spec: str, options: dict[str, Any]) -> Datasets:
             "scaleloop Datasets, a (train, test) tuple, or a single torch Dataset"
         )
     for role, ds in (("train", train), ("test", test)):
-        if ds is not None and not (isinstance(ds, Dataset) and hasattr(ds, "__len__")):
-            raise UsageError(f"--data {spec!r}: the {role} set is a {type(ds).__name__}, "
-                             "expected a map-style torch Dataset with __len__")
-    if len(train) == 0:
+        sized = isinstance(ds, Dataset) and hasattr(ds, "__len__")
+        if ds is not None and not (sized or isinstance(ds, IterableDataset)):
+            raise UsageError(f"--data {spec!r}: the {role} set is a {type(ds).__name__}, expected a torch "
+                             "Dataset with __len__ or a stream (an IterableDataset, docs/streaming.md)")
+    if not isinstance(train, IterableDataset) and len(train) == 0:
         raise UsageError(f"--data {spec!r}: the training set is empty")
-    return Datasets(train, test, infer_info(spec, train, test))
+    return Datasets(train, test, infer_info(spec, train, test, task=task))
 
 
 def infer_info(name: str, train: Dataset, test: Optional[Dataset] = None, task: str = "auto") -> DataInfo:
@@ -181,9 +189,15 @@ def infer_info(name: str, train: Dataset, test: Optional[Dataset] = None, task: 
     means regression (``num_classes`` = values per sample); an integer scalar means classification
     (``num_classes`` = largest label + 1); an integer 1-d target shaped like an integer 1-d input
     means a language model (``num_classes`` = largest token + 1). A mapping sample without a
-    target (the model computes its own loss) gives the task ``none``.
+    target (the model computes its own loss) gives the task ``none``. A stream (``IterableDataset``)
+    is read for its first sample only: a task that needs every label (the number of classes; binary
+    or regression for a float target of shape ``(1,)``) must then be given (``--task``, or the
+    factory's ``DataInfo``).
     """
-    sample = train[0]
+    try:
+        sample = first_sample(train)
+    except IndexError:
+        raise UsageError(f"--data {name!r}: the training set is empty") from None
     inputs, target = split_sample(name, sample)
     x, y = _as_tensor(first_tensor(inputs) if not isinstance(inputs, (int, float)) else inputs), target
     if x is None:
@@ -197,8 +211,11 @@ def infer_info(name: str, train: Dataset, test: Optional[Dataset] = None, task: 
             raise UsageError(f"--data {name!r}: the target must be a tensor, an array or a number, got "
                              f"{describe(target)}")
         info = _task_of(name, x, y, train, test, task)
-    if test is not None and len(test) > 0:
-        test_x = first_tensor(split_sample(name, test[0])[0])
+    if test is not None and (isinstance(test, IterableDataset) or len(test) > 0):
+        try:
+            test_x = first_tensor(split_sample(name, first_sample(test))[0])
+        except IndexError:   # an empty stream
+            return info
         if test_x is None or tuple(test_x.shape) != shape:
             raise UsageError(f"--data {name!r}: test samples have input shape "
                              f"{None if test_x is None else list(test_x.shape)}, "
@@ -219,6 +236,8 @@ def _task_of(name: str, x: torch.Tensor, y: torch.Tensor, train: Dataset, test: 
     shape = tuple(x.shape)
     if task == "auto":
         if y.is_floating_point():
+            if tuple(y.shape) == (1,):
+                _scan(name, train, test, "telling binary from regression", "say --task binary or --task regression")
             task = "binary" if tuple(y.shape) == (1,) and _only_zero_one(train, test) else "regression"
         elif _is_int(y) and y.dim() == 0:
             task = "classification"
@@ -238,9 +257,11 @@ def _task_of(name: str, x: torch.Tensor, y: torch.Tensor, train: Dataset, test: 
         if not _is_int(y) or y.dim() != 0:
             raise UsageError(f"--data {name!r}: --task classification needs an integer class index per sample, "
                              f"got a target {list(y.shape)} {y.dtype}")
+        _scan(name, train, test, "the number of classes", _GIVE_INFO.format(task="classification"))
         return DataInfo(name, "classification", shape, _max_value(name, train, test, lm=False) + 1)
     if not (_is_int(y) and y.dim() == 1):
         raise UsageError(f"--data {name!r}: --task lm needs integer token targets, got {list(y.shape)} {y.dtype}")
+    _scan(name, train, test, "the vocabulary size", _GIVE_INFO.format(task="lm"))
     return DataInfo(name, "lm", shape, _max_value(name, train, test, lm=True) + 1)
 
 
@@ -269,6 +290,14 @@ def _columns_or_samples(ds: Dataset) -> Iterator[tuple[Any, Any]]:
         yield split(ds[i])
 
 
+def _scan(name: str, train: Dataset, test: Optional[Dataset], what: str, remedy: str) -> None:
+    """UsageError when telling the task needs every label (``what``) and a set is a stream,
+    which is never read ahead of training."""
+    if any(isinstance(ds, IterableDataset) for ds in (train, test)):
+        raise UsageError(f"--data {name!r}: {what} needs every label, and a stream (an IterableDataset) is not read "
+                         f"ahead of training: {remedy}")
+
+
 def _only_zero_one(train: Dataset, test: Optional[Dataset]) -> bool:
     """Every target of both sets is 0 or 1 (a binary task, not a regression)."""
     for ds in (train, test):
@@ -283,7 +312,7 @@ def _only_zero_one(train: Dataset, test: Optional[Dataset]) -> bool:
 
 def _max_value(name: str, train: Dataset, test: Optional[Dataset], lm: bool) -> int:
     """Largest integer among the targets (and, for a language model, the input tokens) over
-    both sets; negatives are an error.
+    both sets, leaving out -100 (cross-entropy's ignore index); other negatives are an error.
 
     Scanning the test set too keeps the model's output wide enough for every test label.
     """
@@ -296,6 +325,7 @@ def _max_value(name: str, train: Dataset, test: Optional[Dataset], lm: bool) -> 
             if lm:
                 values.append(torch.as_tensor(first_tensor(inputs)).reshape(-1))
             for v in values:
+                v = v[v != IGNORE_INDEX]  # cross-entropy's "no target here" (padding in HF batches)
                 if v.numel():
                     low, high = min(low, int(v.min())), max(high, int(v.max()))
     if low < 0:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ from scaleloop.data.datasets import build_datasets, infer_info
 from scaleloop.data.info import Datasets
 from scaleloop.data.batch import keeps_target
 from scaleloop.data.loader import ShardedLoader
+from scaleloop.data.streaming import StreamingLoader
 from scaleloop.errors import UsageError
 from scaleloop.loop.schedule import LearningRate, build_scheduler, scaled_lr
 from scaleloop.loop.speed import speed_up_model
@@ -40,7 +41,7 @@ class Run:
     strategy: Strategy
     optimizer: torch.optim.Optimizer
     scheduler: Any                   # a torch LR scheduler; ``step()`` after each optimizer step
-    loader: ShardedLoader
+    loader: Union[ShardedLoader, StreamingLoader]
     loss_fn: LossFn                  # ``loss_fn(output, target)``: the mean loss of a batch
     user_loss: bool                  # loss_fn is the user's (--loss), not the model's or the task's
     metrics: dict[str, MetricFn]     # the user's evaluation metrics (--metrics)
@@ -63,7 +64,7 @@ def build_data_and_model(cfg: TrainConfig) -> tuple[Datasets, nn.Module]:
     seed_everything(cfg.seed)
     data = build_datasets(cfg.data, data_dir=cfg.data_dir, n_samples=cfg.n_samples,
                           input_dim=cfg.input_dim, image_size=cfg.image_size, seq_len=cfg.seq_len,
-                          vocab_size=cfg.vocab_size, test_fraction=cfg.test_fraction, seed=cfg.seed)
+                          vocab_size=cfg.vocab_size, test_fraction=cfg.test_fraction, seed=cfg.seed, task=cfg.task)
     if cfg.task != "auto" and data.info.task != cfg.task:
         data = Datasets(data.train, data.test, infer_info(cfg.data, data.train, data.test, task=cfg.task))
     return data, build_model(cfg.model, data.info, hidden_dim=cfg.hidden_dim)
@@ -120,7 +121,11 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
         loader.keep_target = keep_target
     except ValueError as exc:
         raise UsageError(f"--data-on-device: {exc}" if cfg.data_on_device else str(exc)) from None
-    total_steps = loader.plan.steps_per_epoch * cfg.epochs
+    per_epoch = loader.plan.steps_per_epoch   # None: a stream of unknown length (docs/streaming.md)
+    if per_epoch is None and cfg.lr_schedule != "constant" and cfg.max_steps is None:
+        raise UsageError(f"--lr-schedule {cfg.lr_schedule} spans the run's steps, and a stream's length is unknown until "
+                         "a pass ends: add --max-steps N (the schedule spans N steps), or give the dataset a __len__")
+    total_steps = per_epoch * cfg.epochs if per_epoch is not None else cfg.max_steps or 0
     if cfg.max_steps is not None:
         total_steps = min(total_steps, cfg.max_steps)
     return Run(cfg=cfg, env=env, data=datasets, model=model, strategy=strategy, optimizer=optimizer,

@@ -6,10 +6,11 @@ from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from scaleloop.data.batch import move, split, tensors_of
 from scaleloop.data.info import DataInfo
+from scaleloop.data.streaming import StreamEval
 from scaleloop.loop.tasks import LossFn, MetricFn, correct_count, own_loss, prediction_of, task_loss_sum
 from scaleloop.runtime.collectives import sum_over_ranks
 from scaleloop.strategies.base import Strategy
@@ -42,27 +43,26 @@ def evaluate(model: nn.Module, dataset: Dataset, info: DataInfo, strategy: Strat
     Every rank must call it. With a strategy whose forward pass is a collective (FSDP), ranks
     with fewer local batches run filler forwards (``eval_shard``'s ``fillers``) so that all
     ranks run the same number; their outputs are discarded.
+
+    A stream (an ``IterableDataset``) is read whole by every rank, in chunks of ``batch_size``
+    samples that ``eval_shard`` splits as it splits a map-style set (``data.streaming.StreamEval``).
     """
     env = strategy.env
-    n = len(dataset)  # type: ignore[arg-type]
+    stream = StreamEval(dataset, strategy.eval_shard, batch_size) if isinstance(dataset, IterableDataset) else None
     metrics = metrics or {}
     was_training = model.training
     model.eval()
     strategy.sync_buffers(model)
-    mine, extra = strategy.eval_shard(n, batch_size)
     # loss sum, predictions, correct, predictions judged for accuracy, samples, then the metrics' sums
     sums = torch.zeros(5 + len(metrics), dtype=torch.float64, device=env.device)
     with torch.no_grad():
-        for x, y in _batches(dataset, mine, batch_size, env.device, keep_target):
+        for x, y, counted in _rank_batches(dataset, stream, strategy, batch_size, env.device, keep_target):
             out = strategy.eval_forward(model, x)
-            if out is None:  # this rank computes no outputs (a pipeline's earlier stage)
+            if out is None or not counted:  # no outputs here (a pipeline's earlier stage), or a filler
                 continue
             sums += _batch_sums(info, out, y, loss_fn, metrics).to(sums.device)
-        if extra > 0:
-            filler, _ = next(_batches(dataset, range(0, 1), 1, env.device, keep_target))
-            for _ in range(extra):
-                strategy.eval_forward(model, filler)
     model.train(was_training)
+    n = len(dataset) if stream is None else stream.samples  # type: ignore[arg-type]
     # A rank with no samples (fewer samples than ranks) still joins the reduction.
     sums = sum_over_ranks(sums, env).tolist()
     loss_sum, predictions, correct, judged, samples = sums[:5]
@@ -86,13 +86,32 @@ def _batch_sums(info: DataInfo, output: Any, target: Any, loss_fn: Optional[Loss
         loss_total, predictions = task_loss_sum(info, prediction, target)
         loss_sum = float(loss_total)
     correct = judged = 0
-    if prediction is not None and target is not None and info.task not in ("regression", "none"):
+    # A model's own loss may shift or mask its targets (a causal LM's next-token loss): then only a
+    # prediction per sample (classification, binary) is judged against the target as it is.
+    judge = info.task in ("classification", "binary") or (info.task == "lm" and own is None)
+    if prediction is not None and target is not None and judge:
         correct, judged = correct_count(info, prediction, target)
     values = [loss_sum, predictions, correct, judged, n]
     for fn in metrics.values():
         value = fn(prediction, target).detach().double()
         values.append(float(value.sum()) if value.dim() and len(value) == n else float(value.mean()) * n)
     return torch.tensor(values, dtype=torch.float64)
+
+
+def _rank_batches(dataset: Dataset, stream: Optional[StreamEval], strategy: Strategy, batch_size: int,
+                  device: torch.device, keep_target: bool) -> Iterator[tuple[Any, Any, bool]]:
+    """This rank's ``(inputs, target, counted)`` on ``device``; not counted: a filler forward."""
+    if stream is not None:
+        for sample, counted in stream:
+            yield (*split(move(sample, device), keep_target), counted)
+        return
+    mine, extra = strategy.eval_shard(len(dataset), batch_size)  # type: ignore[arg-type]
+    for x, y in _batches(dataset, mine, batch_size, device, keep_target):
+        yield x, y, True
+    if extra > 0:
+        filler, _ = next(_batches(dataset, range(0, 1), 1, device, keep_target))
+        for _ in range(extra):
+            yield filler, None, False
 
 
 def _batches(dataset: Dataset, indices: range, batch_size: int, device: torch.device,

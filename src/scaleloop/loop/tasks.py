@@ -144,7 +144,8 @@ def task_loss_sum(info: DataInfo, output: torch.Tensor, target: torch.Tensor) ->
     if info.task == "binary":
         losses = F.binary_cross_entropy_with_logits(out, target.to(out.dtype).view_as(out), reduction="none")
     elif info.task == "lm":
-        losses = F.cross_entropy(out.flatten(0, -2), target.flatten(), reduction="none")
+        target = target.flatten()
+        losses = F.cross_entropy(out.flatten(0, -2), target, reduction="none")[target != -100]  # -100: no target
     elif info.task == "regression":
         losses = F.mse_loss(out, target.to(out.dtype).view_as(out), reduction="none").reshape(len(out), -1).mean(1)
     else:
@@ -161,4 +162,5 @@ def correct_count(info: DataInfo, output: torch.Tensor, target: torch.Tensor) ->
         pred = (output > 0).to(target.dtype).view_as(target)
         return int((pred == target).sum()), target.numel()
     pred = output.argmax(dim=-1)
-    return int((pred == target).sum()), target.numel()
+    counted = target != -100  # cross-entropy's ignore index: padding
+    return int(((pred == target) & counted).sum()), int(counted.sum())

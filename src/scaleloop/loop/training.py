@@ -12,14 +12,16 @@ import io
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
+from torch.utils.data import Dataset, IterableDataset
 
 from scaleloop.checkpoint.manager import Checkpointer, Progress, Resumed
 from scaleloop.checkpoint.resume import continues_run, run_dir_for
 from scaleloop.config import TrainConfig, to_toml
 from scaleloop.data.loader import Batch
+from scaleloop.data.streaming import declared_length
 from scaleloop.loop.build import Run, build_run
 from scaleloop.loop.evaluate import EvalResult, evaluate
 from scaleloop.loop.running import RunningLoss
@@ -64,6 +66,7 @@ class RunResult:
     last_checkpoint: Optional[Path] = None
     resumed_from: Optional[Path] = None
     memory: tuple[RankMemory, ...] = ()
+    streamed: bool = False           # the training set is a stream (docs/streaming.md)
 
 
 @dataclass
@@ -150,7 +153,8 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
                 if cfg.max_steps is not None and ledger.step >= cfg.max_steps:
                     done = True
                     break
-                if cfg.checkpoint_every and ledger.step % cfg.checkpoint_every == 0 and in_epoch < plan.steps_per_epoch:
+                if (cfg.checkpoint_every and ledger.step % cfg.checkpoint_every == 0
+                        and not _epoch_complete(plan, in_epoch)):
                     paused = _checkpoint(run, checkpointer, metrics, running, ledger,
                                          Progress(epoch, in_epoch), ledger.train_s + time.perf_counter() - epoch_start)
                     epoch_start += paused   # checkpoint time is reported on its own, not as training
@@ -189,7 +193,7 @@ def _announce(run: Run, resumed: Optional[Resumed], say: Log) -> None:
     """The run's header: what trains on what, how, and where it continues from."""
     cfg, env, data, plan = run.cfg, run.env, run.data, run.loader.plan
     say(f"scaleloop: {cfg.model} ({run.parameters:,} parameters) on {data.info.name} "
-        f"({len(data.train):,} train / {len(data.test) if data.test is not None else 0:,} test), "
+        f"({_size(data.train)} train / {_size(data.test) if data.test is not None else 0} test), "
         f"{run.strategy.describe()} x {env.world_size} on {describe_device(env.device)}, {cfg.precision}")
     for line in run.strategy.details() + run.notes:
         say(line)
@@ -200,7 +204,8 @@ def _announce(run: Run, resumed: Optional[Resumed], say: Log) -> None:
             f"({'--drop-last' if cfg.drop_last else 'too few to give every worker and micro-step one'})")
     if resumed is not None:
         at = resumed.progress
-        where = (f"epoch {at.epoch + 1}, step {at.step_in_epoch} of {plan.steps_per_epoch}"
+        where = (f"epoch {at.epoch + 1}, step {at.step_in_epoch}"
+                 + (f" of {plan.steps_per_epoch}" if plan.steps_per_epoch is not None else "")
                  if at.step_in_epoch else f"the end of epoch {at.epoch}")
         say(f"resuming from {resumed.source} (global step {at.global_step}: {where}); any steps an "
             "interrupted run took after it are trained again")
@@ -208,6 +213,20 @@ def _announce(run: Run, resumed: Optional[Resumed], say: Log) -> None:
             say(note)
     elif restart_count() > 0:
         say(f"restart {restart_count()}: no checkpoint was written before the failure; starting over")
+
+
+def _size(dataset: Dataset) -> str:
+    """A dataset's size for the header (a stream's is unknown unless it has a ``__len__``)."""
+    n = declared_length(dataset)
+    if not isinstance(dataset, IterableDataset):
+        return f"{n:,}"
+    return "streamed" if n is None else f"{n:,} streamed"
+
+
+def _epoch_complete(plan: Any, in_epoch: int) -> bool:
+    """Whether ``in_epoch`` steps complete the epoch: a stream's plan knows its length only once a
+    reader has reached the stream's end (before the pass's last step trains)."""
+    return plan.steps_per_epoch is not None and in_epoch >= plan.steps_per_epoch
 
 
 def _nothing_left(cfg: TrainConfig, at: Progress, say: Log) -> bool:
@@ -263,7 +282,7 @@ def _end_epoch(run: Run, checkpointer: Checkpointer, metrics: Optional[MetricsLo
                           wall_s=time.perf_counter() - ledger.started)
     say(f"epoch {epoch + 1}: train loss {ledger.train_loss:.4f}" + (f", {describe_test(test)}" if test else ""))
     # At the epoch's end (or where --max-steps stopped inside it): the next run starts after it.
-    finished = in_epoch >= run.loader.plan.steps_per_epoch
+    finished = _epoch_complete(run.loader.plan, in_epoch)
     checkpointer.save(run.model, run.optimizer, run.scheduler,
                       Progress(epoch + 1 if finished else epoch, 0 if finished else in_epoch,
                                ledger.step, ledger.samples, ledger.train_s), running.state(env.device))
@@ -272,7 +291,7 @@ def _end_epoch(run: Run, checkpointer: Checkpointer, metrics: Optional[MetricsLo
 def _evaluate(run: Run) -> Optional[EvalResult]:
     """The test set's loss, accuracy and the user's metrics (None without a test set)."""
     test = run.data.test
-    if test is None or not len(test):  # type: ignore[arg-type]
+    if test is None or declared_length(test) == 0:
         return None
     return evaluate(run.model, test, run.data.info, run.strategy, loss_fn=run.loss_fn if run.user_loss else None,
                     keep_target=run.loader.keep_target, metrics=run.metrics)
@@ -311,8 +330,9 @@ def _finish(run: Run, run_dir: Optional[Path], checkpointer: Checkpointer, resum
         samples_per_s=ledger.samples / max(ledger.train_s, 1e-9), train_s=ledger.train_s,
         wall_s=time.perf_counter() - ledger.started, parameters=run.parameters,
         dropped_per_epoch=plan.dropped_per_epoch, in_memory_data=run.loader.in_memory,
-        train_samples=plan.n, steps_per_epoch=plan.steps_per_epoch,
+        train_samples=plan.n or 0, steps_per_epoch=plan.steps_per_epoch or 0,
         last_step_samples=len(plan.step_indices(0, plan.steps_per_epoch - 1)) if plan.steps_per_epoch else 0,
         lr=describe_schedule(run.cfg, run.lr, run.total_steps), checkpoints_written=checkpointer.written,
         checkpoint_s=checkpointer.seconds, last_checkpoint=checkpointer.last_path,
-        resumed_from=resumed.source if resumed is not None else None, memory=memory)
+        resumed_from=resumed.source if resumed is not None else None, memory=memory,
+        streamed=isinstance(run.data.train, IterableDataset))

@@ -48,6 +48,14 @@ def _test_row(test: Optional[EvalResult]) -> tuple[str, str]:
 
 def describe_epoch(result: RunResult) -> str:
     """How the epoch's samples were used: each once, and what happened to an uneven tail."""
+    if result.streamed:   # a stream's length is known once a pass has reached its end
+        if not result.train_samples:
+            return "a stream; no pass reached its end, so its length is not known"
+        return "a stream of " + _epoch_use(result).replace(" of each shuffled order", " of each pass")
+    return _epoch_use(result)
+
+
+def _epoch_use(result: RunResult) -> str:
     used = result.train_samples - result.dropped_per_epoch
     if result.dropped_per_epoch:
         return (f"{used:,} of {result.train_samples:,} samples in {result.steps_per_epoch} steps, no padding; "

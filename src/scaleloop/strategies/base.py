@@ -20,13 +20,14 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import torch
 import torch.distributed as torch_dist
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 import scaleloop.strategies.distcp as distcp
 from scaleloop.data.batch import call_model
 from scaleloop.data.batching import check_batch_split
 from scaleloop.data.loader import Batch, ShardedLoader
 from scaleloop.data.sampler import StepPlan
+from scaleloop.data.streaming import StreamingLoader, StreamPlan, declared_length
 from scaleloop.runtime.collectives import gather_object, shard_indices
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.strategies.precision import Precision
@@ -82,9 +83,16 @@ class Strategy:
         return _uncompiled(getattr(model, "module", model))
 
     def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-               drop_last: bool = False, num_workers: int = 0) -> ShardedLoader:
-        """Batches for this rank; ``batch_size`` is the GLOBAL batch of one optimizer step."""
+               drop_last: bool = False, num_workers: int = 0) -> Union[ShardedLoader, StreamingLoader]:
+        """Batches for this rank; ``batch_size`` is the GLOBAL batch of one optimizer step. A stream
+        (an ``IterableDataset``) is split by the rule of ``data.streaming``, in its own order."""
         check_batch_split(batch_size, self.env.world_size, self.accumulate_steps)
+        if isinstance(dataset, IterableDataset):
+            return StreamingLoader(dataset, StreamPlan(batch_size, world_size=self.env.world_size, rank=self.env.rank,
+                                                       accumulate=self.accumulate_steps, seed=seed, drop_last=drop_last,
+                                                       n=declared_length(dataset)),
+                                   self.env.device, num_workers=num_workers, env=self.env,
+                                   pin_memory=self.env.device.type == "cuda")
         plan = StepPlan(len(dataset), batch_size, world_size=self.env.world_size, rank=self.env.rank,
                         accumulate=self.accumulate_steps, shuffle=shuffle, seed=seed, drop_last=drop_last)
         return ShardedLoader(dataset, plan, self.env.device, num_workers=num_workers,

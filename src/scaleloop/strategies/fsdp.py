@@ -54,6 +54,29 @@ def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
         return children
 
 
+def untied_units(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """``blocks`` that ``fully_shard`` can take: a ModuleList or ModuleDict gives way to its
+    members, and a block that shares a parameter with a module outside it (tied weights,
+    such as a language model's input embedding and output layer) gives way to its children:
+    FSDP shards each parameter in exactly one unit, so tied parameters stay in a unit that
+    holds every module using them (at the end, the root's)."""
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    units: list[nn.Module] = []
+    for block in blocks:
+        inside: dict[int, int] = {}
+        for _, param in block.named_parameters(remove_duplicate=False):
+            inside[id(param)] = inside.get(id(param), 0) + 1
+        # A ModuleList or ModuleDict has no forward of its own: its members become the units.
+        container = isinstance(block, (nn.ModuleList, nn.ModuleDict))
+        if not container and all(uses[key] == n for key, n in inside.items()):
+            units.append(block)
+        else:
+            units += untied_units(model, [c for c in block.children() if _has_params(c)])
+    return units
+
+
 class FSDP(HandWrittenLoop, ProcessGroupStrategy):
     """Parameters, gradients and optimizer state sharded over ranks with FSDP2's ``fully_shard``."""
 
@@ -101,11 +124,10 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         if not _has_params(model):
             raise UsageError(f"--strategy fsdp shards a model's parameters, and {type(model).__name__} has none; "
                              "use --strategy ddp or single")
-        blocks = fsdp_blocks(model)
         self._ensure_process_group()
         if self._sync_batchnorm and self.env.is_distributed:
             model = convert_batchnorm(model, self.env.device)
-            blocks = fsdp_blocks(model)
+        blocks = untied_units(model, fsdp_blocks(model))
         # All ranks start from rank 0's weights and buffers, as with DDP (fully_shard keeps
         # each rank's own slice of its own copy, so copies that differed would stay mixed).
         if self.env.is_distributed:

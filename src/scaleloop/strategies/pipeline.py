@@ -11,16 +11,17 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as torch_dist
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from scaleloop.data.batching import check_batch_split
 from scaleloop.data.loader import Batch, ShardedLoader
 from scaleloop.data.sampler import StepPlan
+from scaleloop.data.streaming import StreamingLoader, StreamPlan, declared_length
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
 from scaleloop.strategies.precision import Precision
@@ -279,9 +280,14 @@ class PipelineParallel(ProcessGroupStrategy):
         return model
 
     def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-               drop_last: bool = False, num_workers: int = 0) -> ShardedLoader:
+               drop_last: bool = False, num_workers: int = 0) -> Union[ShardedLoader, StreamingLoader]:
         """Every stage walks the same batches (stage 0 uses the inputs, the last stage the targets)."""
         check_batch_split(batch_size, 1, self.accumulate_steps)
+        if isinstance(dataset, IterableDataset):   # a stream: every stage reads all of it
+            return StreamingLoader(dataset, StreamPlan(batch_size, accumulate=self.accumulate_steps, seed=seed,
+                                                       drop_last=drop_last, n=declared_length(dataset)),
+                                   self.env.device, num_workers=num_workers, env=self.env,
+                                   pin_memory=self.env.device.type == "cuda")
         plan = StepPlan(len(dataset), batch_size, world_size=1, rank=0, accumulate=self.accumulate_steps,
                         shuffle=shuffle, seed=seed, drop_last=drop_last)
         return ShardedLoader(dataset, plan, self.env.device, num_workers=num_workers,

@@ -1,8 +1,8 @@
 """Under torchrun with 2 processes: short ``scaleloop.train`` runs of the models in usermodels.py.
 
-One launch for all of them. Usage: usermodel_runs.py ROOT; each run writes ROOT/<name>; rank 0
-prints one JSON line with each run's strategy description. The runs are RUNS in
-test_usermodels.py (imported from there, so that the references train the same settings).
+One launch for all of them. Usage: usermodel_runs.py ROOT [GROUP]; each run writes ROOT/<name>; rank 0
+prints one JSON line with each run's strategy description. The runs are GROUP (default RUNS)
+of usermodel_settings.py, which the tests' 1-process references train too.
 """
 import json
 import sys
@@ -13,14 +13,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/distribute
 import scaleloop as sl  # noqa: E402
 from scaleloop.config import TrainConfig  # noqa: E402
 from scaleloop.loop.training import train  # noqa: E402
-from usermodel_settings import BASE, RUNS  # noqa: E402
+import usermodel_settings  # noqa: E402
 
 root = Path(sys.argv[1])
+group = getattr(usermodel_settings, sys.argv[2] if len(sys.argv) > 2 else "RUNS")
 env = sl.DistEnv.from_env(device="cpu")
 sl.init_process_group(env)
 described = {}
-for name, changes in RUNS.items():
-    cfg = TrainConfig(**{**BASE, **changes, "nproc": 2, "out": str(root / name)}).validate()
+for name, changes in group.items():
+    cfg = TrainConfig(**{**usermodel_settings.BASE, **changes, "nproc": 2, "out": str(root / name)}).validate()
     described[name] = train(cfg, env, log=lambda _msg: None).strategy
 sl.destroy_process_group()
 if env.is_main:

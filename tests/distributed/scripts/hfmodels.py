@@ -1,0 +1,86 @@
+"""Real third-party models from small configs (nothing downloaded), for ``--model hfmodels:NAME``.
+
+Hugging Face ``transformers``: a GPT-2-style causal LM on token batches and a BERT-style
+classifier on sentence batches, both as mappings with ``labels`` (the models compute their own
+loss). ``timm``: a small ResNet and a small ViT (``pretrained=False``) on 3x32x32 images.
+Dropout is off: with it, every rank draws its own masks and N ranks cannot equal 1.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import TensorDataset
+
+from scaleloop import DictTensorDataset
+
+VOCAB, SEQ = 64, 16
+
+
+def gpt2_tiny(info: Any = None) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def bert_tiny(info: Any = None) -> torch.nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    return BertForSequenceClassification(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                    num_attention_heads=2, intermediate_size=64,
+                                                    max_position_embeddings=SEQ, num_labels=3,
+                                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def _tokens(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    ids[:, 1::2] = (ids[:, ::2] + 1) % VOCAB  # every other token follows from the one before
+    lengths = torch.randint(SEQ // 2, SEQ + 1, (n, 1), generator=g)
+    return ids, (torch.arange(SEQ) < lengths).long()
+
+
+def lm_data() -> tuple[DictTensorDataset, DictTensorDataset]:
+    """Causal LM batches: ``labels`` are the input ids (the model shifts them). No padding: the
+    model's own loss is a mean per token, and with equal token counts per sample that is the
+    per-sample mean scaleloop weights micro-batches by (with padding, see lm_data_padded)."""
+    ids, _ = _tokens(240, 0)
+    parts = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    return (DictTensorDataset({k: v[:192] for k, v in parts.items()}),
+            DictTensorDataset({k: v[192:] for k, v in parts.items()}))
+
+
+def lm_data_padded() -> tuple[DictTensorDataset, DictTensorDataset]:
+    """As lm_data, with padding (-100 labels): token counts differ between samples."""
+    ids, mask = _tokens(240, 0)
+    parts = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    return (DictTensorDataset({k: v[:192] for k, v in parts.items()}),
+            DictTensorDataset({k: v[192:] for k, v in parts.items()}))
+
+
+def classification_data() -> tuple[DictTensorDataset, DictTensorDataset]:
+    ids, mask = _tokens(240, 1)
+    parts = {"input_ids": ids, "attention_mask": mask, "labels": ids[:, 0] % 3}
+    return (DictTensorDataset({k: v[:192] for k, v in parts.items()}),
+            DictTensorDataset({k: v[192:] for k, v in parts.items()}))
+
+
+def resnet_tiny(info: Any = None) -> torch.nn.Module:
+    import timm
+
+    return timm.create_model("resnet10t", pretrained=False, num_classes=10, in_chans=3)
+
+
+def vit_tiny(info: Any = None) -> torch.nn.Module:
+    import timm
+
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=10, img_size=32, patch_size=8,
+                             depth=2, drop_rate=0.0, attn_drop_rate=0.0, drop_path_rate=0.0)
+
+
+def image_data() -> tuple[TensorDataset, TensorDataset]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(160, 3, 32, 32, generator=g)
+    y = (x[:, 0].mean((1, 2)) > 0).long() * 5 + (x[:, 1].mean((1, 2)) > 0).long()
+    return TensorDataset(x[:128], y[:128]), TensorDataset(x[128:], y[128:])

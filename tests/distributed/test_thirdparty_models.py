@@ -1,0 +1,106 @@
+"""Real third-party models (issue 16): Hugging Face transformers and timm, built from small
+configs with nothing downloaded, train under ddp and fsdp on 2 processes to the weights of 1
+process (within verify's fp32 tolerance), and pass ``scaleloop verify``.
+
+The packages are test extras (``pip install -e '.[dev]'`` has transformers; timm needs
+torchvision, see pyproject's ``vision`` extra): each group skips with the reason when its
+package is missing.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from procs import run
+from scaleloop.config import TrainConfig
+from scaleloop.loop.training import train
+from scaleloop.runtime.dist import DistEnv
+from usermodel_settings import BASE, HF_RUNS, VISION_RUNS
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+# (SGD in every run here: see THIRD_PARTY in usermodel_settings.py.)
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+TOLERANCE = 1e-5  # verify's fp32 parameter tolerance, relative to the largest weight
+
+
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+    except Exception:  # noqa: BLE001 - missing, or installed but broken (a torchvision for another torch)
+        return False
+    return True
+
+
+GROUPS = {"HF_RUNS": (HF_RUNS, "transformers"), "VISION_RUNS": (VISION_RUNS, "timm")}
+CASES = [pytest.param(group, name, marks=pytest.mark.skipif(not _importable(package),
+                                                            reason=f"needs {package} (a test extra)"))
+         for group, (runs, package) in GROUPS.items() for name in runs]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("thirdparty")
+
+
+@pytest.fixture(scope="module")
+def two(root: Path):
+    """``group -> {name: strategy description}``: each group's runs on 2 processes, one launch per group."""
+    done: dict[str, dict[str, str]] = {}
+
+    def get(group: str) -> dict[str, str]:
+        if group not in done:
+            res = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                       str(SCRIPTS / "usermodel_runs.py"), str(root / "two"), group], cwd=SCRIPTS, timeout=400)
+            assert res.returncode == 0, f"{group} failed ({res.returncode}):\n{res.stdout}\n{res.stderr[-4000:]}"
+            done[group] = json.loads(res.stdout.strip().splitlines()[-1])
+        return done[group]
+
+    return get
+
+
+def _one(root: Path, settings: dict) -> dict[str, torch.Tensor]:
+    out = root / "one" / f"{settings['model']}-{settings.get('accumulate', 1)}".replace(":", "-")
+    if not (out / "model.pt").exists():
+        sys.path.insert(0, str(SCRIPTS))
+        try:
+            cfg = TrainConfig(**{**BASE, **settings, "strategy": "single", "sync_batchnorm": False,
+                                 "out": str(out)}).validate()
+            train(cfg, DistEnv(device=torch.device("cpu")), log=lambda _msg: None)
+        finally:
+            sys.path.remove(str(SCRIPTS))
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("group, name", CASES)
+def test_two_processes_equal_one(two, root: Path, group: str, name: str) -> None:
+    described = two(group)
+    settings = GROUPS[group][0][name]
+    a, b = _one(root, settings), torch.load(root / "two" / name / "model.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    floats = [k for k in a if a[k].is_floating_point()]
+    scale = max(a[k].abs().max().item() for k in floats)
+    diff = {k: (a[k] - b[k]).abs().max().item() / scale for k in floats}
+    worst = max(diff, key=diff.get)
+    assert diff[worst] <= TOLERANCE, f"{name} ({described[name]}) differs from one process at {worst}: {diff[worst]:.2e}"
+
+
+VERIFY = [pytest.param(model, data, strategy, marks=pytest.mark.skipif(not _importable(package),
+                                                                       reason=f"needs {package} (a test extra)"))
+          for model, data, strategy, package in [("gpt2_tiny", "lm_data", "ddp", "transformers"),
+                                                  ("bert_tiny", "classification_data", "fsdp", "transformers"),
+                                                  ("vit_tiny", "image_data", "fsdp", "timm")]]
+
+
+@pytest.mark.parametrize("model, data, strategy", VERIFY)
+def test_scaleloop_verify_passes(tmp_path: Path, model: str, data: str, strategy: str) -> None:
+    res = run([sys.executable, "-m", "scaleloop", "verify", "--model", f"hfmodels:{model}", "--data",
+               f"hfmodels:{data}", "--strategy", strategy, "--nproc", "2", "--steps", "2", "--batch-size", "32",
+               "--accumulate", "2", "--optimizer", "sgd", "--lr", "0.1"], cwd=SCRIPTS, timeout=300)
+    assert res.returncode == 0, f"verify {model} ({strategy}) exit {res.returncode}:\n{res.stdout}\n{res.stderr[-3000:]}"
+    assert f"verdict: PASS - 2 processes ({strategy})" in res.stdout, res.stdout
