@@ -29,6 +29,14 @@ def run_example(name: str, *args: str, cwd: Path) -> str:
     return res.stdout
 
 
+def _has(module: str) -> bool:
+    try:
+        __import__(module)
+    except Exception:  # noqa: BLE001 - missing, or installed but broken
+        return False
+    return True
+
+
 def weights(path: Path) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)
 
@@ -104,3 +112,14 @@ def test_03_accumulation_alone_changes_nothing_but_rounding(tmp_path: Path, sing
     # The loss printed is the whole step's: at step 30 it is the loss 00 prints for its last batch.
     last_00 = float(re.search(r"last loss ([0-9.]+)", single[0]).group(1))
     assert abs(step_losses(out)[30] - last_00) <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has("transformers"), reason="07 needs transformers (a test extra: pip install -e '.[dev]')")
+def test_07_huggingface_model_in_the_loop_learns(tmp_path: Path) -> None:
+    out = run_example("07_huggingface.py", "--out", str(tmp_path / "w.pt"), cwd=tmp_path)
+    losses = step_losses(out)
+    assert sorted(losses) == [5, 10, 15, 20], out
+    assert losses[20] < losses[5], out
+    assert re.search(r"^rank 0/1: 20 steps, last loss \d\.\d{4}$", out, re.M), out
+    assert "transformer.h.0.attn.c_attn.weight" in weights(tmp_path / "w.pt")
