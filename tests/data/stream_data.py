@@ -72,7 +72,8 @@ def build() -> Datasets:
 
 def sized() -> Datasets:
     """``build`` with a ``__len__`` on the training stream."""
-    return Datasets(SizedStream(), Stream(N_TEST, seed=1, shuffle=False), DataInfo("stream", "classification", (DIM,), 2))
+    return Datasets(SizedStream(), Stream(N_TEST, seed=1, shuffle=False),
+                    DataInfo("stream", "classification", (DIM,), 2))
 
 
 def pairs() -> Stream:
@@ -86,5 +87,6 @@ def floats() -> Stream:
 
 
 def regression() -> tuple[Stream, Stream]:
-    """A regression stream (float targets of shape (2,)) and its test stream: no ``DataInfo`` needed."""
-    return Stream(target="pair"), Stream(N_TEST, seed=1, shuffle=False, target="pair")
+    """A regression stream of ``(x, y)`` pairs (float targets of shape (2,)) and its test stream: no
+    ``DataInfo`` needed."""
+    return Stream(target="pair", dicts=False), Stream(N_TEST, seed=1, shuffle=False, target="pair", dicts=False)

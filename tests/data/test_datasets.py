@@ -305,7 +305,7 @@ def test_float_targets_other_than_binary_are_regression(factories: str, factory:
     ("empty", "training set is empty"),
     ("int_rows", "cannot tell the task"),
     ("negative", "negative class index"),
-    ("iterable", "map-style torch Dataset"),
+    ("iterable", "the number of classes needs every label, and a stream (an IterableDataset) is not read"),
     ("mismatched", "test samples have input shape [5]"),
     ("nonexistent", "has no attribute"),
 ])

@@ -69,7 +69,8 @@ def test_every_sample_is_used_once_per_pass_over_ranks_and_workers(world: int, a
             pieces = [(p, s) for p, s in flat if p.step == step]
             assert len(pieces) == world * accumulate   # every rank has every micro-step, none is empty
             size = min(batch, used - step * batch)
-            assert sorted(i for p, _ in pieces for i in p.indices.tolist()) == list(range(step * batch, step * batch + size))
+            in_step = sorted(i for p, _ in pieces for i in p.indices.tolist())
+            assert in_step == list(range(step * batch, step * batch + size))
             for p, _ in pieces:
                 assert p.step_samples == size and p.last_micro == (p.micro == accumulate - 1)
                 # Each sample's weight in the update is 1 / size (the rank's loss is averaged over W).
@@ -106,7 +107,7 @@ def test_a_resumed_pass_continues_with_exactly_the_remaining_micro_batches(world
     for rank, worker in itertools.product(range(world), range(workers)):
         plan = StreamPlan(batch, world_size=world, rank=rank, accumulate=accumulate)
         everything = [p for p, _ in read_all(plan, range(n))[0]]
-        for start in range(7):   # 6 steps: 5 of 12 and 1 of 1... (1 < pieces: dropped) or more
+        for start in range(7):   # from every step of the pass (5 or 6 of them), and from past its end
             resumed, length = read_all(plan, range(n), start, worker, workers)
             assert length == n
             units = [(p.step, p.micro) for p, _ in resumed]

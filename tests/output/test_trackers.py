@@ -170,8 +170,13 @@ def read_wandb_run(run_dir: Path) -> tuple[Any, dict[str, Any], list[dict[str, A
 
 
 def test_wandb_offline_records_config_and_every_metric_row(tmp_path: Path) -> None:
-    pytest.importorskip("wandb", reason="--tracker wandb needs: pip install 'scaleloop[wandb]'")
-    run_dir, rows = train_tiny(tmp_path, "wandb")
+    wandb = pytest.importorskip("wandb", reason="--tracker wandb needs: pip install 'scaleloop[wandb]'")
+    try:
+        run_dir, rows = train_tiny(tmp_path, "wandb")
+    finally:
+        # W&B keeps a service process (wandb-core) for the life of the Python process that used it;
+        # the suite checks that no test leaves a process behind.
+        wandb.teardown()
     run, config, history, exit_code = read_wandb_run(run_dir)
     assert run.display_name == run_dir.name and run.project == "scaleloop"
     assert (config["tracker"], config["lr"], config["batch_size"], config["model"]) == ("wandb", 0.01, 32, "simplenet")

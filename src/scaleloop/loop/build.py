@@ -123,8 +123,9 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
         raise UsageError(f"--data-on-device: {exc}" if cfg.data_on_device else str(exc)) from None
     per_epoch = loader.plan.steps_per_epoch   # None: a stream of unknown length (docs/streaming.md)
     if per_epoch is None and cfg.lr_schedule != "constant" and cfg.max_steps is None:
-        raise UsageError(f"--lr-schedule {cfg.lr_schedule} spans the run's steps, and a stream's length is unknown until "
-                         "a pass ends: add --max-steps N (the schedule spans N steps), or give the dataset a __len__")
+        raise UsageError(f"--lr-schedule {cfg.lr_schedule} spans the run's steps, and a stream's length is unknown "
+                         "until a pass ends: add --max-steps N (the schedule spans N steps), or give the dataset "
+                         "a __len__")
     total_steps = per_epoch * cfg.epochs if per_epoch is not None else cfg.max_steps or 0
     if cfg.max_steps is not None:
         total_steps = min(total_steps, cfg.max_steps)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from scaleloop.config import TrainConfig, to_toml
 from scaleloop.data.info import Datasets
@@ -82,6 +83,10 @@ def verify(cfg: TrainConfig, opts: VerifyOptions, say: Say = print) -> int:
         if cfg.strategy == "dp":
             make_strategy("dp", DistEnv(device=device))  # says what to do instead when there are no GPUs
         data, model = build_data_and_model(cfg)
+        if isinstance(data.train, IterableDataset):
+            raise UsageError(f"--data {cfg.data!r} is a stream (an IterableDataset): scaleloop verify replays "
+                             "each rank's samples by index, so it needs a map-style dataset; train the stream "
+                             "with scaleloop train (docs/streaming.md)")
         # BatchNorm sees micro-batches, so the reference must accumulate as the distributed run
         # does (micro-step k covers the same samples for any number of ranks); otherwise one
         # process takes the whole global batch at once, the plainest meaning of "the same training".
