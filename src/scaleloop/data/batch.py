@@ -124,6 +124,8 @@ def takes_keyword(model: nn.Module, name: str) -> bool:
 
 def keeps_target(model: nn.Module, dataset: Dataset) -> bool:
     """Whether a mapping sample's target entry is passed to ``model`` (its forward takes it)."""
+    if not any(takes_keyword(model, key) for key in TARGET_KEYS):
+        return False  # decided without reading a sample (a dataset's reads may cost, or be counted)
     try:
         sample = first_sample(dataset)
     except Exception:  # an empty or odd dataset: decided per batch by the default (left out)
