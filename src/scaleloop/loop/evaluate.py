@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from scaleloop.data.batch import move, split, tensors_of
+from scaleloop.data.batch import first_tensor, move, split, tensors_of
 from scaleloop.data.info import DataInfo
 from scaleloop.data.streaming import StreamEval
 from scaleloop.loop.tasks import LossFn, MetricFn, correct_count, own_loss, prediction_of, task_loss_sum
@@ -60,7 +60,7 @@ def evaluate(model: nn.Module, dataset: Dataset, info: DataInfo, strategy: Strat
             out = strategy.eval_forward(model, x)
             if out is None or not counted:  # no outputs here (a pipeline's earlier stage), or a filler
                 continue
-            sums += _batch_sums(info, out, y, loss_fn, metrics).to(sums.device)
+            sums += _batch_sums(info, out, y, _samples(x, y), loss_fn, metrics).to(sums.device)
     model.train(was_training)
     n = len(dataset) if stream is None else stream.samples  # type: ignore[arg-type]
     # A rank with no samples (fewer samples than ranks) still joins the reduction.
@@ -72,15 +72,20 @@ def evaluate(model: nn.Module, dataset: Dataset, info: DataInfo, strategy: Strat
                       metrics={name: value / samples for name, value in zip(metrics, sums[5:])})
 
 
-def _batch_sums(info: DataInfo, output: Any, target: Any, loss_fn: Optional[LossFn],
+def _samples(inputs: Any, target: Any) -> int:
+    """Samples in a batch: the length of its target, or of its first input tensor."""
+    first = target if isinstance(target, torch.Tensor) else first_tensor(inputs)
+    return len(first) if first is not None and first.dim() else 1
+
+
+def _batch_sums(info: DataInfo, output: Any, target: Any, n: int, loss_fn: Optional[LossFn],
                 metrics: dict[str, MetricFn]) -> torch.Tensor:
-    """One batch's loss sum, predictions, correct, judged, samples and metric sums (float64)."""
+    """One batch's (of ``n`` samples) loss sum, predictions, correct, judged, samples and metric
+    sums (float64)."""
     own = own_loss(output) if loss_fn is None else None
     prediction = prediction_of(output) if (target is not None or metrics) else None
-    n = len(prediction) if prediction is not None else len(own) if own is not None and own.dim() else 0
     if loss_fn is not None or own is not None:
         batch_mean = loss_fn(output, target) if loss_fn is not None else own
-        n = n or 1
         loss_sum, predictions = float(batch_mean.double().mean()) * n, n
     else:
         loss_total, predictions = task_loss_sum(info, prediction, target)

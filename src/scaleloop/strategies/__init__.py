@@ -72,7 +72,7 @@ def make_strategy(name: str, env: DistEnv, precision: Optional[Precision | str] 
     if cls is DDP:
         return DDP(env, precision, accumulate, sync_batchnorm, find_unused_parameters=find_unused_parameters,
                    static_graph=static_graph)
-    if find_unused_parameters or static_graph:
+    if (find_unused_parameters or static_graph) and name != "auto":  # auto on one process: no DDP, nothing to tune
         raise UsageError(f"find_unused_parameters and static_graph are options of DistributedDataParallel: use them "
                          f"with the ddp strategy, not {concrete}")
     return cls(env, precision, accumulate, sync_batchnorm)
