@@ -41,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_verify_parser(sub, Parser, add_config_flags)
     add_bench_parser(sub, Parser)
 
+    doctor = sub.add_parser("doctor", help="read a run directory: what happened, the newest checkpoint, how to continue",
+                            description="Read a run directory (the --out of a run) and say in a few lines "
+                                        "whether the run finished, was interrupted, failed (which rank, with "
+                                        "what, where) or stalled (which rank, stuck where), the newest "
+                                        "checkpoint that verifies, and the command that continues it.")
+    doctor.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (e.g. runs/20261125-101500-simplenet-digits)")
+
     sub.add_parser("env", help="what this machine offers: torch, devices, backends, runnable strategies",
                    description="Report Python, torch, CUDA/NCCL/Gloo/MPS availability, devices, CPU "
                                "cores, and which strategies can run here.")
@@ -66,6 +73,15 @@ def cmd_tune_batch(args: argparse.Namespace) -> int:
     file_values = load_toml(args.config) if args.config else {}
     cfg = auto_processes(resolve(file_values, flag_values(args)))
     print(tune_batch_command(cfg))
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from scaleloop.doctor import diagnose, format_diagnosis
+
+    print(format_diagnosis(diagnose(Path(args.run_dir))))
     return 0
 
 
@@ -97,6 +113,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return run_verify(args)
         if args.command == "bench":
             return run_bench(args)
+        if args.command == "doctor":
+            return cmd_doctor(args)
         return cmd_env(args)
     except UsageError as exc:
         print(f"scaleloop: error: {exc}", file=sys.stderr)

@@ -1,0 +1,242 @@
+"""``scaleloop doctor RUN_DIR``: read a run directory and say what happened, in a few lines.
+
+It reads only what a run leaves behind, so it works after any ending, on any machine that sees
+the directory, without torch:
+
+- ``model.pt``: written last, when a run finishes (after its final checkpoint);
+- ``failure.json``: written by the launcher when workers fail, stall or are interrupted
+  (``docs/troubleshooting.md`` lists its keys);
+- ``metrics.csv``: the steps and epochs that were logged;
+- ``checkpoints/``: the newest checkpoint whose manifest and checksums verify;
+- ``config.toml``: the run's settings, which ``scaleloop train --out RUN_DIR`` resumes with.
+
+Which of them is newest decides the story: a ``model.pt`` newer than every checkpoint and
+failure record is a finished run; a failure record newer than ``model.pt`` is a failed,
+stalled or interrupted one; neither is a run that stopped without a word (killed, or its
+machine lost).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from scaleloop.checkpoint.store import CHECKPOINTS_DIR, CheckpointInfo, newest_valid
+from scaleloop.config import load_toml
+from scaleloop.errors import UsageError
+
+FAILURE_FILE = "failure.json"
+MODEL_FILE = "model.pt"
+METRICS_FILE = "metrics.csv"
+CONFIG_FILE = "config.toml"
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What a run directory says about its run."""
+
+    run_dir: Path
+    state: str                      # finished | failed | stalled | interrupted | stopped | not started
+    what: str                       # one line: what happened
+    details: tuple[str, ...] = ()   # a few more lines: where, logs, hints
+    checkpoint: Optional[CheckpointInfo] = None
+    continue_with: Optional[str] = None
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    def lines(self) -> list[str]:
+        """The report, as printed."""
+        out = [f"run: {self.run_dir}", f"what happened: {self.what}"]
+        out += [f"  {d}" for d in self.details]
+        out += [f"  {w}" for w in self.warnings]
+        if self.checkpoint is not None:
+            meta = self.checkpoint.meta
+            where = f"step {self.checkpoint.step}"
+            epoch, in_epoch = meta.get("epoch"), meta.get("step_in_epoch")
+            if isinstance(epoch, int) and isinstance(in_epoch, int):
+                # The manifest holds where the next run starts: epoch is 0-based.
+                where += f": epoch {epoch + 1}, step {in_epoch}" if in_epoch else f": the end of epoch {epoch}"
+            out.append(f"newest valid checkpoint: {self.checkpoint.path} ({where})")
+        else:
+            out.append("newest valid checkpoint: none")
+        out.append(f"to continue: {self.continue_with}" if self.continue_with else "to continue: nothing to continue")
+        return out
+
+
+def diagnose(run_dir: Path) -> Diagnosis:
+    """Read ``run_dir`` and tell its story (module doc); UsageError if it is not a run directory."""
+    if not run_dir.is_dir():
+        raise UsageError(f"{str(run_dir)!r} is not a directory; give the run directory (the --out of a run, "
+                         "e.g. runs/20261125-101500-simplenet-digits)")
+    ckpt_root = run_dir / CHECKPOINTS_DIR
+    if not any((run_dir / name).exists() for name in (CONFIG_FILE, METRICS_FILE, CHECKPOINTS_DIR, FAILURE_FILE)):
+        raise UsageError(f"{str(run_dir)!r} is not a scaleloop run directory (no {CONFIG_FILE}, {METRICS_FILE}, "
+                         f"{CHECKPOINTS_DIR}/ or {FAILURE_FILE}); give the --out of a run")
+    warnings: list[str] = []
+    checkpoint = newest_valid(ckpt_root, warnings.append)
+    config = _config(run_dir, warnings)
+    rows = _metrics(run_dir / METRICS_FILE)
+    failure = _failure(run_dir / FAILURE_FILE, warnings)
+    resume = _continue_command(run_dir, checkpoint, config)
+
+    model_t = _mtime(run_dir / MODEL_FILE)
+    newest_other = max(_mtime(checkpoint.path) if checkpoint else 0.0, _mtime(run_dir / FAILURE_FILE))
+    if model_t and model_t >= newest_other:
+        return Diagnosis(run_dir, "finished", _finished(rows, config), checkpoint=checkpoint,
+                         continue_with=_extend_command(run_dir, config), warnings=tuple(warnings))
+    if failure is not None:
+        state, what, details = _from_failure(failure, run_dir, config)
+        return Diagnosis(run_dir, state, what, details, checkpoint, resume, tuple(warnings))
+    last = _last_step(rows)
+    if last is None and checkpoint is None:
+        return Diagnosis(run_dir, "not started", "no step was logged and no checkpoint was written: the run "
+                         "stopped before its first log row (or is starting now)", checkpoint=None,
+                         continue_with=_restart_command(run_dir), warnings=tuple(warnings))
+    step = max(last or 0, checkpoint.step if checkpoint else 0)
+    return Diagnosis(run_dir, "stopped",
+                     f"stopped after step {step} without finishing and left no failure record: it was "
+                     "killed (Ctrl-C, SIGKILL, out of memory) or its machine was lost", (),
+                     checkpoint, resume, tuple(warnings))
+
+
+def format_diagnosis(d: Diagnosis) -> str:
+    """The report as one string."""
+    return "\n".join(d.lines())
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _config(run_dir: Path, warnings: list[str]) -> dict[str, Any]:
+    if not (run_dir / CONFIG_FILE).is_file():
+        return {}
+    try:
+        return load_toml(run_dir / CONFIG_FILE)
+    except UsageError as exc:
+        warnings.append(f"warning: {exc}")
+        return {}
+
+
+def _metrics(path: Path) -> list[dict[str, str]]:
+    try:
+        with open(path, newline="", encoding="utf-8") as fh:
+            return list(csv.DictReader(fh))
+    except (OSError, csv.Error, UnicodeDecodeError):
+        return []
+
+
+def _failure(path: Path, warnings: list[str]) -> Optional[dict[str, Any]]:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        warnings.append(f"warning: {path} cannot be read ({exc}); the story below ignores it")
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _int(value: Any) -> Optional[int]:
+    try:
+        return int(float(value))
+    except (TypeError, ValueError):
+        return None
+
+
+def _last_step(rows: list[dict[str, str]]) -> Optional[int]:
+    steps = [s for s in (_int(r.get("step")) for r in rows) if s is not None]
+    return max(steps) if steps else None
+
+
+def _finished(rows: list[dict[str, str]], config: dict[str, Any]) -> str:
+    epochs = [r for r in rows if r.get("kind") == "epoch"]
+    steps = _last_step(rows)
+    text = "finished"
+    if epochs:
+        last = epochs[-1]
+        text += f": {last.get('epoch')} epoch(s), {steps} step(s)"
+        if last.get("train_loss"):
+            text += f", train loss {float(last['train_loss']):.4f}"
+        if last.get("test_loss"):
+            text += f", test loss {float(last['test_loss']):.4f}"
+        if last.get("test_acc"):
+            text += f", test accuracy {float(last['test_acc']):.2%}"
+    elif steps is not None:
+        text += f" after {steps} step(s)"
+    return text
+
+
+def _where(failure: dict[str, Any]) -> str:
+    parts = []
+    if failure.get("epoch") is not None:
+        parts.append(f"epoch {failure['epoch']}")
+    if failure.get("step") is not None:
+        parts.append(f"step {failure['step']}")
+    return f" at {', '.join(parts)}" if parts else ""
+
+
+def _from_failure(failure: dict[str, Any], run_dir: Path, config: dict[str, Any]) -> tuple[str, str, tuple[str, ...]]:
+    """state, the line saying what happened, and detail lines, from a launcher's failure record."""
+    kind = str(failure.get("kind") or "failed")
+    rank = failure.get("rank")
+    who = f"rank {rank}" if rank is not None else "a worker"
+    error = ": ".join(str(p) for p in (failure.get("error_type"), failure.get("message")) if p)
+    details: list[str] = []
+    if kind == "stalled":
+        what = f"stalled: {who} stopped taking part{_where(failure)}"
+        if failure.get("frame"):
+            what += f", stuck at {failure['frame']}"
+        if failure.get("waiting_in"):
+            details.append(f"the other ranks waited in {failure['waiting_in']}")
+        details.append("if that rank was only slow (a long first compile, a big checkpoint), raise --timeout "
+                       f"(this run: {config.get('timeout', 'the default')} s)")
+    elif kind == "interrupted":
+        what = f"interrupted{_where(failure)}" + (f" ({error})" if error else "")
+    else:
+        kind = "failed"
+        what = f"failed on {who}{_where(failure)}" + (f" with {error}" if error else "")
+        if failure.get("frame"):
+            details.append(f"raised at {failure['frame']}")
+    logs = failure.get("logs")
+    if isinstance(logs, dict) and logs:
+        key = str(rank) if str(rank) in logs else sorted(logs)[0]
+        log = Path(str(logs[key]))
+        details.append(f"log of rank {key}: {log if log.is_absolute() else run_dir / log}"
+                       + (f" (all ranks: {len(logs)} logs beside it)" if len(logs) > 1 else ""))
+    if failure.get("time"):
+        details.append(f"recorded {failure['time']}")
+    return kind, what, tuple(details)
+
+
+def _continue_command(run_dir: Path, checkpoint: Optional[CheckpointInfo], config: dict[str, Any]) -> str:
+    if checkpoint is None:
+        return _restart_command(run_dir)
+    cmd = f"scaleloop train --out {shlex.quote(str(run_dir))}"
+    nodes = _int(config.get("nnodes")) or 1
+    if nodes > 1:
+        cmd += f"   (on each of the {nodes} nodes, with its --node-rank)"
+    return cmd
+
+
+def _restart_command(run_dir: Path) -> str:
+    """No checkpoint: the run starts over, with its settings, in a new directory."""
+    config = run_dir / CONFIG_FILE
+    new = shlex.quote(str(run_dir) + "-2")
+    if config.is_file():
+        return f"no checkpoint to continue from; start over: scaleloop train --config {shlex.quote(str(config))} --out {new}"
+    return f"no checkpoint to continue from; start over: scaleloop train --out {new}"
+
+
+def _extend_command(run_dir: Path, config: dict[str, Any]) -> str:
+    epochs, max_steps = _int(config.get("epochs")), _int(config.get("max_steps"))
+    if max_steps:
+        more = f" --max-steps {2 * max_steps}"   # the limit that stopped it, raised
+    else:
+        more = f" --epochs {epochs + 1}" if epochs else " --epochs N"
+    return f"nothing left to train; to train further: scaleloop train --out {shlex.quote(str(run_dir))}{more}"

@@ -1,0 +1,151 @@
+"""``scaleloop doctor``: the story of a run directory, from real runs and from launchers' failure records.
+
+Runs that finish and runs that are interrupted are real (one process, in this process); failed and
+stalled multi-process runs are read in tests/distributed/test_failures_dist.py, and here from
+failure records as the launcher writes them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from scaleloop.cli import main
+from scaleloop.doctor import diagnose
+
+SMALL = ["--epochs", "1", "--batch-size", "64", "--no-progress", "--device", "cpu", "--checkpoint-every", "4"]
+
+STOPS = '''
+from torch import nn
+
+class Stops(nn.Module):
+    """The digits MLP, interrupted (as by Ctrl-C) at its 11th forward: after step 10."""
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 11:
+            raise KeyboardInterrupt
+        return self.net(x)
+
+def build(**_):
+    return Stops()
+'''
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("doctor") / "finished"
+    assert main(["train", *SMALL, "--max-steps", "6", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("doctor-int")
+    (root / "stopsmodel.py").write_text(STOPS)
+    out = root / "interrupted"
+    mp = pytest.MonkeyPatch()
+    mp.syspath_prepend(str(root))
+    try:
+        assert main(["train", *SMALL, "--model", "stopsmodel:build", "--out", str(out)]) == 130
+    finally:
+        mp.undo()
+    return out
+
+
+def test_finished_run(finished: Path, capsys) -> None:
+    d = diagnose(finished)
+    assert d.state == "finished"
+    assert d.what.startswith("finished: 1 epoch(s), 6 step(s), train loss ")
+    assert d.checkpoint is not None and d.checkpoint.step == 6
+    assert main(["doctor", str(finished)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("what happened: finished")
+    assert out[-1] == f"to continue: nothing left to train; to train further: scaleloop train --out {finished} --max-steps 12"
+    assert len(out) <= 6
+
+
+def test_interrupted_run_names_its_step_checkpoint_and_command(interrupted: Path) -> None:
+    d = diagnose(interrupted)
+    assert d.state in ("interrupted", "stopped")
+    assert "step 10" in d.what or "step 8" in d.what, d.what
+    assert d.checkpoint is not None and d.checkpoint.step == 8   # --checkpoint-every 4: steps 4 and 8
+    assert d.continue_with == f"scaleloop train --out {interrupted}"
+    text = "\n".join(d.lines())
+    assert "newest valid checkpoint: " in text and "step-00000008 (step 8: epoch 1, step 8)" in text
+
+
+def test_damaged_newest_checkpoint_is_skipped(interrupted: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "run"
+    shutil.copytree(interrupted, copy)
+    state = copy / "checkpoints" / "step-00000008" / "state.pt"
+    state.write_bytes(state.read_bytes()[:-10])
+    d = diagnose(copy)
+    assert d.checkpoint is not None and d.checkpoint.step == 4
+    assert any("skipping a bad checkpoint" in w for w in d.warnings)
+
+
+def _record(run: Path, **fields) -> None:
+    record = {"kind": "failed", "rank": None, "epoch": None, "step": None, "error_type": None, "message": "",
+              "frame": None, "waiting_in": None, "logs": {}, "time": "2026-11-25T10:00:00", "report": []}
+    record.update(fields)
+    (run / "failure.json").write_text(json.dumps(record))
+
+
+def test_failed_run_from_the_launchers_record(interrupted: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(interrupted, run)
+    _record(run, rank=1, epoch=1, step=3, error_type="ValueError", message="bad batch",
+            frame="/home/u/model.py:12 in forward", logs={"0": "logs/rank-0.log", "1": "logs/rank-1.log"})
+    d = diagnose(run)
+    assert d.state == "failed"
+    assert d.what == "failed on rank 1 at epoch 1, step 3 with ValueError: bad batch"
+    assert "raised at /home/u/model.py:12 in forward" in d.details
+    assert f"log of rank 1: {run / 'logs/rank-1.log'} (all ranks: 2 logs beside it)" in d.details
+    assert d.continue_with == f"scaleloop train --out {run}"
+
+
+def test_stalled_run_from_the_launchers_record(interrupted: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(interrupted, run)
+    _record(run, kind="stalled", rank=1, epoch=1, step=9, frame="/home/u/model.py:20 in forward",
+            waiting_in="gradient all-reduce in backward (DDP)")
+    d = diagnose(run)
+    assert d.state == "stalled"
+    assert d.what == "stalled: rank 1 stopped taking part at epoch 1, step 9, stuck at /home/u/model.py:20 in forward"
+    assert "the other ranks waited in gradient all-reduce in backward (DDP)" in d.details
+
+
+def test_a_run_finished_after_an_old_failure_is_finished(finished: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    _record(run, rank=0, error_type="RuntimeError", message="old")
+    old = time.time() - 3600
+    os.utime(run / "failure.json", (old, old))
+    assert diagnose(run).state == "finished"
+
+
+def test_no_checkpoint_says_to_start_over(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text('model = "simplenet"\n')
+    d = diagnose(run)
+    assert d.state == "not started"
+    assert d.continue_with.startswith("no checkpoint to continue from; start over: scaleloop train --config ")
+
+
+def test_not_a_run_directory_is_one_line(tmp_path: Path, capsys) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(["doctor", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a scaleloop run directory" in err[0]
+    assert main(["doctor", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
