@@ -38,14 +38,8 @@ def _importable(module: str) -> bool:
 
 
 GROUPS = {"HF_RUNS": (HF_RUNS, "transformers"), "VISION_RUNS": (VISION_RUNS, "timm")}
-# Seen on torch 2.13 (CUDA build, on a CPU) with timm 1.0.31: timm's ResNet with --sync-batchnorm on
-# 2 processes ends 5e-3 away from 1 process, first in layer1's BatchNorm running means (ViT and
-# the transformers models match). Not explained yet: kept failing on purpose, so that it is seen.
-KNOWN = {"resnet-ddp", "resnet-fsdp"}
-CASES = [pytest.param(group, name, marks=[
-             pytest.mark.skipif(not _importable(package), reason=f"needs {package} (a test extra)"),
-             *([pytest.mark.xfail(strict=True, reason="timm ResNet + sync BatchNorm: 2 processes differ from 1 "
-                                                      "(not explained yet)")] if name in KNOWN else [])])
+CASES = [pytest.param(group, name, marks=pytest.mark.skipif(not _importable(package),
+                                                            reason=f"needs {package} (a test extra)"))
          for group, (runs, package) in GROUPS.items() for name in runs]
 
 

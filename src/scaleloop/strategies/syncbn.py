@@ -62,9 +62,11 @@ def convert_batchnorm(module: nn.Module, device: torch.device) -> nn.Module:
 
 def _convert(module: nn.Module) -> nn.Module:
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, GlobalBatchNorm):
+        # The old layer's device and dtype (a float64 or bf16 model keeps its BatchNorm's dtype).
+        like = next(module.parameters(), next(module.buffers(), torch.empty(0)))
         new = GlobalBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                              module.track_running_stats).to(
-            device=next(module.parameters(), torch.empty(0)).device)
+                              module.track_running_stats, device=like.device,
+                              dtype=like.dtype if like.is_floating_point() else None)
         if module.affine:
             with torch.no_grad():
                 new.weight.copy_(module.weight)

@@ -69,9 +69,14 @@ def classification_data() -> tuple[DictTensorDataset, DictTensorDataset]:
 def resnet_tiny(info: Any = None) -> torch.nn.Module:
     import timm
 
-    # zero_init_last=False: a residual branch's last BatchNorm starting at zero makes 2 ranks and
-    # 1 part (8e-3 after 2 steps) over rounding alone, on 32x32 images whose last maps are 1x1.
-    return timm.create_model("resnet10t", pretrained=False, num_classes=10, in_chans=3, zero_init_last=False)
+    # In float64 (with image_data_f64): in fp32 this ResNet's gradients are too ill-conditioned
+    # to compare 2 ranks with 1. Its BatchNorms normalise 2x2 and 1x1 maps of 32x32 images, and
+    # summing a batch as two halves instead of one already moves its first convolution's
+    # gradient by 3e-4 of the largest (1e-3 by step 2), while one process with 1 thread and
+    # with 2 threads ends 4e-3 apart at lr 0.1. In float64 the 2 ranks with sync BatchNorm
+    # equal 1 process to 1e-14.
+    return timm.create_model("resnet10t", pretrained=False, num_classes=10, in_chans=3,
+                             zero_init_last=False).double()
 
 
 def vit_tiny(info: Any = None) -> torch.nn.Module:
@@ -86,3 +91,10 @@ def image_data() -> tuple[TensorDataset, TensorDataset]:
     x = torch.randn(160, 3, 32, 32, generator=g)
     y = (x[:, 0].mean((1, 2)) > 0).long() * 5 + (x[:, 1].mean((1, 2)) > 0).long()
     return TensorDataset(x[:128], y[:128]), TensorDataset(x[128:], y[128:])
+
+
+def image_data_f64() -> tuple[TensorDataset, TensorDataset]:
+    """image_data in float64, for resnet_tiny."""
+    train, test = image_data()
+    return (TensorDataset(train.tensors[0].double(), train.tensors[1]),
+            TensorDataset(test.tensors[0].double(), test.tensors[1]))
