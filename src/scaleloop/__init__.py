@@ -6,7 +6,8 @@ until a name is used. The map:
 - ``loop``: the run and its loop (``scaleloop train``); ``strategies``: single, dp, ddp,
   allreduce, fsdp, pipeline, and precision; ``data``: datasets, samplers, loaders;
   ``checkpoint``: save and resume; ``runtime``: launching and the process environment;
-  ``output``: what a run writes and prints; ``verify`` and ``bench``: those subcommands.
+  ``output``: what a run writes and prints; ``verify`` and ``bench``: those subcommands;
+  ``doctor``: reads a run directory and says what happened.
 - ``config``: ``TrainConfig``; ``models``: the built-in models; ``plugins``: user code as
   ``pkg.module:factory``; ``errors``: ``UsageError``; ``cli`` and ``__main__``: the command.
 """
