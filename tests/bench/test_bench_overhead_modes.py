@@ -61,3 +61,29 @@ def test_startup_quick(tmp_path: Path) -> None:
     assert any(r["module"].startswith("scaleloop") for r in d["slowest_imports"])
     assert not list(tmp_path.glob("*.png"))          # a table, no chart
     assert "| import torch |" in md
+
+
+USERMODELS = Path(__file__).resolve().parent.parent / "distributed" / "scripts"
+
+
+@pytest.mark.parametrize("mode", ["loop", "datapath"])
+def test_keyword_batches_and_a_models_own_loss(tmp_path: Path, monkeypatch, mode: str) -> None:
+    """A model taking a mapping batch (input_ids, attention_mask, labels) and returning its own
+    loss: both loops read it by the same input and output rules and end with the same weights."""
+    monkeypatch.syspath_prepend(str(USERMODELS))
+    argv = ["overhead", "--mode", mode, "--quick", "--threads", "1", "--model", "usermodels:Keywords",
+            "--data", "usermodels:keyword_data", "--batch-size", "32", "--out", str(tmp_path)]
+    assert bench_cli.main(argv) == 0
+    data, _ = _read(tmp_path, "datapath" if mode == "datapath" else "overhead")
+    assert data["data"]["final_weights_max_abs_diff"] <= 1e-6
+    if mode == "datapath":
+        assert data["data"]["data_only"]["identical_batches"] is True
+
+
+def test_raw_gather_loop_needs_tensors_in_memory(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.syspath_prepend(str(USERMODELS))
+    argv = ["overhead", "--quick", "--threads", "1", "--model", "usermodels:Keywords",
+            "--data", "usermodels:keyword_items", "--out", str(tmp_path)]
+    assert bench_cli.main(argv) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line or "Traceback" in line]
+    assert len(errors) == 1 and errors[0].startswith("scaleloop: error: ") and "--mode datapath" in errors[0], errors

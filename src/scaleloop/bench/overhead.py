@@ -222,6 +222,7 @@ def _data_only(cfg: Any, device: torch.device, opts: OverheadOptions, say: Say) 
 
     from torch.utils.data import DataLoader, RandomSampler
 
+    from scaleloop.data.batch import move, split
     from scaleloop.data.datasets import build_datasets
     from scaleloop.data.loader import ShardedLoader
     from scaleloop.data.sampler import StepPlan
@@ -243,8 +244,8 @@ def _data_only(cfg: Any, device: torch.device, opts: OverheadOptions, say: Say) 
         g.manual_seed(cfg.seed + epoch)
         sync()
         start = time.perf_counter()
-        for x, y in tutorial:
-            x, y = x.to(device), y.to(device)
+        for sample in tutorial:
+            move(sample, device)
         sync()
         return time.perf_counter() - start
 
@@ -260,7 +261,7 @@ def _data_only(cfg: Any, device: torch.device, opts: OverheadOptions, say: Say) 
     # The same batches: the tutorial's sampler, seeded per epoch, draws the plan's permutation.
     g.manual_seed(cfg.seed)
     ours = ShardedLoader(dataset, plan, torch.device("cpu"))
-    same = all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(tutorial, ours))
+    same = all(_equal(split(a, ours.keep_target), (b[0], b[1])) for a, b in zip(tutorial, ours))
     names = ["tutorial DataLoader(shuffle=True)", *loaders]
     times: dict[str, list[float]] = {n: [] for n in names}
     repeats = max(3, opts.repeats)
@@ -296,3 +297,14 @@ def _fmt_s(v: float) -> str:
 
 def _fmt_pct(v: float) -> str:
     return f"{100 * v:.1f}%"
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Two batches hold the same tensors in the same structure (tuples, lists, mappings)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b

@@ -38,13 +38,23 @@ class RawResult:
 
 
 def raw_train(cfg: TrainConfig, device: torch.device, data_path: str = "gather") -> RawResult:
-    """Train ``cfg``'s model on ``cfg``'s data with a plain loop; in-memory datasets only."""
+    """Train ``cfg``'s model on ``cfg``'s data with a plain loop.
+
+    Batches are what the user's dataset gives, read by the one input rule of
+    ``scaleloop.data.batch`` (``(x, y)``, ``(x1, ..., xk, y)`` or a mapping with ``labels``) and
+    the loss by the one output rule of ``scaleloop.loop.tasks`` (a tensor, a tuple, a mapping or
+    object with ``logits``, or the model's own ``loss``): the same calls a hand-written loop
+    over such a model makes, so the comparison still measures only the loop around them.
+    ``gather`` needs a dataset held in memory (``TensorDataset``, ``DictTensorDataset``).
+    """
     from torch.utils.data import DataLoader, RandomSampler
 
+    from scaleloop.data.batch import call_model, first_tensor, keeps_target, move, split, take, tensors_of
     from scaleloop.data.datasets import build_datasets
+    from scaleloop.errors import UsageError
     from scaleloop.loop.build import build_optimizer, seed_everything
+    from scaleloop.loop.tasks import resolve_loss
     from scaleloop.models import build_model
-    from scaleloop.loop.tasks import task_loss
 
     if data_path not in DATA_PATHS:
         raise ValueError(f"data_path must be one of {DATA_PATHS}, got {data_path!r}")
@@ -57,9 +67,14 @@ def raw_train(cfg: TrainConfig, device: torch.device, data_path: str = "gather")
     model = build_model(cfg.model, data.info, hidden_dim=cfg.hidden_dim).to(device)
     optimizer = build_optimizer(cfg, model.parameters())
     torch.manual_seed(cfg.seed)
-    x_all, y_all = data.train.tensors
-    n, batch = len(x_all), cfg.batch_size
-    info = data.info
+    columns = tensors_of(data.train)
+    if columns is None and data_path == "gather":
+        raise UsageError(f"bench overhead's raw loop gathers batches from tensors held in memory, and --data "
+                         f"{cfg.data!r} is a {type(data.train).__name__}; compare the DataLoader paths with "
+                         "--mode datapath")
+    keep = keeps_target(model, data.train)
+    loss_fn = resolve_loss(cfg.loss, data.info)
+    n, batch = len(data.train), cfg.batch_size
 
     model.train()
     train_s, samples = 0.0, 0
@@ -72,13 +87,13 @@ def raw_train(cfg: TrainConfig, device: torch.device, data_path: str = "gather")
             shuffle.manual_seed(cfg.seed + epoch)
             running_loss = 0.0
             start = time.perf_counter()
-            for x, y in loader:
-                x, y = x.to(device), y.to(device)
+            for sample in loader:
+                x, y = split(move(sample, device), keep)
                 optimizer.zero_grad(set_to_none=True)
-                loss = task_loss(info, model(x), y)
+                loss = loss_fn(call_model(model, x), y)
                 loss.backward()
                 optimizer.step()
-                running_loss += loss.item() * x.size(0)
+                running_loss += loss.item() * first_tensor(sample).shape[0]
             train_s += time.perf_counter() - start
             samples += n
         return RawResult(train_s, samples, running_loss / n, _weights(model))
@@ -90,9 +105,9 @@ def raw_train(cfg: TrainConfig, device: torch.device, data_path: str = "gather")
         order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
         for i in range(0, n, batch):
             idx = order[i:i + batch]
-            x, y = x_all.index_select(0, idx).to(device), y_all.index_select(0, idx).to(device)
+            x, y = split(move(take(columns, idx), device), keep)
             optimizer.zero_grad(set_to_none=True)
-            loss = task_loss(info, model(x), y)
+            loss = loss_fn(call_model(model, x), y)
             loss.backward()
             optimizer.step()
             epoch_loss += loss.detach() * len(idx)
