@@ -90,17 +90,19 @@ def test_two_processes_equal_one(two, root: Path, group: str, name: str) -> None
     assert diff[worst] <= TOLERANCE, f"{name} ({described[name]}) differs from one process at {worst}: {diff[worst]:.2e}"
 
 
-VERIFY = [pytest.param(model, data, strategy, marks=pytest.mark.skipif(not _importable(package),
-                                                                       reason=f"needs {package} (a test extra)"))
-          for model, data, strategy, package in [("gpt2_tiny", "lm_data", "ddp", "transformers"),
-                                                  ("bert_tiny", "classification_data", "fsdp", "transformers"),
-                                                  ("vit_tiny", "image_data", "fsdp", "timm")]]
+VERIFY = [pytest.param(model, data, strategy, extra, marks=pytest.mark.skipif(not _importable(package),
+                                                                              reason=f"needs {package} (a test extra)"))
+          for model, data, strategy, extra, package in [
+              ("gpt2_tiny", "lm_data", "ddp", [], "transformers"),
+              ("bert_tiny", "classification_data", "fsdp", [], "transformers"),
+              ("vit_tiny", "image_data", "fsdp", [], "timm"),
+              ("resnet_tiny", "image_data_f64", "ddp", ["--sync-batchnorm"], "timm")]]
 
 
-@pytest.mark.parametrize("model, data, strategy", VERIFY)
-def test_scaleloop_verify_passes(tmp_path: Path, model: str, data: str, strategy: str) -> None:
+@pytest.mark.parametrize("model, data, strategy, extra", VERIFY)
+def test_scaleloop_verify_passes(tmp_path: Path, model: str, data: str, strategy: str, extra: list[str]) -> None:
     res = run([sys.executable, "-m", "scaleloop", "verify", "--model", f"hfmodels:{model}", "--data",
                f"hfmodels:{data}", "--strategy", strategy, "--nproc", "2", "--steps", "2", "--batch-size", "32",
-               "--accumulate", "2", "--optimizer", "sgd", "--lr", "0.1"], cwd=SCRIPTS, timeout=300)
+               "--accumulate", "2", "--optimizer", "sgd", "--lr", "0.1", *extra], cwd=SCRIPTS, timeout=300)
     assert res.returncode == 0, f"verify {model} ({strategy}) exit {res.returncode}:\n{res.stdout}\n{res.stderr[-3000:]}"
     assert f"verdict: PASS - 2 processes ({strategy})" in res.stdout, res.stdout
