@@ -119,8 +119,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as exc:
         print(f"scaleloop: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except WorkersFailed as exc:
-        print(f"scaleloop: error: {exc}", file=sys.stderr)
+    except WorkersFailed as exc:  # the launcher's short report, already worded
+        print(exc, file=sys.stderr)
         return 1
     except Interrupted as exc:
         print(f"\nscaleloop: {exc}", file=sys.stderr)

@@ -118,6 +118,9 @@ class TrainConfig:
     rdzv_id: str = _opt("scaleloop", "job id shared by all nodes of one --rdzv-endpoint job", group="launch")
     max_restarts: int = _opt(0, "times torchrun restarts the worker group after a failure", group="launch")
     backend: Optional[str] = _opt(None, "process-group backend (default: nccl on CUDA, gloo on CPU)", BACKENDS, group="launch")
+    timeout: float = _opt(1800.0, "seconds a collective waits for the slowest rank before the run stops with a report "
+                                  "naming the rank behind; keep it above your longest first step (torch.compile) "
+                                  "and checkpoint save (default: 1800, as torch's own)", group="launch")
 
     # checkpoints: what a run needs to continue exactly after a crash, a kill or Ctrl-C
     checkpoints: bool = _opt(True, "write checkpoints to <run>/checkpoints (at every epoch end and every "
@@ -174,6 +177,7 @@ class TrainConfig:
         _require(0 <= self.node_rank < self.nnodes, "node_rank", f"in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
         _require(1 <= self.master_port <= 65535, "master_port", "a port number in 1..65535")
         _require(self.max_restarts >= 0, "max_restarts", "zero or positive")
+        _require(self.timeout > 0, "timeout", "a positive number of seconds")
         _require(self.warmup_steps >= 0, "warmup_steps", "zero or positive")
         _require(self.base_batch_size is None or self.base_batch_size >= 1, "base_batch_size", "a positive integer")
         if self.lr_scaling != "none" and self.base_batch_size is None:

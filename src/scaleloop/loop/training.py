@@ -33,6 +33,7 @@ from scaleloop.output.rundir import prepare_run_dir, write_atomic
 from scaleloop.runtime.collectives import gather_object, sum_over_ranks
 from scaleloop.runtime.devices import describe_device
 from scaleloop.runtime.dist import DistEnv, restart_count
+from scaleloop.runtime.frames import note_where
 
 Log = Callable[[str], None]
 
@@ -163,6 +164,9 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
             if bar is not None:
                 bar.close()
             _end_epoch(run, checkpointer, metrics, running, ledger, epoch, in_epoch, say)
+    except BaseException as exc:  # where the loop was, for the launcher's failure report
+        note_where(exc, epoch=ledger.epochs_run + 1, step=ledger.step + 1)
+        raise
     finally:
         if metrics is not None:
             metrics.close()

@@ -11,4 +11,9 @@
 - ``envinfo``: ``scaleloop env``.
 - ``launcher``: ``scaleloop train`` behind its flags: train here, or start the workers under torchrun.
 - ``cmdline``: the command line's shared parts (one-line-error parser, config flags, exit codes).
+- ``agent``: torchrun as the launcher runs it, its own messages in ``logs/torchrun.log``.
+- ``worker``: each worker's entry: its log, torchrun's ``record`` with scaleloop's extras, stack dumps.
+- ``failures``: after a failure, which rank failed first or stalled, and where; the report and
+  ``failure.json``.
+- ``frames``: which frames are the user's; where the loop was when an exception left it.
 """

@@ -106,15 +106,32 @@ def launched_by_slurm(environ: Optional[Mapping[str, str]] = None) -> bool:
     return slurm.in_srun_step(env) and ntasks.isdigit() and int(ntasks) > 1
 
 
+def global_rank(environ: Optional[Mapping[str, str]] = None) -> int:
+    """This worker's rank in the job, as torchrun (or ``srun``) set it; 0 for one plain process."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env or "WORLD_SIZE" in env:
+        return _torchrun_ranks(env)[0]
+    task = slurm.task_from_env(env)
+    return task.rank if task is not None else 0
+
+
 def restart_count(environ: Optional[Mapping[str, str]] = None) -> int:
     """How many times torchrun's elastic agent has restarted this worker group."""
     env = os.environ if environ is None else environ
     return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def init_process_group(env: DistEnv, timeout_s: float = 300.0) -> None:
+# How long a collective waits for the slowest rank (``--timeout``): torch's own default for a
+# process group. A first step under torch.compile, or a large checkpoint written while the
+# other ranks wait, can take many minutes; a shorter limit would stop healthy jobs.
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+def init_process_group(env: DistEnv, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Join the job's process group (a no-op for one process).
 
+    ``timeout_s`` bounds every collective: a rank that stops taking part makes the others
+    raise after that long (Gloo), or the NCCL watchdog stop them.
     torchrun has already set MASTER_ADDR/MASTER_PORT, so the default ``env://`` rendezvous is
     used; under ``srun`` the address comes from ``env`` (the node list and job id) instead.
     """

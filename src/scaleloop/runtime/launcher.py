@@ -8,13 +8,18 @@ Torch is imported only when a run starts.
 """
 from __future__ import annotations
 
+import os
+import shlex
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from scaleloop.config import TrainConfig, to_toml
 from scaleloop.errors import UsageError
 from scaleloop.runtime.cmdline import EXIT_INTERRUPTED
+from scaleloop.runtime.failures import ELASTIC_DIR, LOGS_DIR, Failure, analyse
 
 if TYPE_CHECKING:
     from scaleloop.loop.training import RunResult
@@ -33,11 +38,14 @@ class Interrupted(Exception):
 
 
 class WorkersFailed(Exception):
-    """The workers started under torchrun failed; their own messages were already printed."""
+    """The workers started under torchrun failed; the message is the report to print as it is.
 
-    def __init__(self, code: int) -> None:
-        super().__init__(f"the worker processes failed (torchrun exit code {code}); the messages above say why")
-        self.code = code
+    ``failure`` is what ``failure.json`` holds (``scaleloop.runtime.failures.Failure``).
+    """
+
+    def __init__(self, code: int, failure: Failure) -> None:
+        super().__init__("\n".join(failure.report))
+        self.code, self.failure = code, failure
 
 
 def launch_train(cfg: TrainConfig) -> Optional["RunResult"]:
@@ -63,7 +71,7 @@ def launch_train(cfg: TrainConfig) -> Optional["RunResult"]:
         cfg = cfg.replace(out=str(out))
 
     env = dist.DistEnv.from_env(device=cfg.device, backend=cfg.backend)
-    dist.init_process_group(env)
+    dist.init_process_group(env, timeout_s=cfg.timeout)
     try:
         result = train(cfg, env)
     except UsageError as exc:
@@ -95,17 +103,53 @@ def _launch_workers(cfg: TrainConfig) -> None:
                               continuing=source is not None and continues_run(out, source))
     resolved = run_dir / "config.toml"
     write_atomic(resolved, to_toml(cfg).encode())
+    logs = run_dir / LOGS_DIR
+    launch_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
+    started = time.time()
     try:
-        code = run_under_torchrun(cfg, ["train", "--config", str(resolved)])
+        code = run_under_torchrun(cfg, ["train", "--config", str(resolved)], logs, launch_id)
     except KeyboardInterrupt:
-        raise Interrupted(run_dir) from None
+        raise _interrupted(run_dir) from None
     if code == EXIT_INTERRUPTED or code < 0:
-        raise Interrupted(run_dir)
+        raise _interrupted(run_dir)
     if code != 0:
         said = _take_usage_error(run_dir)
         if said is not None:  # a worker found bad input (the user's model or data): say it as one line
             raise UsageError(said)
-        raise WorkersFailed(code)
+        failure = analyse(run_dir, logs / ELASTIC_DIR / launch_id, _ranks_logged(logs, started), cfg.timeout,
+                          code, _continue_line(run_dir))
+        failure.write(run_dir)
+        raise WorkersFailed(code, failure)
+
+
+def _interrupted(run_dir: Path) -> Interrupted:
+    """The interruption, also recorded in ``failure.json`` for ``scaleloop doctor``."""
+    exc = Interrupted(run_dir)
+    Failure("interrupted", message="Ctrl-C (SIGINT) or SIGTERM", report=[f"scaleloop: {exc}"]).write(run_dir)
+    return exc
+
+
+def _ranks_logged(logs: Path, since: float) -> list[int]:
+    """The ranks of this machine that wrote their log in this launch."""
+    ranks = []
+    for path in logs.glob("rank-*.log"):
+        try:
+            if path.stat().st_mtime >= since - 1:
+                ranks.append(int(path.stem.partition("-")[2]))
+        except (OSError, ValueError):
+            continue
+    return sorted(ranks)
+
+
+def _continue_line(run_dir: Path) -> str:
+    """The report's last line: how to go on once the cause is fixed."""
+    from scaleloop.checkpoint.store import CHECKPOINTS_DIR, list_checkpoints
+
+    if list_checkpoints(run_dir / CHECKPOINTS_DIR):
+        return f"once fixed, continue from the last checkpoint with: scaleloop train --out {shlex.quote(str(run_dir))}"
+    config = shlex.quote(str(run_dir / "config.toml"))
+    return (f"no checkpoint was written; once fixed, start over with: scaleloop train --config {config} "
+            f"--out {shlex.quote(str(run_dir) + '-2')}")
 
 
 # A worker that stops on bad input leaves its one-line message here for the launcher.

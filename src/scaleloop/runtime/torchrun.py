@@ -3,16 +3,20 @@
 ``scaleloop train --nproc 4`` is exactly ``torchrun --nproc-per-node 4 -m scaleloop train ...``:
 torchrun starts the workers, sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT, runs the
 rendezvous, and (with ``--max-restarts``) restarts the whole group when a worker dies.
-scaleloop adds no launcher of its own; it only writes the torchrun command for you and prints it.
+scaleloop adds no launcher of its own; it writes the torchrun command for you and prints it, and
+runs it so that a failure is reported in a few lines (``supervised_command``).
 """
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
-from typing import Sequence
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
 
 from scaleloop.config import TrainConfig
+from scaleloop.runtime.failures import AGENT_LOG, ELASTIC_DIR
 
 
 def torchrun_command(cfg: TrainConfig, argv: Sequence[str], python: str = sys.executable) -> list[str]:
@@ -30,12 +34,66 @@ def torchrun_command(cfg: TrainConfig, argv: Sequence[str], python: str = sys.ex
     return cmd + ["-m", "scaleloop", *argv]
 
 
-def run_under_torchrun(cfg: TrainConfig, argv: Sequence[str]) -> int:
-    """Run the workers and wait; returns torchrun's exit code (0 when every worker succeeded)."""
-    cmd = torchrun_command(cfg, argv)
+def supervised_command(cfg: TrainConfig, worker: Sequence[str], logs: Path, launch_id: str,
+                       python: str = sys.executable) -> list[str]:
+    """What the launcher runs: the same torchrun, quiet, with error files and per-rank logs in ``logs``.
+
+    torchrun's own messages go to ``logs/torchrun.log`` (``scaleloop.runtime.agent``), its error
+    files under ``logs/torchrun/<launch_id>/`` (``--log-dir``), and each worker, started through
+    ``scaleloop.runtime.worker``, runs ``python -m <worker...>`` with its output in
+    ``logs/rank-<R>.log``. ``scaleloop.runtime.failures`` reads them when a worker fails.
+    """
+    plain = torchrun_command(cfg, [], python)
+    torchrun_args = plain[3:-2]  # between "python -m torch.distributed.run" and "-m scaleloop"
+    return [python, "-m", "scaleloop.runtime.agent", str(logs / AGENT_LOG), *torchrun_args,
+            f"--log-dir={logs / ELASTIC_DIR / launch_id}",
+            "-m", "scaleloop.runtime.worker", str(logs), *worker]
+
+
+# NCCL's flight recorder: on a collective's timeout each rank dumps its last collectives (which
+# op, which ranks joined, their Python stacks) to <prefix><rank>, to be read with torch's
+# fr_trace tool. These names hold from torch 2.9 on (TORCH_NCCL_TRACE_BUFFER_SIZE and
+# TORCH_NCCL_DEBUG_INFO_TEMP_FILE before; still read, with a deprecation warning).
+FLIGHT_RECORDER_PREFIX = "nccl-trace-rank-"
+
+
+def uses_cuda(cfg: TrainConfig) -> bool:
+    """Whether the workers will run on CUDA (and so talk over NCCL)."""
+    if cfg.backend == "nccl" or cfg.device.startswith("cuda"):
+        return True
+    if cfg.device != "auto" or cfg.backend == "gloo":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def flight_recorder_env(logs: Path) -> dict[str, str]:
+    """The variables that turn NCCL's flight recorder on, dumping into ``logs`` on a timeout."""
+    return {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": str(logs / FLIGHT_RECORDER_PREFIX)}
+
+
+def workers_env(cfg: TrainConfig, logs: Path, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The environment torchrun and its workers get: this one, plus (on CUDA) the flight recorder's
+    variables where the user has not set them."""
+    env = dict(os.environ if environ is None else environ)
+    if uses_cuda(cfg):
+        for key, value in flight_recorder_env(logs).items():
+            env.setdefault(key, value)
+    return env
+
+
+def run_under_torchrun(cfg: TrainConfig, argv: Sequence[str], logs: Path, launch_id: str) -> int:
+    """Run the workers and wait; returns torchrun's exit code (0 when every worker succeeded).
+
+    Prints the plain torchrun command this amounts to; runs it supervised (:func:`supervised_command`).
+    """
     print(f"scaleloop: launching {cfg.nproc} process(es) x {cfg.nnodes} node(s) with torchrun:\n  "
-          + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    proc = subprocess.Popen(cmd)
+          + " ".join(shlex.quote(c) for c in torchrun_command(cfg, argv)), flush=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(supervised_command(cfg, ["scaleloop.cli", *argv], logs, launch_id),
+                            env=workers_env(cfg, logs))
     try:
         return proc.wait()
     except KeyboardInterrupt:

@@ -1,0 +1,58 @@
+"""``python -m scaleloop.runtime.agent LOG_FILE TORCHRUN_ARGS...``: torchrun, its own messages in a file.
+
+This is torchrun: ``torch.distributed.run``'s own parser and elastic agent, unchanged. Only
+where the agent's own messages go differs: its log lines, its failure summary ("Root Cause
+...") and its traceback go to LOG_FILE instead of the console, because scaleloop's launcher
+reads the workers' error files and prints a short report instead. The workers still inherit
+the console (rank 0 shows its progress there).
+
+Exit codes: 0 when every worker succeeded, 1 when one failed, 128 + N on signal N (Ctrl-C: 130).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional, Sequence
+
+# torchrun's loggers (the launcher, the elastic agent) and Python warnings raised in it.
+_LOGGERS = ("torch.distributed", "py.warnings")
+
+
+def _log_to(path: str) -> None:
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.captureWarnings(True)
+    for name in _LOGGERS:
+        logger = logging.getLogger(name)
+        logger.handlers = [handler]
+        logger.propagate = False
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        print("usage: python -m scaleloop.runtime.agent LOG_FILE TORCHRUN_ARGS... (started by scaleloop's launcher)",
+              file=sys.stderr)
+        return 2
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    _log_to(args[0])  # after the imports: importing torch sets up its own handlers
+    log = logging.getLogger("torch.distributed.run")
+    try:
+        torchrun.run(torchrun.parse_args(args[1:]))
+    except ChildFailedError as exc:
+        log.error("%s", exc.format_msg())
+        return 1
+    except SignalException as exc:
+        log.warning("stopped by signal %s", exc.sigval)
+        return 128 + int(exc.sigval)
+    except Exception:  # the agent itself failed (rendezvous, bad arguments): its traceback, in the log
+        log.exception("torchrun failed")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

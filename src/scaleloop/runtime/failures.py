@@ -1,0 +1,313 @@
+"""After workers failed: which rank failed first and where, or which rank stalled; a short report.
+
+The launcher calls :func:`analyse` when torchrun reports a failure. It reads only what the
+workers and torchrun left in the run directory (no console text):
+
+- torchrun's error files (``logs/torchrun/<launch>/<run id>/attempt_<K>/<local rank>/error.json``),
+  written by ``record`` in each worker that raised (``scaleloop.runtime.worker``), each with its
+  rank, epoch, step, exception, the user's innermost frame and a precise time;
+- the ranks' logs (``logs/rank-<R>.log``): a rank that raised nothing but was stopped by torchrun
+  ends with its faulthandler stack dump, which says where it was.
+
+A rank whose own code raised is the root cause; the others' errors (a peer closed the
+connection) are its consequences. When every error is a collective's timeout, the run stalled:
+the rank behind is the one that did not time out, and its stack says where it was stuck.
+The result is printed (at most ~15 lines) and written as ``failure.json`` for ``scaleloop doctor``.
+"""
+from __future__ import annotations
+
+import json
+import linecache
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from scaleloop.runtime.frames import Frame, FrameKinds
+
+LOGS_DIR = "logs"
+ELASTIC_DIR = "torchrun"           # under LOGS_DIR: torchrun's --log-dir, one folder per launch
+AGENT_LOG = "torchrun.log"         # under LOGS_DIR: torchrun's own messages
+FAILURE_FILE = "failure.json"
+ATTEMPT_MARK = "==== scaleloop worker"  # = scaleloop.runtime.worker.ATTEMPT_MARK (no torch here)
+
+_THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+.*\(most recent call first\):\s*$|^Stack \(most recent call first\):\s*$")
+_FRAME = re.compile(r'^\s+File "(?P<path>.+)", line (?P<line>\d+) in (?P<name>.+?)\s*$')
+
+
+@dataclass(frozen=True)
+class RankError:
+    """One rank's recorded exception (from its torchrun error file)."""
+
+    rank: int
+    error_type: str
+    message: str
+    frame: Optional[str] = None
+    epoch: Optional[int] = None
+    step: Optional[int] = None
+    communication: bool = False
+    timed_out: bool = False
+    waiting_in: Optional[str] = None
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class StackDump:
+    """The last stack dump in a rank's log: its main thread's frames (outermost first)."""
+
+    frames: tuple[Frame, ...]
+    fatal: Optional[str] = None     # "Segmentation fault" when the dump is a crash's
+
+    def waiting(self) -> bool:
+        """Blocked in a collective (torch.distributed or the backward pass), not in its own code."""
+        inner = self.frames[-1].path.replace(os.sep, "/") if self.frames else ""
+        return "torch/distributed/" in inner or "torch/autograd/" in inner
+
+
+@dataclass
+class Failure:
+    """What went wrong, as written to ``failure.json`` (``docs/troubleshooting.md`` lists the keys)."""
+
+    kind: str                        # failed | stalled | interrupted
+    rank: Optional[int] = None       # the first failed rank, or the rank behind
+    epoch: Optional[int] = None
+    step: Optional[int] = None
+    error_type: Optional[str] = None
+    message: str = ""
+    frame: Optional[str] = None      # the user's innermost frame, or where the stuck rank was
+    waiting_in: Optional[str] = None
+    logs: dict[str, str] = field(default_factory=dict)
+    time: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    report: list[str] = field(default_factory=list)
+
+    def write(self, run_dir: Path) -> None:
+        """``run_dir/failure.json``, replaced atomically (a reader never sees half of it)."""
+        path = run_dir / FAILURE_FILE
+        tmp = path.with_name(f".{FAILURE_FILE}.tmp-{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError:
+            pass  # the report was printed; a full or read-only disk must not hide it
+
+
+def read_error_files(elastic_dir: Path) -> dict[int, RankError]:
+    """The recorded exceptions of the last attempt in ``elastic_dir``, by global rank."""
+    attempts = sorted(elastic_dir.glob("*/attempt_*"), key=lambda p: (_attempt(p), p.stat().st_mtime))
+    if not attempts:
+        return {}
+    found: dict[int, RankError] = {}
+    for path in sorted(attempts[-1].glob("*/error.json")):
+        error = _read_error_file(path)
+        if error is not None:
+            found[error.rank] = error
+    return found
+
+
+def _attempt(path: Path) -> int:
+    try:
+        return int(path.name.rpartition("_")[2])
+    except ValueError:
+        return -1
+
+
+def _read_error_file(path: Path) -> Optional[RankError]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    message = data.get("message") if isinstance(data, dict) else None
+    if not isinstance(message, dict):
+        return None
+    extra = message.get("extraInfo") or {}
+    ours = extra.get("scaleloop")
+    if isinstance(ours, dict) and isinstance(ours.get("rank"), int):
+        known = {k: ours[k] for k in RankError.__dataclass_fields__ if k in ours}
+        return RankError(**known)
+    # A worker without scaleloop's handler: torch's own record (its directory is the local rank).
+    error_type, _, text = str(message.get("message", "")).partition(": ")
+    try:
+        rank, when = int(path.parent.name), float(extra.get("timestamp", 0))
+    except ValueError:
+        return None
+    return RankError(rank, error_type, text, time=when)
+
+
+def read_stack_dump(log: Path) -> Optional[StackDump]:
+    """The main thread's stack from the last faulthandler dump of the last attempt in ``log``."""
+    try:
+        text = log.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    text = text[text.rfind(ATTEMPT_MARK):] if ATTEMPT_MARK in text else text
+    lines = text.splitlines()
+    blocks: list[list[Frame]] = []
+    fatal: Optional[str] = None
+    for line in lines:
+        if line.startswith("Fatal Python error: "):
+            fatal, blocks = line[len("Fatal Python error: "):].strip(), []
+        elif _THREAD.match(line):
+            blocks.append([])
+        elif blocks and (m := _FRAME.match(line)):
+            blocks[-1].append(Frame(m["path"], int(m["line"]), m["name"]))
+    # The last dump's threads follow its first header; the main thread is the one that was not
+    # started by threading (its outermost frame is not threading's _bootstrap).
+    mains = [b for b in blocks if b and not (b[-1].path.endswith("threading.py") and b[-1].name == "_bootstrap")]
+    if not mains:
+        return StackDump((), fatal) if fatal else None
+    return StackDump(tuple(reversed(mains[-1])), fatal)
+
+
+def analyse(run_dir: Path, elastic_dir: Path, ranks: list[int], timeout_s: Optional[float],
+            exit_code: int, continue_line: str) -> Failure:
+    """What happened to the workers of one launch, with the report to print (see the module doc)."""
+    errors = read_error_files(elastic_dir)
+    ranks = sorted(set(ranks) | set(errors))
+    logs = {str(r): f"{LOGS_DIR}/rank-{r}.log" for r in ranks}
+    dumps = {r: read_stack_dump(run_dir / LOGS_DIR / f"rank-{r}.log") for r in ranks if r not in errors}
+    own = sorted((e for e in errors.values() if not e.communication), key=lambda e: e.time)
+    if own:
+        failure = _failed(own[0], errors, dumps, len(ranks))
+    elif any(e.timed_out for e in errors.values()):
+        failure = _stalled(errors, dumps, timeout_s)
+    else:
+        failure = _died(errors, dumps, exit_code, run_dir)
+    failure.logs = logs
+    failure.report += _log_lines(run_dir, failure.rank, ranks) + [
+        f"  record: {run_dir / FAILURE_FILE} (read it again with: scaleloop doctor {run_dir})", f"  {continue_line}"]
+    return failure
+
+
+def _short(message: str, limit: int = 160) -> str:
+    """The first line of an error message, without Gloo's leading ``[file.cc:123]``, cut to ``limit``
+    (at the end of its first sentence when that is too long)."""
+    text = (message.strip().splitlines() or [""])[0]
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text)
+    if len(text) > limit and ". " in text[:limit]:
+        text = text[:text.index(". ", 0, limit) + 1]
+    return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
+
+
+def _at(epoch: Optional[int], step: Optional[int]) -> str:
+    parts = ([f"epoch {epoch}"] if epoch is not None else []) + ([f"step {step}"] if step is not None else [])
+    return f" at {', '.join(parts)}" if parts else ""
+
+
+def _failed(first: RankError, errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]],
+            n_ranks: int) -> Failure:
+    lines = [f"scaleloop: error: rank {first.rank} of {n_ranks} failed{_at(first.epoch, first.step)}: "
+             f"{first.error_type}: {_short(first.message)}"]
+    if first.frame:
+        lines += [f"  raised at: {first.frame}"] + _source(first.frame)
+    others = [e for e in errors.values() if e.rank != first.rank]
+    own = [e for e in others if not e.communication]
+    follow = [e for e in others if e.communication]
+    if own:
+        lines.append(f"  also raised: " + "; ".join(f"rank {e.rank}: {e.error_type}: {_short(e.message, 60)}"
+                                                     for e in sorted(own, key=lambda e: e.time)[:3]))
+    stopped = sorted(r for r in dumps)
+    if follow or stopped:
+        parts = []
+        if follow:
+            parts.append(f"{_ranks(e.rank for e in follow)} lost {'its' if len(follow) == 1 else 'their'} peer "
+                         f"({follow[0].error_type}: {_short(follow[0].message, 60)})")
+        if stopped:
+            parts.append(f"{_ranks(stopped)} {'was' if len(stopped) == 1 else 'were'} stopped by torchrun")
+        lines.append("  then: " + "; ".join(parts) + " (consequences, not causes)")
+    return Failure("failed", first.rank, first.epoch, first.step, first.error_type, first.message, first.frame,
+                   report=lines)
+
+
+def _stalled(errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]],
+             timeout_s: Optional[float]) -> Failure:
+    waited = sorted((e for e in errors.values() if e.timed_out), key=lambda e: e.time)
+    first = waited[0]
+    behind = [r for r, d in sorted(dumps.items()) if d is None or not d.waiting()] or sorted(dumps)
+    kinds = FrameKinds()
+    where = None
+    if behind and dumps.get(behind[0]) is not None:
+        frame = kinds.innermost_user(dumps[behind[0]].frames)  # type: ignore[union-attr]
+        where = str(frame) if frame is not None else None
+    limit = f"{timeout_s:g} s" if timeout_s else "its timeout"
+    if behind:
+        who = _ranks(behind)
+        head = (f"scaleloop: error: the run stalled{_at(first.epoch, first.step)}: {who} stopped taking part; "
+                f"{_ranks(e.rank for e in waited)} gave up waiting after {limit} (--timeout)")
+    else:
+        who = "a rank on another node"
+        head = (f"scaleloop: error: the run stalled{_at(first.epoch, first.step)}: "
+                f"{_ranks(e.rank for e in waited)} gave up waiting after {limit} (--timeout) for a rank on "
+                "another node (see that node's report)")
+    lines = [head]
+    if behind:
+        lines += [f"  {who} was at: {where or 'an unknown place (no stack dump in its log)'}"] + _source(where)
+    lines.append(f"  {_ranks(e.rank for e in waited)} waited in: {first.waiting_in or 'a collective'}"
+                 f" ({first.error_type}: {_short(first.message, 80)})")
+    lines.append(f"  if {who} was only slow (a long first torch.compile, a large checkpoint), raise --timeout"
+                 f" (now {limit})")
+    return Failure("stalled", behind[0] if behind else None, first.epoch, first.step, first.error_type,
+                   first.message, where, first.waiting_in, report=lines)
+
+
+def _died(errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]], exit_code: int,
+          run_dir: Path) -> Failure:
+    """No rank raised an error of its own: one crashed or was killed (or torchrun itself failed)."""
+    crashed = [r for r, d in sorted(dumps.items()) if d is not None and d.fatal]
+    silent = [r for r, d in sorted(dumps.items()) if d is None]
+    rank = crashed[0] if crashed else (silent[0] if silent and errors else None)
+    lines: list[str] = []
+    frame = None
+    if crashed:
+        dump = dumps[crashed[0]]
+        assert dump is not None
+        frame = FrameKinds().innermost_user(dump.frames)
+        lines.append(f"scaleloop: error: rank {rank} crashed: {dump.fatal}")
+        if frame is not None:
+            lines.append(f"  at: {frame}")
+    elif rank is not None:
+        lines.append(f"scaleloop: error: rank {rank} ended without a Python error (killed by a signal, out of memory, "
+                     "or a crash in C++); the other ranks then lost their peer")
+    else:
+        lines.append(f"scaleloop: error: the workers failed (torchrun exit code {exit_code}) and recorded no "
+                     "Python error; torchrun's own messages end with:")
+        lines += [f"    {line}" for line in _tail(run_dir / LOGS_DIR / AGENT_LOG, 4)]
+    if errors:
+        first = min(errors.values(), key=lambda e: e.time)
+        lines.append(f"  then: {_ranks(errors)} lost their peer ({first.error_type}: {_short(first.message, 60)})")
+    return Failure("failed", rank, message=lines[0].partition(": error: ")[2],
+                   frame=str(frame) if frame is not None else None, report=lines)
+
+
+def _source(frame: Optional[str]) -> list[str]:
+    """The line of code at ``path:line in name``, indented as in a traceback (none if unreadable)."""
+    if not frame:
+        return []
+    where = frame.rpartition(" in ")[0] or frame
+    path, _, line = where.rpartition(":")
+    text = linecache.getline(path, int(line)).strip() if line.isdigit() else ""
+    return [f"      {_short(text, 120)}"] if text else []
+
+
+def _tail(path: Path, n: int) -> list[str]:
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return []
+    return [_short(line, 150) for line in lines[-n:]]
+
+
+def _ranks(ranks: Any) -> str:
+    listed = sorted(set(ranks))
+    if len(listed) == 1:
+        return f"rank {listed[0]}"
+    shown = ", ".join(str(r) for r in listed[:8]) + (f" and {len(listed) - 8} more" if len(listed) > 8 else "")
+    return f"ranks {shown}"
+
+
+def _log_lines(run_dir: Path, rank: Optional[int], ranks: list[int]) -> list[str]:
+    logs = run_dir / LOGS_DIR
+    if rank is None:
+        return [f"  logs: {logs}/rank-<N>.log (one per rank)"]
+    return [f"  logs: {logs / f'rank-{rank}.log'} (rank {rank}'s full output); every rank: {logs}/rank-<N>.log"]

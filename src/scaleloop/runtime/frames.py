@@ -1,0 +1,96 @@
+"""Which frames of a stack are the user's, and where a rank was in the loop; no torch here.
+
+Shared by the worker (which records its exception) and the launcher (which reads a stuck
+rank's stack dump), so that both name "the user's code" the same way: the innermost frame that
+is not torch's, not scaleloop's and not Python's own library.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+# The attribute the training loop sets on an exception that leaves it: {"epoch": E, "step": S}.
+WHERE_ATTR = "scaleloop_where"
+
+
+def note_where(exc: BaseException, epoch: int, step: int) -> None:
+    """Attach where the loop was (1-based epoch, global step in progress) to ``exc``.
+
+    The first note wins: an exception re-raised through an outer loop keeps the inner place.
+    """
+    if getattr(exc, WHERE_ATTR, None) is None:
+        try:
+            setattr(exc, WHERE_ATTR, {"epoch": int(epoch), "step": int(step)})
+        except (AttributeError, TypeError):  # an exception type that takes no attributes
+            pass
+
+
+def where_of(exc: BaseException) -> dict[str, Optional[int]]:
+    """The epoch and step noted on ``exc`` or on an exception it was raised from (else None)."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        where = getattr(current, WHERE_ATTR, None)
+        if isinstance(where, dict):
+            return {"epoch": where.get("epoch"), "step": where.get("step")}
+        current = current.__cause__ or current.__context__
+    return {"epoch": None, "step": None}
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One frame of a stack: file, line and function."""
+
+    path: str
+    line: int
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line} in {self.name}"
+
+
+def _package_dir(name: str) -> Optional[str]:
+    """The directory of an importable package, without importing it."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    return os.path.realpath(locations[0]) + os.sep if locations else None
+
+
+class FrameKinds:
+    """Tells torch's, scaleloop's and Python's own files from the user's (built once per use)."""
+
+    def __init__(self) -> None:
+        self.torch = _package_dir("torch")
+        self.scaleloop = os.path.realpath(Path(__file__).resolve().parents[1]) + os.sep
+        paths = sysconfig.get_paths()
+        self.stdlib = tuple(os.path.realpath(paths[k]) + os.sep for k in ("stdlib", "platstdlib") if k in paths)
+
+    def kind(self, path: str) -> str:
+        """``torch``, ``scaleloop``, ``python`` (the standard library, frozen modules) or ``user``."""
+        if path.startswith("<"):
+            return "python"
+        real = os.path.realpath(path)
+        if self.torch and real.startswith(self.torch):
+            return "torch"
+        if real.startswith(self.scaleloop):
+            return "scaleloop"
+        if "site-packages" not in real and "dist-packages" not in real and real.startswith(self.stdlib):
+            return "python"
+        return "user"
+
+    def innermost_user(self, frames: Iterable[Frame]) -> Optional[Frame]:
+        """The innermost user frame of ``frames`` (outermost first); else scaleloop's; else the last."""
+        listed = list(frames)
+        for wanted in ("user", "scaleloop"):
+            found = [f for f in listed if self.kind(f.path) == wanted]
+            if found:
+                return found[-1]
+        return listed[-1] if listed else None

@@ -1,0 +1,268 @@
+"""The entry point of each worker that scaleloop's launcher starts under torchrun.
+
+``python -m scaleloop.runtime.worker LOG_DIR MODULE [ARGS...]`` runs ``MODULE.main(ARGS)`` (the
+``scaleloop`` command, or the verify worker) so that a failure explains itself:
+
+- this rank's output goes to ``LOG_DIR/rank-<R>.log``; rank 0 also shows its normal output
+  (progress, summary) on the console, but never a traceback;
+- an exception is recorded with torchrun's own ``record`` into the error file torchrun names
+  (``TORCHELASTIC_ERROR_FILE``), with scaleloop's extras under ``extraInfo.scaleloop``: the
+  rank, epoch and step, the user's innermost frame, the collective a rank waited in when it
+  timed out, and a precise time to order the ranks' failures;
+- SIGTERM (torchrun stopping the survivors of a failure) first dumps every thread's Python
+  stack into the log with ``faulthandler``, which works even while the rank is blocked inside
+  a C++ call: it is how the launcher finds where a stuck rank was.
+"""
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import IO, Any, Callable, Optional, Sequence
+
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+
+from scaleloop.runtime.cmdline import EXIT_INTERRUPTED
+from scaleloop.runtime.frames import Frame, FrameKinds, where_of
+
+# Written at the start of each attempt in a rank's log; the launcher reads only what follows
+# the last one (torchrun may restart the group with --max-restarts).
+ATTEMPT_MARK = "==== scaleloop worker"
+# Exception text that says a collective failed because of another rank, not this one.
+_COMM_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer", "timed out",
+                 "timeout", "broken pipe", "processgroup", "socket", "c10d")
+_TIMEOUT_MARKERS = ("timed out", "timeout", "watchdog")
+
+
+def log_path(log_dir: Path, rank: int) -> Path:
+    """Where rank ``rank`` writes its log."""
+    return log_dir / f"rank-{rank}.log"
+
+
+class _Tee:
+    """A text stream that writes to the console and the log; ``mute()`` leaves only the log.
+
+    Progress-bar redraws (text holding a carriage return) reach the console only, so that the
+    log keeps lines, not thousands of redraws.
+    """
+
+    def __init__(self, console: IO[str], log: IO[str]) -> None:
+        self._console: Optional[IO[str]] = console
+        self._log = log
+        self._real = console
+
+    def write(self, text: str) -> int:
+        if self._console is not None:
+            self._console.write(text)
+        if "\r" not in text:
+            self._log.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._console is not None:
+            self._console.flush()
+        self._log.flush()
+
+    def isatty(self) -> bool:
+        return self._console is not None and self._console.isatty()
+
+    def mute(self) -> None:
+        if self._console is not None:
+            self._console.flush()
+        self._console = None
+
+    def __getattr__(self, name: str) -> Any:  # encoding, fileno, buffer, ...: the console's
+        return getattr(self._real, name)
+
+
+class _RankErrorHandler(ErrorHandler):
+    """torchrun's error handler, with faulthandler aimed at this rank's log and scaleloop's extras."""
+
+    def __init__(self, rank: int, log: IO[str]) -> None:
+        self.rank, self.log = rank, log
+
+    def initialize(self) -> None:
+        faulthandler.enable(file=self.log, all_threads=True)
+        # chain=True: after the dump, SIGTERM ends the process as it would have.
+        faulthandler.register(signal.SIGTERM, file=self.log, all_threads=True, chain=True)
+
+    def record_exception(self, e: BaseException) -> None:
+        path = self._get_error_file_path()
+        if not path:
+            return
+        data = {"message": {"message": f"{type(e).__name__}: {e}", "extraInfo": {
+            "py_callstack": traceback.format_exc(),
+            "timestamp": str(int(time.time())),
+            "scaleloop": describe_exception(e, self.rank),
+        }}}
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)  # the agent never reads half a file
+
+
+def describe_exception(exc: BaseException, rank: int) -> dict[str, Any]:
+    """What the launcher's report needs about ``exc``, as JSON-ready values."""
+    frames = _tb_frames(exc.__traceback__)
+    summary = [Frame(f.f_code.co_filename, line, f.f_code.co_name) for f, line in frames]
+    text = str(exc).lower()
+    communication = _is_communication_error(exc, text)
+    frame = FrameKinds().innermost_user(summary)
+    return {
+        "rank": rank, **where_of(exc),
+        "error_type": type(exc).__name__,
+        "message": str(exc),
+        "frame": str(frame) if frame is not None else None,
+        "communication": communication,
+        "timed_out": communication and any(m in text for m in _TIMEOUT_MARKERS),
+        "waiting_in": describe_collective(frames) if communication else None,
+        "time": time.time(),
+    }
+
+
+def _tb_frames(tb: Optional[TracebackType]) -> list[tuple[FrameType, int]]:
+    frames = []
+    while tb is not None:
+        frames.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    return frames
+
+
+def _is_communication_error(exc: BaseException, text: str) -> bool:
+    """A collective or the rendezvous failed: typically the follow-on of another rank's failure."""
+    try:
+        from torch.distributed import DistError
+
+        if isinstance(exc, DistError):
+            return True
+    except ImportError:  # pragma: no cover - torch without distributed
+        pass
+    return isinstance(exc, (RuntimeError, OSError, TimeoutError)) and any(m in text for m in _COMM_MARKERS)
+
+
+def describe_collective(frames: Sequence[tuple[FrameType, int]]) -> Optional[str]:
+    """Which collective a failed communication was in, named from this rank's Python frames.
+
+    ``all_reduce in sum_over_ranks (path:line)`` when a ``torch.distributed`` call is on the
+    stack; the gradient all-reduce (DDP) or reduce-scatter (FSDP) when it was the backward pass.
+    """
+    kinds = FrameKinds()
+    paths = [f.f_code.co_filename.replace(os.sep, "/") for f, _ in frames]
+    if any("torch/autograd/" in p for p in paths):
+        wrapper = _parallel_wrapper(f for f, _ in frames)
+        if wrapper == "ddp":
+            return "gradient all-reduce in backward (DDP)"
+        if wrapper == "fsdp":
+            return "gradient reduce-scatter in backward (FSDP)"
+    calls = [f for p, (f, _) in zip(paths, frames) if "torch/distributed/" in p
+             and not f.f_code.co_name.startswith("_") and f.f_code.co_name not in ("wrapper", "wait")]
+    if calls:
+        op = calls[-1].f_code.co_name
+        callers = [(f, line) for p, (f, line) in zip(paths, frames) if "torch/distributed/" not in p
+                   and kinds.kind(f.f_code.co_filename) in ("user", "scaleloop") and f.f_code.co_name != "wrapper"]
+        if callers:
+            f, line = callers[-1]
+            return f"{op} in {f.f_code.co_name} ({f.f_code.co_filename}:{line})"
+        return op
+    if any("torch/autograd/" in p for p in paths):
+        return "a collective in the backward pass"
+    if any(p.endswith("torch/nn/parallel/distributed.py") for p in paths):
+        return "DDP's forward (buffer broadcast or unused-parameter check)"
+    return None
+
+
+def _parallel_wrapper(frames: Any) -> Optional[str]:
+    """``ddp`` or ``fsdp`` when a frame on the stack holds such a model (as ``model`` or ``self``)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - older torch
+        FSDPModule = ()  # type: ignore[assignment,misc]
+    for frame in frames:
+        for name in ("model", "self", "module"):
+            value = frame.f_locals.get(name)
+            if isinstance(value, DistributedDataParallel):
+                return "ddp"
+            if FSDPModule and isinstance(value, FSDPModule):
+                return "fsdp"
+    return None
+
+
+def _open_log(log_dir: Path, rank: int) -> IO[str]:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = open(log_path(log_dir, rank), "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - lives with the process
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    log.write(f"{ATTEMPT_MARK} rank {rank}, attempt {attempt}, pid {os.getpid()}, "
+              f"{time.strftime('%Y-%m-%dT%H:%M:%S')} ====\n")
+    return log
+
+
+def _route_output(rank: int, log: IO[str]) -> list[_Tee]:
+    """Rank 0: console and log (tees, returned so they can be muted). Other ranks: the log only,
+    at the file-descriptor level, so that C++ messages land there too."""
+    if rank != 0:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        return []
+    tees = [_Tee(sys.stdout, log), _Tee(sys.stderr, log)]
+    sys.stdout, sys.stderr = tees[0], tees[1]  # type: ignore[assignment]
+    return tees
+
+
+def run(log_dir: Path, main: Callable[[list[str]], Optional[int]], argv: list[str]) -> int:
+    """Run ``main(argv)`` as one recorded worker of the job; returns the exit code."""
+    from scaleloop.runtime.dist import global_rank
+
+    rank = global_rank()
+    log = _open_log(log_dir, rank)
+    tees = _route_output(rank, log)
+
+    def mute() -> None:
+        for tee in tees:
+            tee.mute()
+
+    def on_interrupt(signum: int, frame: Optional[FrameType]) -> None:
+        # The launcher prints the one line about it; this rank's own goes to its log.
+        mute()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        code = record(main, error_handler=_RankErrorHandler(rank, log))(argv)
+    except KeyboardInterrupt:
+        mute()
+        print("interrupted", file=log)
+        return EXIT_INTERRUPTED
+    except Exception:  # recorded in the error file by record(); the traceback goes to the log only
+        mute()
+        traceback.print_exc(file=log)
+        return 1
+    finally:
+        for tee in tees:
+            tee.flush()
+    return int(code or 0)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) < 2:
+        print("usage: python -m scaleloop.runtime.worker LOG_DIR MODULE [ARGS...] (started by scaleloop's launcher)",
+              file=sys.stderr)
+        return 2
+    log_dir, module, rest = Path(args[0]), args[1], args[2:]
+    entry = importlib.import_module(module).main
+    return run(log_dir, entry, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

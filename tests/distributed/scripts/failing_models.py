@@ -1,0 +1,38 @@
+"""User models that misbehave on rank 1, for the failure reports (tests/distributed/test_failures_dist.py).
+
+``--model failing_models:raises``: rank 1 raises ValueError at its third forward.
+``--model failing_models:stalls``: rank 1 sleeps for a long time at its third forward.
+The rank is read as a user would, from torch.distributed.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class _Misbehaving(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.net = nn.Linear(64, 10)
+        self.how = how
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.training and dist.is_initialized() and dist.get_rank() == 1 and self.calls == 3:
+            if self.how == "raise":
+                raise ValueError("bad batch on rank 1")  # RAISE-LINE
+            time.sleep(600)  # SLEEP-LINE
+        return self.net(x.flatten(1))
+
+
+def raises(info: Any = None) -> nn.Module:
+    return _Misbehaving("raise")
+
+
+def stalls(info: Any = None) -> nn.Module:
+    return _Misbehaving("sleep")

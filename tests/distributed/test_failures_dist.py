@@ -1,0 +1,120 @@
+"""Failures that explain themselves, on real 2-process Gloo groups under ``scaleloop train --nproc 2``.
+
+- rank 1 raises at its third forward: a short report names rank 1, the step, the exception and
+  the user's line; no traceback or torchrun summary on the console; failure.json; the logs;
+- rank 1 sleeps in forward with ``--timeout 5``: the run ends within seconds of the timeout and
+  the report names rank 1, the line it is stuck on, and the collective rank 0 waited in;
+- Ctrl-C: one line that says how to continue.
+
+The misbehaving models are in scripts/failing_models.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from procs import SRC, child_env, kill_group, run
+
+pytestmark = pytest.mark.distributed
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+MODELS = SCRIPTS / "failing_models.py"
+TRAIN = [sys.executable, "-m", "scaleloop", "train", "--nproc", "2", "--epochs", "1", "--no-progress"]
+
+
+def line_of(mark: str) -> int:
+    return next(i for i, text in enumerate(MODELS.read_text().splitlines(), 1) if mark in text)
+
+
+def report_of(stderr: str) -> list[str]:
+    lines = stderr.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("scaleloop: error:"))
+    return lines[start:]
+
+
+def env() -> dict[str, str]:
+    return child_env({"PYTHONPATH": os.pathsep.join([str(SRC), str(SCRIPTS)])})
+
+
+def test_a_raising_rank_is_reported_in_a_few_lines(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    res = run([*TRAIN, "--model", "failing_models:raises", "--out", str(out)], cwd=SCRIPTS, timeout=180, env=env())
+    assert res.returncode == 1, res.stderr
+    report = report_of(res.stderr)
+    assert len(report) <= 15, res.stderr
+    assert report[0] == "scaleloop: error: rank 1 of 2 failed at epoch 1, step 3: ValueError: bad batch on rank 1"
+    assert report[1] == f"  raised at: {MODELS}:{line_of('RAISE-LINE')} in forward"
+    assert "rank 0 lost its peer" in res.stderr or "rank 0 was stopped by torchrun" in res.stderr
+    assert "start over with: scaleloop train --config" in report[-1]
+    for noise in ("Traceback", "Root Cause", "ChildFailedError", "[rank1]"):
+        assert noise not in res.stdout + res.stderr
+    assert f"logs: {out}/logs/rank-1.log" in res.stderr
+    for rank in (0, 1):
+        assert (out / "logs" / f"rank-{rank}.log").is_file()
+    assert "ValueError: bad batch on rank 1" in (out / "logs" / "rank-1.log").read_text()  # the full traceback
+    saved = json.loads((out / "failure.json").read_text())
+    assert {k: saved[k] for k in ("kind", "rank", "epoch", "step", "error_type", "message")} == {
+        "kind": "failed", "rank": 1, "epoch": 1, "step": 3, "error_type": "ValueError", "message": "bad batch on rank 1"}
+    assert saved["frame"] == f"{MODELS}:{line_of('RAISE-LINE')} in forward"
+    assert saved["logs"] == {"0": "logs/rank-0.log", "1": "logs/rank-1.log"} and saved["report"] == report
+
+
+def test_a_stalled_rank_is_named_with_where_it_is_stuck(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    started = time.monotonic()
+    res = run([*TRAIN, "--model", "failing_models:stalls", "--timeout", "5", "--out", str(out)],
+              cwd=SCRIPTS, timeout=180, env=env())
+    elapsed = time.monotonic() - started
+    assert res.returncode == 1, res.stderr
+    assert elapsed < 60, f"took {elapsed:.0f} s with --timeout 5"
+    report = report_of(res.stderr)
+    assert len(report) <= 15, res.stderr
+    assert report[0].startswith("scaleloop: error: the run stalled at epoch 1, step 3: rank 1 stopped taking part; "
+                                "rank 0 gave up waiting after 5 s (--timeout)"), res.stderr
+    assert f"  rank 1 was at: {MODELS}:{line_of('SLEEP-LINE')} in forward" in report
+    assert "  rank 0 waited in: gradient all-reduce in backward (DDP)" in "\n".join(report)
+    assert "Traceback" not in res.stderr
+    saved = json.loads((out / "failure.json").read_text())
+    assert saved["kind"] == "stalled" and saved["rank"] == 1 and saved["step"] == 3
+    assert saved["frame"] == f"{MODELS}:{line_of('SLEEP-LINE')} in forward"
+    assert saved["waiting_in"] == "gradient all-reduce in backward (DDP)"
+
+
+def test_ctrl_c_prints_one_line(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*TRAIN, "--epochs", "500", "--out", str(out)], cwd=SCRIPTS, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen = threading.Event()
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("epoch 2:"):  # training, with a checkpoint written
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert seen.wait(timeout=120), "".join(lines)
+        os.killpg(proc.pid, signal.SIGINT)  # as the terminal does: the whole foreground group
+        assert proc.stderr is not None
+        err = proc.stderr.read()
+        proc.wait(timeout=60)
+    finally:
+        kill_group(proc)
+    reader.join(timeout=10)
+    said = [line for line in err.splitlines() if line.strip()]
+    assert said == [f"scaleloop: interrupted; everything written so far is kept; continue from the last "
+                    f"checkpoint with: scaleloop train --out {out}"], err
+    assert proc.returncode == 130
+    assert json.loads((out / "failure.json").read_text())["kind"] == "interrupted"

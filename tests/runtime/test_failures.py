@@ -1,0 +1,200 @@
+"""Failure reports from what workers leave behind: error files, stack dumps, the report, failure.json.
+
+The error files here are written by the worker's real handler (``scaleloop.runtime.worker``)
+from exceptions raised in this process; the stack dumps have faulthandler's format. The real
+2-process runs are in tests/distributed/test_failures_dist.py.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scaleloop.config import TrainConfig
+from scaleloop.runtime.failures import FAILURE_FILE, analyse, read_stack_dump
+from scaleloop.runtime.frames import note_where, where_of
+from scaleloop.runtime.worker import ATTEMPT_MARK, _RankErrorHandler
+
+ELASTIC = "logs/torchrun/launch/run-id_x"
+GLOO_CLOSED = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+               "[127.0.0.1]:5289. This is typically caused by a remote worker crashing.")
+GLOO_TIMEOUT = "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv operation to complete"
+
+
+def user_forward(step: int) -> None:
+    raise ValueError(f"bad batch at {step}")  # the user's line
+
+
+def record(run: Path, monkeypatch: pytest.MonkeyPatch, rank: int, exc_fn, log_text: str = "") -> dict:
+    """Raise through ``exc_fn`` and record it as rank ``rank``'s worker would."""
+    path = run / ELASTIC / "attempt_0" / str(rank) / "error.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    (run / "logs" / f"rank-{rank}.log").write_text(f"{ATTEMPT_MARK} rank {rank}, attempt 0 ====\n{log_text}")
+    try:
+        exc_fn()
+    except Exception as exc:  # as torch's record() does
+        _RankErrorHandler(rank, open(run / "logs" / f"rank-{rank}.log", "a")).record_exception(exc)
+    return json.loads(path.read_text())
+
+
+def raise_in_loop() -> None:
+    try:
+        user_forward(3)
+    except Exception as exc:
+        note_where(exc, epoch=1, step=3)
+        raise
+
+
+def dump(*frames: tuple[str, int, str], thread: bool = True) -> str:
+    """A faulthandler dump: a helper thread, then the main thread (innermost frame first)."""
+    lines = []
+    if thread:
+        lines += ["Thread 0x00007f0000000001 (most recent call first):",
+                  '  File "/usr/lib/python3.11/threading.py", line 324 in wait',
+                  '  File "/usr/lib/python3.11/threading.py", line 995 in _bootstrap', ""]
+    lines.append("Current thread 0x00007f0000000002 (most recent call first):")
+    lines += [f'  File "{p}", line {n} in {name}' for p, n, name in frames]
+    lines.append('  File "<frozen runpy>", line 198 in _run_module_as_main')
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    (tmp_path / "logs").mkdir()
+    return tmp_path
+
+
+def test_the_error_file_holds_rank_epoch_step_and_the_users_frame(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = record(run, monkeypatch, 1, raise_in_loop)
+    assert data["message"]["message"] == "ValueError: bad batch at 3"       # torch's own fields stay
+    assert "py_callstack" in data["message"]["extraInfo"]
+    ours = data["message"]["extraInfo"]["scaleloop"]
+    assert ours["rank"] == 1 and ours["epoch"] == 1 and ours["step"] == 3
+    assert ours["frame"].endswith(f"test_failures.py:{user_forward.__code__.co_firstlineno + 1} in user_forward")
+    assert ours["communication"] is False and ours["waiting_in"] is None
+
+
+def test_a_raising_rank_is_named_and_the_others_summarised(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    record(run, monkeypatch, 1, raise_in_loop)
+    record(run, monkeypatch, 0, lambda: (_ for _ in ()).throw(RuntimeError(GLOO_CLOSED)))
+    (run / "logs" / "rank-2.log").write_text(f"{ATTEMPT_MARK} rank 2 ====\n" + dump(
+        ("/venv/lib/python3.11/site-packages/torch/autograd/graph.py", 829, "_engine_run_backward")))
+    failure = analyse(run, run / "logs/torchrun/launch", [0, 1, 2], 300.0, 1, "CONTINUE")
+    failure.write(run)
+    report = failure.report
+    assert len(report) <= 15
+    assert report[0] == "scaleloop: error: rank 1 of 3 failed at epoch 1, step 3: ValueError: bad batch at 3"
+    assert report[1].startswith("  raised at: ") and report[1].endswith("in user_forward")
+    assert report[2].strip() == 'raise ValueError(f"bad batch at {step}")  # the user\'s line'
+    then = next(line for line in report if line.startswith("  then: "))
+    assert "rank 0 lost its peer (RuntimeError: Connection closed by peer [127.0.0.1]:5289.)" in then
+    assert "rank 2 was stopped by torchrun" in then
+    assert f"{run}/logs/rank-1.log" in "\n".join(report) and report[-1] == "  CONTINUE"
+    saved = json.loads((run / FAILURE_FILE).read_text())
+    assert saved["kind"] == "failed" and saved["rank"] == 1 and (saved["epoch"], saved["step"]) == (1, 3)
+    assert saved["error_type"] == "ValueError" and saved["message"] == "bad batch at 3"
+    assert saved["frame"] == report[1].partition(": ")[2]
+    assert saved["logs"] == {"0": "logs/rank-0.log", "1": "logs/rank-1.log", "2": "logs/rank-2.log"}
+    assert saved["report"] == report and saved["waiting_in"] is None and saved["time"]
+
+
+def test_the_first_of_two_raising_ranks_is_the_cause(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    record(run, monkeypatch, 0, lambda: user_forward(1))
+    record(run, monkeypatch, 1, lambda: user_forward(2))
+    failure = analyse(run, run / "logs/torchrun/launch", [0, 1], None, 1, "CONTINUE")
+    assert failure.rank == 0 and "also raised: rank 1: ValueError: bad batch at 2" in "\n".join(failure.report)
+
+
+def test_a_stall_names_the_rank_behind_where_it_is_and_the_collective(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    namespace: dict = {}
+    # A function that torch.distributed would hold: its file name is what counts.
+    exec(compile("def all_reduce(t):\n    raise RuntimeError(%r)\n" % GLOO_TIMEOUT,
+                 "/venv/site-packages/torch/distributed/distributed_c10d.py", "exec"), namespace)
+
+    def sum_over_ranks() -> None:
+        namespace["all_reduce"](1)
+
+    data = record(run, monkeypatch, 0, sum_over_ranks)["message"]["extraInfo"]["scaleloop"]
+    assert data["communication"] and data["timed_out"]
+    assert data["waiting_in"].startswith("all_reduce in sum_over_ranks (") and "test_failures.py:" in data["waiting_in"]
+    model = run / "mymodel.py"
+    model.write_text("import time\n\ndef forward(x):\n    time.sleep(600)  # stuck here\n")
+    (run / "logs" / "rank-1.log").write_text(f"{ATTEMPT_MARK} rank 1 ====\nstep lines\n" + dump(
+        (str(model), 4, "forward"),
+        ("/venv/lib/python3.11/site-packages/torch/nn/modules/module.py", 1789, "_call_impl"),
+        ("/repo/src/scaleloop/loop/step.py", 75, "micro")))
+    failure = analyse(run, run / "logs/torchrun/launch", [0, 1], 5.0, 1, "CONTINUE")
+    assert failure.kind == "stalled" and failure.rank == 1 and failure.frame == f"{model}:4 in forward"
+    assert failure.waiting_in == data["waiting_in"]
+    text = "\n".join(failure.report)
+    assert failure.report[0].startswith("scaleloop: error: the run stalled: rank 1 stopped taking part; "
+                                        "rank 0 gave up waiting after 5 s (--timeout)")
+    assert f"rank 1 was at: {model}:4 in forward\n      time.sleep(600)  # stuck here" in text
+    assert "rank 0 waited in: all_reduce in sum_over_ranks" in text and "raise --timeout (now 5 s)" in text
+
+
+def test_a_crashed_rank_without_python_error(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    record(run, monkeypatch, 0, lambda: (_ for _ in ()).throw(RuntimeError(GLOO_CLOSED)))
+    (run / "logs" / "rank-1.log").write_text(f"{ATTEMPT_MARK} rank 1 ====\nFatal Python error: Segmentation fault\n\n"
+                                             + dump(("/home/u/ext.py", 9, "kernel"), thread=False))
+    failure = analyse(run, run / "logs/torchrun/launch", [0, 1], None, 1, "CONTINUE")
+    assert failure.kind == "failed" and failure.rank == 1 and failure.frame == "/home/u/ext.py:9 in kernel"
+    assert failure.report[0] == "scaleloop: error: rank 1 crashed: Segmentation fault"
+
+
+def test_no_error_at_all_shows_the_end_of_torchruns_log(run: Path) -> None:
+    (run / "logs" / "torchrun.log").write_text("starting\nERROR address already in use\n")
+    failure = analyse(run, run / "logs/torchrun/launch", [], None, 1, "CONTINUE")
+    assert failure.rank is None and "torchrun exit code 1" in failure.report[0]
+    assert "    ERROR address already in use" in failure.report
+
+
+def test_only_the_last_attempt_of_a_log_is_read(tmp_path: Path) -> None:
+    log = tmp_path / "rank-0.log"
+    log.write_text(f"{ATTEMPT_MARK} 0\n" + dump(("/a/old.py", 1, "f")) + f"{ATTEMPT_MARK} 1\nno dump\n")
+    assert read_stack_dump(log) is None
+    log.write_text(f"{ATTEMPT_MARK} 0\n" + dump(("/a/new.py", 2, "g")))
+    found = read_stack_dump(log)
+    assert found is not None and str(found.frames[-1]) == "/a/new.py:2 in g" and not found.waiting()
+
+
+def test_where_is_found_through_chained_exceptions() -> None:
+    inner = ValueError("x")
+    note_where(inner, epoch=2, step=7)
+    note_where(inner, epoch=9, step=9)          # the first note wins
+    outer = RuntimeError("y")
+    outer.__cause__ = inner
+    assert where_of(outer) == {"epoch": 2, "step": 7}
+    assert where_of(KeyError()) == {"epoch": None, "step": None}
+
+
+def test_flight_recorder_variables_for_cuda_workers_only(tmp_path: Path) -> None:
+    from scaleloop.runtime.torchrun import workers_env
+
+    env = workers_env(TrainConfig(device="cuda", nproc=2), tmp_path / "logs", environ={"PATH": "/bin"})
+    assert env["TORCH_FR_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "logs" / "nccl-trace-rank-") and env["PATH"] == "/bin"
+    mine = workers_env(TrainConfig(device="cuda", nproc=2), tmp_path, environ={"TORCH_FR_BUFFER_SIZE": "64"})
+    assert mine["TORCH_FR_BUFFER_SIZE"] == "64"                       # the user's own setting wins
+    assert "TORCH_FR_BUFFER_SIZE" not in workers_env(TrainConfig(device="cpu", nproc=2), tmp_path, environ={})
+
+
+def test_supervised_command_is_torchrun_with_logs(tmp_path: Path) -> None:
+    from scaleloop.runtime.torchrun import supervised_command
+
+    cmd = supervised_command(TrainConfig(nproc=2), ["scaleloop.cli", "train"], tmp_path, "L1", python="py")
+    assert cmd[:4] == ["py", "-m", "scaleloop.runtime.agent", str(tmp_path / "torchrun.log")]
+    assert "--nproc-per-node=2" in cmd and "--standalone" in cmd and f"--log-dir={tmp_path}/torchrun/L1" in cmd
+    assert cmd[-5:] == ["-m", "scaleloop.runtime.worker", str(tmp_path), "scaleloop.cli", "train"]
+
+
+def test_timeout_flag_and_default() -> None:
+    from scaleloop.cli import build_parser
+    from scaleloop.runtime.cmdline import flag_values
+    from scaleloop.runtime.dist import DEFAULT_TIMEOUT_S
+
+    assert TrainConfig().timeout == DEFAULT_TIMEOUT_S
+    assert flag_values(build_parser().parse_args(["train", "--timeout", "5"]))["timeout"] == 5.0
+    assert flag_values(build_parser().parse_args(["verify", "--timeout", "7"]))["timeout"] == 7.0
