@@ -49,6 +49,7 @@ def test_every_command_is_registered() -> None:
     (("scaling", "--strong", "--batch-size", "63", "--workers", "1,2"), "does not divide by 2"),
     (("scaling", "--compute-ms", "-1"), "--compute-ms"),
     (("scaling", "--target-efficiency", "1.5"), "--target-efficiency"),
+    (("scaling", "--target-mfu", "40"), "--target-mfu must be in (0, 1]"),
     (("scaling", "--repeats", "0"), "--repeats must be a positive"),
     (("strategies", "--workers", "3", "--batch-size", "32"), "does not split"),
     (("overhead", "--model", "nosuchnet"), "unknown model"),

@@ -110,6 +110,13 @@ def test_scaling_projection_and_model_check(scaling: tuple[dict[str, Any], str, 
     assert check["error_points_no_overlap"] == pytest.approx(
         check["predicted_efficiency_no_overlap"] - check["measured_efficiency"])
     assert "MODEL: projected weak-scaling efficiency" in md and "not a measurement" in md
+    # On a CPU the GPU's compute time is estimated from FLOPs and says so wherever it is shown;
+    # the measured CPU step is not the projection's compute.
+    assert model["compute_source"].startswith("ESTIMATED, not measured: ")
+    assert model["compute_s"] != pytest.approx(data["data"]["points"][0]["breakdown"]["step_s"], rel=0.5)
+    assert md.count("ESTIMATED, not measured") >= 3   # both projection tables and the inputs note
+    assert "nothing about GPUs here is measured" in md
+    assert "against a published scaling table" in md and len(model["published_check"]) == 6
 
 
 def test_strategies_table(tmp_path: Path) -> None:

@@ -94,7 +94,14 @@ def add_parser(subparsers: Any, parser_class: type[argparse.ArgumentParser]) -> 
                               "workers (default: weak scaling, --batch-size per worker)")
     scaling.add_argument("--threads", type=int, default=None, help="torch threads per worker on CPU (default: 1)")
     scaling.add_argument("--compute-ms", type=float, default=None,
-                         help="projection only: assume this compute time per step instead of the measured one")
+                         help="projection only: assume this compute time per step on the target GPU (default: "
+                              "measured on a GPU; on a CPU, estimated from the model's FLOPs, --target-gpu and "
+                              "--target-mfu)")
+    scaling.add_argument("--target-gpu", default=None, choices=("h100", "h200", "a100"),
+                         help="projection only: the GPU projected to (default: h100)")
+    scaling.add_argument("--target-mfu", type=float, default=None,
+                         help="projection only: the MFU assumed where the GPU's compute time is estimated from "
+                              "FLOPs (default: 0.4)")
     scaling.add_argument("--repeats", type=int,
                          help="interleaved repetitions of every worker count (default: 3; --quick: 1)")
     scaling.add_argument("--target-efficiency", type=float, default=0.9, dest="target_efficiency",
@@ -329,10 +336,14 @@ def _dispatch(args: argparse.Namespace, say: Callable[[str], None]) -> tuple[Any
             raise UsageError(f"--compute-ms must be positive, got {args.compute_ms}")
         if not 0 < args.target_efficiency <= 1:
             raise UsageError(f"--target-efficiency must be in (0, 1], got {args.target_efficiency}")
+        target_mfu = 0.4 if args.target_mfu is None else args.target_mfu
+        if not 0 < target_mfu <= 1:
+            raise UsageError(f"--target-mfu must be in (0, 1], got {target_mfu} (0.4 is 40%)")
         opts = ScalingOptions(workload, parse_workers(args.workers, device), strategy=args.strategy,
                               strong=args.strong, batch_size=_value(args, "batch_size"),
                               threads=args.threads if args.threads is not None else 1,
-                              compute_ms=args.compute_ms, allreduce_reps=_value(args, "allreduce_reps"),
+                              compute_ms=args.compute_ms, target_gpu=args.target_gpu or "h100", target_mfu=target_mfu,
+                              allreduce_reps=_value(args, "allreduce_reps"),
                               repeats=_value(args, "repeats"), target_efficiency=args.target_efficiency,
                               quick=quick, command=line)
         return run_scaling(opts, say), plots.plot_scaling

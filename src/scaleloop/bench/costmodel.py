@@ -176,3 +176,49 @@ def check_against_measured(points: Sequence[Mapping[str, Any]], fabric: Fabric) 
             row[f"error_rate_{mode}"] = rate / p["samples_per_s"] - 1
         out.append(row)
     return out
+
+
+@dataclass(frozen=True)
+class TargetGPU:
+    """The GPU a projection is for: dense bf16 peak and memory bandwidth (datasheet figures)."""
+
+    key: str
+    name: str
+    peak_flops: float
+    hbm_Bps: float
+
+
+TARGET_GPUS: tuple[TargetGPU, ...] = (
+    TargetGPU("h100", "NVIDIA H100 SXM", 989e12, 3.35e12),
+    TargetGPU("h200", "NVIDIA H200", 989e12, 4.8e12),
+    TargetGPU("a100", "NVIDIA A100 SXM", 312e12, 2.0e12),
+)
+#: The MFU assumed when a GPU's compute time is estimated, not measured: what a well-tuned
+#: bf16 transformer step reaches on an H100 (small models and convolutions reach less).
+DEFAULT_TARGET_MFU = 0.4
+#: Bytes an Adam step reads and writes per fp32 parameter: weight (r/w), gradient (r), two moments (r/w).
+OPTIMIZER_BYTES_PER_PARAM = 28
+#: The least time an eager step takes on a GPU however small the model: some tens of kernel
+#: launches of a few microseconds each, and the Python between them. An assumption, stated.
+MIN_GPU_STEP_S = 0.3e-3
+
+
+def target_gpu(key: str) -> TargetGPU:
+    """The entry of :data:`TARGET_GPUS` named ``key``."""
+    for gpu in TARGET_GPUS:
+        if gpu.key == key:
+            return gpu
+    raise ValueError(f"unknown target GPU {key!r}; known: {', '.join(g.key for g in TARGET_GPUS)}")
+
+
+def estimated_compute(flops_per_sample: float, batch: int, parameters: int, gpu: TargetGPU,
+                      mfu: float) -> StepCompute:
+    """A step's compute on ``gpu`` from its FLOPs: ``flops x batch / (peak x mfu)``, split 1:2
+    between forward and backward (backward computes two products per forward one), plus an
+    optimizer step bound by memory bandwidth, and at least :data:`MIN_GPU_STEP_S` in all. An
+    estimate, to be labelled as one."""
+    matmul_s = flops_per_sample * batch / (gpu.peak_flops * mfu)
+    optimizer_s = parameters * OPTIMIZER_BYTES_PER_PARAM / gpu.hbm_Bps
+    # A tiny model is bound by launches, not FLOPs: its step takes at least MIN_GPU_STEP_S.
+    matmul_s = max(matmul_s, MIN_GPU_STEP_S - optimizer_s)
+    return StepCompute(0.0, matmul_s / 3, 2 * matmul_s / 3, optimizer_s)

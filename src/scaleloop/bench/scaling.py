@@ -19,12 +19,12 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
 from scaleloop.bench import breakdown as bd
-from scaleloop.bench import costmodel
+from scaleloop.bench import costmodel, published
 from scaleloop.bench.flops import mfu, peak_for, workload_flops_per_sample
 from scaleloop.bench.hardware import describe_hardware, hardware_slug, load_average, threads_text
 from scaleloop.bench.launcher import run_workers
@@ -45,6 +45,8 @@ class ScalingOptions:
     batch_size: int = 64          # the batch at 1 worker (per worker for weak, global for strong)
     threads: Optional[int] = 1    # per worker, CPU only
     compute_ms: Optional[float] = None   # projection: assume this compute time per step instead
+    target_gpu: str = "h100"      # projection: the GPU projected to (costmodel.TARGET_GPUS)
+    target_mfu: float = costmodel.DEFAULT_TARGET_MFU   # its MFU, where compute is estimated from FLOPs
     allreduce_reps: int = 10
     repeats: int = 1              # interleaved repetitions of every worker count
     target_efficiency: Optional[float] = 0.9   # the report says whether each point reaches it
@@ -112,7 +114,7 @@ def run_scaling(opts: ScalingOptions, say: Say) -> BenchReport:
     for p in points:
         p["mfu"] = mfu(flops["flops_per_sample"], p["samples_per_s"], p["workers"] * peak.flops_per_s)
 
-    projection, check, fabric, compute, buckets = _model(points, opts)
+    projection, check, fabric, compute, buckets, source = _model(points, opts, device, flops)
     attribution = [bd.attribute(points[0], p) for p in points[1:]]
     hw["load_1m_end"] = load_average()
     report = BenchReport(
@@ -124,13 +126,14 @@ def run_scaling(opts: ScalingOptions, say: Say) -> BenchReport:
                   "mode": "strong" if opts.strong else "weak", "batch_size": opts.batch_size,
                   "threads_per_worker": opts.threads, "device": device.type, "repeats": opts.repeats,
                   "target_efficiency": opts.target_efficiency},
-        tables=_tables(points, projection, check, attribution, opts),
+        tables=_tables(points, projection, check, attribution, opts, source, compute),
         quick=opts.quick,
         data={"points": points, "attribution": attribution, "flops": flops, "peak": {"flops_per_s": peak.flops_per_s, "source": peak.source},
               "model": {"compute_s": compute.total_s, "compute": compute.__dict__, "grad_bytes": points[0]["comm"]["grad_bytes"],
                         "buckets": buckets, "fabric": fabric.__dict__ if fabric else None,
                         "interconnects": [i.__dict__ for i in costmodel.INTERCONNECTS],
-                        "projection": projection, "check": check}},
+                        "projection": projection, "check": check, "compute_source": source,
+                        "published_check": published.check_published()}},
     )
     best = points[-1]
     report.headline = (f"{best['workers']} workers: {best['samples_per_s']:,.0f} samples/s, "
@@ -138,7 +141,7 @@ def run_scaling(opts: ScalingOptions, say: Say) -> BenchReport:
                        + (f" (per repetition {best['efficiency_min']:.2f} - {best['efficiency_max']:.2f})"
                           if opts.repeats > 1 else ""))
     report.notes = (notes + bd.target_notes(opts.target_efficiency, points, attribution) + _run_notes(opts, device, points, hw)
-                    + _notes(opts, device, peak, fabric, compute, buckets) + _contention(points, check))
+                    + _notes(opts, device, peak, fabric, compute, buckets, source) + _contention(points, check))
     return report
 
 
@@ -220,15 +223,31 @@ def _contention(points: Sequence[dict[str, Any]], check: Sequence[dict[str, Any]
     return notes
 
 
-def _model(points: Sequence[dict[str, Any]], opts: ScalingOptions):
-    """Projection from the 1-worker compute time, and the check of the model on the measured points."""
+def _model(points: Sequence[dict[str, Any]], opts: ScalingOptions, device: torch.device,
+           flops: Mapping[str, float]):
+    """Projection from the target GPU's compute time per step, and the check of the model on the
+    measured points. The compute is measured where this run is on a GPU, else ``--compute-ms``,
+    else estimated from the model's FLOPs, the target's peak and ``--target-mfu``; ``source``
+    says which, for every table and note that shows it."""
     base = points[0]
     compute = costmodel.StepCompute.from_breakdown(base["breakdown"])
+    gpu = costmodel.target_gpu(opts.target_gpu)
     if opts.compute_ms is not None:
         # Every phase stretched by the same factor to the asked total: "what if compute took X ms".
         factor = opts.compute_ms / 1e3 / compute.total_s
         compute = costmodel.StepCompute(compute.data_s * factor, compute.forward_s * factor,
                                         compute.backward_s * factor, compute.optimizer_s * factor)
+        source = f"assumed: --compute-ms {opts.compute_ms:g}"
+    elif device.type == "cuda":
+        source = f"measured at 1 worker on {torch.cuda.get_device_name(device)}"
+    else:
+        batch = base["per_worker_batch"]
+        compute = costmodel.estimated_compute(flops["flops_per_sample"], batch, int(flops["parameters"]), gpu,
+                                              opts.target_mfu)
+        source = (f"ESTIMATED, not measured: {fmt_flops(flops['flops_per_sample'])} per sample x {batch} / "
+                  f"({gpu.name} {gpu.peak_flops / 1e12:g} TFLOP/s bf16 x {opts.target_mfu:.0%} MFU) + an Adam step "
+                  f"at {gpu.hbm_Bps / 1e12:g} TB/s, at least {costmodel.MIN_GPU_STEP_S * 1e3:g} ms for kernel "
+                  "launches (assumed)")
     multi = [p for p in points if p["workers"] > 1]
     measured_buckets = multi[-1]["comm"]["buckets_per_step"] if multi else None
     nbytes = base["comm"]["grad_bytes"]
@@ -241,11 +260,12 @@ def _model(points: Sequence[dict[str, Any]], opts: ScalingOptions):
     if multi and multi[0].get("allreduce_bench"):
         fabric = costmodel.fit_fabric(multi[0]["allreduce_bench"])
         check = costmodel.check_against_measured(points, fabric)
-    return projection, check, fabric, compute, buckets
+    return projection, check, fabric, compute, buckets, source
 
 
 def _tables(points: Sequence[dict[str, Any]], projection: list[dict[str, Any]],
-            check: list[dict[str, Any]], attribution: Sequence[dict[str, Any]], opts: ScalingOptions) -> list[Table]:
+            check: list[dict[str, Any]], attribution: Sequence[dict[str, Any]], opts: ScalingOptions,
+            source: str, compute: costmodel.StepCompute) -> list[Table]:
     repeated = opts.repeats > 1
     rows = [{"workers": p["workers"], "per_worker_batch": p["per_worker_batch"], "global_batch": p["global_batch"],
              "samples_per_s": p["samples_per_s"], "speedup": p["speedup"], "efficiency": p["efficiency"],
@@ -306,7 +326,8 @@ def _tables(points: Sequence[dict[str, Any]], projection: list[dict[str, Any]],
         tables.append(Table(f"MODEL: projected weak-scaling efficiency, {label} (GPUs)", cols,
                             list(by_link.values()),
                             "A cost model, not a measurement: ring all-reduce of the measured gradient bytes "
-                            "on each interconnect, added to the measured 1-worker compute time per step."))
+                            f"on each interconnect, added to a compute time per step of "
+                            f"{compute.total_s * 1e3:.3g} ms ({source})."))
     if check:
         tables.append(Table("MODEL CHECK: the cost model against the measured points", [
             Column("workers", "workers"), Column("measured_efficiency", "measured efficiency", fmt_ratio),
@@ -316,7 +337,24 @@ def _tables(points: Sequence[dict[str, Any]], projection: list[dict[str, Any]],
             Column("error_points_overlap", "error (overlap)", _fmt_signed),
             Column("predicted_comm_s", "model all-reduce ms", fmt_ms)], check,
             "Fabric latency and bandwidth fitted to the lone all-reduces; error = model - measured efficiency."))
+    tables.append(_published_table())
     return tables
+
+
+def _published_table() -> Table:
+    """The model's communication terms against a published table (scaleloop.bench.published)."""
+    rows = published.check_published()
+    return Table("MODEL CHECK: the cost model against a published scaling table", [
+        Column("fabric", "assumed fabric"), Column("gpus", "GPUs"),
+        Column("published_efficiency", "published efficiency", fmt_ratio),
+        Column("model_no_overlap", "model, no overlap", fmt_ratio),
+        Column("error_no_overlap", "error (no overlap)", _fmt_signed),
+        Column("model_overlap", "model, overlap", fmt_ratio),
+        Column("error_overlap", "error (overlap)", _fmt_signed),
+        Column("comm_s", "model all-reduce ms", fmt_ms)], rows,
+        f"{published.SEED_002.source}; {published.SEED_002.assumption}. The model overestimates efficiency by "
+        f"up to {published.worst_error(rows) * 100:.0f} points there: it counts only the all-reduce, not the "
+        "input pipeline, stragglers or synchronisation, so read its projections as upper bounds.")
 
 
 def _fmt_signed(v: float) -> str:
@@ -324,18 +362,18 @@ def _fmt_signed(v: float) -> str:
 
 
 def _notes(opts: ScalingOptions, device: torch.device, peak: Any, fabric: Optional[costmodel.Fabric],
-           compute: costmodel.StepCompute, buckets: int) -> list[str]:
+           compute: costmodel.StepCompute, buckets: int, source: str) -> list[str]:
     notes = []
     if device.type == "cpu":
         notes.append(f"Workers are processes on the CPU (Gloo), each with {threads_text(opts.threads or 1)}, the "
                      "1-worker baseline included.")
-        notes.append("No GPU was available for this run; the GPU columns of the projection are a model only.")
+        notes.append("No GPU was available for this run: nothing about GPUs here is measured. The projection "
+                     "uses a GPU compute time estimated from the model's FLOPs, and the measured CPU step is "
+                     "not used for it.")
     notes.append(f"MFU = counted training FLOPs per sample x samples/s / (workers x peak); peak per worker: "
                  f"{fmt_flops(peak.flops_per_s)}/s ({peak.source}).")
-    source = (f"--compute-ms {opts.compute_ms:g}" if opts.compute_ms is not None
-              else f"measured at 1 worker on {device.type}")
-    notes.append(f"Projection inputs: compute {compute.total_s * 1e3:.2f} ms per step ({source}; backward "
-                 f"{compute.backward_s * 1e3:.2f} ms), {buckets} all-reduce call(s) per step, per-GPU batch as "
+    notes.append(f"Projection inputs: compute {compute.total_s * 1e3:.3g} ms per step ({source}; backward "
+                 f"{compute.backward_s * 1e3:.3g} ms), {buckets} all-reduce call(s) per step, per-GPU batch as "
                  "measured (weak scaling).")
     for link in costmodel.INTERCONNECTS:
         notes.append(f"{link.name}: {link.bandwidth_Bps / 1e9:g} GB/s per worker, {link.latency_s * 1e6:g} us per "
