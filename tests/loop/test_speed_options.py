@@ -158,3 +158,19 @@ def test_data_on_device_needs_in_memory_tensors(tmp_path: Path) -> None:
             train(cfg, CPU, log=lambda _m: None)
     finally:
         sys.path.remove(str(tmp_path))
+
+
+def test_compile_on_cuda_names_a_missing_c_compiler(monkeypatch) -> None:
+    """Triton builds its launcher with a C compiler: without one, one line before any CUDA work."""
+    import importlib.util
+    import shutil
+
+    from scaleloop.errors import UsageError
+    from scaleloop.loop.speed import check_compile
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else real_find_spec(name, *a))
+    monkeypatch.setattr(shutil, "which", lambda _name: None)
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(UsageError, match="needs a C compiler for Triton's launcher"):
+        check_compile(torch.device("cuda"))

@@ -90,7 +90,7 @@ def _repetitions(opts: OverheadOptions, cfg: Any, raw_cfg: Any, data_path: str,
         raw, ours = raw_train(raw_cfg, device, data_path), scaleloop_run(-1)
         if not ours.in_memory_data:
             raise UsageError(f"--data {cfg.data}: the overhead bench compares in-memory datasets only")
-        saved = torch.load(Path(ours.run_dir) / "model.pt", weights_only=True)
+        saved = torch.load(Path(ours.run_dir) / "model.pt", map_location="cpu", weights_only=True)
         weights_diff = max(float((saved[k].float() - raw.state[k].float()).abs().max()) for k in saved)
         for i in range(opts.repeats):
             # Alternate which loop goes first, so neither always runs on a warmer (or hotter) machine.

@@ -82,11 +82,23 @@ def build_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter],
     if not cfg.fused_optimizer:
         return kind(params, **options)  # PyTorch's default implementation for the parameters' device
     params = list(params)
+    if kind is torch.optim.SGD and any(_is_dtensor(p) for p in params):
+        # FSDP2's sharded parameters: DTensor has no sharding rule for the fused SGD kernel (it
+        # raises at the first step, torch 2.11-2.13); the multi-tensor loop works on shards.
+        return kind(params, foreach=True, **options)
     try:
         # One kernel over all parameters (CUDA and the CPU have them; torch checks the device).
         return kind(params, fused=True, **options)
     except RuntimeError:
         return kind(params, foreach=True, **options)  # the multi-tensor loop: a few kernels per step
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a build without torch.distributed
+        return False
+    return isinstance(tensor, DTensor)
 
 
 def build_run(cfg: TrainConfig, env: DistEnv, *,

@@ -33,6 +33,7 @@ def check_compile(device: torch.device) -> None:
     """UsageError, in one line, when torch.compile's default backend (inductor) cannot generate
     code for ``device`` here: C++ on the CPU, Triton on CUDA."""
     import importlib.util
+    import os
     import shutil
 
     if device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
@@ -41,3 +42,8 @@ def check_compile(device: torch.device) -> None:
     if device.type == "cuda" and importlib.util.find_spec("triton") is None:
         raise UsageError("--compile on CUDA needs Triton (pip install triton) and it is not installed: install "
                          "it, or drop --compile")
+    # Triton builds its kernel launcher with the system's C compiler ($CC, else cc/gcc/clang).
+    compilers = [c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c]
+    if device.type == "cuda" and not any(shutil.which(c) for c in compilers):
+        raise UsageError("--compile on CUDA needs a C compiler for Triton's launcher (gcc or clang on the PATH, "
+                         "or $CC) and none was found: install one, or drop --compile")

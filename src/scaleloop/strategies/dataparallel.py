@@ -28,7 +28,12 @@ class DataParallel(HandWrittenLoop):
     def _wrap(self, model: nn.Module) -> nn.Module:
         if self._sync_batchnorm:
             raise UsageError("--sync-batchnorm needs one process per device; use --strategy ddp with it")
-        return nn.DataParallel(model)
+        # From this run's device on: the module and its outputs live there (cuda:N, N > 0, too).
+        return nn.DataParallel(model, device_ids=self._device_ids(), output_device=self.env.device)
+
+    def _device_ids(self) -> list[int]:
+        first = self.env.device.index or 0
+        return list(range(first, torch.cuda.device_count()))
 
     def describe(self) -> str:
-        return f"dp ({torch.cuda.device_count()} GPUs)"
+        return f"dp ({len(self._device_ids())} GPUs)"
