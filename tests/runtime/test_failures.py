@@ -198,3 +198,24 @@ def test_timeout_flag_and_default() -> None:
     assert TrainConfig().timeout == DEFAULT_TIMEOUT_S
     assert flag_values(build_parser().parse_args(["train", "--timeout", "5"]))["timeout"] == 5.0
     assert flag_values(build_parser().parse_args(["verify", "--timeout", "7"]))["timeout"] == 7.0
+
+
+def test_verify_names_the_rank_whose_own_code_failed(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from scaleloop.verify.diagnose import failure_cause
+
+    def kept(data: dict) -> dict:  # the keys Recorder.fail adds from the same description
+        ours = data["message"]["extraInfo"]["scaleloop"]
+        return {k: ours[k] for k in ("frame", "communication", "timed_out", "waiting_in", "time")}
+
+    own = kept(record(run, monkeypatch, 1, raise_in_loop))
+    lost = kept(record(run, monkeypatch, 0, lambda: (_ for _ in ()).throw(RuntimeError(GLOO_CLOSED))))
+    # as verify's Recorder.fail writes them: both at step 3, rank 0's loss of its peer first in rank order
+    failures = [{"rank": 0, "step": 3, "error": f"RuntimeError: {GLOO_CLOSED}", **lost},
+                {"rank": 1, "step": 3, "error": "ValueError: bad batch at 3", **own}]
+    cause = failure_cause(failures)
+    assert cause.detail.startswith("rank 1 at step 3: ValueError: bad batch at 3 (raised at ")
+    timed_out = dict(failures[0], error=f"RuntimeError: {GLOO_TIMEOUT}", timed_out=True,
+                     waiting_in="gradient all-reduce in backward (DDP)")
+    cause = failure_cause([timed_out])
+    assert cause.title == "the distributed run stalled"
+    assert "rank(s) 0 gave up at step 3 after --timeout, waiting in gradient all-reduce in backward (DDP)" in cause.detail

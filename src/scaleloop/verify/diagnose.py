@@ -119,9 +119,20 @@ def fallback(cfg: TrainConfig, first_failure: Optional[str]) -> Cause:
 
 
 def failure_cause(failures: Sequence[dict[str, Any]]) -> Cause:
-    """The distributed run stopped: its first error, by rank and step."""
-    first = min(failures, key=lambda f: (f["step"], f["rank"]))
+    """The distributed run stopped: its first error, by step, then time and rank.
+
+    A rank's own error comes before the others' lost connections (``communication``, recorded
+    by ``Recorder.fail``): those are its consequences, whatever their step or time.
+    """
+    first = min(failures, key=lambda f: (bool(f.get("communication")), f["step"], f.get("time") or 0.0, f["rank"]))
     error = (first.get("error") or "?").splitlines()[0]
     if len(error) > 240:
         error = error[:240].rstrip() + " ..."
-    return Cause("the distributed run failed", f"rank {first['rank']} at step {first['step']}: {error}")
+    where = f" (raised at {first['frame']})" if first.get("frame") else ""
+    if first.get("timed_out"):
+        waited = ", ".join(str(r) for r in sorted(f["rank"] for f in failures if f.get("timed_out")))
+        return Cause("the distributed run stalled",
+                     f"rank(s) {waited} gave up at step {first['step']} after --timeout, waiting in "
+                     f"{first.get('waiting_in') or 'a collective'}: a rank without an error of its own stopped "
+                     "taking part (its output is in torchrun.log); raise --timeout if it was only slow")
+    return Cause("the distributed run failed", f"rank {first['rank']} at step {first['step']}: {error}{where}")

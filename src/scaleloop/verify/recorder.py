@@ -28,6 +28,7 @@ from torch import nn
 from scaleloop.data.loader import Batch, ShardedLoader
 from scaleloop.runtime.collectives import gather_object, sum_over_ranks
 from scaleloop.runtime.dist import DistEnv
+from scaleloop.runtime.worker import describe_exception
 from scaleloop.loop.step import Observer
 from scaleloop.strategies.base import Strategy
 from scaleloop.strategies.pipeline import StageModule
@@ -251,6 +252,9 @@ class Recorder(Observer):
                   "traceback": traceback.format_exc(),
                   "no_grad": [n for n in names if n not in self._used] if self._used and self.hooks_see_grads else [],
                   "no_grad_before": self.no_grad}
+        # The user's frame, the time, and whether it only lost a peer: which rank failed first.
+        described = describe_exception(exc, self.env.rank)
+        record.update({k: described[k] for k in ("frame", "communication", "timed_out", "waiting_in", "time")})
         failure_file(self.out, self.env.rank).write_text(json.dumps(record), encoding="utf-8")
 
     def _attached(self) -> tuple[Strategy, nn.Module]:

@@ -18,11 +18,6 @@ from scaleloop.verify.options import VerifyOptions
 from scaleloop.verify.recorder import Recorder
 from scaleloop.verify.steps import RunSpec, run_steps
 
-# A rank that fails leaves the others waiting in a collective; torchrun ends them when the
-# failed one exits, and this bounds the wait should that not happen.
-COLLECTIVE_TIMEOUT_S = 120.0
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
@@ -32,7 +27,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = resolve(load_toml(root / CONFIG_FILE), {})
     opts = VerifyOptions.read(root / OPTIONS_FILE)
     env = DistEnv.from_env(device=cfg.device, backend=cfg.backend)
-    init_process_group(env, timeout_s=COLLECTIVE_TIMEOUT_S)
+    # --timeout: a rank that stops taking part makes the others stop after that long.
+    init_process_group(env, timeout_s=cfg.timeout)
     recorder = Recorder(env, distributed_dir(root), explain_step=opts.explain_step,
                         audit_data="data" in opts.checks, check_sync="sync" in opts.checks)
     try:
