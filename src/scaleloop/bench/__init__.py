@@ -9,6 +9,7 @@ One module per job:
 - ``worker``     the instrumented step loop; run under torchrun for N workers
 - ``launcher``   starts workers (torchrun for N > 1) and reads back their JSON
 - ``costmodel``  the ring all-reduce cost model and the projection to large clusters
+- ``published``  that model against a published scaling table, with its error
 - ``breakdown``  why N workers are not N x one: data, compute, communication and idle time per step
 - ``flops``      FLOPs per sample (``torch.utils.flop_counter``), peak FLOP/s, MFU
 - ``rawloop``    the hand-written PyTorch loop that the overhead bench compares against
