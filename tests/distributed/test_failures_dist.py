@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from procs import SRC, child_env, kill_group, run
+from scaleloop.doctor import diagnose
 
 pytestmark = pytest.mark.distributed
 
@@ -65,6 +66,10 @@ def test_a_raising_rank_is_reported_in_a_few_lines(tmp_path: Path) -> None:
         "kind": "failed", "rank": 1, "epoch": 1, "step": 3, "error_type": "ValueError", "message": "bad batch on rank 1"}
     assert saved["frame"] == f"{MODELS}:{line_of('RAISE-LINE')} in forward"
     assert saved["logs"] == {"0": "logs/rank-0.log", "1": "logs/rank-1.log"} and saved["report"] == report
+    told = diagnose(out)   # scaleloop doctor, later, from the run directory alone
+    assert told.state == "failed"
+    assert told.what == "failed on rank 1 at epoch 1, step 3 with ValueError: bad batch on rank 1"
+    assert f"raised at {MODELS}:{line_of('RAISE-LINE')} in forward" in told.details
 
 
 def test_a_stalled_rank_is_named_with_where_it_is_stuck(tmp_path: Path) -> None:
@@ -86,6 +91,11 @@ def test_a_stalled_rank_is_named_with_where_it_is_stuck(tmp_path: Path) -> None:
     assert saved["kind"] == "stalled" and saved["rank"] == 1 and saved["step"] == 3
     assert saved["frame"] == f"{MODELS}:{line_of('SLEEP-LINE')} in forward"
     assert saved["waiting_in"] == "gradient all-reduce in backward (DDP)"
+    told = diagnose(out)
+    assert told.state == "stalled"
+    assert told.what == (f"stalled: rank 1 stopped taking part at epoch 1, step 3, stuck at "
+                         f"{MODELS}:{line_of('SLEEP-LINE')} in forward")
+    assert "the other ranks waited in gradient all-reduce in backward (DDP)" in told.details
 
 
 def test_ctrl_c_prints_one_line(tmp_path: Path) -> None:
@@ -118,3 +128,6 @@ def test_ctrl_c_prints_one_line(tmp_path: Path) -> None:
                     f"checkpoint with: scaleloop train --out {out}"], err
     assert proc.returncode == 130
     assert json.loads((out / "failure.json").read_text())["kind"] == "interrupted"
+    told = diagnose(out)
+    assert told.state == "interrupted" and told.checkpoint is not None
+    assert told.continue_with == f"scaleloop train --out {out}"
