@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup train test clean
+.PHONY: setup train test clean gpu-check
 
 $(BIN)/scaleloop: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,12 @@ train: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# On a GPU machine (its own torch, no package index): install over that torch, run every CUDA
+# path, write benchmarks/<date>_<gpu>_gpu-check.md. GPU_CHECK_FLAGS=--cpu runs the plan without CUDA.
+gpu-check:
+	$(PYTHON) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(PYTHON) -m scaleloop.bench.gpucheck $(GPU_CHECK_FLAGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

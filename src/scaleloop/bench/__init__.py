@@ -19,4 +19,5 @@ One module per job:
 - ``index``      benchmarks/README.md, rebuilt from the results' JSON
 - ``startup``    what ``import scaleloop`` and ``scaleloop --help`` cost (``overhead --mode startup``)
 - ``cli``        the ``bench`` subcommand's flags; ``__main__``: ``python -m scaleloop.bench``
+- ``gpucheck``   ``make gpu-check``: every CUDA path in one run, one dated report (``--cpu`` in CI)
 """
