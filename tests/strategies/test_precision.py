@@ -75,7 +75,7 @@ def test_fp16_step_is_skipped_when_gradients_are_inf() -> None:
     p = Precision("fp16", CPU)
     scale = p.scaler.get_scale()
     stepped, model, before = _step_with_grads(p, float("inf"))
-    assert stepped is False
+    assert bool(stepped) is False
     assert torch.equal(model.weight.detach(), before)  # the optimizer did not touch the weights
     assert p.scaler.get_scale() < scale                # and the scale was lowered
 
@@ -83,7 +83,7 @@ def test_fp16_step_is_skipped_when_gradients_are_inf() -> None:
 def test_fp16_step_is_taken_with_finite_gradients() -> None:
     p = Precision("fp16", CPU)
     stepped, model, before = _step_with_grads(p, None)
-    assert stepped is True
+    assert bool(stepped) is True
     assert not torch.equal(model.weight.detach(), before)
     state = p.state_dict()
     assert "scale" in state
@@ -110,4 +110,4 @@ def test_unscale_gives_the_true_gradients() -> None:
 def test_fp32_step() -> None:
     p = Precision("fp32", CPU)
     stepped, model, before = _step_with_grads(p, None)
-    assert stepped is True and not torch.equal(model.weight.detach(), before)
+    assert bool(stepped) is True and not torch.equal(model.weight.detach(), before)

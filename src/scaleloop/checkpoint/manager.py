@@ -22,6 +22,8 @@ back needs a directory every rank sees: a file system shared by all nodes.
 """
 from __future__ import annotations
 
+import shlex
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,8 +35,10 @@ from torch import nn
 from scaleloop.checkpoint.resume import check_compatible, find_checkpoint
 from scaleloop.checkpoint.state import capture_rng, from_bytes, restore_rng, to_bytes
 from scaleloop.checkpoint.store import (CHECKPOINTS_DIR, FORMAT_VERSION, STATE_FILE, CheckpointError,
-                                        begin_checkpoint, finish_checkpoint, prune, retire_after)
+                                        begin_checkpoint, finish_checkpoint, newest_valid, prune, retire_after,
+                                        step_dir_name)
 from scaleloop.config import TrainConfig
+from scaleloop.output.rundir import RunDirWriteError, unwritable
 from scaleloop.runtime.collectives import broadcast_object, gather_object, sum_over_ranks
 from scaleloop.strategies.base import Strategy
 
@@ -48,6 +52,7 @@ class Progress:
     global_step: int = 0
     samples: int = 0
     train_s: float = 0.0
+    skipped_steps: int = 0      # optimizer steps the fp16 GradScaler skipped so far (counted in global_step)
 
 
 @dataclass
@@ -74,6 +79,11 @@ class Checkpointer:
         self.last_path: Optional[Path] = None
         self._last_step: Optional[int] = None
 
+    @property
+    def last_step(self) -> Optional[int]:
+        """The step of the newest checkpoint this run wrote or resumed from (on every rank), if any."""
+        return self._last_step
+
     def attach(self, run_dir: Optional[Path]) -> None:
         """Write into ``run_dir/checkpoints`` (None on ranks that do not write)."""
         self.root = run_dir / CHECKPOINTS_DIR if run_dir is not None else None
@@ -94,11 +104,16 @@ class Checkpointer:
         # Rank 0 (the one with the run directory) creates the checkpoint's temporary directory;
         # the strategy says what state.pt holds of the model and optimizer (and a sharded one
         # writes its shards into that directory from every rank).
-        tmp = begin_checkpoint(self.root, progress.global_step) if self.root is not None else None
+        tmp, error = None, None
+        if self.root is not None:
+            try:
+                tmp = begin_checkpoint(self.root, progress.global_step)
+            except OSError as exc:
+                error = self._write_error(self.root / step_dir_name(progress.global_step), exc, None)
         model_and_optim = strategy.save_checkpoint(model, optimizer, tmp)
         rngs = gather_object(capture_rng(env.device), env)
         totals = sum_over_ranks(sums, env).cpu()
-        self._last_step = progress.global_step
+        previous, self._last_step = self._last_step, progress.global_step
         path = None
         if tmp is not None and model_and_optim is not None:
             config = asdict(self.cfg)
@@ -119,12 +134,47 @@ class Checkpointer:
                     "strategy": strategy.name, "config": config}
             if "sharded" in model_and_optim:   # the manifest names the format too
                 meta["sharded"] = model_and_optim["sharded"]
-            path = finish_checkpoint(self.root, progress.global_step, tmp, {STATE_FILE: to_bytes(state)}, meta)
-            prune(self.root, self.cfg.keep_checkpoints)
-            self.last_path = path
+            data = to_bytes(state)
+            try:
+                path = finish_checkpoint(self.root, progress.global_step, tmp, {STATE_FILE: data}, meta)
+                prune(self.root, self.cfg.keep_checkpoints)
+            except OSError as exc:
+                final = self.root / step_dir_name(progress.global_step) / STATE_FILE
+                error = self._write_error(final, exc, len(data), tmp)
+            else:
+                self.last_path = path
+        if env.world_size > 1:
+            # Only the writing rank knows; every rank must stop alike, not wait in the next collective.
+            error = broadcast_object(error, env)
+        if error is not None:
+            self._last_step = previous
+            raise RunDirWriteError(error)
         self.written += 1
         self.seconds += time.perf_counter() - started
         return path
+
+    def _write_error(self, file: Path, exc: OSError, needed: Optional[int], tmp: Optional[Path] = None) -> str:
+        """The one line for a checkpoint that could not be written; removes its temporary directory
+        first, so the newest valid checkpoint (and ``latest``) stay what they were, and the space
+        free is what the checkpoint could have had."""
+        if tmp is not None:
+            needed = (needed or 0) + sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()
+                                          and f.name != STATE_FILE)
+            shutil.rmtree(tmp, ignore_errors=True)
+        once = unwritable(file, exc).once
+        return str(unwritable(file, exc, needed=needed, then=self.continue_hint(once)))
+
+    def continue_hint(self, once: str) -> str:
+        """``the newest valid checkpoint is X; once <once>, continue with: scaleloop train --out R``
+        (on the writing rank; verifies the checkpoint it names)."""
+        if self.root is None:
+            return ""
+        run_dir = shlex.quote(str(self.root.parent))
+        found = newest_valid(self.root, warn=lambda _msg: None)
+        if found is None:
+            return f"no valid checkpoint yet; once {once}, start over with the same command"
+        return (f"the newest valid checkpoint is {str(found.path)!r} (step {found.step}); once {once}, "
+                f"continue with: scaleloop train --out {run_dir}")
 
     # --- restore ----------------------------------------------------------------------------
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *,

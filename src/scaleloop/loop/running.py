@@ -5,9 +5,14 @@ The sums are exactly those that adding ``[loss * n, n]`` to a float64 tensor aft
 micro-batch would give, bit for bit, but a micro-batch only appends its (device) loss to a
 list. The additions happen in one go when the sums are read (a log row, a checkpoint, the end
 of an epoch), in micro-batch order, so the loop launches no extra tensor operation per step
-and never waits for the device in between.
+and never waits for the device in between. Those reads also note the first step whose loss
+was not finite on this rank (:meth:`RunningLoss.first_nonfinite_step`), at no cost while the
+sums stay finite.
 """
 from __future__ import annotations
+
+import math
+from typing import Optional
 
 import torch
 
@@ -20,17 +25,21 @@ class RunningLoss:
         self.window = [0.0, 0.0]
         self._losses: list[torch.Tensor] = []
         self._counts: list[int] = []
+        self._steps: list[int] = []
+        self._first_nonfinite: Optional[int] = None
 
-    def add(self, loss: torch.Tensor, n: int) -> None:
-        """A micro-batch's mean loss (a detached scalar tensor) over its ``n`` samples."""
+    def add(self, loss: torch.Tensor, n: int, step: int = 0) -> None:
+        """A micro-batch's mean loss (a detached scalar tensor) over its ``n`` samples, of optimizer
+        step ``step`` (1-based; only to say where a loss first became non-finite)."""
         self._losses.append(loss)
         self._counts.append(n)
+        self._steps.append(step)
 
     def _flush(self) -> None:
         if not self._losses:
             return
-        losses, counts = self._losses, self._counts
-        self._losses, self._counts = [], []
+        losses, counts, steps = self._losses, self._counts, self._steps
+        self._losses, self._counts, self._steps = [], [], []
         # loss.double() * n for each (a float64 product is exactly rounded wherever it is
         # computed), then sequential float64 additions: the same operations, in the same order,
         # as per-step in-place additions. On a device: one multiplication for all of them and
@@ -42,6 +51,9 @@ class RunningLoss:
             w[0] += p
             e[1] += c
             w[1] += c
+        # A finite total means every product was finite: only a non-finite one is searched.
+        if self._first_nonfinite is None and not math.isfinite(w[0]):
+            self._first_nonfinite = next((s for p, s in zip(products, steps) if not math.isfinite(p)), None)
 
     def epoch_sums(self, device: torch.device) -> torch.Tensor:
         """This rank's epoch sums as a float64 tensor (to reduce over ranks)."""
@@ -52,6 +64,11 @@ class RunningLoss:
         """This rank's log-window sums as a float64 tensor (to reduce over ranks)."""
         self._flush()
         return torch.tensor(self.window, dtype=torch.float64, device=device)
+
+    def first_nonfinite_step(self) -> Optional[int]:
+        """The first (global) step whose loss was inf or NaN on this rank, if any (reads the losses)."""
+        self._flush()
+        return self._first_nonfinite
 
     def new_epoch(self) -> None:
         self._flush()
@@ -69,7 +86,7 @@ class RunningLoss:
     def load(self, sums: torch.Tensor) -> None:
         """Continue from a checkpoint's :meth:`state`."""
         values = [float(v) for v in sums.detach().cpu().tolist()]
-        self._losses, self._counts = [], []
+        self._losses, self._counts, self._steps = [], [], []
         self.epoch, self.window = values[0:2], values[2:4]
 
 

@@ -11,10 +11,14 @@ caller keeps the loop over the loader, so that a reader sees where a step starts
             lr = step.update()
 
 ``verify``'s recorder and ``bench``'s timers watch a step through an :class:`Observer`; with
-none (``scaleloop train``), the step costs nothing beyond the strategy's own calls.
+none (``scaleloop train``), the step costs nothing beyond the strategy's own calls and one clock
+reading per micro-batch: :attr:`Step.own_s` adds up the time this rank spends on its own work
+(data, forward passes) before its last loss of a step is known, the part of a step that does
+not wait for the other ranks, so that the log rows can compare ranks (a straggler).
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -55,16 +59,32 @@ class Step:
         self.clip = run.cfg.clip_grad
         self.observer = observer
         self._loss_fn = run.loss_fn
-        # Only an observer needs the moment the loss is known; without one, no extra call.
-        self.loss_fn = run.loss_fn if observer is None else self._observed_loss
+        self.loss_fn = self._timed_loss if observer is None else self._observed_loss
         #: The gradients' bytes at the first update (they exist only between backward and step).
         self.gradient_bytes: Optional[int] = None
         self._measured = False
+        #: Seconds of this rank's own work (see the module doc) since the last :meth:`take_own_s`.
+        self.own_s = 0.0
+        self._step_began = self._loss_known = time.perf_counter()
+
+    def _timed_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self._loss_fn(output, target)
+        self._loss_known = time.perf_counter()   # host time: the rank's own work up to here
+        return loss
 
     def _observed_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = self._loss_fn(output, target)
+        loss = self._timed_loss(output, target)
         self.observer.forward_done(loss)  # type: ignore[union-attr]
         return loss
+
+    def restart_clock(self) -> None:
+        """The next step's own time starts now (after a pause: evaluation, a checkpoint, an epoch's start)."""
+        self._step_began = self._loss_known = time.perf_counter()
+
+    def take_own_s(self) -> float:
+        """This rank's own seconds since the last call (then counted from zero again)."""
+        own, self.own_s = self.own_s, 0.0
+        return own
 
     def micro(self, batch: Batch) -> Optional[torch.Tensor]:
         """Forward and backward of one micro-batch; its mean loss, detached (None on a rank
@@ -81,6 +101,9 @@ class Step:
         """Clip, step the optimizer (fp16: skipped on overflow) and the schedule; returns the
         learning rate the step used."""
         observer = self.observer
+        # A rank that computes no loss (a pipeline's earlier stage) counts the step up to here.
+        ready = self._loss_known if self._loss_known > self._step_began else time.perf_counter()
+        self.own_s += ready - self._step_began
         if observer is not None:
             observer.synced()
         if self.clip is not None:
@@ -92,4 +115,5 @@ class Step:
         self.scheduler.step()
         if observer is not None:
             observer.stepped()
+        self._step_began = time.perf_counter()
         return lr

@@ -4,13 +4,17 @@ Read ``train`` top to bottom: build the run, restore a checkpoint if there is on
 directory, then for every micro-batch take ``Step.micro`` and after the last micro-batch of a
 step ``Step.update``; at each epoch's end reduce the loss, evaluate, log and checkpoint; at
 the end save the weights and report. Everything that differs between 1 and N workers is the
-strategy's (``scaleloop.strategies``); the step itself is ``scaleloop.loop.step``.
+strategy's (``scaleloop.strategies``); the step itself is ``scaleloop.loop.step``. The log rows
+and epoch ends also watch the run's health on the reductions they make anyway
+(``scaleloop.loop.health``): a straggling rank, fp16 steps the scaler skipped, a diverging loss.
 """
 from __future__ import annotations
 
+import contextlib
 import io
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -24,12 +28,13 @@ from scaleloop.data.loader import Batch
 from scaleloop.data.streaming import declared_length
 from scaleloop.loop.build import Run, build_run
 from scaleloop.loop.evaluate import EvalResult, evaluate
+from scaleloop.loop.health import Stragglers, blocks, diverged, first_bad, nonfinite_weights, per_rank_vector
 from scaleloop.loop.running import RunningLoss
 from scaleloop.loop.schedule import describe_schedule
 from scaleloop.loop.step import Step
 from scaleloop.output.memory import RankMemory, measure, write_json
 from scaleloop.output.metrics import MetricsLogger, plot_curves
-from scaleloop.output.rundir import prepare_run_dir, write_atomic
+from scaleloop.output.rundir import RunDirWriteError, lock_run_dir, prepare_run_dir, unwritable, write_atomic
 from scaleloop.runtime.collectives import gather_object, sum_over_ranks
 from scaleloop.runtime.devices import describe_device
 from scaleloop.runtime.dist import DistEnv, restart_count
@@ -68,6 +73,8 @@ class RunResult:
     resumed_from: Optional[Path] = None
     memory: tuple[RankMemory, ...] = ()
     streamed: bool = False           # the training set is a stream (docs/streaming.md)
+    skipped_steps: int = 0           # fp16: optimizer steps the GradScaler skipped (counted in ``steps``)
+    straggler: str = ""              # the worst straggler reported during the run ("" if none)
 
 
 @dataclass
@@ -82,6 +89,11 @@ class _Ledger:
     train_loss: float = float("nan")
     lr: float = 0.0
     test: Optional[EvalResult] = None
+    skipped_before: int = 0          # fp16 steps skipped before this process (from the checkpoint)
+    skipped: int = 0                 # ... and in all, as of the last log row
+    window_from: int = 0             # the global step the current log window started after
+    out: Optional[Path] = None       # the run directory, as every rank knows it (for messages)
+    stragglers: Stragglers = field(default_factory=Stragglers)
 
 
 def _progress_bar(total: int, initial: int, desc: str, enabled: bool):  # -> tqdm | None
@@ -105,14 +117,23 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     checkpointer = Checkpointer(run.strategy, cfg, say=say)
     resumed = checkpointer.restore(run.model, run.optimizer, run.scheduler, restarting=restart_count() > 0)
     at = resumed.progress if resumed is not None else Progress()
-    run_dir = _open_run_dir(run, checkpointer, resumed)
+    run_dir, lock = _open_run_dir(run, checkpointer, resumed)
+    with lock:  # released at the end, however the run ends
+        return _train(run, checkpointer, resumed, at, run_dir, say, started, on_batch)
+
+
+def _train(run: Run, checkpointer: Checkpointer, resumed: Optional[Resumed], at: Progress,
+           run_dir: Optional[Path], say: Log, started: float, on_batch: Optional[Callable[[Batch], None]]) -> RunResult:
+    """The epochs and their steps, from ``at`` on; then the final weights and the result."""
+    cfg, env = run.cfg, run.env
     metrics = (MetricsLogger(run_dir, tensorboard=cfg.tensorboard, tracker=cfg.tracker, config=cfg,
                              keep_until_step=at.global_step if resumed is not None or restart_count() > 0 else None)
                if run_dir is not None else None)
     _announce(run, resumed, say)
 
     ledger = _Ledger(started, at.global_step, at.samples, at.train_s, at.epoch,
-                     lr=run.optimizer.param_groups[0]["lr"])
+                     lr=run.optimizer.param_groups[0]["lr"], skipped_before=at.skipped_steps,
+                     skipped=at.skipped_steps, window_from=at.global_step, out=run_dir or run_dir_for(cfg))
     running = RunningLoss()  # loss x samples and samples, of the epoch and of the log window
     if resumed is not None:
         running.load(resumed.sums)
@@ -133,12 +154,13 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
                                 cfg.progress and env.is_main)
             epoch_start = window_start = time.perf_counter()
             window_samples = 0
+            step.restart_clock()
             for batch in loader:
                 if on_batch is not None:
                     on_batch(batch)
                 loss = step.micro(batch)
                 if loss is not None:  # None: this rank computes no loss (a pipeline's earlier stage)
-                    running.add(loss, len(batch))
+                    running.add(loss, len(batch), ledger.step + 1)
                 if not batch.last_micro:
                     continue
                 ledger.lr = step.update()
@@ -149,7 +171,8 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
                 if bar is not None:
                     bar.update(1)
                 if ledger.step % cfg.log_every == 0:
-                    window_start = _log_window(run, running, metrics, bar, ledger, epoch, window_samples, window_start)
+                    window_start = _log_window(run, step, running, metrics, bar, ledger, epoch, window_samples,
+                                               window_start, checkpointer)
                     window_samples = 0
                 if cfg.max_steps is not None and ledger.step >= cfg.max_steps:
                     done = True
@@ -160,10 +183,14 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
                                          Progress(epoch, in_epoch), ledger.train_s + time.perf_counter() - epoch_start)
                     epoch_start += paused   # checkpoint time is reported on its own, not as training
                     window_start += paused
+                    step.restart_clock()
             ledger.train_s += time.perf_counter() - epoch_start
             if bar is not None:
                 bar.close()
             _end_epoch(run, checkpointer, metrics, running, ledger, epoch, in_epoch, say)
+    except RunDirWriteError as exc:  # rank 0's own files (metrics.csv): add where the run can go on from
+        note_where(exc, epoch=ledger.epochs_run + 1, step=ledger.step + 1)
+        raise exc.with_hint(checkpointer.continue_hint(exc.once)) from None
     except BaseException as exc:  # where the loop was, for the launcher's failure report
         note_where(exc, epoch=ledger.epochs_run + 1, step=ledger.step + 1)
         raise
@@ -173,16 +200,26 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     return _finish(run, run_dir, checkpointer, resumed, ledger, step.gradient_bytes)
 
 
-def _open_run_dir(run: Run, checkpointer: Checkpointer, resumed: Optional[Resumed]) -> Optional[Path]:
-    """Rank 0 owns the run directory: create it (or continue in it) and write ``config.toml``."""
-    run_dir = None
+def _open_run_dir(run: Run, checkpointer: Checkpointer, resumed: Optional[Resumed]
+                  ) -> tuple[Optional[Path], contextlib.AbstractContextManager]:
+    """Rank 0 owns the run directory: create it (or continue in it), lock it and write ``config.toml``.
+
+    Returns the directory (None on the other ranks) and its lock: this process's own, or shared
+    with the launcher that holds it for its workers (``scaleloop.output.lock``).
+    """
+    run_dir, lock = None, contextlib.nullcontext()
     if run.env.is_main:
         out = run_dir_for(run.cfg)
         # Only one of this run directory's own checkpoints continues the run in it; another
         # run's checkpoint starts a new run (a fork), which must not overwrite a run in --out.
         continuing = restart_count() > 0 or (resumed is not None and continues_run(out, resumed.source))
         run_dir = prepare_run_dir(str(out) if out else None, run.cfg.model, run.cfg.data, continuing=continuing)
-        write_atomic(run_dir / "config.toml", to_toml(run.cfg).encode())
+        lock = lock_run_dir(run_dir)
+        try:
+            write_atomic(run_dir / "config.toml", to_toml(run.cfg).encode())
+        except BaseException:
+            lock.release()
+            raise
     checkpointer.attach(run_dir)
     if resumed is not None:
         # Later checkpoints belong to the run before a rewind, or were skipped as damaged: they
@@ -190,7 +227,7 @@ def _open_run_dir(run: Run, checkpointer: Checkpointer, resumed: Optional[Resume
         for moved in checkpointer.retire_after(resumed.progress.global_step):
             checkpointer.say(f"note: moved {moved.name} aside: it is later than the checkpoint this run "
                              "continues from")
-    return run_dir
+    return run_dir, lock
 
 
 def _announce(run: Run, resumed: Optional[Resumed], say: Log) -> None:
@@ -243,20 +280,70 @@ def _nothing_left(cfg: TrainConfig, at: Progress, say: Log) -> bool:
     return True
 
 
-def _log_window(run: Run, running: RunningLoss, metrics: Optional[MetricsLogger], bar, ledger: _Ledger,
-                epoch: int, window_samples: int, window_start: float) -> float:
-    """A log row of the global loss since the last one (a collective); returns the new window's start."""
-    total = sum_over_ranks(running.window_sums(run.env.device), run.env).tolist()
+def _log_window(run: Run, step: Step, running: RunningLoss, metrics: Optional[MetricsLogger], bar, ledger: _Ledger,
+                epoch: int, window_samples: int, window_start: float, checkpointer: Checkpointer) -> float:
+    """A log row of the global loss since the last one (a collective); returns the new window's start.
+
+    The same all-reduce gathers each rank's own time, first non-finite step and fp16 skipped
+    steps (``scaleloop.loop.health``); a diverged loss stops the run here, on every rank alike.
+    """
+    env = run.env
+    world, steps = env.world_size, ledger.step - ledger.window_from
+    vector = per_rank_vector(running.window_sums(torch.device("cpu")).tolist(),
+                             [step.take_own_s(), running.first_nonfinite_step() or 0, 0.0], env)
+    skipped = run.strategy.precision.skipped
+    if skipped is not None:
+        vector[2 + 2 * world + env.rank] = skipped   # a copy on the device: nothing waits for it
+    total = sum_over_ranks(vector, env).tolist()
+    own_s, bad_steps, skipped_now = blocks(total, 2, world)
     now = time.perf_counter()
     rate = window_samples / max(now - window_start, 1e-9)
-    loss = total[0] / total[1]
+    loss = total[0] / total[1] if total[1] > 0 else float("nan")
+    values: dict[str, Any] = dict(train_loss=loss, lr=ledger.lr, samples_per_s=rate, wall_s=now - ledger.started)
+    if world > 1 and steps > 0:
+        slowest = max(range(world), key=own_s.__getitem__)
+        values.update(rank_step_s_min=min(own_s) / steps, rank_step_s_max=own_s[slowest] / steps,
+                      slowest_rank=slowest)
+        straggler = ledger.stragglers.window(own_s, steps, (now - window_start) / steps, ledger.step)
+        if straggler is not None:
+            checkpointer.say(straggler.describe())
+    if skipped is not None:
+        ledger.skipped = ledger.skipped_before + int(max(skipped_now))
+        values["skipped_steps"] = ledger.skipped
     if metrics is not None:
-        metrics.log_step(ledger.step, epoch + 1, ledger.samples, train_loss=loss, lr=ledger.lr,
-                         samples_per_s=rate, wall_s=now - ledger.started)
+        metrics.log_step(ledger.step, epoch + 1, ledger.samples, **values)
     if bar is not None:
         bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
     running.new_window()
-    return now
+    ledger.window_from = ledger.step
+    if total[1] > 0 and not math.isfinite(loss):
+        raise diverged(f"the training loss became {loss}", first_bad(bad_steps) or ledger.step, epoch + 1,
+                       ledger.out, checkpointer.last_step)
+    step.restart_clock()  # the wait in this all-reduce is no rank's own work
+    return time.perf_counter()
+
+
+def _check_finite(run: Run, running: RunningLoss, ledger: _Ledger, checkpointer: Checkpointer, epoch: int,
+                  head: list[float]) -> list[float]:
+    """Reduce ``head`` (summed over ranks, returned) with each rank's first non-finite step and
+    whether its weights are finite; raise :class:`~scaleloop.loop.health.Diverged` on every rank
+    alike if anything is not finite, before a checkpoint could hold it."""
+    env = run.env
+    vector = per_rank_vector(head, [running.first_nonfinite_step() or 0, 0.0], env)
+    vector[len(head) + env.world_size + env.rank] = nonfinite_weights(run.model)
+    total = sum_over_ranks(vector, env).tolist()
+    bad_steps, bad_weights = blocks(total, len(head), env.world_size)
+    first = first_bad(bad_steps)
+    if first is not None or any(bad_weights):
+        what = ("the training loss became non-finite" if first is not None
+                else "the weights were no longer finite (inf or NaN) after")
+        raise diverged(what, first or ledger.step, epoch + 1, ledger.out, checkpointer.last_step)
+    return total[:len(head)]
+
+
+def _skipped(run: Run, ledger: _Ledger) -> int:
+    """fp16 steps the scaler skipped, this process's and before it (reads the device)."""
+    return ledger.skipped_before + run.strategy.precision.skipped_steps()
 
 
 def _checkpoint(run: Run, checkpointer: Checkpointer, metrics: Optional[MetricsLogger], running: RunningLoss,
@@ -265,31 +352,41 @@ def _checkpoint(run: Run, checkpointer: Checkpointer, metrics: Optional[MetricsL
     pause = time.perf_counter()
     if metrics is not None:
         metrics.flush()   # the rows up to the checkpoint, on disk with it
+    if run.cfg.checkpoints:   # one small all-reduce per checkpoint: no checkpoint of a diverged run
+        _check_finite(run, running, ledger, checkpointer, where.epoch, [])
     checkpointer.save(run.model, run.optimizer, run.scheduler,
-                      Progress(where.epoch, where.step_in_epoch, ledger.step, ledger.samples, train_s),
+                      Progress(where.epoch, where.step_in_epoch, ledger.step, ledger.samples, train_s,
+                               _skipped(run, ledger)),
                       running.state(run.env.device))
     return time.perf_counter() - pause
 
 
 def _end_epoch(run: Run, checkpointer: Checkpointer, metrics: Optional[MetricsLogger], running: RunningLoss,
                ledger: _Ledger, epoch: int, in_epoch: int, say: Log) -> None:
-    """The epoch's global loss, the test set, the epoch's log row and line, and a checkpoint."""
+    """The epoch's global loss, the test set, the epoch's log row and line, and a checkpoint.
+
+    Where ``--max-steps`` stopped inside the epoch, the row is a ``stop`` row: the run that
+    resumes it writes the epoch's row, once.
+    """
     env = run.env
     ledger.epochs_run = epoch + 1
-    total = sum_over_ranks(running.epoch_sums(env.device), env).tolist()
+    total = _check_finite(run, running, ledger, checkpointer, epoch, running.epoch_sums(torch.device("cpu")).tolist())
     ledger.train_loss = total[0] / total[1] if total[1] > 0 else float("nan")
     test = ledger.test = _evaluate(run)
+    finished = _epoch_complete(run.loader.plan, in_epoch)
+    skipped = _skipped(run, ledger)
     if metrics is not None:
-        metrics.log_epoch(epoch + 1, ledger.step, ledger.samples, train_loss=ledger.train_loss,
-                          test_loss=test.loss if test else None, test_acc=test.accuracy if test else None,
-                          lr=ledger.lr, samples_per_s=ledger.samples / max(ledger.train_s, 1e-9),
-                          wall_s=time.perf_counter() - ledger.started)
+        (metrics.log_epoch if finished else metrics.log_stop)(
+            epoch + 1, ledger.step, ledger.samples, train_loss=ledger.train_loss,
+            test_loss=test.loss if test else None, test_acc=test.accuracy if test else None,
+            lr=ledger.lr, samples_per_s=ledger.samples / max(ledger.train_s, 1e-9),
+            wall_s=time.perf_counter() - ledger.started,
+            skipped_steps=skipped if run.strategy.precision.skipped is not None else None)
     say(f"epoch {epoch + 1}: train loss {ledger.train_loss:.4f}" + (f", {describe_test(test)}" if test else ""))
     # At the epoch's end (or where --max-steps stopped inside it): the next run starts after it.
-    finished = _epoch_complete(run.loader.plan, in_epoch)
     checkpointer.save(run.model, run.optimizer, run.scheduler,
                       Progress(epoch + 1 if finished else epoch, 0 if finished else in_epoch,
-                               ledger.step, ledger.samples, ledger.train_s), running.state(env.device))
+                               ledger.step, ledger.samples, ledger.train_s, skipped), running.state(env.device))
 
 
 def _evaluate(run: Run) -> Optional[EvalResult]:
@@ -321,12 +418,18 @@ def _finish(run: Run, run_dir: Optional[Path], checkpointer: Checkpointer, resum
     memory = tuple(gather_object(measure(run.model, run.optimizer, env.rank, env.device, gradient_bytes,
                                          run.model_bytes), env))
     strategy.close()
+    skipped = _skipped(run, ledger)
     if run_dir is not None:
         buf = io.BytesIO()
         torch.save(final_weights, buf)
-        write_atomic(run_dir / "model.pt", buf.getvalue())
-        write_json(run_dir / "memory.json", memory, strategy.name)
-        plot_curves(run_dir / "metrics.csv", run_dir / "curves.png")
+        try:
+            write_atomic(run_dir / "model.pt", buf.getvalue())
+            write_json(run_dir / "memory.json", memory, strategy.name)
+            plot_curves(run_dir / "metrics.csv", run_dir / "curves.png")
+        except RunDirWriteError as exc:
+            raise exc.with_hint(checkpointer.continue_hint(exc.once)) from None
+        except OSError as exc:   # memory.json, curves.png
+            raise unwritable(run_dir, exc).with_hint(checkpointer.continue_hint("the disk has space")) from None
     return RunResult(
         run_dir=run_dir, device=describe_device(env.device), strategy=strategy.describe(),
         world_size=env.world_size, precision=run.cfg.precision, epochs=ledger.epochs_run, steps=ledger.step,
@@ -339,4 +442,5 @@ def _finish(run: Run, run_dir: Optional[Path], checkpointer: Checkpointer, resum
         lr=describe_schedule(run.cfg, run.lr, run.total_steps), checkpoints_written=checkpointer.written,
         checkpoint_s=checkpointer.seconds, last_checkpoint=checkpointer.last_path,
         resumed_from=resumed.source if resumed is not None else None, memory=memory,
-        streamed=isinstance(run.data.train, IterableDataset))
+        streamed=isinstance(run.data.train, IterableDataset), skipped_steps=skipped,
+        straggler=ledger.stragglers.worst.describe() if ledger.stragglers.worst is not None else "")

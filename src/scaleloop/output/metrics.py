@@ -17,6 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Mapping, Optional, Union
 
+from scaleloop.output.rundir import unwritable
 from scaleloop.output.trackers import TensorBoardTracker, Tracker, open_tracker, tracker_row
 
 # Seconds between flushes of metrics.csv inside an epoch: a killed run loses at most this much.
@@ -43,6 +44,10 @@ METRIC_COLUMNS: tuple[str, ...] = (
     "lr",
     "samples_per_s",
     "wall_s",
+    "rank_step_s_min",
+    "rank_step_s_max",
+    "slowest_rank",
+    "skipped_steps",
 )
 
 # Columns a caller may pass as keyword values; the others are positional.
@@ -126,6 +131,11 @@ class MetricsLogger:
         """Record the end of an epoch; ``values`` are keys of :data:`METRIC_COLUMNS`."""
         self._write("epoch", epoch=epoch, step=step, samples=samples, values=values)
 
+    def log_stop(self, epoch: int, step: int, samples: int, **values: float) -> None:
+        """Record where a run stopped inside an epoch (``--max-steps``): a ``stop`` row, with the
+        loss of the epoch so far. Not an ``epoch`` row: the run that resumes it writes that one."""
+        self._write("stop", epoch=epoch, step=step, samples=samples, values=values)
+
     def _write(
         self, kind: str, *, epoch: int, step: int, samples: int, values: dict[str, float]
     ) -> None:
@@ -148,21 +158,24 @@ class MetricsLogger:
         self._writer.writerow(row)
         # Flushed at most every CSV_EVERY_S (and at every epoch row, checkpoint and close): a
         # flush per row was a system call every few milliseconds on small, fast steps.
-        if kind == "epoch" or time.monotonic() - self._csv_flushed >= CSV_EVERY_S:
+        if kind != "step" or time.monotonic() - self._csv_flushed >= CSV_EVERY_S:
             self.flush()
 
         if self.tracker is not None:
             # Step rows wait in the tracker (at most TB_EVERY_S, see BufferedTracker); an epoch
             # row sends them all.
-            self.tracker.log_metrics(int(step), tracker_row(kind, values))
-            if kind == "epoch":
+            self.tracker.log_metrics(int(step), tracker_row("epoch" if kind == "stop" else kind, values))
+            if kind != "step":
                 self.tracker.flush()
 
     def flush(self) -> None:
         """Write what is buffered to metrics.csv now (a checkpoint calls this first, so that
         the rows up to it are on disk when the run resumes from it)."""
         if self._file is not None:
-            self._file.flush()
+            try:
+                self._file.flush()
+            except OSError as exc:   # disk full or read-only: one line naming the file
+                raise unwritable(self.csv_path, exc) from None
         self._csv_flushed = time.monotonic()
 
     def close(self, error: Optional[BaseException] = None) -> None:
@@ -171,12 +184,17 @@ class MetricsLogger:
         The tracker's run ends as failed when ``error`` is given, or when ``close`` runs in a
         ``finally`` that an exception passes through (as around the training loop).
         """
+        passing = error if error is not None else _passing_through(sys._getframe(1))
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError as exc:
+                if passing is None:   # else the error on its way already says what went wrong
+                    raise unwritable(self.csv_path, exc) from None
         if self.tracker is not None:
             tracker, self.tracker = self.tracker, None
-            tracker.close(error if error is not None else _passing_through(sys._getframe(1)))
+            tracker.close(passing)
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -1,12 +1,45 @@
-"""The run directory: where a run's config, metrics, curves and weights are written (rank 0)."""
+"""The run directory: where a run's config, metrics, curves and weights are written (rank 0).
+
+A run directory is recognisable as one (:func:`is_run_dir`: scaleloop's own ``config.toml``,
+``metrics.csv``, checkpoints or lock), so that ``--out`` never writes into a directory of the
+user's own files. While a run writes into it, it holds a lock (:class:`RunDirLock`).
+"""
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Optional
 
 from scaleloop.errors import UsageError
+from scaleloop.output.lock import LOCK_FILE, RunDirLock, lock_run_dir, refuse_if_locked
+
+__all__ = ["LOCK_FILE", "RunDirLock", "RunDirWriteError", "default_run_dir", "is_run_dir", "lock_run_dir",
+           "prepare_run_dir", "unwritable", "write_atomic"]
+
+# First bytes of the files only scaleloop writes this way: they mark a directory as a run.
+_CONFIG_HEAD = "# scaleloop "
+_METRICS_HEAD = "kind,epoch,step"
+
+
+class RunDirWriteError(UsageError):
+    """A file of the run directory cannot be written (disk full, read-only, ...): one line
+    naming the file, what it needed, and how to continue.
+
+    ``once`` says what must change before the run can go on ("space is freed", ...).
+    """
+
+    def __init__(self, message: str, once: str = "the run directory is writable again") -> None:
+        super().__init__(message)
+        self.once = once
+
+    def with_hint(self, hint: str) -> "RunDirWriteError":
+        """The same error with ``hint`` (where and how to continue) added, if it has none yet."""
+        if not hint or "continue with:" in str(self) or "start over" in str(self):
+            return self
+        return RunDirWriteError(f"{self}; {hint}", self.once)
 
 
 def default_run_dir(model: str, data: str, root: str = "runs") -> Path:
@@ -23,8 +56,23 @@ def default_run_dir(model: str, data: str, root: str = "runs") -> Path:
     return path
 
 
+def _starts_with(path: Path, head: str) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read(len(head)) == head
+    except OSError:
+        return False
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether ``path`` holds a run that scaleloop wrote (its config, metrics, checkpoints or lock)."""
+    return (_starts_with(path / "config.toml", _CONFIG_HEAD) or _starts_with(path / "metrics.csv", _METRICS_HEAD)
+            or (path / LOCK_FILE).exists() or any((path / "checkpoints").glob("step-*/manifest.json")))
+
+
 def prepare_run_dir(out: Optional[str], model: str, data: str, *, continuing: bool = False) -> Path:
-    """Create the run directory; refuse one that already holds a run, so nothing is overwritten.
+    """Create the run directory; refuse one that already holds a run, a run that is still
+    writing there, or a directory of other files, so nothing is overwritten.
 
     ``continuing``: this run resumes the run in that directory (or is its restarted worker
     group), so an existing run there is expected.
@@ -32,9 +80,16 @@ def prepare_run_dir(out: Optional[str], model: str, data: str, *, continuing: bo
     path = Path(out) if out else default_run_dir(model, data)
     if path.exists() and not path.is_dir():
         raise UsageError(f"--out {str(path)!r} is a file, not a directory; choose another --out")
-    if not continuing and path.is_dir() and (path / "metrics.csv").exists():
-        raise UsageError(f"--out {str(path)!r} already holds a run (metrics.csv) and this run does not resume it; "
-                         "choose a new --out so that its results are not overwritten")
+    if path.is_dir():
+        refuse_if_locked(path)   # before anything else: a live run there is the first thing to say
+        if not continuing and (path / "metrics.csv").exists():
+            raise UsageError(f"--out {str(path)!r} already holds a run (metrics.csv) and this run does not resume "
+                             "it; choose a new --out so that its results are not overwritten")
+        entries = sorted(p.name for p in path.iterdir())
+        if entries and not is_run_dir(path):
+            shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+            raise UsageError(f"--out {str(path)!r} holds files that scaleloop did not write ({shown}); a run "
+                             "never overwrites them: choose a new or empty --out")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -45,10 +100,51 @@ def prepare_run_dir(out: Optional[str], model: str, data: str, *, continuing: bo
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temporary file in the same directory and rename, so a reader never sees half."""
+    """Write via a temporary file in the same directory and rename, so a reader never sees half.
+
+    A failed write (disk full, read-only) leaves no temporary file and raises
+    :class:`RunDirWriteError` naming ``path`` and the bytes it needed.
+    """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise unwritable(path, exc, needed=len(data)) from None
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _free(path: Path) -> Optional[int]:
+    for candidate in (path, *path.parents):
+        try:
+            return shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+    return None
+
+
+def unwritable(path: Path, exc: OSError, *, needed: Optional[int] = None, then: str = "") -> RunDirWriteError:
+    """The one-line error for a run-directory file that cannot be written: the file, why, the
+    space it needed against the space free, and ``then`` (what to do next)."""
+    why = exc.strerror or exc.__class__.__name__
+    text = f"cannot write {str(path)!r}: {why[:1].lower() + why[1:]}"
+    if needed is not None:
+        free = _free(path.parent)
+        text += f" (it needs {_size(needed)}" + (f", {_size(free)} free)" if free is not None else ")")
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return RunDirWriteError(text + (f"; {then}" if then else ""),
+                            "space is freed" if full else "the run directory is writable again")

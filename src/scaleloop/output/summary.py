@@ -24,6 +24,11 @@ def format_result(result: RunResult) -> str:
         ("throughput", format_rate(result.samples_per_s)),
         ("wall time", f"{format_seconds(result.wall_s)} (training {format_seconds(result.train_s)})"),
     ]
+    if result.precision == "fp16":
+        rows.append(("fp16 skipped steps", f"{result.skipped_steps} of {result.steps} (inf/NaN gradients: the "
+                     "GradScaler lowered its scale; they count toward --max-steps)"))
+    if result.straggler:
+        rows.append(("straggler", result.straggler.removeprefix("straggler: ")))
     rows.append(("data per epoch", describe_epoch(result)))
     if result.lr:
         rows.append(("learning rate", result.lr))

@@ -45,6 +45,10 @@ TAGS = {
     "lr": "train/lr",
     "samples_per_s": "train/samples_per_s",
     "wall_s": "train/wall_s",
+    "rank_step_s_min": "ranks/step_s_min",
+    "rank_step_s_max": "ranks/step_s_max",
+    "slowest_rank": "ranks/slowest",
+    "skipped_steps": "train/skipped_steps",
 }
 
 

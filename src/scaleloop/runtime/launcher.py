@@ -90,7 +90,7 @@ def _launch_workers(cfg: TrainConfig) -> None:
     from scaleloop.runtime.torchrun import run_under_torchrun
     from scaleloop.loop.build import preflight
     from scaleloop.checkpoint.resume import continues_run, run_dir_for
-    from scaleloop.output.rundir import default_run_dir, prepare_run_dir, write_atomic
+    from scaleloop.output.rundir import default_run_dir, lock_run_dir, prepare_run_dir, write_atomic
 
     # Check what can be checked before starting N processes, then hand the workers the fully
     # resolved config (run directory included) as a file: every worker and node then trains
@@ -101,6 +101,7 @@ def _launch_workers(cfg: TrainConfig) -> None:
     cfg = cfg.replace(out=str(out))
     run_dir = prepare_run_dir(cfg.out, cfg.model, cfg.data,
                               continuing=source is not None and continues_run(out, source))
+    lock = lock_run_dir(run_dir)  # held while the workers run (rank 0, a descendant, shares it)
     resolved = run_dir / "config.toml"
     write_atomic(resolved, to_toml(cfg).encode())
     logs = run_dir / LOGS_DIR
@@ -110,6 +111,8 @@ def _launch_workers(cfg: TrainConfig) -> None:
         code = run_under_torchrun(cfg, ["train", "--config", str(resolved)], logs, launch_id)
     except KeyboardInterrupt:
         raise _interrupted(run_dir) from None
+    finally:
+        lock.release()
     if code == EXIT_INTERRUPTED or code < 0:
         raise _interrupted(run_dir)
     if code != 0:

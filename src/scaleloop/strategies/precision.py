@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Optional, Union
 
 import torch
 
@@ -29,6 +29,8 @@ class Precision:
         self.device = device
         self.dtype = _DTYPES.get(name)
         self.scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
+        #: Steps the scaler skipped (inf/NaN gradients), counted on the device: None until the first fp16 step.
+        self.skipped: Optional[torch.Tensor] = None
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Run the forward pass (and loss) in reduced precision where it is safe."""
@@ -45,16 +47,37 @@ class Precision:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step the optimizer; with fp16, skip the step if gradients overflowed. True if stepped."""
+    def step(self, optimizer: torch.optim.Optimizer) -> Union[bool, torch.Tensor]:
+        """Step the optimizer; with fp16, skip the step if gradients overflowed.
+
+        Returns True without a scaler; with fp16 a 0-dim bool tensor on the device, True if it
+        stepped (``bool()`` of it waits for the device, so the training loop never reads it:
+        it reads :attr:`skipped` at its log rows instead).
+        """
         if self.scaler is None:
             optimizer.step()
             return True
-        before = self.scaler.get_scale()
-        self.scaler.step(optimizer)
-        self.scaler.update()
-        # The scaler lowers its scale exactly when it skipped the step for inf/NaN gradients.
-        return self.scaler.get_scale() >= before
+        scale = getattr(self.scaler, "_scale", None)   # the scale as a device tensor, if this torch has it
+        if scale is None:  # no device tensor to compare: fall back to the scale as numbers (a sync)
+            before = self.scaler.get_scale()
+            self.scaler.step(optimizer)
+            self.scaler.update()
+            stepped = torch.tensor(self.scaler.get_scale() >= before, device=self.device)
+        else:
+            before = scale.clone()
+            self.scaler.step(optimizer)
+            self.scaler.update()
+            # The scaler lowers its scale exactly when it skipped the step for inf/NaN gradients;
+            # compared on the device, so that nothing waits for it here.
+            stepped = self.scaler._scale >= before
+        if self.skipped is None:
+            self.skipped = torch.zeros((), dtype=torch.int64, device=stepped.device)
+        self.skipped += ~stepped
+        return stepped
+
+    def skipped_steps(self) -> int:
+        """How many optimizer steps the fp16 scaler has skipped in this process (reads the device)."""
+        return int(self.skipped) if self.skipped is not None else 0
 
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler is not None else {}

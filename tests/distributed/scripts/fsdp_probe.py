@@ -69,7 +69,7 @@ for step in range(2):
     if step == 0 and rank == 1:
         next(iter(model.parameters())).grad.to_local().view(-1)[0] = float("inf")
     norm = float(strategy.clip_grad_norm(model, opt, 1.0))
-    stepped = strategy.optimizer_step(opt)
+    stepped = bool(strategy.optimizer_step(opt))
     changed = any(not torch.equal(b, p.detach().to_local()) for b, p in zip(before, model.parameters()))
     results.append({"stepped": stepped, "changed": changed, "scale": strategy.precision.scaler.get_scale(),
                     "norm_finite": math.isfinite(norm)})

@@ -1,0 +1,143 @@
+"""What the log rows learn about a run's health, riding on the reductions the loop already makes.
+
+Each log window already sums the loss over ranks (one all-reduce). The same vector carries one
+slot per rank for a few per-rank numbers: each rank fills its own slots and leaves the others
+zero, so the sum over ranks is a gather, at the cost of a few more floats in the same call.
+
+- **stragglers**: each rank's own seconds per step (``Step.own_s``: data and forward passes,
+  the part of a step that does not wait for the others). A rank consistently slower than the
+  rest holds every rank back; :class:`Stragglers` decides when that is worth a line.
+- **divergence**: the global loss is read anyway; a rank's first step with a non-finite loss
+  (``RunningLoss.first_nonfinite_step()``) says where it began. At an epoch's end and before a
+  checkpoint, a slot per rank also says whether its weights are finite, so no checkpoint
+  holds non-finite weights (:class:`Diverged`).
+- **fp16 skipped steps**: the GradScaler's count of skipped steps, kept on the device
+  (``Precision.skipped``), copied into the vector without waiting for the device.
+"""
+from __future__ import annotations
+
+import math
+import shlex
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from scaleloop.errors import UsageError
+from scaleloop.runtime.dist import DistEnv
+
+
+class Diverged(UsageError):
+    """The global loss (or the weights) stopped being finite: the run stops, writing no checkpoint of it."""
+
+
+def per_rank_vector(head: Sequence[float], mine: Sequence[float], env: DistEnv) -> torch.Tensor:
+    """``head`` followed by ``len(mine)`` blocks of ``world_size`` slots, this rank's values in its
+    own slot of each block (the others zero): summed over ranks, a gather of ``mine``."""
+    world = env.world_size
+    values = [0.0] * (len(head) + len(mine) * world)
+    values[:len(head)] = head
+    for j, v in enumerate(mine):
+        values[len(head) + j * world + env.rank] = v
+    return torch.tensor(values, dtype=torch.float64, device=env.device)
+
+
+def blocks(total: Sequence[float], head: int, world: int) -> list[list[float]]:
+    """The per-rank blocks of a reduced :func:`per_rank_vector` (after its ``head`` values)."""
+    rest = list(total[head:])
+    return [rest[i:i + world] for i in range(0, len(rest), world)]
+
+
+def nonfinite_weights(model: nn.Module) -> torch.Tensor:
+    """1.0 on the device if any of this rank's parameters (its shards) holds inf/NaN, else 0.0."""
+    flags = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in model.parameters()]
+    if not flags:
+        return torch.zeros((), dtype=torch.float64)
+    return (~torch.stack(flags).all()).double()
+
+
+def first_bad(slots: Sequence[float]) -> Optional[int]:
+    """The earliest step any rank saw a non-finite loss at (slots of 0: none)."""
+    steps = [int(s) for s in slots if s > 0]
+    return min(steps) if steps else None
+
+
+def continue_line(run_dir: Optional[Path], checkpoint_step: Optional[int]) -> str:
+    """Names the newest checkpoint this run wrote or resumed from, and how to go on from it."""
+    if run_dir is None or checkpoint_step is None:
+        return "no checkpoint was written before it"
+    ckpt = run_dir / "checkpoints" / f"step-{checkpoint_step:08d}"
+    return f"the newest valid checkpoint is {str(ckpt)!r} (step {checkpoint_step})"
+
+
+def diverged(what: str, step: int, epoch: int, run_dir: Optional[Path], checkpoint_step: Optional[int]) -> Diverged:
+    """The one line for a run that stopped on a non-finite loss or weights."""
+    where = f"step {step}" if what.endswith(" after") else f"at step {step}"
+    text = (f"the run diverged: {what} {where} (epoch {epoch}); stopped there and wrote no checkpoint "
+            f"of it; {continue_line(run_dir, checkpoint_step)}")
+    if run_dir is not None and checkpoint_step is not None:
+        text += (f"; continue from it with gradient clipping: scaleloop train --out {shlex.quote(str(run_dir))} "
+                 "--clip-grad 1.0, or start over with a lower --lr")
+    else:
+        text += "; start over with a lower --lr or with --clip-grad 1.0"
+    return Diverged(text)
+
+
+@dataclass
+class Straggler:
+    """The slowest rank of a log window, against the median of the others (seconds per step)."""
+
+    rank: int
+    slowest_s: float
+    others_s: float
+    first_step: int
+    last_step: int
+
+    def describe(self) -> str:
+        return (f"straggler: rank {self.rank} takes {self.slowest_s * 1e3:.1f} ms per step for its own work "
+                f"(data, forward), the other ranks {self.others_s * 1e3:.1f} ms (median): every rank waits "
+                f"about {(self.slowest_s - self.others_s) * 1e3:.0f} ms per step for it "
+                f"(steps {self.first_step}-{self.last_step})")
+
+
+class Stragglers:
+    """Decides when a slow rank is reported: the same rank slowest by a wide margin in two
+    windows in a row, then again only if another rank becomes the slowest or its lead doubles.
+
+    A wide margin: at least ``min_s`` per step and ``share`` of the step's wall time, so a
+    healthy run's jitter between ranks is never reported.
+    """
+
+    def __init__(self, share: float = 0.1, min_s: float = 0.005) -> None:
+        self.share, self.min_s = share, min_s
+        self._candidate: Optional[int] = None
+        self._reported: Optional[Straggler] = None
+        #: The worst straggler seen in the run (for the summary), if any was reported.
+        self.worst: Optional[Straggler] = None
+
+    def window(self, own_s: Sequence[float], steps: int, step_s: float, last_step: int) -> Optional[Straggler]:
+        """One window's own seconds per rank (over ``steps`` steps of ``step_s`` wall seconds each);
+        returns the straggler to report now, if any."""
+        if len(own_s) < 2 or steps <= 0:
+            return None
+        per_step = [s / steps for s in own_s]
+        rank = max(range(len(per_step)), key=per_step.__getitem__)
+        others = statistics.median(per_step[:rank] + per_step[rank + 1:])
+        lead = per_step[rank] - others
+        if not (math.isfinite(lead) and lead >= self.min_s and lead >= self.share * step_s):
+            self._candidate = None
+            return None
+        seen_before, self._candidate = self._candidate == rank, rank
+        if not seen_before:
+            return None
+        found = Straggler(rank, per_step[rank], others, last_step - steps + 1, last_step)
+        last = self._reported
+        if last is not None and last.rank == rank and lead < 2 * (last.slowest_s - last.others_s):
+            return None
+        self._reported = found
+        if self.worst is None or lead > self.worst.slowest_s - self.worst.others_s:
+            self.worst = found
+        return found

@@ -1,0 +1,213 @@
+"""The lock a run holds on its run directory, so that two runs never write into the same one.
+
+The lock is a file, ``scaleloop.lock``, created exclusively (``O_EXCL``) and holding the
+holder's host, pid, process start time and the time it was taken. It needs no lock server and
+works on any file system that creates files atomically. A lock whose process is gone (same
+host, pid dead or reused) is stale and is taken over; a lock held on another host cannot be
+checked from here and is reported with the way to remove it.
+
+``scaleloop train --nproc N`` takes the lock in the launcher, which outlives torchrun's
+restarts of its workers; rank 0 of those workers then finds a lock held by its own ancestor
+and shares it (it neither takes nor releases it). A single-process run takes it itself.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Optional
+
+from scaleloop.errors import UsageError
+
+LOCK_FILE = "scaleloop.lock"
+_READ_TRIES = 5        # a lock read while its holder is still writing it looks empty for a moment
+
+
+class RunDirLocked(UsageError):
+    """Another live run holds the run directory."""
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a run directory's lock."""
+
+    host: str
+    pid: int
+    since: float                    # time.time() when it was taken
+    start: Optional[str] = None     # the process's start time (Linux), to tell a reused pid
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on {self.host}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.since))}"
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """The process's start time in clock ticks since boot (Linux), or None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]   # field 22 of stat; the name before ")" may hold spaces
+
+
+def _parent(pid: int) -> Optional[int]:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    try:  # no /proc (macOS): ask ps
+        out = subprocess.run(["ps", "-o", "ppid=", "-p", str(pid)], capture_output=True, text=True, timeout=5)
+        return int(out.stdout.strip())
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def _lineage(pid: int) -> set[int]:
+    """``pid`` and its ancestors."""
+    seen: set[int] = set()
+    current: Optional[int] = pid
+    while current is not None and current > 1 and current not in seen and len(seen) < 64:
+        seen.add(current)
+        current = _parent(current)
+    return seen
+
+
+def _is_ours(holder: Holder) -> bool:
+    """Held by this process or one of its ancestors (the launcher of this torchrun worker)."""
+    return holder.host == socket.gethostname() and holder.pid in _lineage(os.getpid())
+
+
+def _alive(holder: Holder) -> bool:
+    """False only when the holder is surely gone: on this host, and its pid is dead or reused."""
+    if holder.host != socket.gethostname():
+        return True
+    try:
+        os.kill(holder.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, another user's
+    start = _start_time(holder.pid)
+    return holder.start is None or start is None or start == holder.start
+
+
+def _read(path: Path) -> tuple[Optional[Holder], Optional[str]]:
+    """The lock's holder and raw text; (None, None) if there is no lock, (None, text) if unreadable."""
+    text = ""
+    for attempt in range(_READ_TRIES):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None, None
+        except OSError:
+            text = ""
+        try:
+            data = json.loads(text)
+            return Holder(str(data["host"]), int(data["pid"]), float(data["since"]), data.get("start")), text
+        except (ValueError, KeyError, TypeError):
+            time.sleep(0.05 * (attempt + 1))
+    return None, text
+
+
+def _refusal(run_dir: Path, holder: Holder) -> RunDirLocked:
+    text = (f"--out {str(run_dir)!r} is in use by another scaleloop run ({holder.describe()}); wait for it "
+            "to end, or choose another --out")
+    if holder.host != socket.gethostname():
+        text += f"; if that run is gone, delete {str(run_dir / LOCK_FILE)!r}"
+    return RunDirLocked(text)
+
+
+def refuse_if_locked(run_dir: Path) -> None:
+    """Raise :class:`RunDirLocked` if a live run other than this one (or its launcher) holds ``run_dir``."""
+    holder, _ = _read(run_dir / LOCK_FILE)
+    if holder is not None and not _is_ours(holder) and _alive(holder):
+        raise _refusal(run_dir, holder)
+
+
+class RunDirLock:
+    """The lock on one run directory; use :func:`lock_run_dir` to take it.
+
+    ``owned`` is False when the lock is shared with the process's ancestor that holds it (a
+    torchrun worker under scaleloop's launcher): :meth:`release` then leaves it in place.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_FILE
+        self.owned = False
+        self.held = False
+
+    def acquire(self) -> "RunDirLock":
+        """Take the lock, share an ancestor's, or take over a stale one; else raise :class:`RunDirLocked`."""
+        for _ in range(3):
+            if self._create():
+                self.owned = self.held = True
+                return self
+            holder, text = _read(self.path)
+            if text is None:
+                continue            # released meanwhile: try again
+            if holder is not None and _is_ours(holder):
+                self.held = True
+                return self
+            if holder is not None and _alive(holder):
+                raise _refusal(self.run_dir, holder)
+            self._take_over(text)   # its holder is gone (or it was never written whole)
+        holder, _ = _read(self.path)
+        raise _refusal(self.run_dir, holder or Holder("?", -1, time.time()))
+
+    def _create(self) -> bool:
+        me = Holder(socket.gethostname(), os.getpid(), time.time(), _start_time(os.getpid()))
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(asdict(me)))
+            fh.flush()
+            os.fsync(fh.fileno())
+        return True
+
+    def _take_over(self, stale_text: str) -> None:
+        """Remove a stale lock, unless another process replaced it meanwhile (then put that one back)."""
+        aside = self.path.with_name(f".{LOCK_FILE}.stale-{os.getpid()}")
+        try:
+            os.replace(self.path, aside)
+        except FileNotFoundError:
+            return
+        try:
+            if aside.read_text(encoding="utf-8") != stale_text:
+                os.link(aside, self.path)   # a fresh lock taken meanwhile: restore it (never over another)
+        except OSError:
+            pass
+        aside.unlink(missing_ok=True)
+
+    def release(self) -> None:
+        """Free the lock if this process took it (safe to call twice)."""
+        if self.owned:
+            holder, _ = _read(self.path)
+            if holder is not None and holder.pid == os.getpid() and holder.host == socket.gethostname():
+                try:
+                    self.path.unlink()
+                except OSError:
+                    pass  # a read-only directory: the lock is stale once this process ends
+        self.owned = self.held = False
+
+    def __enter__(self) -> "RunDirLock":
+        if not self.held:
+            self.acquire()
+        return self
+
+    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        self.release()
+
+
+def lock_run_dir(run_dir: Path) -> RunDirLock:
+    """Take the lock on ``run_dir`` (an existing directory) now; release it with ``release()`` or
+    use the result in ``with``. A second run into the same directory is refused with one line
+    naming the holder."""
+    return RunDirLock(run_dir).acquire()
