@@ -128,7 +128,9 @@ def _step_cost(run: Any) -> dict[str, float]:
 
 def _bookkeeping_cost(run: Any) -> dict[str, float]:
     """The running loss sums per step, and a log row spread over the steps between rows."""
+    from scaleloop.checkpoint.manager import Checkpointer
     from scaleloop.loop.running import RunningLoss
+    from scaleloop.loop.step import Step
     from scaleloop.loop.training import _Ledger, _log_window
     from scaleloop.output.metrics import MetricsLogger
 
@@ -144,11 +146,13 @@ def _bookkeeping_cost(run: Any) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="scaleloop-loopcost-") as tmp:
         metrics = MetricsLogger(Path(tmp), tensorboard=False)
         ledger = _Ledger(time.perf_counter())
+        step, checkpointer = Step(run), Checkpointer(run.strategy, run.cfg, say=lambda _msg: None)
 
         def log_rows(n: int) -> None:
             for _ in range(n):
                 running.add(loss, 64)
-                _log_window(run, running, metrics, None, ledger, 0, 64, time.perf_counter())
+                ledger.step += 1
+                _log_window(run, step, running, metrics, None, ledger, 0, 64, time.perf_counter(), checkpointer)
 
         pieces[f"log row (every {run.cfg.log_every} steps)"] = _best_us(log_rows, 500) / run.cfg.log_every
         metrics.close()

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from scaleloop.errors import UsageError
+from scaleloop.runtime.collectives import sum_over_ranks
 from scaleloop.runtime.dist import DistEnv
 
 
@@ -49,6 +50,54 @@ def blocks(total: Sequence[float], head: int, world: int) -> list[list[float]]:
     """The per-rank blocks of a reduced :func:`per_rank_vector` (after its ``head`` values)."""
     rest = list(total[head:])
     return [rest[i:i + world] for i in range(0, len(rest), world)]
+
+
+@dataclass(frozen=True)
+class WindowTotals:
+    """A log window reduced over ranks: the loss sums and the per-rank health numbers."""
+
+    loss_sum: float                 # loss x samples, all ranks
+    samples: float
+    own_s: list[float]              # each rank's own seconds in the window
+    first_bad: Optional[int]        # the first step with a non-finite loss on any rank
+    skipped: int                    # fp16 steps skipped (the most any rank counts; 0 without a scaler)
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.samples if self.samples > 0 else float("nan")
+
+    def skew(self, steps: int) -> dict[str, float]:
+        """The metrics columns of the ranks' own seconds per step (none for one rank)."""
+        if len(self.own_s) < 2 or steps <= 0:
+            return {}
+        slowest = max(range(len(self.own_s)), key=self.own_s.__getitem__)
+        return {"rank_step_s_min": min(self.own_s) / steps, "rank_step_s_max": self.own_s[slowest] / steps,
+                "slowest_rank": slowest}
+
+
+def reduce_window(env: DistEnv, loss_sums: Sequence[float], own_s: float, first_nonfinite: Optional[int],
+                  skipped: Optional[torch.Tensor]) -> WindowTotals:
+    """The log window's one all-reduce: this rank's loss sums, own seconds, first non-finite step
+    and (fp16) the scaler's device-side count of skipped steps, which is copied in on the device
+    so that nothing waits for it before the reduction itself."""
+    world = env.world_size
+    vector = per_rank_vector(loss_sums, [own_s, first_nonfinite or 0, 0.0], env)
+    if skipped is not None:
+        vector[len(loss_sums) + 2 * world + env.rank] = skipped
+    total = sum_over_ranks(vector, env).tolist()
+    own, bad, skipped_by_rank = blocks(total, len(loss_sums), world)
+    return WindowTotals(total[0], total[1], own, first_bad(bad), int(max(skipped_by_rank)))
+
+
+def reduce_checked(env: DistEnv, model: nn.Module, head: Sequence[float], first_nonfinite: Optional[int]
+                   ) -> tuple[list[float], Optional[int], bool]:
+    """``head`` summed over ranks, in one all-reduce with each rank's first non-finite step and
+    whether its weights are finite: (sums, first bad step, any weights not finite)."""
+    vector = per_rank_vector(head, [first_nonfinite or 0, 0.0], env)
+    vector[len(head) + env.world_size + env.rank] = nonfinite_weights(model)
+    total = sum_over_ranks(vector, env).tolist()
+    bad, weights = blocks(total, len(head), env.world_size)
+    return total[:len(head)], first_bad(bad), any(weights)
 
 
 def nonfinite_weights(model: nn.Module) -> torch.Tensor:

@@ -28,7 +28,7 @@ from scaleloop.data.loader import Batch
 from scaleloop.data.streaming import declared_length
 from scaleloop.loop.build import Run, build_run
 from scaleloop.loop.evaluate import EvalResult, evaluate
-from scaleloop.loop.health import Stragglers, blocks, diverged, first_bad, nonfinite_weights, per_rank_vector
+from scaleloop.loop.health import Stragglers, diverged, reduce_checked, reduce_window
 from scaleloop.loop.running import RunningLoss
 from scaleloop.loop.schedule import describe_schedule
 from scaleloop.loop.step import Step
@@ -287,37 +287,28 @@ def _log_window(run: Run, step: Step, running: RunningLoss, metrics: Optional[Me
     The same all-reduce gathers each rank's own time, first non-finite step and fp16 skipped
     steps (``scaleloop.loop.health``); a diverged loss stops the run here, on every rank alike.
     """
-    env = run.env
-    world, steps = env.world_size, ledger.step - ledger.window_from
-    vector = per_rank_vector(running.window_sums(torch.device("cpu")).tolist(),
-                             [step.take_own_s(), running.first_nonfinite_step() or 0, 0.0], env)
+    steps = ledger.step - ledger.window_from
     skipped = run.strategy.precision.skipped
-    if skipped is not None:
-        vector[2 + 2 * world + env.rank] = skipped   # a copy on the device: nothing waits for it
-    total = sum_over_ranks(vector, env).tolist()
-    own_s, bad_steps, skipped_now = blocks(total, 2, world)
+    totals = reduce_window(run.env, running.window_sums(torch.device("cpu")).tolist(), step.take_own_s(),
+                           running.first_nonfinite_step(), skipped)
     now = time.perf_counter()
     rate = window_samples / max(now - window_start, 1e-9)
-    loss = total[0] / total[1] if total[1] > 0 else float("nan")
-    values: dict[str, Any] = dict(train_loss=loss, lr=ledger.lr, samples_per_s=rate, wall_s=now - ledger.started)
-    if world > 1 and steps > 0:
-        slowest = max(range(world), key=own_s.__getitem__)
-        values.update(rank_step_s_min=min(own_s) / steps, rank_step_s_max=own_s[slowest] / steps,
-                      slowest_rank=slowest)
-        straggler = ledger.stragglers.window(own_s, steps, (now - window_start) / steps, ledger.step)
-        if straggler is not None:
-            checkpointer.say(straggler.describe())
+    loss = totals.loss
+    values: dict[str, Any] = dict(train_loss=loss, lr=ledger.lr, samples_per_s=rate, wall_s=now - ledger.started,
+                                  **totals.skew(steps))
+    straggler = ledger.stragglers.window(totals.own_s, steps, (now - window_start) / max(steps, 1), ledger.step)
+    if straggler is not None:
+        checkpointer.say(straggler.describe())
     if skipped is not None:
-        ledger.skipped = ledger.skipped_before + int(max(skipped_now))
-        values["skipped_steps"] = ledger.skipped
+        ledger.skipped = values["skipped_steps"] = ledger.skipped_before + totals.skipped
     if metrics is not None:
         metrics.log_step(ledger.step, epoch + 1, ledger.samples, **values)
     if bar is not None:
         bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
     running.new_window()
     ledger.window_from = ledger.step
-    if total[1] > 0 and not math.isfinite(loss):
-        raise diverged(f"the training loss became {loss}", first_bad(bad_steps) or ledger.step, epoch + 1,
+    if totals.samples > 0 and not math.isfinite(loss):
+        raise diverged(f"the training loss became {loss}", totals.first_bad or ledger.step, epoch + 1,
                        ledger.out, checkpointer.last_step)
     step.restart_clock()  # the wait in this all-reduce is no rank's own work
     return time.perf_counter()
@@ -325,20 +316,14 @@ def _log_window(run: Run, step: Step, running: RunningLoss, metrics: Optional[Me
 
 def _check_finite(run: Run, running: RunningLoss, ledger: _Ledger, checkpointer: Checkpointer, epoch: int,
                   head: list[float]) -> list[float]:
-    """Reduce ``head`` (summed over ranks, returned) with each rank's first non-finite step and
-    whether its weights are finite; raise :class:`~scaleloop.loop.health.Diverged` on every rank
-    alike if anything is not finite, before a checkpoint could hold it."""
-    env = run.env
-    vector = per_rank_vector(head, [running.first_nonfinite_step() or 0, 0.0], env)
-    vector[len(head) + env.world_size + env.rank] = nonfinite_weights(run.model)
-    total = sum_over_ranks(vector, env).tolist()
-    bad_steps, bad_weights = blocks(total, len(head), env.world_size)
-    first = first_bad(bad_steps)
-    if first is not None or any(bad_weights):
+    """``head`` summed over ranks; raises :class:`~scaleloop.loop.health.Diverged` on every rank
+    alike if a loss so far or the weights are not finite, before a checkpoint could hold them."""
+    sums, first, bad_weights = reduce_checked(run.env, run.model, head, running.first_nonfinite_step())
+    if first is not None or bad_weights:
         what = ("the training loss became non-finite" if first is not None
                 else "the weights were no longer finite (inf or NaN) after")
         raise diverged(what, first or ledger.step, epoch + 1, ledger.out, checkpointer.last_step)
-    return total[:len(head)]
+    return sums
 
 
 def _skipped(run: Run, ledger: _Ledger) -> int:

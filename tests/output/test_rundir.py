@@ -1,0 +1,120 @@
+"""The run directory: what --out accepts, its lock, and writes that fail (scaleloop.output.rundir/lock)."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scaleloop.errors import UsageError
+from scaleloop.output import rundir
+from scaleloop.output.lock import LOCK_FILE, RunDirLocked
+from scaleloop.output.rundir import RunDirWriteError, is_run_dir, lock_run_dir, prepare_run_dir, write_atomic
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def prepare(path: Path, continuing: bool = False) -> Path:
+    return prepare_run_dir(str(path), "simplenet", "digits", continuing=continuing)
+
+
+def test_a_directory_of_the_users_own_files_is_refused_and_left_alone(tmp_path: Path) -> None:
+    (tmp_path / "model.pt").write_bytes(b"mine")
+    with pytest.raises(UsageError, match=r"holds files that scaleloop did not write \(model.pt\); a run never "
+                                         r"overwrites them: choose a new or empty --out"):
+        prepare(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"] and (tmp_path / "model.pt").read_bytes() == b"mine"
+
+
+def test_an_empty_or_scaleloop_directory_is_accepted(tmp_path: Path) -> None:
+    assert prepare(tmp_path / "new") == tmp_path / "new"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert prepare(empty) == empty
+    started = tmp_path / "started"        # what a launcher leaves before its workers log anything
+    started.mkdir()
+    (started / "config.toml").write_text("# scaleloop resolved configuration; rerun with: ...\nmodel = \"x\"\n")
+    (started / "logs").mkdir()
+    assert is_run_dir(started) and prepare(started) == started
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.toml").write_text("[tool.other]\n")   # someone else's config.toml
+    assert not is_run_dir(other)
+
+
+def test_a_finished_run_is_refused_unless_continued(tmp_path: Path) -> None:
+    (tmp_path / "metrics.csv").write_text("kind,epoch,step,samples\n")
+    with pytest.raises(UsageError, match="already holds a run"):
+        prepare(tmp_path)
+    assert prepare(tmp_path, continuing=True) == tmp_path
+
+
+def _hold_in_child(path: Path) -> subprocess.Popen:
+    """A process (not our ancestor) that holds the lock on ``path`` until its stdin closes."""
+    code = ("import sys; from pathlib import Path; from scaleloop.output.rundir import lock_run_dir\n"
+            f"lock = lock_run_dir(Path({str(path)!r})); print('held', flush=True); sys.stdin.read(); lock.release()")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert child.stdout is not None and child.stdout.readline().strip() == "held"
+    return child
+
+
+def test_a_second_run_is_refused_with_the_holder_named(tmp_path: Path) -> None:
+    child = _hold_in_child(tmp_path)
+    try:
+        holder = json.loads((tmp_path / LOCK_FILE).read_text())
+        assert holder["pid"] == child.pid and holder["host"] == socket.gethostname()
+        with pytest.raises(RunDirLocked, match=rf"--out '{tmp_path}' is in use by another scaleloop run \(pid "
+                                               rf"{child.pid} on {socket.gethostname()}, since .*\); wait for it to "
+                                               "end, or choose another --out$"):
+            lock_run_dir(tmp_path)
+        with pytest.raises(RunDirLocked):   # prepare_run_dir says so first, even for a run that continues
+            prepare(tmp_path, continuing=True)
+    finally:
+        child.communicate("", timeout=30)
+    assert not (tmp_path / LOCK_FILE).exists()        # released by its holder
+    with lock_run_dir(tmp_path) as lock:
+        assert lock.owned
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_stale_lock_is_taken_over_and_a_remote_one_is_not(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "since": 1.0}))
+    with lock_run_dir(tmp_path) as lock:
+        assert lock.owned and json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "elsewhere", "pid": 12, "since": 1.0}))
+    with pytest.raises(RunDirLocked, match=rf"pid 12 on elsewhere.*; if that run is gone, delete "
+                                           rf"'{tmp_path / LOCK_FILE}'"):
+        lock_run_dir(tmp_path)
+
+
+def test_a_lock_held_by_an_ancestor_is_shared_not_released(tmp_path: Path) -> None:
+    # As rank 0 of a torchrun worker group finds its launcher's lock: held by a parent process.
+    code = ("import os; from pathlib import Path; from scaleloop.output.rundir import lock_run_dir\n"
+            f"lock = lock_run_dir(Path({str(tmp_path)!r})); print(lock.owned); lock.release()")
+    with lock_run_dir(tmp_path) as mine:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONPATH": str(SRC)})
+        assert out.stdout.strip() == "False", out.stderr
+        assert (tmp_path / LOCK_FILE).exists() and mine.owned
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_write_that_fails_names_the_file_and_leaves_no_temporary(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(rundir.os, "fsync", full)
+    with pytest.raises(RunDirWriteError, match=rf"^cannot write '{tmp_path / 'model.pt'}': no space left on device "
+                                               r"\(it needs 2.0 KB, .* free\)$") as caught:
+        write_atomic(tmp_path / "model.pt", b"x" * 2000)
+    assert caught.value.once == "space is freed"
+    assert list(tmp_path.iterdir()) == []
