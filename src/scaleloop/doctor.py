@@ -155,7 +155,7 @@ def _last_step(rows: list[dict[str, str]]) -> Optional[int]:
 
 
 def _finished(rows: list[dict[str, str]], config: dict[str, Any]) -> str:
-    epochs = [r for r in rows if r.get("kind") == "epoch"]
+    epochs = [r for r in rows if r.get("kind") in ("epoch", "stop")]   # stop: --max-steps inside an epoch
     steps = _last_step(rows)
     text = "finished"
     if epochs:

@@ -7,6 +7,8 @@
 - ``training``: ``train``, the loop behind ``scaleloop train``, and ``RunResult``.
 - ``evaluate``: exact evaluation over ranks. ``schedule``: learning-rate scaling and schedules.
 - ``running``: the running loss sums. ``tasks``: the loss for each task.
+- ``health``: what the log rows learn on their all-reduce: stragglers, a diverging loss,
+  fp16 skipped steps.
 - ``speed``: ``--compile``/``--channels-last`` set-up. ``tune``: ``scaleloop tune-batch``.
 
 Names are imported lazily: ``import scaleloop.loop`` does not import torch.

@@ -1,6 +1,7 @@
 """What a run writes and prints.
 
-- ``rundir``: the run directory and atomic file writes.
+- ``rundir``: the run directory (what ``--out`` accepts) and atomic file writes.
+- ``lock``: the lock a run holds on its run directory (host, pid; stale ones taken over).
 - ``metrics``: ``metrics.csv``, ``curves.png``, number formatting.
 - ``trackers``: where metrics go besides ``metrics.csv`` (``--tracker``): TensorBoard, W&B, MLflow.
 - ``memory``: parameter, gradient and optimizer-state bytes per rank (``memory.json``).
