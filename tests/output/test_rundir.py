@@ -118,3 +118,9 @@ def test_a_write_that_fails_names_the_file_and_leaves_no_temporary(tmp_path: Pat
         write_atomic(tmp_path / "model.pt", b"x" * 2000)
     assert caught.value.once == "space is freed"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_job_over_several_machines_takes_no_lock(tmp_path: Path) -> None:
+    lock = lock_run_dir(tmp_path, single_node=False)
+    assert not (tmp_path / LOCK_FILE).exists() and not lock.owned
+    lock.release()

@@ -214,7 +214,7 @@ def _open_run_dir(run: Run, checkpointer: Checkpointer, resumed: Optional[Resume
         # run's checkpoint starts a new run (a fork), which must not overwrite a run in --out.
         continuing = restart_count() > 0 or (resumed is not None and continues_run(out, resumed.source))
         run_dir = prepare_run_dir(str(out) if out else None, run.cfg.model, run.cfg.data, continuing=continuing)
-        lock = lock_run_dir(run_dir)
+        lock = lock_run_dir(run_dir, single_node=run.cfg.nnodes == 1)
         try:
             write_atomic(run_dir / "config.toml", to_toml(run.cfg).encode())
         except BaseException:

@@ -9,6 +9,7 @@ checked from here and is reported with the way to remove it.
 ``scaleloop train --nproc N`` takes the lock in the launcher, which outlives torchrun's
 restarts of its workers; rank 0 of those workers then finds a lock held by its own ancestor
 and shares it (it neither takes nor releases it). A single-process run takes it itself.
+A job over several machines takes none (see :func:`lock_run_dir`).
 """
 from __future__ import annotations
 
@@ -206,8 +207,14 @@ class RunDirLock:
         self.release()
 
 
-def lock_run_dir(run_dir: Path) -> RunDirLock:
+def lock_run_dir(run_dir: Path, *, single_node: bool = True) -> RunDirLock:
     """Take the lock on ``run_dir`` (an existing directory) now; release it with ``release()`` or
     use the result in ``with``. A second run into the same directory is refused with one line
-    naming the holder."""
-    return RunDirLock(run_dir).acquire()
+    naming the holder.
+
+    ``single_node=False`` (a job over several machines) takes no lock and returns one that holds
+    nothing: each node's launcher prepares the same shared directory, and whether a process on
+    another machine is alive cannot be checked from here.
+    """
+    lock = RunDirLock(run_dir)
+    return lock.acquire() if single_node else lock

@@ -101,7 +101,7 @@ def _launch_workers(cfg: TrainConfig) -> None:
     cfg = cfg.replace(out=str(out))
     run_dir = prepare_run_dir(cfg.out, cfg.model, cfg.data,
                               continuing=source is not None and continues_run(out, source))
-    lock = lock_run_dir(run_dir)  # held while the workers run (rank 0, a descendant, shares it)
+    lock = lock_run_dir(run_dir, single_node=cfg.nnodes == 1)  # held while the workers run (rank 0 shares it)
     resolved = run_dir / "config.toml"
     write_atomic(resolved, to_toml(cfg).encode())
     logs = run_dir / LOGS_DIR
