@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ def test_ddp_mixed_precision_with_clipping_trains(tmp_path: Path, precision: str
     out = tmp_path / precision
     res = scaleloop([*BASE, "--nproc", "2", "--strategy", "ddp", "--precision", precision,
                      "--clip-grad", "1.0", "--accumulate", "2", "--out", str(out)], cwd=tmp_path)
-    assert f"precision         {precision}" in res.stdout
+    assert re.search(rf"^  precision\s+{precision}$", res.stdout, re.M), res.stdout
     epochs = [r for r in csv.DictReader(open(out / "metrics.csv")) if r["kind"] == "epoch"]
     losses = [float(r["train_loss"]) for r in epochs]
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
