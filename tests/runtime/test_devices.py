@@ -1,10 +1,13 @@
 """Tests for scaleloop.runtime.devices and DistEnv.from_env (on this machine's CPU)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from scaleloop.runtime.devices import best_device, describe_device, device_for_local_rank, resolve_device
+from scaleloop.runtime.devices import (best_device, choose_device, describe_device, device_clock,
+                                       device_for_local_rank, resolve_device)
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
 
@@ -54,10 +57,48 @@ def test_device_for_local_rank() -> None:
     assert device_for_local_rank(cpu, 0) == cpu
     assert device_for_local_rank(cpu, 3) == cpu  # CPU is shared by all ranks
     pinned = torch.device("cuda", 1)
-    assert device_for_local_rank(pinned, 3) == pinned  # an explicit index is kept
-    if HAS_CUDA:
-        n = torch.cuda.device_count()
-        assert device_for_local_rank(torch.device("cuda"), n + 1) == torch.device("cuda", (n + 1) % n)
+    assert device_for_local_rank(pinned, 0) == pinned  # an explicit index is kept (one process)
+    assert device_for_local_rank(torch.device("cuda"), 3) == torch.device("cuda", 3)
+
+
+# --- choose_device: the rule, for any machine (a pure function; no GPU needed) ------------
+
+@pytest.mark.parametrize("requested,procs,gpus,expected", [
+    ("auto", 1, 0, "cpu"), ("auto", 4, 0, "cpu"), ("auto", 1, 1, "cuda"), ("auto", 2, 2, "cuda"),
+    ("auto", 8, 8, "cuda"), ("cuda", 1, 1, "cuda"), ("cuda", 2, 4, "cuda"), ("cuda:1", 1, 2, "cuda:1"),
+    ("cpu", 4, 8, "cpu"), (" CUDA ", 1, 1, "cuda")])
+def test_choose_device_fits(requested: str, procs: int, gpus: int, expected: str) -> None:
+    choice = choose_device(requested, procs, gpus)
+    assert choice.device == torch.device(expected) and choice.note is None
+
+
+def test_auto_with_more_processes_than_gpus_falls_back_to_the_cpu_and_says_so() -> None:
+    choice = choose_device("auto", 2, 1)
+    assert choice.device == torch.device("cpu")
+    assert choice.note is not None and "\n" not in choice.note
+    assert "2 processes" in choice.note and "1 GPU" in choice.note and "--nproc 1" in choice.note
+
+
+@pytest.mark.parametrize("requested,procs,gpus,match", [
+    ("cuda", 2, 1, "2 processes on this machine, but it has 1 GPU.*use --nproc 1, or --device cpu"),
+    ("cuda", 3, 2, "use --nproc 2"),
+    ("cuda:0", 2, 2, "puts all 2 processes on one GPU.*use --device cuda"),
+    ("cuda:2", 1, 2, "only 2 CUDA device"),
+    ("cuda", 1, 0, "CUDA is not available"),
+    ("mps", 1, 0, "MPS")])
+def test_choose_device_refuses_in_one_line(requested: str, procs: int, gpus: int, match: str) -> None:
+    with pytest.raises(UsageError, match=match) as info:
+        choose_device(requested, procs, gpus)
+    assert "\n" not in str(info.value)
+
+
+def test_auto_prefers_mps_for_one_process_without_cuda() -> None:
+    assert choose_device("auto", 1, 0, mps=True).device == torch.device("mps")
+
+
+def test_device_clock_on_the_cpu_is_the_plain_clock() -> None:
+    before = time.perf_counter()
+    assert before <= device_clock(torch.device("cpu")) <= time.perf_counter()
 
 
 def test_describe_cpu() -> None:
@@ -106,3 +147,13 @@ def test_from_env_bad_values(environ: dict[str, str]) -> None:
 def test_from_env_bad_device() -> None:
     with pytest.raises(UsageError, match="CUDA is not available"):
         DistEnv.from_env({}, device="cuda")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA: the fallback only happens where GPUs exist")
+def test_from_env_auto_falls_back_to_gloo_when_gpus_are_too_few(capsys) -> None:
+    n = torch.cuda.device_count()
+    env = DistEnv.from_env({"RANK": "0", "WORLD_SIZE": str(n + 1), "LOCAL_RANK": "0"}, device="auto")
+    assert env.device == torch.device("cpu") and env.backend == "gloo"
+    assert "NCCL needs one GPU per process" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="NCCL needs one GPU per process"):
+        DistEnv.from_env({"RANK": "0", "WORLD_SIZE": str(n + 1), "LOCAL_RANK": "0"}, device="cuda")

@@ -165,6 +165,10 @@ def preflight(cfg: TrainConfig) -> None:
     resolve_metrics(cfg.metrics)
     if cfg.data == "mnist" and not cfg.data_dir:
         raise UsageError("dataset 'mnist' reads IDX files from a directory: pass --data-dir DIR (it never downloads)")
+    # --nproc processes on fewer GPUs: one line here, not a "Duplicate GPU" report from NCCL.
+    from scaleloop.runtime.devices import check_processes_fit
+
+    check_processes_fit(cfg.device, cfg.nproc)
     if cfg.strategy == "pipeline":
         # The cut into stages is known before any worker starts: a model too shallow for
         # --nproc stages fails here, in one line, rather than in every worker.

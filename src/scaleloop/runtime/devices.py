@@ -1,54 +1,115 @@
-"""Which device to train on: the tutorial's rule (CUDA, then MPS, then CPU), or the user's choice."""
+"""Which device to train on: the tutorial's rule (CUDA, then MPS, then CPU), or the user's choice.
+
+:func:`choose_device` is the rule itself, a pure function of what was asked for, how many
+processes share this machine and how many GPUs it has, so that a CPU test can check every case.
+NCCL needs one GPU per process ("Duplicate GPU detected" otherwise), so several processes on
+fewer GPUs are an error when CUDA was asked for, and run on the CPU with Gloo under ``auto``.
+"""
 from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from scaleloop.errors import UsageError
 
 
-def best_device() -> torch.device:
-    """CUDA if a GPU is visible, else Apple's MPS, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+@dataclass(frozen=True)
+class DeviceChoice:
+    """The device every local process starts from, and a line to print once when ``auto``
+    had to choose less than the best device here (None: nothing to say)."""
+
+    device: torch.device
+    note: Optional[str] = None
 
 
-def resolve_device(spec: str) -> torch.device:
-    """Turn ``auto|cpu|cuda|cuda:N|mps`` into a device that exists here, or raise UsageError."""
-    spec = spec.strip().lower()
+def choose_device(requested: str, local_world_size: int, gpus: int, mps: bool = False) -> DeviceChoice:
+    """The device for ``requested`` (``auto|cpu|cuda|cuda:N|mps``) with ``local_world_size``
+    processes on a machine with ``gpus`` visible CUDA devices (0: no CUDA) and MPS or not.
+
+    Raises ``UsageError`` (one line, with the remedy) for what cannot run here.
+    """
+    spec = requested.strip().lower()
+    procs = "process" if local_world_size == 1 else "processes"
     if spec == "auto":
-        return best_device()
+        if gpus >= 1 and local_world_size <= gpus:
+            return DeviceChoice(torch.device("cuda"))
+        if gpus >= 1:
+            return DeviceChoice(torch.device("cpu"), (
+                f"--device auto: {local_world_size} {procs} on this machine but {gpus} GPU(s), and NCCL needs "
+                f"one GPU per process; training on the CPU with Gloo (--nproc {gpus} trains on the GPU)"))
+        return DeviceChoice(torch.device("mps") if mps else torch.device("cpu"))
     try:
         device = torch.device(spec)
     except RuntimeError:
         raise UsageError(f"--device {spec!r} is not a device; use auto, cpu, cuda, cuda:N or mps") from None
     if device.type == "cpu":
-        return device
+        return DeviceChoice(device)
     if device.type == "cuda":
-        if not torch.cuda.is_available():
+        if gpus < 1:
             raise UsageError(
                 f"--device {spec} was asked for, but CUDA is not available here "
                 f"(torch {torch.__version__}); use --device cpu or auto (see: scaleloop env)")
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            raise UsageError(f"--device {spec}: only {count} CUDA device(s) here (cuda:0..cuda:{count - 1})")
-        return device
+        if device.index is not None and device.index >= gpus:
+            raise UsageError(f"--device {spec}: only {gpus} CUDA device(s) here (cuda:0..cuda:{gpus - 1})")
+        if device.index is not None and local_world_size > 1:
+            raise UsageError(
+                f"--device {spec} puts all {local_world_size} processes on one GPU, and NCCL needs one GPU per "
+                f"process; use --device cuda (process r uses cuda:r), or --nproc 1")
+        if local_world_size > gpus:
+            raise UsageError(
+                f"--device {spec} with {local_world_size} processes on this machine, but it has {gpus} GPU(s) and "
+                f"NCCL needs one GPU per process; use --nproc {gpus}, or --device cpu for {local_world_size} "
+                f"processes on the CPU")
+        return DeviceChoice(device)
     if device.type == "mps":
-        if not torch.backends.mps.is_available():
+        if not mps:
             raise UsageError("--device mps was asked for, but MPS (Apple GPU) is not available here; "
                              "use --device cpu or auto (see: scaleloop env)")
-        return device
+        return DeviceChoice(device)
     raise UsageError(f"--device {spec!r} is not supported; use auto, cpu, cuda, cuda:N or mps")
 
 
+def visible_gpus() -> int:
+    """CUDA devices this process can use (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def mps_available() -> bool:
+    """True where Apple's MPS can be used."""
+    return torch.backends.mps.is_available()
+
+
+def best_device() -> torch.device:
+    """CUDA if a GPU is visible, else Apple's MPS, else the CPU."""
+    return choose_device("auto", 1, visible_gpus(), mps_available()).device
+
+
+def resolve_device(spec: str, local_world_size: int = 1) -> torch.device:
+    """Turn ``auto|cpu|cuda|cuda:N|mps`` into a device that exists here, or raise UsageError.
+
+    ``local_world_size``: the processes on this machine (see :func:`choose_device`); a note
+    from ``auto`` is dropped here, :meth:`DistEnv.from_env` prints it.
+    """
+    return choose_device(spec, local_world_size, visible_gpus(), mps_available()).device
+
+
+def check_processes_fit(spec: str, local_world_size: int) -> None:
+    """Before starting ``local_world_size`` processes: raise UsageError if they cannot share
+    this machine's devices as ``spec`` asks (a launcher's one-line check)."""
+    choose_device(spec, local_world_size, visible_gpus(), mps_available())
+
+
 def device_for_local_rank(base: torch.device, local_rank: int) -> torch.device:
-    """One GPU per process: local rank r uses ``cuda:r``; CPU and MPS are shared by all ranks."""
-    if base.type == "cuda":
-        if base.index is not None:
-            return base
-        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+    """One GPU per process: local rank r uses ``cuda:r``; CPU and MPS are shared by all ranks.
+
+    :func:`choose_device` has already refused more processes than GPUs.
+    """
+    if base.type == "cuda" and base.index is None:
+        return torch.device("cuda", local_rank)
     return base
 
 
@@ -60,3 +121,28 @@ def describe_device(device: torch.device) -> str:
     if device.type == "cpu":
         return f"cpu ({torch.get_num_threads()} threads)"
     return str(device)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA, MPS); nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def device_clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once ``device`` has finished its queued work.
+
+    A GPU runs behind the Python loop: a clock read without waiting stops with steps still
+    queued and makes throughput look better than it is. On the CPU it is the plain clock.
+    """
+    if device.type != "cpu":
+        synchronize(device)
+    return time.perf_counter()
+
+
+def say_once(note: Optional[str], local_rank: int) -> None:
+    """Print ``note`` on the first process of each machine (a device choice concerns the machine)."""
+    if note and local_rank == 0:
+        print(f"scaleloop: {note}", file=sys.stderr, flush=True)

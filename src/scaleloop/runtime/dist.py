@@ -16,7 +16,7 @@ import torch
 import torch.distributed as torch_dist
 
 from scaleloop.runtime import slurm
-from scaleloop.runtime.devices import device_for_local_rank, resolve_device
+from scaleloop.runtime.devices import choose_device, device_for_local_rank, mps_available, say_once, visible_gpus
 from scaleloop.errors import UsageError
 
 
@@ -65,8 +65,11 @@ class DistEnv:
             local_rank, local_world_size = task.local_rank, task.local_world_size
             if world_size > 1:
                 master_addr, master_port = task.master_addr, task.master_port
-        base = resolve_device(device)
-        dev = device_for_local_rank(base, local_rank)
+        # NCCL needs one GPU per process: more local processes than GPUs is an error on
+        # --device cuda, and the CPU with Gloo under auto (said once per machine).
+        choice = choose_device(device, local_world_size, visible_gpus(), mps_available())
+        say_once(choice.note, local_rank)
+        dev = device_for_local_rank(choice.device, local_rank)
         if backend is None and world_size > 1:
             backend = "nccl" if dev.type == "cuda" else "gloo"
         return cls(rank=rank, local_rank=local_rank, world_size=world_size,

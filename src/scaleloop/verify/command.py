@@ -79,7 +79,7 @@ def verify(cfg: TrainConfig, opts: VerifyOptions, say: Say = print) -> int:
     with _report_root(opts.report) as root:
         (root / CONFIG_FILE).write_text(to_toml(cfg), encoding="utf-8")
         opts.write(root / OPTIONS_FILE)
-        device = resolve_device(cfg.device)
+        device = resolve_device(cfg.device, cfg.nproc)  # as its workers choose (auto: CPU if GPUs are too few)
         if cfg.strategy == "dp":
             make_strategy("dp", DistEnv(device=device))  # says what to do instead when there are no GPUs
         data, model = build_data_and_model(cfg)
