@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from scaleloop.runtime.devices import (best_device, choose_device, describe_device, device_clock,
-                                       device_for_local_rank, resolve_device)
+                                       device_for_local_rank, indexed, resolve_device)
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
 
@@ -94,6 +94,13 @@ def test_choose_device_refuses_in_one_line(requested: str, procs: int, gpus: int
 
 def test_auto_prefers_mps_for_one_process_without_cuda() -> None:
     assert choose_device("auto", 1, 0, mps=True).device == torch.device("mps")
+
+
+def test_indexed_names_the_gpu() -> None:
+    # FSDP's one-rank group passes this to init_process_group(device_id=...), which needs an index.
+    assert indexed(torch.device("cuda"), current=2) == torch.device("cuda", 2)
+    assert indexed(torch.device("cuda", 1), current=2) == torch.device("cuda", 1)
+    assert indexed(torch.device("cpu"), current=2) == torch.device("cpu")
 
 
 def test_device_clock_on_the_cpu_is_the_plain_clock() -> None:

@@ -113,6 +113,17 @@ def device_for_local_rank(base: torch.device, local_rank: int) -> torch.device:
     return base
 
 
+def indexed(device: torch.device, current: Optional[int] = None) -> torch.device:
+    """``cuda`` as ``cuda:N`` (N: ``current``, default this process's current GPU); others unchanged.
+
+    Some APIs need the index (``init_process_group(device_id=...)`` raises "Please use a
+    device_id with index" for a bare ``cuda``).
+    """
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device() if current is None else current)
+
+
 def describe_device(device: torch.device) -> str:
     """A human name: ``cuda:0 (NVIDIA H100 80GB HBM3)``, ``cpu (8 threads)``."""
     if device.type == "cuda":

@@ -21,6 +21,7 @@ from scaleloop.data.loader import Batch
 from scaleloop.errors import UsageError
 import scaleloop.strategies.distcp as distcp
 from scaleloop.runtime.collectives import broadcast_object, gather_object
+from scaleloop.runtime.devices import indexed
 from scaleloop.strategies.base import EvalShard, HandWrittenLoop, ProcessGroupStrategy
 from scaleloop.strategies.syncbn import convert_batchnorm
 
@@ -112,9 +113,12 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         # One process: a one-rank group of our own (several processes get theirs from
         # scaleloop.init_process_group, which _check() insists on).
         cuda = self.env.device.type == "cuda"
+        device = indexed(self.env.device)  # device_id must name its GPU: "cuda" alone raises
+        if cuda:
+            torch.cuda.set_device(device)  # the device mesh and NCCL use the current GPU
         torch_dist.init_process_group(backend=self.env.backend or ("nccl" if cuda else "gloo"),
                                       store=torch_dist.HashStore(), rank=0, world_size=1,
-                                      device_id=self.env.device if cuda else None)
+                                      device_id=device if cuda else None)
         self._own_group = True
 
     def _wrap(self, model: nn.Module) -> nn.Module:
