@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from scaleloop.runtime.devices import (best_device, choose_device, describe_device, device_clock,
-                                       device_for_local_rank, indexed, resolve_device)
+                                       device_for_local_rank, indexed, resolve_device, to_cpu,
+                                       use_deterministic_cuda)
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
 
@@ -164,3 +165,38 @@ def test_from_env_auto_falls_back_to_gloo_when_gpus_are_too_few(capsys) -> None:
     assert "NCCL needs one GPU per process" in capsys.readouterr().err
     with pytest.raises(UsageError, match="NCCL needs one GPU per process"):
         DistEnv.from_env({"RANK": "0", "WORLD_SIZE": str(n + 1), "LOCAL_RANK": "0"}, device="cuda")
+
+
+def test_to_cpu_keeps_the_structure_and_detaches() -> None:
+    model = torch.nn.BatchNorm1d(3)
+    state = model.state_dict()
+    state["extra"] = [torch.ones(2, requires_grad=True), (torch.zeros(1), "text")]
+    moved = to_cpu(state)
+    assert type(moved) is type(state) and list(moved) == list(state)
+    assert moved._metadata == state._metadata  # load_state_dict reads module versions from it
+    assert not moved["extra"][0].requires_grad and moved["extra"][1][1] == "text"
+    assert isinstance(moved["extra"][1], tuple)
+    assert torch.equal(moved["running_mean"], state["running_mean"])
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_to_cpu_moves_cuda_tensors() -> None:
+    moved = to_cpu({"w": torch.ones(2, device="cuda")})
+    assert moved["w"].device == torch.device("cpu")
+
+
+def test_deterministic_mode_sets_the_cublas_workspace_and_torch_flags() -> None:
+    environ: dict[str, str] = {}
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+              torch.backends.cudnn.benchmark)
+    try:
+        use_deterministic_cuda(environ)
+        assert environ == {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert not torch.backends.cudnn.benchmark
+        kept = {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}
+        use_deterministic_cuda(kept)   # the user's own setting wins
+        assert kept["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1], before[2]

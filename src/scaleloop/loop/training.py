@@ -29,15 +29,16 @@ from scaleloop.data.streaming import declared_length
 from scaleloop.loop.build import Run, build_run
 from scaleloop.loop.evaluate import EvalResult, evaluate
 from scaleloop.loop.health import Stragglers, diverged, reduce_checked, reduce_window
+from scaleloop.loop.preempt import StopVote
 from scaleloop.loop.running import RunningLoss
 from scaleloop.loop.schedule import describe_schedule
 from scaleloop.loop.step import Step
-from scaleloop.output.memory import RankMemory, measure, write_json
+from scaleloop.output.memory import RankMemory, measure, reset_peak, write_json
 from scaleloop.output.metrics import MetricsLogger, plot_curves
 from scaleloop.output.rundir import RunDirWriteError, lock_run_dir, prepare_run_dir, unwritable, write_atomic
 from scaleloop.runtime.collectives import gather_object, sum_over_ranks
-from scaleloop.runtime.devices import describe_device
-from scaleloop.runtime.dist import DistEnv, restart_count
+from scaleloop.runtime.devices import describe_device, device_clock, to_cpu
+from scaleloop.runtime.dist import DistEnv, launched_by_torchrun, restart_count
 from scaleloop.runtime.frames import note_where
 
 Log = Callable[[str], None]
@@ -113,6 +114,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     """
     started = time.perf_counter()
     say: Log = (log or print) if env.is_main else (lambda _msg: None)
+    reset_peak(env.device)  # this run's peak CUDA memory, not an earlier run's in this process
     run = build_run(cfg, env)
     checkpointer = Checkpointer(run.strategy, cfg, say=say)
     resumed = checkpointer.restore(run.model, run.optimizer, run.scheduler, restarting=restart_count() > 0)
@@ -140,6 +142,7 @@ def _train(run: Run, checkpointer: Checkpointer, resumed: Optional[Resumed], at:
     step = Step(run)
     plan, loader, model = run.loader.plan, run.loader, run.model
     done = _nothing_left(cfg, at, say)
+    stop = StopVote(env, cfg.signal, torchrun_worker=launched_by_torchrun())  # preemption (loop/preempt.py)
     model.train()
     try:
         for epoch in range(at.epoch, cfg.epochs):
@@ -152,7 +155,9 @@ def _train(run: Run, checkpointer: Checkpointer, resumed: Optional[Resumed], at:
             in_epoch = first_step
             bar = _progress_bar(plan.steps_per_epoch, first_step, f"epoch {epoch + 1}/{cfg.epochs}",
                                 cfg.progress and env.is_main)
-            epoch_start = window_start = time.perf_counter()
+            # The clock waits for the GPU (device_clock): it runs behind the loop, and a time read
+            # with steps still queued makes samples/s look better than it is. Free on the CPU.
+            epoch_start = window_start = device_clock(env.device)
             window_samples = 0
             step.restart_clock()
             for batch in loader:
@@ -177,6 +182,9 @@ def _train(run: Run, checkpointer: Checkpointer, resumed: Optional[Resumed], at:
                 if cfg.max_steps is not None and ledger.step >= cfg.max_steps:
                     done = True
                     break
+                if stop.after_step(ledger.step):  # a stop signal: every rank ends here, as --max-steps does
+                    done = True
+                    break
                 if (cfg.checkpoint_every and ledger.step % cfg.checkpoint_every == 0
                         and not _epoch_complete(plan, in_epoch)):
                     paused = _checkpoint(run, checkpointer, metrics, running, ledger,
@@ -184,10 +192,13 @@ def _train(run: Run, checkpointer: Checkpointer, resumed: Optional[Resumed], at:
                     epoch_start += paused   # checkpoint time is reported on its own, not as training
                     window_start += paused
                     step.restart_clock()
-            ledger.train_s += time.perf_counter() - epoch_start
+            ledger.train_s += device_clock(env.device) - epoch_start
             if bar is not None:
                 bar.close()
             _end_epoch(run, checkpointer, metrics, running, ledger, epoch, in_epoch, say)
+        stop.close()
+        if stop.stopped_after is not None:  # the checkpoint is written: end with how to continue
+            raise stop.preempted(ledger.out, checkpointer.last_step, cfg)
     except RunDirWriteError as exc:  # rank 0's own files (metrics.csv): add where the run can go on from
         note_where(exc, epoch=ledger.epochs_run + 1, step=ledger.step + 1)
         raise exc.with_hint(checkpointer.continue_hint(exc.once)) from None
@@ -291,7 +302,7 @@ def _log_window(run: Run, step: Step, running: RunningLoss, metrics: Optional[Me
     skipped = run.strategy.precision.skipped
     totals = reduce_window(run.env, running.window_sums(torch.device("cpu")).tolist(), step.take_own_s(),
                            running.first_nonfinite_step(), skipped)
-    now = time.perf_counter()
+    now = device_clock(run.env.device)
     rate = window_samples / max(now - window_start, 1e-9)
     loss = totals.loss
     values: dict[str, Any] = dict(train_loss=loss, lr=ledger.lr, samples_per_s=rate, wall_s=now - ledger.started,
@@ -334,7 +345,7 @@ def _skipped(run: Run, ledger: _Ledger) -> int:
 def _checkpoint(run: Run, checkpointer: Checkpointer, metrics: Optional[MetricsLogger], running: RunningLoss,
                 ledger: _Ledger, where: Progress, train_s: float) -> float:
     """A checkpoint inside an epoch (``where``: epoch and step in it); returns the seconds it took."""
-    pause = time.perf_counter()
+    pause = device_clock(run.env.device)  # queued steps are training time, not the checkpoint's
     if metrics is not None:
         metrics.flush()   # the rows up to the checkpoint, on disk with it
     if run.cfg.checkpoints:   # one small all-reduce per checkpoint: no checkpoint of a diverged run
@@ -406,7 +417,7 @@ def _finish(run: Run, run_dir: Optional[Path], checkpointer: Checkpointer, resum
     skipped = _skipped(run, ledger)
     if run_dir is not None:
         buf = io.BytesIO()
-        torch.save(final_weights, buf)
+        torch.save(to_cpu(final_weights), buf)  # on CPU for every strategy: loads anywhere
         try:
             write_atomic(run_dir / "model.pt", buf.getvalue())
             write_json(run_dir / "memory.json", memory, strategy.name)

@@ -97,6 +97,16 @@ def parameter_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def reset_peak(device: torch.device) -> None:
+    """Start ``device``'s peak-memory count afresh (CUDA; nothing to do elsewhere).
+
+    ``torch.cuda.max_memory_allocated`` counts from the process's start or the last reset, so
+    a second run in one process (verify, bench, a notebook) would report the first one's peak.
+    """
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def measure(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, device: torch.device,
             gradients: Optional[int], model_bytes: Optional[int] = None) -> RankMemory:
     """This rank's numbers (no collective). ``model_bytes``: the whole model's parameter bytes,

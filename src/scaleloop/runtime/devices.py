@@ -7,10 +7,11 @@ fewer GPUs are an error when CUDA was asked for, and run on the CPU with Gloo un
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -122,6 +123,43 @@ def indexed(device: torch.device, current: Optional[int] = None) -> torch.device
     if device.type != "cuda" or device.index is not None:
         return device
     return torch.device("cuda", torch.cuda.current_device() if current is None else current)
+
+
+def to_cpu(state: Any) -> Any:
+    """``state`` (tensors in dicts, lists, tuples) with every tensor detached and on the CPU.
+
+    Weights written for people to load (``model.pt``) then load on any machine without
+    ``map_location``, whatever device and strategy trained them.
+    """
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu()
+    if isinstance(state, dict):
+        moved = type(state)((key, to_cpu(value)) for key, value in state.items())
+        if hasattr(state, "_metadata"):   # a state_dict's module versions, read by load_state_dict
+            moved._metadata = state._metadata  # type: ignore[attr-defined]
+        return moved
+    if isinstance(state, (list, tuple)):
+        return type(state)(to_cpu(value) for value in state)
+    return state
+
+
+#: What cuBLAS needs to give the same bits on every run (PyTorch's reproducibility notes).
+CUBLAS_DETERMINISTIC = ":4096:8"
+
+
+def use_deterministic_cuda(environ: Optional[dict[str, str]] = None) -> None:
+    """Make CUDA kernels give the same bits on every run, as the CPU's do: deterministic
+    algorithms (an error names any operation that has none), cuDNN without autotuning, and
+    cuBLAS's fixed workspace. Slower; for a bit-level comparison on a GPU, not for training.
+
+    Call it before the first CUDA work of the process: cuBLAS reads its workspace setting when
+    it starts. ``environ`` (default ``os.environ``) receives ``CUBLAS_WORKSPACE_CONFIG``.
+    """
+    env = os.environ if environ is None else environ
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
 
 
 def describe_device(device: torch.device) -> str:
