@@ -4,7 +4,9 @@
   the user's line; no traceback or torchrun summary on the console; failure.json; the logs;
 - rank 1 sleeps in forward with ``--timeout 5``: the run ends within seconds of the timeout and
   the report names rank 1, the line it is stuck on, and the collective rank 0 waited in;
-- Ctrl-C: one line that says how to continue.
+- Ctrl-C: one line that says how to continue;
+- the same report from ``scaleloop verify`` (a raising rank; a stalled one under --timeout) and
+  from ``scaleloop bench`` (a raising worker).
 
 The misbehaving models are in scripts/failing_models.py.
 """
@@ -29,6 +31,7 @@ pytestmark = pytest.mark.distributed
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 MODELS = SCRIPTS / "failing_models.py"
 TRAIN = [sys.executable, "-m", "scaleloop", "train", "--nproc", "2", "--epochs", "1", "--no-progress"]
+VERIFY = [sys.executable, "-m", "scaleloop", "verify", "--steps", "3"]
 
 
 def line_of(mark: str) -> int:
@@ -131,3 +134,62 @@ def test_ctrl_c_prints_one_line(tmp_path: Path) -> None:
     told = diagnose(out)
     assert told.state == "interrupted" and told.checkpoint is not None
     assert told.continue_with == f"scaleloop train --out {out}"
+
+
+def verify_report(stdout: str) -> list[str]:
+    """verify's failure report: from its first line to the line before verify's own verdict."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("scaleloop: error:"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("verify: FAIL"))
+    return lines[start:end]
+
+
+def test_verify_names_a_raising_rank_in_a_few_lines(tmp_path: Path) -> None:
+    report_dir = tmp_path / "report"
+    res = run([*VERIFY, "--model", "failing_models:raises", "--report", str(report_dir)], cwd=SCRIPTS,
+              timeout=180, env=env())
+    assert res.returncode == 1, res.stdout + res.stderr
+    report = verify_report(res.stdout)
+    assert len(report) <= 15, res.stdout
+    assert report[0] == "scaleloop: error: rank 1 of 2 failed at step 3: ValueError: bad batch on rank 1"
+    assert report[1] == f"  raised at: {MODELS}:{line_of('RAISE-LINE')} in forward"
+    assert f"  logs: {report_dir}/logs/rank-1.log (rank 1's full output)" in res.stdout
+    assert "ValueError: bad batch on rank 1" in (report_dir / "logs" / "rank-1.log").read_text()
+    assert "verdict: FAIL - the distributed run finished 2 of 3 step(s)" in res.stdout  # the steps before it
+    for noise in ("Traceback", "Root Cause", "ChildFailedError", "no known cause"):
+        assert noise not in res.stdout + res.stderr
+    saved = json.loads((report_dir / "failure.json").read_text())
+    assert (saved["kind"], saved["rank"], saved["step"], saved["error_type"]) == ("failed", 1, 3, "ValueError")
+
+
+def test_verify_names_a_stalled_rank_and_where_it_is_stuck(tmp_path: Path) -> None:
+    report_dir = tmp_path / "report"
+    started = time.monotonic()
+    res = run([*VERIFY, "--model", "failing_models:stalls", "--timeout", "5", "--report", str(report_dir)],
+              cwd=SCRIPTS, timeout=180, env=env())
+    elapsed = time.monotonic() - started
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert elapsed < 90, f"took {elapsed:.0f} s with --timeout 5"
+    report = verify_report(res.stdout)
+    assert len(report) <= 15, res.stdout
+    assert report[0] == ("scaleloop: error: the run stalled at step 3: rank 1 stopped taking part; "
+                         "rank 0 gave up waiting after 5 s (--timeout)"), res.stdout
+    assert f"  rank 1 was at: {MODELS}:{line_of('SLEEP-LINE')} in forward" in report
+    assert any(line.startswith("  rank 0 waited in: gradient all-reduce in backward (DDP)") for line in report)
+    assert "Traceback" not in res.stdout + res.stderr
+
+
+def test_bench_names_a_raising_worker_in_a_few_lines(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "scaleloop", "bench", "scaling", "--quick", "--device", "cpu", "--workers", "1,2",
+           "--model", "failing_models:raises", "--data", "digits", "--out", str(tmp_path / "out")]
+    res = run(cmd, cwd=SCRIPTS, timeout=180, env={**env(), "TMPDIR": str(tmp_path)})  # the kept logs: in tmp_path
+    assert res.returncode == 1, res.stdout + res.stderr
+    report = report_of(res.stderr)
+    assert len(report) <= 15, res.stderr
+    assert report[0] == "scaleloop: error: rank 1 of 2 failed at step 3: ValueError: bad batch on rank 1"
+    assert report[1] == f"  raised at: {MODELS}:{line_of('RAISE-LINE')} in forward"
+    [kept] = tmp_path.glob("scaleloop-bench-*")
+    assert f"  logs: {kept}/logs/rank-1.log (rank 1's full output)" in report[-1]
+    assert "ValueError: bad batch on rank 1" in (kept / "logs" / "rank-1.log").read_text()
+    for noise in ("Traceback", "Root Cause", "ChildFailedError", "exit code"):
+        assert noise not in res.stdout + res.stderr

@@ -3,12 +3,19 @@
 Every measurement runs in fresh processes, so that no run inherits another's thread pool,
 allocator state or warm caches, and the 1-worker baseline starts exactly as the N-worker
 runs do. The workers' progress lines are passed on as they arrive.
+
+Workers start as ``scaleloop train --nproc N`` starts its own (``scaleloop.runtime.worker``
+under ``scaleloop.runtime.agent``): each rank's output in ``logs/rank-<R>.log``, an exception
+in torchrun's error file. When a worker fails, :class:`BenchFailure` carries the short report
+of ``scaleloop.runtime.failures`` (the rank that failed first, its exception, the user's
+line, where the logs are), and the logs are kept.
 """
 from __future__ import annotations
 
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,6 +25,9 @@ from typing import Any, Callable, Optional, Sequence
 
 from scaleloop.bench.worker import PROGRESS_PREFIX
 from scaleloop.bench.workload import RunSpec, Workload
+from scaleloop.config import TrainConfig
+from scaleloop.runtime.failures import ELASTIC_DIR, LOGS_DIR, analyse
+from scaleloop.runtime.torchrun import supervised_command
 
 Say = Callable[[str], None]
 
@@ -25,12 +35,36 @@ Say = Callable[[str], None]
 DEFAULT_TIMEOUT_S = 1800.0
 
 
+# torchrun's --log-dir under logs/: one launch per (fresh) temporary directory.
+LAUNCH_ID = "bench"
+WORKER_MODULE = "scaleloop.bench.worker"
+
+
 class BenchFailure(Exception):
-    """Workers failed or hung; the message carries the end of their output."""
+    """Workers failed or hung; the message is the short report (which rank, what, where; the logs).
+
+    The CLI prints it after ``scaleloop: error:``.
+    """
+
+
+def supervised_worker_command(nproc: int, spec: Path, out: Path, logs: Path,
+                              python: str = sys.executable) -> list[str]:
+    """What runs: the worker through ``scaleloop.runtime.worker`` (logs and error files in ``logs``);
+    under torchrun (its messages in ``logs/torchrun.log``) when ``nproc`` > 1."""
+    worker = [WORKER_MODULE, "--spec", str(spec), "--out", str(out)]
+    if nproc == 1:
+        return [python, "-m", "scaleloop.runtime.worker", str(logs), *worker]
+    return supervised_command(TrainConfig(nproc=nproc, max_restarts=0), worker, logs, LAUNCH_ID, python)
+
+
+def single_error_file(logs: Path) -> Path:
+    """Where a 1-process worker records its exception: where torchrun would put rank 0's."""
+    return logs / ELASTIC_DIR / LAUNCH_ID / "single" / "attempt_0" / "0" / "error.json"
 
 
 def worker_command(nproc: int, spec: Path, out: Path, python: str = sys.executable) -> list[str]:
-    """The command that runs the worker in ``nproc`` processes (torchrun only when N > 1)."""
+    """The command that runs the worker in ``nproc`` processes (torchrun only when N > 1): what
+    :func:`supervised_worker_command` amounts to, shown when the workers fail."""
     worker = ["-m", "scaleloop.bench.worker", "--spec", str(spec), "--out", str(out)]
     if nproc == 1:
         return [python, *worker]
@@ -58,21 +92,38 @@ def run_workers(workload: Workload, runs: Sequence[RunSpec], nproc: int, say: Sa
                 allreduce_reps: int = 10, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
     """Measure ``runs`` (in order) in ``nproc`` fresh worker processes; one result per run."""
     threads = runs[0].threads if runs else None
-    with tempfile.TemporaryDirectory(prefix="scaleloop-bench-") as tmp:
-        spec, out = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+    tmp = Path(tempfile.mkdtemp(prefix="scaleloop-bench-"))
+    keep = False   # the logs of failed workers stay, for the report names them
+    try:
+        spec, out, logs = tmp / "spec.json", tmp / "result.json", tmp / LOGS_DIR
         spec.write_text(json.dumps({"workload": workload.to_dict(), "runs": [r.to_dict() for r in runs],
                                     "allreduce_reps": allreduce_reps}), encoding="utf-8")
-        cmd = worker_command(nproc, spec, out)
-        lines = _run(cmd, worker_env(threads), say, timeout_s)
+        env = worker_env(threads)
+        logs.mkdir()
+        if nproc == 1:
+            single_error_file(logs).parent.mkdir(parents=True)
+            env["TORCHELASTIC_ERROR_FILE"] = str(single_error_file(logs))   # read by torchrun's record()
+        code, lines = _run(supervised_worker_command(nproc, spec, out, logs), env, say, timeout_s)
+        if code != 0:
+            keep = True
+            failure = analyse(tmp, logs / ELASTIC_DIR / LAUNCH_ID, list(range(nproc)), None, code, None, doctor=False)
+            report = [failure.report[0].removeprefix("scaleloop: error: "), *failure.report[1:]]
+            raise BenchFailure("\n".join(report))
         if not out.exists():
+            keep = True
             tail = "\n".join(lines[-60:])
             raise BenchFailure(f"the {nproc}-process benchmark wrote no result; command: "
-                               f"{' '.join(shlex.quote(c) for c in cmd)}\n{tail}")
+                               f"{' '.join(shlex.quote(c) for c in worker_command(nproc, spec, out))}\n{tail}"
+                               f"\nlogs: {logs}/rank-<N>.log")
         return json.loads(out.read_text(encoding="utf-8"))["runs"]
+    finally:
+        if not keep:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _run(cmd: list[str], env: dict[str, str], say: Say, timeout_s: float) -> list[str]:
-    """Run ``cmd``, echo its progress lines, return all its output lines; raise on failure."""
+def _run(cmd: list[str], env: dict[str, str], say: Say, timeout_s: float) -> tuple[int, list[str]]:
+    """Run ``cmd``, echo its progress lines; its exit code and all its output lines (BenchFailure
+    when it runs over ``timeout_s``)."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             bufsize=1)
     lines: list[str] = []
@@ -96,9 +147,7 @@ def _run(cmd: list[str], env: dict[str, str], say: Say, timeout_s: float) -> lis
                                "stopped\n" + "\n".join(lines[-60:])) from None
         raise
     reader.join(timeout=10)
-    if code != 0:
-        raise BenchFailure(f"the benchmark workers failed (exit code {code}):\n" + "\n".join(lines[-60:]))
-    return lines
+    return code, lines
 
 
 def _stop(proc: subprocess.Popen) -> None:

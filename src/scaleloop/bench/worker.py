@@ -26,6 +26,7 @@ from scaleloop.bench.workload import RunSpec, Workload, grad_bytes
 from scaleloop.loop.step import Observer, Step
 from scaleloop.runtime.collectives import barrier, gather_object
 from scaleloop.runtime.dist import DistEnv, destroy_process_group, init_process_group
+from scaleloop.runtime.frames import note_where
 from scaleloop.errors import UsageError
 
 PROGRESS_PREFIX = "bench-worker:"
@@ -153,10 +154,11 @@ class _TimedSteps:
         self.plain, self.timed = Step(built), Step(built, observer=self.timer)
         self.batches = _endless(built.loader)
         self.last_loss = torch.zeros(())
+        self.done = 0   # steps run so far, warm-up included: a failure report names the step
 
     def run(self, count: int, phases: bool, what: str) -> tuple[float, list[dict[str, Any]]]:
         """Run ``count`` steps; returns the elapsed seconds and, with ``phases``, per-step timings."""
-        device, recorder = self.device, self.recorder
+        device = self.device
         sync: Callable[[], None] = (lambda: synchronize(device)) if phases else (lambda: None)
         step = self.timed if phases else self.plain
         records: list[dict[str, Any]] = []
@@ -164,7 +166,17 @@ class _TimedSteps:
         synchronize(device)
         started = time.perf_counter()
         marks = {max(1, count * q // 4) for q in range(1, 5)}
-        cpu = time.thread_time
+        try:
+            self._steps(count, phases, what, step, sync, marks, records)
+        except Exception as exc:
+            note_where(exc, None, self.done + 1)   # the step it failed in, for the launcher's report
+            raise
+        synchronize(device)
+        return time.perf_counter() - started, records
+
+    def _steps(self, count: int, phases: bool, what: str, step: Step, sync: Callable[[], None],
+               marks: set[int], records: list[dict[str, Any]]) -> None:
+        recorder, cpu = self.recorder, time.thread_time
         for i in range(count):
             t0 = time.perf_counter()
             batch = next(self.batches)
@@ -190,8 +202,7 @@ class _TimedSteps:
                                 "marks": (t2, t3, launch[0] if launch is not None else None)})
             if i + 1 in marks:
                 self.say(f"{self.label}: {what} step {i + 1}/{count}")
-        synchronize(device)
-        return time.perf_counter() - started, records
+            self.done += 1
 
 
 def _attach_comm_recorder(built: Any, run: RunSpec, env: DistEnv, recorder: CommRecorder) -> str:

@@ -161,8 +161,16 @@ def read_stack_dump(log: Path) -> Optional[StackDump]:
 
 
 def analyse(run_dir: Path, elastic_dir: Path, ranks: list[int], timeout_s: Optional[float],
-            exit_code: int, continue_line: str) -> Failure:
-    """What happened to the workers of one launch, with the report to print (see the module doc)."""
+            exit_code: int, continue_line: Optional[str], *, doctor: bool = True, log_lines: bool = True,
+            timeout_name: str = "--timeout") -> Failure:
+    """What happened to the workers of one launch, with the report to print (see the module doc).
+
+    ``run_dir`` holds ``logs/rank-<R>.log``; ``elastic_dir`` is torchrun's ``--log-dir`` of the
+    launch. The report ends with where the logs are (with ``log_lines``: they hold each rank's
+    output); with ``doctor`` (a run directory that ``scaleloop doctor`` reads) the
+    ``failure.json`` line; and ``continue_line`` when given. ``timeout_name`` is what sets the
+    collectives' timeout for this caller (a flag, or ``scaleloop.launch``'s argument).
+    """
     errors = read_error_files(elastic_dir)
     ranks = sorted(set(ranks) | set(errors))
     logs = {str(r): f"{LOGS_DIR}/rank-{r}.log" for r in ranks}
@@ -171,12 +179,16 @@ def analyse(run_dir: Path, elastic_dir: Path, ranks: list[int], timeout_s: Optio
     if own:
         failure = _failed(own[0], errors, dumps, len(ranks))
     elif any(e.timed_out for e in errors.values()):
-        failure = _stalled(errors, dumps, timeout_s)
+        failure = _stalled(errors, dumps, timeout_s, timeout_name)
     else:
         failure = _died(errors, dumps, exit_code, run_dir)
     failure.logs = logs
-    failure.report += _log_lines(run_dir, failure.rank, ranks) + [
-        f"  record: {run_dir / FAILURE_FILE} (read it again with: scaleloop doctor {run_dir})", f"  {continue_line}"]
+    if log_lines:
+        failure.report += _log_lines(run_dir, failure.rank, ranks)
+    if doctor:
+        failure.report.append(f"  record: {run_dir / FAILURE_FILE} (read it again with: scaleloop doctor {run_dir})")
+    if continue_line:
+        failure.report.append(f"  {continue_line}")
     return failure
 
 
@@ -221,7 +233,7 @@ def _failed(first: RankError, errors: dict[int, RankError], dumps: dict[int, Opt
 
 
 def _stalled(errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]],
-             timeout_s: Optional[float]) -> Failure:
+             timeout_s: Optional[float], timeout_name: str = "--timeout") -> Failure:
     waited = sorted((e for e in errors.values() if e.timed_out), key=lambda e: e.time)
     first = waited[0]
     behind = [r for r, d in sorted(dumps.items()) if d is None or not d.waiting()] or sorted(dumps)
@@ -234,19 +246,19 @@ def _stalled(errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]]
     if behind:
         who = _ranks(behind)
         head = (f"scaleloop: error: the run stalled{_at(first.epoch, first.step)}: {who} stopped taking part; "
-                f"{_ranks(e.rank for e in waited)} gave up waiting after {limit} (--timeout)")
+                f"{_ranks(e.rank for e in waited)} gave up waiting after {limit} ({timeout_name})")
     else:
         who = "a rank on another node"
         head = (f"scaleloop: error: the run stalled{_at(first.epoch, first.step)}: "
-                f"{_ranks(e.rank for e in waited)} gave up waiting after {limit} (--timeout) for a rank on "
+                f"{_ranks(e.rank for e in waited)} gave up waiting after {limit} ({timeout_name}) for a rank on "
                 "another node (see that node's report)")
     lines = [head]
     if behind:
         lines += [f"  {who} was at: {where or 'an unknown place (no stack dump in its log)'}"] + _source(where)
     lines.append(f"  {_ranks(e.rank for e in waited)} waited in: {first.waiting_in or 'a collective'}"
                  f" ({first.error_type}: {_short(first.message, 80)})")
-    lines.append(f"  if {who} was only slow (a long first torch.compile, a large checkpoint), raise --timeout"
-                 f" (now {limit})")
+    lines.append(f"  if {who} was only slow (a long first torch.compile, a large checkpoint), raise {timeout_name}"
+                 + (f" (now {limit})" if timeout_s else ""))
     return Failure("stalled", behind[0] if behind else None, first.epoch, first.step, first.error_type,
                    first.message, where, first.waiting_in, report=lines)
 

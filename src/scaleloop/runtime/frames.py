@@ -17,14 +17,15 @@ from typing import Iterable, Optional
 WHERE_ATTR = "scaleloop_where"
 
 
-def note_where(exc: BaseException, epoch: int, step: int) -> None:
+def note_where(exc: BaseException, epoch: Optional[int], step: int) -> None:
     """Attach where the loop was (1-based epoch, global step in progress) to ``exc``.
 
-    The first note wins: an exception re-raised through an outer loop keeps the inner place.
+    ``epoch`` None: a loop that counts steps only (``scaleloop verify``). The first note wins:
+    an exception re-raised through an outer loop keeps the inner place.
     """
     if getattr(exc, WHERE_ATTR, None) is None:
         try:
-            setattr(exc, WHERE_ATTR, {"epoch": int(epoch), "step": int(step)})
+            setattr(exc, WHERE_ATTR, {"epoch": None if epoch is None else int(epoch), "step": int(step)})
         except (AttributeError, TypeError):  # an exception type that takes no attributes
             pass
 

@@ -34,7 +34,8 @@ from scaleloop.verify import data as data_check
 from scaleloop.verify.compare import compare_runs, tolerance_for
 from scaleloop.verify.diagnose import Cause, fallback, failure_cause, name_causes, piece_groups
 from scaleloop.verify.explain import format_explain
-from scaleloop.verify.launch import start_workers, worker_errors
+from scaleloop.runtime.failures import FAILURE_FILE, Failure
+from scaleloop.verify.launch import failure_report, start_workers, worker_errors
 from scaleloop.verify.layout import CONFIG_FILE, OPTIONS_FILE, distributed_dir, reference_dir
 from scaleloop.loop.tasks import resolve_loss
 from scaleloop.verify.options import VerifyOptions
@@ -70,6 +71,7 @@ class Records:
     reference: Optional[dict[str, Any]]
     run: Optional[dict[str, Any]]
     failures: list[dict[str, Any]]
+    failure: Optional[Failure]          # the workers' failure report (None: they succeeded, or dp)
     step_problems: list[str]
     content_problems: list[str]
 
@@ -102,8 +104,13 @@ def verify(cfg: TrainConfig, opts: VerifyOptions, say: Say = print) -> int:
 @contextlib.contextmanager
 def _report_root(report: Optional[str]) -> Iterator[Path]:
     if report is None:
-        with tempfile.TemporaryDirectory(prefix="scaleloop-verify-") as tmp:
-            yield Path(tmp)
+        tmp = Path(tempfile.mkdtemp(prefix="scaleloop-verify-"))
+        try:
+            yield tmp
+        finally:
+            # A failed distributed run's logs explain it, and its report names them: kept.
+            if not (tmp / FAILURE_FILE).exists():
+                shutil.rmtree(tmp, ignore_errors=True)
         return
     root = Path(report)
     if root.exists() and any(root.iterdir()) and not (root / OPTIONS_FILE).exists():
@@ -208,15 +215,17 @@ def _report(s: Session, reference: Optional[dict[str, Any]], code: int) -> int:
     run_dir = distributed_dir(s.root)
     run = _load(run_dir / RECORD_FILE)
     failures = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(run_dir.glob("failure-rank*.json"))]
+    failure = failure_report(s.root, s.cfg, code) if code != 0 and s.cfg.strategy != "dp" else None
     if run is None and not failures:
-        s.say(f"verdict: FAIL - the worker processes failed (exit code {code}) before recording anything:")
-        for line in worker_errors(s.root):
-            s.say(f"  {line}")
+        s.say(f"verdict: FAIL - the worker processes failed (exit code {code}) before recording anything"
+              + (f"; records kept in {s.root}" if failure is not None else ":"))
+        for line in failure.report if failure is not None else [f"  {e}" for e in worker_errors(s.root)]:
+            s.say(line)
         return 1
     ranks = run["ranks"] if run else []
     ref_micro = reference["ranks"][0]["micro"] if reference else []
     data_ranks, stage_problems = _data_ranks(s, ranks)
-    records = Records(reference, run, failures,
+    records = Records(reference, run, failures, failure,
                       stage_problems + (data_check.step_mismatches(ref_micro, data_ranks, s.opts.steps)
                                         if reference else []),
                       data_check.content_mismatches(s.data.train, ranks))
@@ -224,9 +233,9 @@ def _report(s: Session, reference: Optional[dict[str, Any]], code: int) -> int:
     results: list[tuple[str, bool]] = []
     if "equivalence" in s.opts.checks and reference is not None:
         results.append(("equivalence", _equivalence(s, records)))
-    elif failures:
+    elif failures or failure is not None:
         s.say("verdict: FAIL")
-        for line in failure_cause(failures).lines():
+        for line in _failure_lines(records):
             s.say(line)
         results.append(("run", False))
     if run is not None and "data" in s.opts.checks:
@@ -247,8 +256,16 @@ def _report(s: Session, reference: Optional[dict[str, Any]], code: int) -> int:
     failed = [name for name, ok in results if not ok]
     summary = "; ".join(f"{name} {'passed' if ok else 'FAILED'}" for name, ok in results)
     s.say(f"verify: {'FAIL' if failed else 'PASS'} ({summary})"
-          + (f"; records kept in {s.root}" if s.opts.report else ""))
+          + (f"; records kept in {s.root}" if s.opts.report or failure is not None else ""))
     return 1 if failed else 0
+
+
+def _failure_lines(r: Records) -> list[str]:
+    """Why the distributed run stopped: the short report (the rank that failed first or stalled,
+    the user's line, the logs); the ranks' own records where there is none (dp, in this process)."""
+    if r.failure is not None:
+        return r.failure.report
+    return failure_cause(r.failures).lines() if r.failures else []
 
 
 def _equivalence(s: Session, r: Records) -> bool:
@@ -273,7 +290,9 @@ def _equivalence(s: Session, r: Records) -> bool:
               "does not apply: no rank computes a gradient another rank also computes)")
     if passed:
         return True
-    causes: list[Cause] = [failure_cause(r.failures)] if r.failures else []
+    for line in _failure_lines(r):
+        s.say(line)
+    causes: list[Cause] = []
     no_grad = sorted({n for rank in (r.run["ranks"] if r.run else []) for names in rank["no_grad"].values()
                       for n in names}
                      | {n for f in r.failures for names in f.get("no_grad_before", {}).values() for n in names})
@@ -283,9 +302,11 @@ def _equivalence(s: Session, r: Records) -> bool:
                         probes=_probe(s, r.reference), step_problems=r.step_problems,
                         content_problems=r.content_problems, no_grad=no_grad)
     causes += named
-    if not named:
+    if not named and not (r.failures or r.failure):   # a failed run's report above says why
         bad = next((row for row in rows if row.failures(tol)), None)
         causes.append(fallback(s.cfg, f"step {bad.step}, {bad.worst_param}" if bad else None))
+    if not causes:
+        return False
     s.say("diagnosis:")
     for cause in causes:
         for line in cause.lines():

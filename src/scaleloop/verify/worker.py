@@ -2,8 +2,11 @@
 
 Not for users: ``python -m scaleloop.verify.worker REPORT_DIR`` reads the resolved settings the
 verify command wrote into ``REPORT_DIR``, trains the K steps on this rank and records them
-(rank 0 writes). A failure is written to ``failure-rank<R>.json`` for the parent to diagnose,
-and the worker exits with 1 so that torchrun stops the other ranks at once.
+(rank 0 writes). A failure is written to ``failure-rank<R>.json`` for the parent's comparison
+(the steps done, the losses) and raised again, with the step it happened in: the verify
+command starts this program through ``scaleloop.runtime.worker``, whose ``record`` puts it in
+torchrun's error file for the short failure report; the worker exits with 1, and torchrun stops
+the other ranks at once.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import Optional, Sequence
 
 from scaleloop.config import load_toml, resolve
 from scaleloop.runtime.dist import DistEnv, destroy_process_group, init_process_group
+from scaleloop.runtime.frames import note_where
 from scaleloop.verify.layout import CONFIG_FILE, OPTIONS_FILE, distributed_dir
 from scaleloop.verify.options import VerifyOptions
 from scaleloop.verify.recorder import Recorder
@@ -33,11 +37,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         audit_data="data" in opts.checks, check_sync="sync" in opts.checks)
     try:
         run_steps(cfg, env, RunSpec(cfg.strategy, cfg.accumulate, opts.steps), recorder)
-    except Exception as exc:  # recorded for the parent's diagnosis, then a plain non-zero exit
+    except Exception as exc:  # recorded for the parent's comparison, then to torchrun's error file
         recorder.fail(exc)
-        print(f"scaleloop verify: rank {env.rank} failed at step {recorder.step}: {type(exc).__name__}: {exc}",
-              file=sys.stderr, flush=True)
-        return 1
+        note_where(exc, None, recorder.step)
+        raise
     finally:
         destroy_process_group()
     return 0

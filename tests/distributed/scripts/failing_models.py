@@ -2,6 +2,7 @@
 
 ``--model failing_models:raises``: rank 1 raises ValueError at its third forward.
 ``--model failing_models:stalls``: rank 1 sleeps for a long time at its third forward.
+``--model failing_models:bad_output``: every rank's forward returns a string (bad input: a usage error).
 The rank is read as a user would, from torch.distributed.
 """
 from __future__ import annotations
@@ -36,3 +37,16 @@ def raises(info: Any = None) -> nn.Module:
 
 def stalls(info: Any = None) -> nn.Module:
     return _Misbehaving("sleep")
+
+
+class _SaysHello(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> str:
+        return "hello"  # not a tensor: scaleloop stops with one line (exit 2)
+
+
+def bad_output(info: Any = None) -> nn.Module:
+    return _SaysHello()
