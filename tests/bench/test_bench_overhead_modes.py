@@ -87,3 +87,23 @@ def test_raw_gather_loop_needs_tensors_in_memory(tmp_path: Path, monkeypatch, ca
     assert bench_cli.main(argv) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line or "Traceback" in line]
     assert len(errors) == 1 and errors[0].startswith("scaleloop: error: ") and "--mode datapath" in errors[0], errors
+
+
+def test_the_raw_loop_gets_channels_last_as_scaleloop_does() -> None:
+    # A fair baseline: with --channels-last the hand-written loop trains channels-last weights on
+    # channels-last inputs (--compile likewise compiles its model), and still does the same work.
+    import torch
+
+    from scaleloop.bench.rawloop import raw_train
+    from scaleloop.config import TrainConfig
+
+    # SGD: Adam would turn the rounding noise of a bias before BatchNorm (gradient ~0) into full steps.
+    cfg = TrainConfig(model="convnet", data="images", image_size=8, n_samples=64, batch_size=32, epochs=1,
+                      test_fraction=0.0, device="cpu", optimizer="sgd", lr=0.05)
+    plain = raw_train(cfg, torch.device("cpu"))
+    fast = raw_train(cfg.replace(channels_last=True), torch.device("cpu"))
+    convs = [name for name, t in fast.state.items() if t.dim() == 4]
+    assert convs and all(fast.state[n].is_contiguous(memory_format=torch.channels_last) for n in convs)
+    assert not plain.state[convs[0]].is_contiguous(memory_format=torch.channels_last)
+    for name, tensor in plain.state.items():
+        assert torch.allclose(tensor.float(), fast.state[name].float(), atol=1e-5), name

@@ -20,7 +20,8 @@ BASE = ["train", "--data", "random", "--n-samples", "1024", "--epochs", "2", "--
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_ddp_mixed_precision_with_clipping_trains(tmp_path: Path, precision: str) -> None:
     out = tmp_path / precision
-    res = scaleloop([*BASE, "--nproc", "2", "--strategy", "ddp", "--precision", precision,
+    # --device cpu: two processes cannot share one GPU (a 1-GPU machine runs this file in gpu-check)
+    res = scaleloop([*BASE, "--nproc", "2", "--strategy", "ddp", "--precision", precision, "--device", "cpu",
                      "--clip-grad", "1.0", "--accumulate", "2", "--out", str(out)], cwd=tmp_path)
     assert re.search(rf"^  precision\s+{precision}$", res.stdout, re.M), res.stdout
     epochs = [r for r in csv.DictReader(open(out / "metrics.csv")) if r["kind"] == "epoch"]

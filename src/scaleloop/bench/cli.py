@@ -133,6 +133,10 @@ def add_parser(subparsers: Any, parser_class: type[argparse.ArgumentParser]) -> 
                           help="scaleloop's run uses the one-kernel optimizer (train --fused-optimizer); the hand-"
                                "written loop uses it too in --mode loop, and stays as the tutorial writes it "
                                "(PyTorch's default) in --mode datapath")
+    overhead.add_argument("--channels-last", action="store_true", dest="channels_last",
+                          help="both loops: channels-last weights and image inputs (train --channels-last)")
+    overhead.add_argument("--compile", action="store_true",
+                          help="both loops: the model compiled with torch.compile (train --compile)")
 
     mfu = sub.add_parser("mfu", help="model FLOPs utilisation of the built-in models",
                          description="FLOPs per sample counted with torch.utils.flop_counter, throughput measured, "
@@ -362,7 +366,8 @@ def _dispatch(args: argparse.Namespace, say: Callable[[str], None]) -> tuple[Any
         workload = _workload(args, resolve_device(args.device, multiprocess=False))
         opts = OverheadOptions(workload, batch_size=_value(args, "batch_size"), epochs=_value(args, "epochs"),
                                repeats=_value(args, "repeats"), threads=args.threads, quick=quick,
-                               command=line, mode=args.mode, fused_optimizer=args.fused_optimizer)
+                               command=line, mode=args.mode, fused_optimizer=args.fused_optimizer,
+                               channels_last=args.channels_last, compile=args.compile)
         return run_overhead(opts, say), (plots.plot_overhead if args.mode != "startup" else None)
     from scaleloop.bench.mfu import MODEL_DATA, MfuOptions, run_mfu
 

@@ -54,6 +54,8 @@ class OverheadOptions:
     command: str = "scaleloop bench overhead"
     mode: str = "loop"
     fused_optimizer: bool = False     # scaleloop's run (and the raw loop's in mode "loop") uses fused=True
+    channels_last: bool = False       # both loops: channels-last weights and 4-d inputs (train --channels-last)
+    compile: bool = False             # both loops: the model compiled in place (train --compile)
 
 
 def run_overhead(opts: OverheadOptions, say: Say) -> BenchReport:
@@ -114,7 +116,8 @@ def _run_loops(opts: OverheadOptions, say: Say) -> BenchReport:
     hw = describe_hardware()   # first: its load average is the one the measurements met
     device = torch.device(opts.workload.device)
     cfg = opts.workload.to_config(strategy="single", batch_size=opts.batch_size, epochs=opts.epochs,
-                                  test_fraction=0.2, fused_optimizer=opts.fused_optimizer)
+                                  test_fraction=0.2, fused_optimizer=opts.fused_optimizer,
+                                  channels_last=opts.channels_last, compile=opts.compile)
     data_path = "dataloader" if opts.mode == "datapath" else "gather"
     # The tutorial's loop as written: PyTorch's default optimizer, whatever scaleloop's uses.
     raw_cfg = cfg.replace(fused_optimizer=False) if data_path == "dataloader" else cfg
@@ -178,7 +181,8 @@ def _run_loops(opts: OverheadOptions, say: Say) -> BenchReport:
         what=what, title=title, hardware=hw, slug=hardware_slug(hw, device.type), command=opts.command,
         settings={"workload": opts.workload.to_dict(), "batch_size": opts.batch_size, "epochs": opts.epochs,
                   "repeats": opts.repeats, "device": device.type, "threads": torch.get_num_threads(),
-                  "mode": opts.mode, "fused_optimizer": opts.fused_optimizer},
+                  "mode": opts.mode, "fused_optimizer": opts.fused_optimizer,
+                  "channels_last": opts.channels_last, "compile": opts.compile},
         tables=tables, quick=opts.quick, data=data)
     report.headline = headline
     report.notes = _notes(opts, raw_cfg, data_path, weights_diff)
@@ -196,6 +200,10 @@ def _notes(opts: OverheadOptions, raw_cfg: Any, data_path: str, weights_diff: fl
                  + ("and so did the raw loop." if raw_cfg.fused_optimizer else
                     "the tutorial's loop PyTorch's default one, as the tutorial writes it: their rounding differs "
                     "slightly, hence a difference in the weights."))
+    applied = [flag for flag, on in (("--channels-last", opts.channels_last), ("--compile", opts.compile)) if on]
+    if applied:
+        same += (f" {' and '.join(applied)}: applied to both loops alike (the raw loop gets the same weight and "
+                 "input formats, and the same compiled model), so the baseline runs the same kernels.")
     if data_path == "gather":
         return [
             same,

@@ -15,12 +15,16 @@ library; they differ only in how batches are made:
 
 Either way the loop trains the same model on the same data in the same order as
 ``scaleloop train`` with one process, so both end with the same weights: the bench checks that
-the loops did the same work.
+the loops did the same work. ``--channels-last`` and ``--compile`` are applied to the raw loop
+as ``scaleloop train`` applies them (the model and the 4-d inputs in channels-last format; the
+model compiled in place), so that the baseline runs the same kernels. Its clock waits for the
+GPU at the end of each epoch, as scaleloop's does.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -49,10 +53,12 @@ def raw_train(cfg: TrainConfig, device: torch.device, data_path: str = "gather")
     """
     from torch.utils.data import DataLoader, RandomSampler
 
-    from scaleloop.data.batch import call_model, first_tensor, keeps_target, move, split, take, tensors_of
+    from scaleloop.data.batch import call_model, first_tensor, keeps_target, split, take, tensors_of
     from scaleloop.data.datasets import build_datasets
     from scaleloop.errors import UsageError
     from scaleloop.loop.build import build_optimizer, seed_everything
+    from scaleloop.loop.speed import speed_up_model
+    from scaleloop.runtime.devices import device_clock
     from scaleloop.loop.tasks import resolve_loss
     from scaleloop.models import build_model
 
@@ -65,7 +71,11 @@ def raw_train(cfg: TrainConfig, device: torch.device, data_path: str = "gather")
                           seq_len=cfg.seq_len, vocab_size=cfg.vocab_size, test_fraction=cfg.test_fraction,
                           seed=cfg.seed)
     model = build_model(cfg.model, data.info, hidden_dim=cfg.hidden_dim).to(device)
+    speed_up_model(model, cfg, device)   # --channels-last on the weights; checks that --compile can work
     optimizer = build_optimizer(cfg, model.parameters())
+    if cfg.compile:
+        model.compile()   # in place, as scaleloop's run does: same graph, same kernels
+    to_device = _mover(device, cfg.channels_last)
     torch.manual_seed(cfg.seed)
     columns = tensors_of(data.train)
     if columns is None and data_path == "gather":
@@ -88,13 +98,13 @@ def raw_train(cfg: TrainConfig, device: torch.device, data_path: str = "gather")
             running_loss = 0.0
             start = time.perf_counter()
             for sample in loader:
-                x, y = split(move(sample, device), keep)
+                x, y = split(to_device(sample), keep)
                 optimizer.zero_grad(set_to_none=True)
                 loss = loss_fn(call_model(model, x), y)
                 loss.backward()
                 optimizer.step()
                 running_loss += loss.item() * first_tensor(sample).shape[0]
-            train_s += time.perf_counter() - start
+            train_s += device_clock(device) - start
             samples += n
         return RawResult(train_s, samples, running_loss / n, _weights(model))
 
@@ -105,15 +115,39 @@ def raw_train(cfg: TrainConfig, device: torch.device, data_path: str = "gather")
         order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
         for i in range(0, n, batch):
             idx = order[i:i + batch]
-            x, y = split(move(take(columns, idx), device), keep)
+            x, y = split(to_device(take(columns, idx)), keep)
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(call_model(model, x), y)
             loss.backward()
             optimizer.step()
             epoch_loss += loss.detach() * len(idx)
-        train_s += time.perf_counter() - start
+        train_s += device_clock(device) - start   # the epoch's steps have run, not only been queued
         samples += n
     return RawResult(train_s, samples, float(epoch_loss) / n, _weights(model))
+
+
+def _mover(device: torch.device, channels_last: bool) -> Callable[[Any], Any]:
+    """The batch onto ``device``; with ``channels_last``, its 4-d tensors (images) in that format,
+    as scaleloop's loader hands them over."""
+    from scaleloop.data.batch import move
+
+    if not channels_last:
+        return lambda batch: move(batch, device)
+
+    def to_format(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() == 4:
+            return t.contiguous(memory_format=torch.channels_last)
+        return t
+
+    def moved(batch: Any) -> Any:
+        batch = move(batch, device)
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(to_format(t) for t in batch)
+        if isinstance(batch, dict):
+            return {k: to_format(v) for k, v in batch.items()}
+        return to_format(batch)
+
+    return moved
 
 
 def _weights(model: torch.nn.Module) -> dict:
