@@ -63,10 +63,24 @@ def whoami(tag: str, *, suffix: str = "") -> dict[str, Any]:
 def fail_on_rank_1() -> None:
     env = sl.DistEnv.from_env(device="cpu")
     if env.rank == 1:
-        raise ValueError("bad batch shape on this rank")
+        raise ValueError("bad batch shape on this rank")  # RAISED-HERE
     # Rank 0 waits for rank 1 in the rendezvous, which never comes: the launcher must stop it.
     sl.init_process_group(env, timeout_s=TIME_LIMIT_S)
     torch.distributed.barrier()
+
+
+def stall_on_rank_1() -> None:
+    env = sl.DistEnv.from_env(device="cpu")
+    sl.init_process_group(env, timeout_s=5)
+    torch.distributed.barrier()
+    if env.rank == 1:
+        time.sleep(600)  # STUCK-HERE
+    torch.distributed.barrier()
+
+
+def line_of(mark: str) -> int:
+    return next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if mark in text
+                and "line_of" not in text)
 
 
 def exit_without_raising() -> None:
@@ -163,9 +177,14 @@ def test_closures_run_in_forked_workers() -> None:
 @pytest.mark.distributed
 def test_a_worker_exception_names_the_rank_and_the_error() -> None:
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    with pytest.raises(WorkerError, match=r"^worker rank 1 failed: ValueError: bad batch shape on this rank$") as info:
+    with pytest.raises(WorkerError) as info:
         launch(fail_on_rank_1, 2)
     err = info.value
+    # The short report: the rank, the exception and the user's line, first; a few lines in all.
+    lines = str(err).splitlines()
+    assert lines[0] == "rank 1 of 2 failed: ValueError: bad batch shape on this rank", str(err)
+    assert lines[1] == f"  raised at: {Path(__file__).resolve()}:{line_of('RAISED-HERE')} in fail_on_rank_1"
+    assert len(lines) <= 15 and "Traceback" not in str(err)
     assert err.ranks == [1]
     failure = err.failures[1]
     assert failure.error_type == "ValueError" and failure.message == "bad batch shape on this rank"
@@ -173,6 +192,19 @@ def test_a_worker_exception_names_the_rank_and_the_error() -> None:
     assert "fail_on_rank_1" in str(err.__cause__)            # the worker's traceback, chained
     # The elastic agent's signal handlers do not outlive the call (Ctrl-C stays KeyboardInterrupt).
     assert {s: signal.getsignal(s) for s in handlers} == handlers
+
+
+@pytest.mark.distributed
+def test_a_stalled_worker_is_named_with_where_it_is_stuck(capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(WorkerError) as info:
+        launch(stall_on_rank_1, 2)
+    lines = str(info.value).splitlines()
+    assert lines[0] == ("the run stalled: rank 1 stopped taking part; rank 0 gave up waiting after its timeout "
+                        "(init_process_group's timeout_s)"), str(info.value)
+    assert f"  rank 1 was at: {Path(__file__).resolve()}:{line_of('STUCK-HERE')} in stall_on_rank_1" in lines
+    assert any(line.startswith("  rank 0 waited in: barrier in stall_on_rank_1") for line in lines)
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err and "Terminating process" not in out + err  # the agent's noise: not shown
 
 
 @pytest.mark.distributed

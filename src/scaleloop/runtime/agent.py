@@ -10,9 +10,10 @@ Exit codes: 0 when every worker succeeded, 1 when one failed, 128 + N on signal 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 # torchrun's loggers (the launcher, the elastic agent) and Python warnings raised in it.
 _LOGGERS = ("torch.distributed", "py.warnings")
@@ -26,6 +27,27 @@ def _log_to(path: str) -> None:
         logger = logging.getLogger(name)
         logger.handlers = [handler]
         logger.propagate = False
+
+
+@contextlib.contextmanager
+def logs_in(path: str) -> Iterator[None]:
+    """While inside: torchrun's loggers write to ``path`` only; their handlers are put back after.
+
+    For ``scaleloop.launch``, whose elastic agent runs in the caller's process (a notebook):
+    its failure messages and tracebacks would bury the short report the caller gets.
+    """
+    loggers = [logging.getLogger(name) for name in ("torch.distributed", "torch.multiprocessing")]
+    saved = [(logger.handlers[:], logger.propagate) for logger in loggers]
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for logger in loggers:
+        logger.handlers, logger.propagate = [handler], False
+    try:
+        yield
+    finally:
+        for logger, (handlers, propagate) in zip(loggers, saved):
+            logger.handlers, logger.propagate = handlers, propagate
+        handler.close()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

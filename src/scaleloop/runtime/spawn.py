@@ -4,7 +4,10 @@ This is torchrun as a function call. PyTorch's elastic launcher (``torch.distrib
 starts the workers, runs the rendezvous, sets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
 MASTER_PORT in each, restarts the group on failure if asked, and stops every worker when one
 fails. scaleloop adds sane defaults, a start method that works in notebooks, rank 0's return
-value, and worker errors that name the rank.
+value, and failures that explain themselves: the caller gets one ``WorkerError`` whose message
+is the short report of ``scaleloop.runtime.failures`` (the rank that failed first, its
+exception, the user's file:line; or the rank that stalled and where it was stuck), not the
+agent's tracebacks.
 
 Inside ``fn`` the worker sets itself up exactly as under torchrun::
 
@@ -16,6 +19,8 @@ Inside ``fn`` the worker sets itself up exactly as under torchrun::
 from __future__ import annotations
 
 import contextlib
+import faulthandler
+import json
 import multiprocessing
 import os
 import pickle
@@ -23,11 +28,15 @@ import signal
 import sys
 import tempfile
 import threading
+import time
+import traceback
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 from scaleloop.errors import UsageError
+from scaleloop.runtime.failures import ELASTIC_DIR, LOGS_DIR, analyse
 
 START_METHODS = ("auto", "fork", "spawn", "forkserver")
 
@@ -58,13 +67,17 @@ class WorkerFailure:
 class WorkerError(RuntimeError):
     """One or more workers of ``scaleloop.launch`` raised an exception or died.
 
-    ``failures`` maps each failed global rank to a ``WorkerFailure``; the worker's traceback,
-    when it raised, is chained as this exception's cause.
+    ``failures`` maps each failed global rank to a ``WorkerFailure``; ``report`` is the short
+    report (the message, when the workers' records allowed one); the first failed worker's
+    traceback, when it raised, is chained as this exception's cause.
     """
 
-    def __init__(self, failures: Mapping[int, WorkerFailure]) -> None:
+    def __init__(self, failures: Mapping[int, WorkerFailure], report: Sequence[str] = ()) -> None:
         self.failures = dict(sorted(failures.items()))
-        if len(self.failures) == 1:
+        self.report = list(report)
+        if self.report:
+            message = "\n".join(self.report)
+        elif len(self.failures) == 1:
             (rank, failure), = self.failures.items()
             message = f"worker rank {rank} failed: {failure.description}"
         else:
@@ -93,8 +106,9 @@ class _Worker:
     A module-level class, so that "spawn" can pickle it whenever ``fn`` itself can be pickled.
     """
 
-    def __init__(self, fn: Callable[..., Any], kwargs: Mapping[str, Any], threads: Optional[int]) -> None:
-        self.fn, self.kwargs, self.threads = fn, dict(kwargs), threads
+    def __init__(self, fn: Callable[..., Any], kwargs: Mapping[str, Any], threads: Optional[int],
+                 logs: Optional[str] = None) -> None:
+        self.fn, self.kwargs, self.threads, self.logs = fn, dict(kwargs), threads, logs
         # The agent names the job after the entrypoint in its logs and errors.
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
@@ -111,7 +125,50 @@ class _Worker:
             import torch
 
             torch.set_num_threads(self.threads)
-        return self.fn(*args, **self.kwargs)
+        if self.logs is None:
+            return self.fn(*args, **self.kwargs)
+        rank = int(os.environ.get("RANK", "0"))
+        dumps = _stack_dumps(Path(self.logs), rank)
+        try:
+            return self.fn(*args, **self.kwargs)
+        except Exception as exc:
+            _record(exc, rank)
+            # Recorded: leave quietly. (An exception would be printed by multiprocessing and
+            # recorded again, without scaleloop's part, by torch's own record around this call.)
+            raise SystemExit(1) from None
+        finally:
+            faulthandler.unregister(signal.SIGTERM)
+            dumps.close()
+
+
+def _stack_dumps(logs: Path, rank: int) -> IO[str]:
+    """``logs/rank-<R>.log``, where SIGTERM (the agent stopping the survivors of a failure) first
+    dumps every thread's Python stack: how the report finds where a stuck rank was."""
+    from scaleloop.runtime.failures import ATTEMPT_MARK
+
+    logs.mkdir(parents=True, exist_ok=True)
+    log = open(logs / f"rank-{rank}.log", "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - closed by the caller
+    log.write(f"{ATTEMPT_MARK} rank {rank}, attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}, "
+              f"pid {os.getpid()} ====\n")
+    faulthandler.register(signal.SIGTERM, file=log, all_threads=True, chain=True)  # then ends as it would have
+    return log
+
+
+def _record(exc: BaseException, rank: int) -> None:
+    """``exc`` in torchrun's error file, as ``scaleloop.runtime.worker`` records it (its extras
+    under ``extraInfo.scaleloop``), for the launcher's report."""
+    from scaleloop.runtime.worker import describe_exception
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": {
+        "py_callstack": traceback.format_exc(), "timestamp": str(int(time.time())),
+        "scaleloop": describe_exception(exc, rank)}}}
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
 
 
 def launch(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
@@ -166,9 +223,16 @@ def launch(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # Workers' error files go to a directory of our own, removed afterwards: the elastic
-    # default is a fresh /tmp/torchelastic_* per call, left behind.
-    with tempfile.TemporaryDirectory(prefix="scaleloop-launch-") as log_dir, _keep_process_state():
+    from scaleloop.runtime.agent import logs_in
+
+    # Workers' error files and stack dumps go to a directory of our own, removed afterwards:
+    # the elastic default is a fresh /tmp/torchelastic_* per call, left behind. The agent's
+    # own messages go there too (see logs_in).
+    with tempfile.TemporaryDirectory(prefix="scaleloop-launch-") as tmp, _keep_process_state():
+        run_dir = Path(tmp)
+        logs = run_dir / LOGS_DIR
+        logs.mkdir()
+        log_dir = str(logs / ELASTIC_DIR)
         config = LaunchConfig(
             min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
             rdzv_backend="c10d",
@@ -179,9 +243,11 @@ def launch(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         )
         try:
-            results = elastic_launch(config, _Worker(fn, kwargs, threads))(*args)
+            with logs_in(str(logs / "agent.log")):
+                results = elastic_launch(config, _Worker(fn, kwargs, threads, str(logs)))(*args)
         except ChildFailedError as exc:
-            error = WorkerError({rank: _failure(rank, pf) for rank, pf in exc.failures.items()})
+            failures = {rank: _failure(rank, pf) for rank, pf in exc.failures.items()}
+            error = WorkerError(failures, _report(run_dir, failures))
             # The worker's traceback as the cause; torch's own exception adds nothing to it.
             raise error from _remote_traceback(error)
         except SignalException as exc:
@@ -273,9 +339,35 @@ def _keep_process_state() -> Iterator[None]:
             os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = saved_env
 
 
+def _report(run_dir: Path, failures: Mapping[int, WorkerFailure]) -> list[str]:
+    """The short report on this machine's workers (the first line without the CLI's prefix).
+
+    None (an empty list) when no worker raised: their exit codes or signals say it better.
+    """
+    if not any(f.error_type for f in failures.values()):
+        return []
+    logs = run_dir / LOGS_DIR
+    ranks = sorted(set(failures) | {int(p.stem.partition("-")[2]) for p in logs.glob("rank-*.log")})
+    failure = analyse(run_dir, logs / ELASTIC_DIR, ranks, None, 1, None, doctor=False, log_lines=False,
+                      timeout_name="init_process_group's timeout_s")
+    # The failure the report puts first leads the chained traceback too.
+    report = failure.report
+    return [report[0].replace("scaleloop: error: ", "", 1), *report[1:]] if report else []
+
+
 def _remote_traceback(error: WorkerError) -> Optional[_RemoteTraceback]:
-    first = next((f for f in error.failures.values() if f.traceback), None)
+    listed = sorted(error.failures.values(), key=lambda f: f.rank != _first_rank(error))
+    first = next((f for f in listed if f.traceback), None)
     return None if first is None else _RemoteTraceback(f"worker rank {first.rank}:\n{first.traceback}")
+
+
+def _first_rank(error: WorkerError) -> Optional[int]:
+    """The rank the report names first ("rank 1 of 2 failed", "rank 1 stopped taking part")."""
+    head = error.report[0] if error.report else ""
+    for rank in error.failures:
+        if head.startswith(f"rank {rank} ") or f": rank {rank} stopped" in head:
+            return rank
+    return None
 
 
 def _failure(rank: int, process_failure: Any) -> WorkerFailure:
