@@ -23,7 +23,7 @@ from scaleloop.data.batching import check_batch_split
 from scaleloop.errors import UsageError
 from scaleloop.output.trackers import TRACKERS, check_installed
 
-STRATEGIES = ("auto", "single", "dp", "ddp", "allreduce", "fsdp", "pipeline")
+STRATEGIES = ("auto", "single", "dp", "ddp", "allreduce", "fsdp", "pipeline", "mesh")
 BACKENDS = ("gloo", "nccl")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -82,6 +82,9 @@ class TrainConfig:
     # where to run it
     device: str = _opt("auto", "device: auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", group="hardware")
     strategy: str = _opt("auto", "how to use the hardware", STRATEGIES, group="hardware")
+    mesh: Optional[str] = _opt(None, "lay the ranks out on named dimensions, e.g. dp=2,tp=2: dp (replicated), fsdp or "
+                               "shard (sharded), tp (tensor parallel); their product is the world size; implies "
+                               "--strategy mesh (docs/strategies.md, '--mesh')", group="hardware")
     precision: str = _opt("fp32", "numeric precision (bf16/fp16 use torch.amp autocast; fp16 adds a GradScaler)", PRECISIONS, group="hardware")
     num_workers: int = _opt(0, "DataLoader worker processes (only for datasets that are not in-memory tensors)", group="hardware")
     microbatches: int = _opt(1, "--strategy pipeline: cut each micro-step's batch into this many pieces that "
@@ -198,14 +201,27 @@ class TrainConfig:
         if self.strategy == "dp" and self.world_size > 1:
             raise UsageError("--strategy dp (nn.DataParallel) runs ONE process that drives all GPUs; "
                              "drop --nproc/--nnodes, or use --strategy ddp for one process per GPU")
+        data_ranks = self._check_mesh()
         if self.strategy == "pipeline":
             self._check_pipeline()
         else:
             if self.microbatches > 1:
                 raise UsageError(f"--microbatches {self.microbatches} applies to --strategy pipeline only; to "
                                  "split a step's batch with another strategy use --accumulate")
-            check_batch_split(self.batch_size, self.world_size, self.accumulate)
+            check_batch_split(self.batch_size, data_ranks, self.accumulate)
         return self
+
+    def _check_mesh(self) -> int:
+        """The data-parallel ranks a step's batch is split over (all of them without --mesh)."""
+        if self.mesh is None:
+            if self.strategy == "mesh":
+                raise UsageError("--strategy mesh needs the layout: add --mesh, e.g. --mesh dp=2,tp=2")
+            return self.world_size
+        if self.strategy not in ("auto", "mesh"):
+            raise UsageError(f"--mesh lays out the ranks itself: drop --strategy {self.strategy} (or use --strategy mesh)")
+        from scaleloop.strategies.mesh import MeshSpec   # (imports torch: only when --mesh is given)
+
+        return MeshSpec.parse(self.mesh).check(self.world_size).data_parallel
 
     def _check_pipeline(self) -> None:
         """A pipeline's stages all see the whole batch: it is split into micro-steps, not ranks."""

@@ -115,13 +115,16 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Map ``(batch, seq, d_model)`` to the same shape."""
         batch, seq, d_model = x.shape
-        q, k, v = self.qkv(x).split(d_model, dim=2)
+        head_dim = d_model // self.n_heads
+        # Three equal parts; under tensor parallelism (tp_plan) this rank's qkv output holds
+        # only its own heads' q, k and v, so the head count is read from the width (-1).
+        q, k, v = self.qkv(x).chunk(3, dim=2)
         # (batch, heads, seq, head_dim): the layout scaled_dot_product_attention expects.
-        q, k, v = (t.view(batch, seq, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(batch, seq, -1, head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, d_model))
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class Block(nn.Module):
@@ -224,6 +227,23 @@ class TinyGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+    def tp_plan(self, tp: int) -> dict[str, str]:
+        """How tensor parallelism over ``tp`` ranks splits this model (docs/strategies.md,
+        "Tensor parallelism"): in each block, the attention's fused q/k/v projection by output
+        (whole heads per rank, ``colwise:3``) and its output projection by input (``rowwise``);
+        the MLP's first Linear colwise, its second rowwise (Megatron-LM's split). Embeddings,
+        LayerNorms and the tied output layer stay whole, so the logits are whole on every rank.
+        ValueError if the heads or the MLP do not divide by ``tp``."""
+        attn = self.blocks[0].attn if len(self.blocks) else None
+        heads = attn.n_heads if attn is not None else 0
+        if heads % tp:
+            raise ValueError(f"its {heads} attention heads do not divide by tp={tp}; use a tp that divides {heads}")
+        plan: dict[str, str] = {}
+        for i in range(len(self.blocks)):
+            plan.update({f"blocks.{i}.attn.qkv": "colwise:3", f"blocks.{i}.attn.proj": "rowwise",
+                         f"blocks.{i}.mlp.0": "colwise", f"blocks.{i}.mlp.2": "rowwise"})
+        return plan
 
     @property
     def _embedding(self) -> TokenEmbedding:

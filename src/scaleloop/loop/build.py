@@ -114,7 +114,10 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     parameters, model_bytes = count_parameters(model), parameter_bytes(model)
     strategy = make_strategy(cfg.strategy, env, Precision(cfg.precision, env.device), cfg.accumulate,
                              cfg.sync_batchnorm, microbatches=cfg.microbatches,
-                             find_unused_parameters=cfg.find_unused_parameters, static_graph=cfg.static_graph)
+                             find_unused_parameters=cfg.find_unused_parameters, static_graph=cfg.static_graph,
+                             # A config that names another strategy (verify's one-process reference,
+                             # a bench row) runs that one; the CLI rejects --mesh with another strategy.
+                             mesh=cfg.mesh if cfg.strategy in ("auto", "mesh") else None)
     lr = scaled_lr(cfg)
     notes = speed_up_model(model, cfg, env.device)
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(cfg, params, lr.peak))

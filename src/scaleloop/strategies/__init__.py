@@ -3,7 +3,8 @@
 - ``base``: the ``Strategy`` contract, and ``HandWrittenLoop``: the hand-written loop's calls;
   ``single``: one device; ``dataparallel``: ``nn.DataParallel``; ``ddp``: DistributedDataParallel;
   ``allreduce``: the gradient all-reduce written out by hand; ``fsdp``: FSDP2 sharding;
-  ``pipeline``: layers cut into stages, one per process.
+  ``pipeline``: layers cut into stages, one per process; ``composed``: ``--mesh``, tensor
+  parallelism with FSDP or HSDP (``mesh``: the named dimensions; ``tensor``: a model's TP plan).
 - ``precision``: autocast and the fp16 GradScaler; ``syncbn``: BatchNorm over all ranks on any
   device; ``distcp``: sharded state through ``torch.distributed.checkpoint``.
 """
@@ -15,15 +16,17 @@ from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
 from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.allreduce import ManualAllReduce
+from scaleloop.strategies.composed import MeshParallel
 from scaleloop.strategies.base import EvalShard, HandWrittenLoop, ProcessGroupStrategy, Strategy
 from scaleloop.strategies.dataparallel import DataParallel
 from scaleloop.strategies.ddp import DDP
 from scaleloop.strategies.fsdp import FSDP
+from scaleloop.strategies.mesh import MeshSpec
 from scaleloop.strategies.pipeline import PipelineParallel
 from scaleloop.strategies.single import SingleDevice
 
 __all__ = ["Strategy", "HandWrittenLoop", "ProcessGroupStrategy", "EvalShard", "SingleDevice", "DataParallel", "DDP",
-           "ManualAllReduce", "FSDP", "PipelineParallel", "STRATEGY_CLASSES", "make_strategy", "resolve_strategy_name",
+           "ManualAllReduce", "FSDP", "PipelineParallel", "MeshParallel", "MeshSpec", "STRATEGY_CLASSES", "make_strategy", "resolve_strategy_name",
            "batch_split_of"]
 
 STRATEGY_CLASSES: dict[str, type[Strategy]] = {
@@ -33,6 +36,7 @@ STRATEGY_CLASSES: dict[str, type[Strategy]] = {
     "allreduce": ManualAllReduce,
     "fsdp": FSDP,
     "pipeline": PipelineParallel,
+    "mesh": MeshParallel,
 }
 
 
@@ -51,11 +55,22 @@ def resolve_strategy_name(name: str, env: DistEnv) -> str:
 
 def make_strategy(name: str, env: DistEnv, precision: Optional[Precision | str] = None,
                   accumulate: int = 1, sync_batchnorm: bool = False, *, microbatches: int = 1,
-                  find_unused_parameters: bool = False, static_graph: bool = False) -> Strategy:
+                  find_unused_parameters: bool = False, static_graph: bool = False,
+                  mesh: Optional[MeshSpec | str] = None) -> Strategy:
     """Build a strategy by name (``auto`` picks one for ``env``); ``microbatches`` is the pipeline's,
-    ``find_unused_parameters`` and ``static_graph`` are DDP's."""
+    ``find_unused_parameters`` and ``static_graph`` are DDP's; ``mesh`` (``"dp=2,tp=2"`` or a
+    ``MeshSpec``) builds the ``mesh`` strategy, which ``auto`` then means."""
     if isinstance(precision, str) or precision is None:
         precision = Precision(precision or "fp32", env.device)
+    if mesh is not None or name == "mesh":
+        if name not in ("auto", "mesh"):
+            raise UsageError(f"--mesh lays out the ranks itself: drop --strategy {name} (or use --strategy mesh)")
+        if mesh is None:
+            raise UsageError("--strategy mesh needs the layout: add --mesh, e.g. --mesh dp=2,tp=2")
+        spec = MeshSpec.parse(mesh) if isinstance(mesh, str) else mesh
+        if microbatches > 1 or find_unused_parameters or static_graph:
+            raise UsageError("--microbatches, --find-unused-parameters and --static-graph do not apply to --mesh")
+        return MeshParallel(env, precision, accumulate, sync_batchnorm, mesh=spec)
     concrete = resolve_strategy_name(name, env)
     cls = STRATEGY_CLASSES.get(concrete)
     if cls is None:

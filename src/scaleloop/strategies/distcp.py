@@ -8,7 +8,12 @@ own parameter names, and ``dcp.save`` writes one ``__<rank>_0.distcp`` file per 
 Loading is the reverse, on any number of ranks: ``get_state_dict`` gives a template shaped for
 *this* run (its own sharding, or plain tensors for a replicated strategy), ``dcp.load`` fills it
 from whichever files hold the needed pieces, and ``set_state_dict`` puts it into the model and
-optimizer. That is how a checkpoint written by 2 ranks resumes on 1, or on 4.
+optimizer. That is how a checkpoint written by 2 ranks resumes on 1, or on 4,
+or one written on a 2x2 ``--mesh`` resumes on another shape.
+
+A tensor-parallel layer split in strided pieces (a fused q/k/v projection) is gathered along
+the tensor-parallel dimension for writing and cut again after reading: DCP needs each rank's
+piece to be one box of the whole tensor.
 
 Every function here that touches a process group is a collective: every rank calls it.
 """
@@ -17,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as torch_dist
@@ -40,6 +45,45 @@ def _quiet_without_group() -> Iterator[None]:
         yield
 
 
+def _strided(t: Any) -> bool:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return any(isinstance(p, _StridedShard) for p in getattr(t, "placements", ()))
+
+
+def _portable(obj: Any) -> Any:
+    """``obj`` (nested dicts and lists of state) with every DTensor that has a strided placement
+    (tensor parallelism's fused q/k/v, ``strategies.tensor``) gathered along those mesh
+    dimensions: DCP describes each rank's piece as one box of the whole tensor, and a strided
+    piece is several. The other tensors are passed through as they are."""
+    if isinstance(obj, dict):
+        return {key: _portable(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [_portable(value) for value in obj]
+    if _strided(obj):
+        from torch.distributed.tensor import Replicate
+
+        return obj.redistribute(placements=[Replicate() if _strided_one(p) else p for p in obj.placements])
+    return obj
+
+
+def _strided_one(placement: Any) -> bool:
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, _StridedShard)
+
+
+def _restored(loaded: Any, layout: Any) -> Any:
+    """``loaded`` (read into :func:`_portable`'s layout) put back into ``layout``'s placements."""
+    if isinstance(layout, dict):
+        return {key: _restored(loaded[key], value) for key, value in layout.items()}
+    if isinstance(layout, list):
+        return [_restored(a, b) for a, b in zip(loaded, layout)]
+    if _strided(layout):
+        return loaded.redistribute(placements=layout.placements)
+    return loaded
+
+
 def save_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Every rank writes its part of the model and optimizer state into ``directory``."""
     import torch.distributed.checkpoint as dcp
@@ -47,7 +91,7 @@ def save_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: P
 
     model_state, optim_state = get_state_dict(module, optimizer)
     with _quiet_without_group():
-        dcp.save({MODEL_KEY: model_state, OPTIMIZER_KEY: optim_state}, checkpoint_id=str(directory))
+        dcp.save(_portable({MODEL_KEY: model_state, OPTIMIZER_KEY: optim_state}), checkpoint_id=str(directory))
 
 
 def load_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
@@ -59,13 +103,15 @@ def load_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: P
     # The template has this run's layout; an optimizer that has not stepped yet gets its
     # state initialised first (a step with zero gradients and lr 0), so there is room to load into.
     model_state, optim_state = get_state_dict(module, optimizer)
-    state = {MODEL_KEY: model_state, OPTIMIZER_KEY: optim_state}
+    layout = {MODEL_KEY: model_state, OPTIMIZER_KEY: optim_state}
+    state = _portable(layout)
     with _quiet_without_group():
         try:
             dcp.load(state, checkpoint_id=str(directory))
         except CheckpointException as exc:
             # A BaseException that DCP raises on every rank when any rank failed.
             raise RuntimeError(f"torch.distributed.checkpoint could not load it: {exc}") from None
+    state = _restored(state, layout)
     set_state_dict(module, optimizer, model_state_dict=state[MODEL_KEY], optim_state_dict=state[OPTIMIZER_KEY])
 
 

@@ -69,8 +69,13 @@ def resolve_verify(args: argparse.Namespace) -> tuple[TrainConfig, VerifyOptions
         raise UsageError("--strategy single has nothing to compare with one process; use ddp, allreduce or dp")
     if strategy != "dp":
         # Verify's defaults where train's do not fit: a comparison needs several processes.
+        mesh = values.get("mesh")
+        if mesh is not None:   # --mesh: its ranks, and the mesh strategy
+            from scaleloop.strategies.mesh import MeshSpec
+
+            values.setdefault("nproc", MeshSpec.parse(mesh).world_size)
         values.setdefault("nproc", 2)
-        values["strategy"] = "ddp" if strategy == "auto" else strategy
+        values["strategy"] = ("mesh" if mesh is not None else "ddp") if strategy == "auto" else strategy
     values.update(max_restarts=0, progress=False)
     cfg = resolve({}, values)  # checks every value, and that the batch splits over ranks
     if cfg.nnodes > 1:
