@@ -1,4 +1,5 @@
-"""``scaleloop bench strategies``: single vs dp vs ddp vs allreduce vs fsdp on one workload.
+"""``scaleloop bench strategies``: single vs dp vs ddp vs allreduce vs fsdp, and the ``--mesh``
+compositions (tp, fsdp x tp, hsdp, dp x tp), on one workload.
 
 Every row trains the same model on the same data with the same GLOBAL batch, so each does
 the same optimisation and only the way the hardware is used differs. Rows this machine or
@@ -68,7 +69,29 @@ def plan_rows(opts: StrategiesOptions, device_type: str, gpus: int) -> list[Plan
                 rows.append(Planned(f"dp ({gpus} GPUs, 1 process)", name, 1, None))
         else:
             rows.append(Planned(label, name, n, 1 if cpu else None))
+    return rows + mesh_rows(n, 1 if cpu else None)
+
+
+def mesh_rows(n: int, threads: Optional[int]) -> list[Planned]:
+    """The ``--mesh`` compositions on ``n`` workers (the model needs a ``tp_plan()``: TinyGPT):
+    tensor parallelism alone, then, from 4 workers, FSDP x TP, HSDP and replicated x TP."""
+    rows = [Planned(f"tp x {n} (mesh tp={n})", f"mesh:tp={n}", n, threads,
+                    None if n > 1 else "tensor parallelism needs --workers 2 or more")]
+    half = n // 2
+    for label, mesh in (("fsdp x tp", f"fsdp={half},tp=2"), ("hsdp", f"dp=2,fsdp={half}"),
+                        ("dp x tp", f"dp={half},tp=2")):
+        skip = None if n >= 4 and n % 2 == 0 else "needs an even --workers of 4 or more"
+        rows.append(Planned(f"{label} (mesh {mesh})" if skip is None else label, f"mesh:{mesh}", n, threads, skip))
     return rows
+
+
+def _per_worker_batch(row: Planned, global_batch: int, measured: int) -> int:
+    """Samples each worker's forward sees: a mesh's tp ranks share theirs (the batch is split over dp x fsdp)."""
+    if not row.strategy.startswith("mesh:"):
+        return measured
+    from scaleloop.strategies.mesh import MeshSpec
+
+    return global_batch // MeshSpec.parse(row.strategy[5:]).data_parallel
 
 
 def run_strategies(opts: StrategiesOptions, say: Say) -> BenchReport:
@@ -102,7 +125,7 @@ def run_strategies(opts: StrategiesOptions, say: Say) -> BenchReport:
         if p.skip or not r.get("ok"):
             row["status"] = p.skip or r.get("error", "did not run")
         else:
-            row.update(status="ran", per_worker_batch=r["per_worker_batch"], samples_per_s=r["samples_per_s"],
+            row.update(status="ran", per_worker_batch=_per_worker_batch(p, opts.batch_size, r["per_worker_batch"]), samples_per_s=r["samples_per_s"],
                        step_s=r["breakdown"]["step_s"], backward_s=r["breakdown"]["backward_s"],
                        comm_s=r["comm"]["in_flight_s"] if p.processes > 1 else None,
                        grad_bytes=r["comm"]["reduced_bytes_per_step"] if p.processes > 1 else None,

@@ -231,7 +231,9 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
     if run.global_batch % env.world_size:
         raise UsageError(f"global batch {run.global_batch} does not split over {env.world_size} workers")
     # At least two global batches, so that every timed step is full (drop_last).
-    cfg = workload.to_config(strategy=run.strategy, batch_size=run.global_batch, drop_last=True,
+    # "mesh:fsdp=2,tp=2": a --mesh composition (bench strategies' mesh rows).
+    strategy, _, mesh = run.strategy.partition(":")
+    cfg = workload.to_config(strategy=strategy, mesh=mesh or None, batch_size=run.global_batch, drop_last=True,
                              n_samples=max(workload.n_samples, 2 * run.global_batch))
     built = build_run(cfg, env)
     recorder = CommRecorder(env.device)
