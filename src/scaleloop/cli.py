@@ -117,7 +117,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return cmd_doctor(args)
         return cmd_env(args)
     except UsageError as exc:
-        print(f"scaleloop: error: {exc}", file=sys.stderr)
+        if not exc.shown:  # a worker under --nproc may have said it on this console already
+            print(f"scaleloop: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except WorkersFailed as exc:  # the launcher's short report, already worded
         print(exc, file=sys.stderr)

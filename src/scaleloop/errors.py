@@ -10,3 +10,4 @@ class UsageError(Exception):
     """
 
     exit_code = 2
+    shown = False   # True once printed (rank 0 of ``--nproc`` workers): the CLI then does not repeat it

@@ -5,6 +5,7 @@
 - rank 1 sleeps in forward with ``--timeout 5``: the run ends within seconds of the timeout and
   the report names rank 1, the line it is stuck on, and the collective rank 0 waited in;
 - Ctrl-C: one line that says how to continue;
+- a usage error found by the workers (the model's output): said exactly once, exit 2;
 - the same report from ``scaleloop verify`` (a raising rank; a stalled one under --timeout) and
   from ``scaleloop bench`` (a raising worker).
 
@@ -193,3 +194,15 @@ def test_bench_names_a_raising_worker_in_a_few_lines(tmp_path: Path) -> None:
     assert "ValueError: bad batch on rank 1" in (kept / "logs" / "rank-1.log").read_text()
     for noise in ("Traceback", "Root Cause", "ChildFailedError", "exit code"):
         assert noise not in res.stdout + res.stderr
+
+
+def test_a_usage_error_of_the_workers_is_said_once(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    res = run([*TRAIN, "--model", "failing_models:bad_output", "--out", str(out)], cwd=SCRIPTS, timeout=180, env=env())
+    assert res.returncode == 2, res.stdout + res.stderr
+    said = [line for line in (res.stdout + res.stderr).splitlines()
+            if "scaleloop: error" in line or "the model returned" in line or "Traceback" in line]
+    assert said == ["scaleloop: error: the model returned a str; expected a tensor, a tuple or list whose first "
+                    "element is the prediction, or a mapping or object with 'logits' (a Hugging Face ModelOutput) "
+                    "or with its own 'loss'"], res.stdout + res.stderr
+    assert not list(out.glob("usage-error*")), "the workers' messages are taken by the launcher"

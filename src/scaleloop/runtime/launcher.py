@@ -76,7 +76,11 @@ def launch_train(cfg: TrainConfig) -> Optional["RunResult"]:
         result = train(cfg, env)
     except UsageError as exc:
         if env.is_distributed and cfg.out:
-            _leave_usage_error(Path(cfg.out), str(exc))
+            if env.is_main:
+                # Rank 0's console is the launcher's: said here, once; the launcher then stays quiet.
+                print(f"scaleloop: error: {exc}", file=sys.stderr, flush=True)
+                exc.shown = True
+            _leave_usage_error(Path(cfg.out), env.rank, str(exc))
         raise
     except KeyboardInterrupt:
         raise Interrupted(Path(cfg.out) if cfg.out and env.is_main else None) from None
@@ -102,6 +106,7 @@ def _launch_workers(cfg: TrainConfig) -> None:
     run_dir = prepare_run_dir(cfg.out, cfg.model, cfg.data,
                               continuing=source is not None and continues_run(out, source))
     lock = lock_run_dir(run_dir, single_node=cfg.nnodes == 1)  # held while the workers run (rank 0 shares it)
+    _take_usage_error(run_dir, [])   # an earlier run's, never this one's
     resolved = run_dir / "config.toml"
     write_atomic(resolved, to_toml(cfg).encode())
     logs = run_dir / LOGS_DIR
@@ -116,11 +121,13 @@ def _launch_workers(cfg: TrainConfig) -> None:
     if code == EXIT_INTERRUPTED or code < 0:
         raise _interrupted(run_dir)
     if code != 0:
-        said = _take_usage_error(run_dir)
-        if said is not None:  # a worker found bad input (the user's model or data): say it as one line
-            raise UsageError(said)
-        failure = analyse(run_dir, logs / ELASTIC_DIR / launch_id, _ranks_logged(logs, started), cfg.timeout,
-                          code, _continue_line(run_dir))
+        ranks = _ranks_logged(logs, started)
+        said = _take_usage_error(run_dir, ranks)
+        if said is not None:  # a worker found bad input (the user's model or data): said in one line, once
+            error = UsageError(said[0])
+            error.shown = said[1]
+            raise error
+        failure = analyse(run_dir, logs / ELASTIC_DIR / launch_id, ranks, cfg.timeout, code, _continue_line(run_dir))
         failure.write(run_dir)
         raise WorkersFailed(code, failure)
 
@@ -155,26 +162,35 @@ def _continue_line(run_dir: Path) -> str:
             f"--out {shlex.quote(str(run_dir) + '-2')}")
 
 
-# A worker that stops on bad input leaves its one-line message here for the launcher.
-USAGE_ERROR_FILE = "usage-error.txt"
+# A worker that stops on bad input leaves its one-line message here for the launcher
+# (usage-error-rank-<R>.txt): rank 0 has printed it already, any other rank's is only in its log.
+USAGE_ERROR_PREFIX = "usage-error-rank-"
 
 
-def _leave_usage_error(run_dir: Path, message: str) -> None:
+def _leave_usage_error(run_dir: Path, rank: int, message: str) -> None:
     try:
-        with open(run_dir / USAGE_ERROR_FILE, "x", encoding="utf-8") as f:  # the first worker's only
+        with open(run_dir / f"{USAGE_ERROR_PREFIX}{rank}.txt", "w", encoding="utf-8") as f:
             f.write(message)
     except OSError:
-        pass  # another worker was first, or this node does not see the run directory
+        pass  # this node does not see the run directory, or cannot write it
 
 
-def _take_usage_error(run_dir: Path) -> Optional[str]:
-    path = run_dir / USAGE_ERROR_FILE
-    try:
-        message = path.read_text(encoding="utf-8").strip()
-        path.unlink()
-    except OSError:
+def _take_usage_error(run_dir: Path, local_ranks: list[int]) -> Optional[tuple[str, bool]]:
+    """The workers' usage error (rank 0's first, else the lowest rank's), and whether it was shown on
+    this console already (rank 0 runs here and said it); the files are removed."""
+    said: dict[int, str] = {}
+    for path in run_dir.glob(f"{USAGE_ERROR_PREFIX}*.txt"):
+        try:
+            rank = int(path.stem[len(USAGE_ERROR_PREFIX):])
+            said[rank] = path.read_text(encoding="utf-8").strip()
+            path.unlink()
+        except (OSError, ValueError):
+            continue
+    said = {rank: message for rank, message in said.items() if message}
+    if not said:
         return None
-    return message or None
+    first = min(said)
+    return said[first], first == 0 and 0 in local_ranks
 
 
 def _check_resume(cfg: TrainConfig) -> Optional[Path]:
