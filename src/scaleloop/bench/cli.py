@@ -144,6 +144,8 @@ def add_parser(subparsers: Any, parser_class: type[argparse.ArgumentParser]) -> 
                                      "Without --model, every built-in model is measured.")
     _common(mfu, "mfu")
     mfu.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: all cores)")
+    mfu.add_argument("--compile", action="store_true",
+                     help="torch.compile the model (train --compile); --warmup steps pay the compilation")
     _steps(mfu)
 
     index = sub.add_parser("index", help="rebuild <out>/README.md: an index of the results there",
@@ -372,6 +374,10 @@ def _dispatch(args: argparse.Namespace, say: Callable[[str], None]) -> tuple[Any
     from scaleloop.bench.mfu import MODEL_DATA, MfuOptions, run_mfu
 
     workload = _workload(args, resolve_device(args.device, multiprocess=False))
+    if args.compile:
+        import dataclasses
+
+        workload = dataclasses.replace(workload, compile=True)
     if args.model:
         models = ((args.model, args.data or MODEL_DATA.get(args.model, workload.data)),)
     else:

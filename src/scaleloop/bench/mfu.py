@@ -24,6 +24,22 @@ Say = Callable[[str], None]
 # Each built-in model with data it can train on.
 MODEL_DATA = {"simplenet": "digits", "biggernet": "images", "convnet": "images", "tinygpt": "tokens"}
 
+#: The MFU target of a GPT-2-small-sized TinyGPT on an H100 (issue 18): measured, never asserted.
+MFU_TARGET = 0.40
+#: ``bench mfu`` flags of that configuration: GPT-2 small's sizes (about 124M parameters with
+#: its 50257-token vocabulary), sequence 1024, bf16, SDPA attention (TinyGPT's own), compiled.
+GPT2_SMALL_FLAGS = ("--model", "scaleloop.bench.mfu:gpt2_small", "--data", "tokens", "--seq-len", "1024",
+                    "--vocab-size", "50257", "--precision", "bf16", "--compile", "--batch-size", "16",
+                    "--n-samples", "256", "--steps", "20", "--warmup", "5")
+
+
+def gpt2_small(info: Any) -> torch.nn.Module:
+    """TinyGPT with GPT-2 small's shape: 12 layers, 12 heads, width 768 (vocabulary and sequence
+    length from the data: 50257 and 1024 give about 124M parameters, the embedding tied)."""
+    from scaleloop.models import TinyGPT
+
+    return TinyGPT(vocab_size=info.num_classes, seq_len=info.input_shape[0], d_model=768, n_layers=12, n_heads=12)
+
 
 @dataclass(frozen=True)
 class MfuOptions:

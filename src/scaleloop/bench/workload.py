@@ -32,13 +32,14 @@ class Workload:
     seed: int = 0
     steps: int = 30          # timed optimizer steps per run
     warmup: int = 5          # untimed steps first (allocations, DDP bucket rebuild, caches)
+    compile: bool = False    # torch.compile the model (train --compile); warm-up steps pay the compilation
 
     def to_config(self, **changes: Any) -> TrainConfig:
         """The ``TrainConfig`` of this workload (for the library's own builders and ``train``)."""
         cfg = TrainConfig(model=self.model, data=self.data, hidden_dim=self.hidden_dim,
                           image_size=self.image_size, input_dim=self.input_dim, seq_len=self.seq_len,
                           vocab_size=self.vocab_size, n_samples=self.n_samples, optimizer=self.optimizer,
-                          lr=self.lr, precision=self.precision, device=self.device, seed=self.seed,
+                          lr=self.lr, precision=self.precision, device=self.device, seed=self.seed, compile=self.compile,
                           test_fraction=0.0, progress=False, tensorboard=False, checkpoints=False)
         return cfg.replace(**changes)
 
@@ -54,7 +55,7 @@ class Workload:
         what = self.model + (f" (hidden {self.hidden_dim})" if self.model in ("simplenet", "biggernet") else "")
         data = {"images": f"images {self.image_size}x{self.image_size}", "random": f"random ({self.input_dim} features)",
                 "tokens": f"tokens (seq {self.seq_len}, vocab {self.vocab_size})"}.get(self.data, self.data)
-        return f"{what} on {data}, {self.optimizer}, {self.precision}"
+        return f"{what} on {data}, {self.optimizer}, {self.precision}" + (", compiled" if self.compile else "")
 
 
 @dataclass(frozen=True)
