@@ -2,7 +2,8 @@
 
 - tensor parallelism alone (tp=4), FSDP x TP (fsdp=2,tp=2, with --clip-grad), HSDP
   (dp=2,fsdp=2) and replicated x TP (dp=2,tp=2), each with --accumulate 2, equal 1 process
-  after 3 SGD steps within 1e-6 of the weight scale (the documented tolerance; measured: ~1e-8);
+  after 3 SGD steps within 1e-6 of the weight scale (the documented tolerance; measured: ~1e-8),
+  and so does the test loss at the end;
 - a DCP checkpoint written on fsdp=2,tp=2 continues on fsdp=4 and then on 1 process, and ends
   where an uninterrupted 1-process run ends (2x2 -> 4 -> 1).
 
@@ -77,6 +78,14 @@ def test_four_processes_equal_one(root: Path, meshed: dict[str, str], single, na
     reference = single("clip", clip_grad=0.05) if name == "fsdp-tp" else single("plain")
     diff, key = max_rel_diff(weights(reference), weights(root / "mesh4" / name))
     assert diff <= TOLERANCE, f"{name} differs from 1 process at {key}: {diff:.2e}"
+    # The test set at the stop, evaluated over the data ranks (a tp group's outputs counted once).
+    assert stop_test_loss(root / "mesh4" / name) == pytest.approx(stop_test_loss(reference), rel=1e-5)
+
+
+def stop_test_loss(run_dir: Path) -> float:
+    last = (run_dir / "metrics.csv").read_text().strip().splitlines()[-1].split(",")
+    assert last[0] == "stop", last
+    return float(last[5])
 
 
 def test_tp_splits_every_attention_and_mlp_layer(meshed: dict[str, str]) -> None:
