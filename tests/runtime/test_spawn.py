@@ -15,7 +15,8 @@ from torch import nn
 
 import scaleloop as sl
 from scaleloop.errors import UsageError
-from scaleloop.runtime.spawn import WorkerError, WorkerFailure, _failure, _parse_nnodes, launch, resolve_start_method
+from scaleloop.runtime.spawn import (WorkerError, WorkerFailure, _failure, _parse_nnodes, choose_start_method, launch,
+                                    resolve_start_method)
 
 TIME_LIMIT_S = 60  # per test; far above what a 2-process run needs, far below "hung"
 
@@ -237,6 +238,35 @@ def test_start_method_auto_spawns_once_cuda_is_initialised(monkeypatch: pytest.M
         resolve_start_method("auto", lambda: 0)
     with pytest.raises(UsageError, match="forked workers cannot use it"):
         resolve_start_method("fork", whoami)
+
+
+LINUX = {"platform": "linux", "available": ["fork", "spawn", "forkserver"]}
+
+
+@pytest.mark.parametrize("facts,fn_importable,expected", [
+    ({"gpus": False, "cuda_initialised": False}, True, "fork"),     # CPU machine: fork is safe and quick
+    ({"gpus": True, "cuda_initialised": False}, True, "spawn"),     # is_available() may have started the driver
+    ({"gpus": True, "cuda_initialised": True}, True, "spawn"),
+    ({"gpus": True, "cuda_initialised": False}, False, "fork"),     # a notebook's function: the only way it runs
+    ({"gpus": False, "cuda_initialised": False, "platform": "darwin", "available": ["fork", "spawn"]}, True, "spawn"),
+    ({"gpus": False, "cuda_initialised": False, "platform": "win32", "available": ["spawn"]}, True, "spawn"),
+])
+def test_auto_spawns_where_a_gpu_is_and_forks_where_that_is_safe(facts: dict[str, Any], fn_importable: bool,
+                                                                 expected: str) -> None:
+    reason = None if fn_importable else "it is defined in a notebook or an interactive session"
+    assert choose_start_method("auto", **{**LINUX, **facts}, not_importable=reason) == expected
+
+
+def test_a_start_method_named_is_kept_or_refused_never_changed() -> None:
+    facts = {**LINUX, "gpus": True, "cuda_initialised": False, "not_importable": None}
+    assert choose_start_method("fork", **facts) == "fork"              # the caller's choice, on a GPU machine too
+    assert choose_start_method("forkserver", **facts) == "forkserver"
+    with pytest.raises(UsageError, match="forked workers cannot use it"):
+        choose_start_method("fork", **{**facts, "cuda_initialised": True})
+    with pytest.raises(UsageError, match="must be spawned, but it cannot be pickled"):
+        choose_start_method("auto", **{**facts, "cuda_initialised": True, "not_importable": "it cannot be pickled"})
+    with pytest.raises(UsageError, match="'fork' is not available"):
+        choose_start_method("fork", **{**facts, "available": ["spawn"]})
 
 
 def test_start_method_errors() -> None:

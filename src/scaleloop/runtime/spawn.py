@@ -193,8 +193,9 @@ def launch(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
             cannot be used once CUDA is initialised here. ``"spawn"`` starts fresh
             interpreters: CUDA-safe and clean, but slower to start, and ``fn`` and its
             arguments must be picklable and importable by module name. ``"auto"`` (default):
-            fork on Linux, spawn once CUDA is initialised here or on macOS / Windows
-            (see ``resolve_start_method``).
+            fork on a Linux machine without GPUs; spawn where there is a GPU (the CUDA
+            driver may have started here already), on macOS and Windows; fork a function
+            that cannot be spawned while CUDA is not initialised (see ``choose_start_method``).
         threads: CPU threads per worker. Default: as torchrun, 1 when several workers share
             this machine and OMP_NUM_THREADS is not set (else torch's own default).
         all_ranks: return ``{global rank: result}`` for this machine's workers instead.
@@ -261,35 +262,67 @@ def launch(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
 def resolve_start_method(requested: str, fn: Callable[..., Any]) -> str:
     """The start method for ``fn``: ``auto`` resolved, and the choice checked (UsageError if it cannot work).
 
-    ``auto`` forks on Linux: it works for functions from a notebook, ``__main__``, lambdas and
-    closures, needs no ``if __name__ == "__main__"`` guard, and the workers inherit what this
-    process has imported. It spawns where forking cannot work (CUDA already initialised here)
-    or is unsafe (macOS system libraries; Windows has no fork), if ``fn`` can be imported.
+    Gathers the facts (platform, GPUs present, CUDA initialised here, whether ``fn`` can be
+    imported by a fresh Python) and lets :func:`choose_start_method` decide.
     """
     if requested not in START_METHODS:
         raise UsageError(f"launch: unknown start_method {requested!r}; choose one of: {', '.join(START_METHODS)}")
     import torch
 
-    available = multiprocessing.get_all_start_methods()
-    reason = _not_importable(fn)
-    cuda_here = torch.cuda.is_initialized()
+    return choose_start_method(requested, platform=sys.platform, available=multiprocessing.get_all_start_methods(),
+                               gpus=_gpus_present(), cuda_initialised=torch.cuda.is_initialized(),
+                               not_importable=_not_importable(fn))
+
+
+def choose_start_method(requested: str, *, platform: str, available: Sequence[str], gpus: bool,
+                        cuda_initialised: bool, not_importable: Optional[str]) -> str:
+    """The start method, from the facts alone (no torch, no processes): the rule ``auto`` follows.
+
+    ``auto`` forks only where that is safe and spawning is not needed: on Linux, with no GPU
+    on the machine. With a GPU it spawns: ``torch.cuda.is_available()`` (called by nearly every
+    script or notebook) starts the CUDA driver, and forked workers then fail with "CUDA error:
+    initialization error" at their first CUDA call, whether or not torch reports CUDA as
+    initialised. It spawns on macOS and Windows too (fork is unsafe there, or missing). A
+    function that a fresh interpreter cannot import (a notebook's, a lambda, a closure) is
+    forked anyway, while CUDA is not initialised here: the only way it can run.
+    ``fork`` or ``spawn`` asked for by name is checked, never changed.
+    """
+    if requested not in START_METHODS:
+        raise UsageError(f"launch: unknown start_method {requested!r}; choose one of: {', '.join(START_METHODS)}")
     method = requested
     if requested == "auto":
-        fork_first = sys.platform.startswith("linux") and not cuda_here
-        method = "fork" if "fork" in available and (fork_first or reason is not None) else "spawn"
+        fork_safe = platform.startswith("linux") and not gpus and not cuda_initialised
+        method = "fork" if "fork" in available and (fork_safe or not_importable is not None) else "spawn"
     if method not in available:
         raise UsageError(f"launch: start_method {method!r} is not available on this platform; "
                          f"use one of: {', '.join(available)}")
-    if method == "fork" and cuda_here:
+    if method == "fork" and cuda_initialised:
         if requested == "auto":  # fork only because fn cannot be spawned
             raise UsageError(f"launch: CUDA is already initialised in this process, so workers must be spawned, "
-                             f"but {reason}; move fn to a module, or call launch before any CUDA work")
+                             f"but {not_importable}; move fn to a module, or call launch before any CUDA work")
         raise UsageError("launch: CUDA is already initialised in this process, so forked workers cannot use it; "
                          "call launch before any CUDA work (restart the kernel), or use start_method='spawn'")
-    if method != "fork" and reason is not None:
-        raise UsageError(f"launch: start_method={method!r} needs fn importable by a fresh Python, but {reason}; "
-                         "move it to a module, or use start_method='fork'")
+    if method != "fork" and not_importable is not None:
+        raise UsageError(f"launch: start_method={method!r} needs fn importable by a fresh Python, but "
+                         f"{not_importable}; move it to a module, or use start_method='fork'")
     return method
+
+
+def _gpus_present() -> bool:
+    """Whether this machine has an NVIDIA GPU, found without starting the CUDA driver here.
+
+    NVML counts the devices without touching CUDA (torch uses it for the same reason); where
+    NVML cannot be asked, the driver's device node says whether there is a GPU at all.
+    """
+    import torch
+
+    if not torch.backends.cuda.is_built():
+        return False
+    try:
+        count = torch.cuda._device_count_nvml()  # -1 when NVML is not available
+    except Exception:  # a private helper: any failure means "ask another way"
+        count = -1
+    return count > 0 if count >= 0 else os.path.exists("/dev/nvidiactl")
 
 
 def _defined_in_main(fn: Callable[..., Any]) -> bool:
