@@ -146,3 +146,18 @@ def test_mfu_quick(tmp_path: Path) -> None:
     # The CPU's peak is measured; a known GPU's is its datasheet's (device auto picks the GPU).
     assert ("datasheet" if torch.cuda.is_available() else "measured") in data["data"]["peak"]["source"]
     assert "| model | data |" in md
+
+
+def test_multiprocess_bench_fits_workers_to_gpus() -> None:
+    # gpu-first-run note 1: NCCL refuses two processes on one GPU, so `auto` falls back to the CPU
+    # and says so, and an explicit cuda is refused in one line before any worker starts.
+    from scaleloop.bench.cli import fit_workers_to_gpus
+    from scaleloop.errors import UsageError
+
+    said: list[str] = []
+    assert fit_workers_to_gpus("auto", "cuda", 2, 1, said.append) == "cpu"
+    assert len(said) == 1 and "NCCL needs one GPU per worker" in said[0]
+    assert fit_workers_to_gpus("auto", "cuda", 2, 2, said.append) == "cuda" and len(said) == 1
+    assert fit_workers_to_gpus("cpu", "cpu", 8, 0, said.append) == "cpu"
+    with pytest.raises(UsageError, match="at most 1"):
+        fit_workers_to_gpus("cuda", "cuda", 4, 1, said.append)

@@ -207,6 +207,30 @@ def resolve_device(spec: str, multiprocess: bool) -> str:
     return device
 
 
+def fit_workers_to_gpus(spec: str, device: str, most_workers: int, gpus: int, say: Any) -> str:
+    """``auto`` on CUDA falls back to the CPU when the bench needs more workers than GPUs.
+
+    NCCL needs one GPU per process, so ``auto`` with 2 workers on a 1-GPU machine would fail in
+    ``init_process_group``; an explicit ``--device cuda`` is refused in one line instead.
+    """
+    if device != "cuda" or most_workers <= gpus:
+        return device
+    if spec.strip().lower() == "auto":
+        say(f"--device auto: {most_workers} workers but {gpus} GPU(s), and NCCL needs one GPU per worker; "
+            "benchmarking on the CPU with Gloo")
+        return "cpu"
+    raise UsageError(f"--device {spec}: {most_workers} workers but {gpus} GPU(s), and NCCL needs one GPU per "
+                     f"worker; use --workers with at most {gpus}, or --device cpu")
+
+
+def _gpu_count(device: str) -> int:
+    if device != "cuda":
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def _workload(args: argparse.Namespace, device: str) -> Any:
     from scaleloop.bench.workload import Workload
 
@@ -337,6 +361,11 @@ def _dispatch(args: argparse.Namespace, say: Callable[[str], None]) -> tuple[Any
         from scaleloop.bench.scaling import ScalingOptions, run_scaling
 
         device = resolve_device(args.device, multiprocess=True)
+        if device == "cuda" and args.device.strip().lower() == "auto" and args.workers is None \
+                and _gpu_count(device) < 2:
+            device = fit_workers_to_gpus(args.device, device, 2, _gpu_count(device), say)
+        counts = parse_workers(args.workers, device)
+        device = fit_workers_to_gpus(args.device, device, max(counts), _gpu_count(device), say)
         workload = _workload(args, device)
         if args.compute_ms is not None and args.compute_ms <= 0:
             raise UsageError(f"--compute-ms must be positive, got {args.compute_ms}")
@@ -345,7 +374,7 @@ def _dispatch(args: argparse.Namespace, say: Callable[[str], None]) -> tuple[Any
         target_mfu = 0.4 if args.target_mfu is None else args.target_mfu
         if not 0 < target_mfu <= 1:
             raise UsageError(f"--target-mfu must be in (0, 1], got {target_mfu} (0.4 is 40%)")
-        opts = ScalingOptions(workload, parse_workers(args.workers, device), strategy=args.strategy,
+        opts = ScalingOptions(workload, counts, strategy=args.strategy,
                               strong=args.strong, batch_size=_value(args, "batch_size"),
                               threads=args.threads if args.threads is not None else 1,
                               compute_ms=args.compute_ms, target_gpu=args.target_gpu or "h100", target_mfu=target_mfu,
@@ -357,8 +386,9 @@ def _dispatch(args: argparse.Namespace, say: Callable[[str], None]) -> tuple[Any
         from scaleloop.bench.strategies import StrategiesOptions, run_strategies
 
         device = resolve_device(args.device, multiprocess=True)
-        workload = _workload(args, device)
         workers = args.workers if args.workers is not None else max(1, default_workers(device))
+        device = fit_workers_to_gpus(args.device, device, workers, _gpu_count(device), say)
+        workload = _workload(args, device)
         opts = StrategiesOptions(workload, workers=workers, batch_size=_value(args, "batch_size"), quick=quick,
                                  allreduce_reps=_value(args, "allreduce_reps"), command=line)
         return run_strategies(opts, say), plots.plot_strategies
