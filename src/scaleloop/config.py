@@ -85,6 +85,12 @@ class TrainConfig:
     mesh: Optional[str] = _opt(None, "lay the ranks out on named dimensions, e.g. dp=2,tp=2: dp (replicated), fsdp or "
                                "shard (sharded), tp (tensor parallel); their product is the world size; implies "
                                "--strategy mesh (docs/strategies.md, '--mesh')", group="hardware")
+    activation_checkpointing: bool = _opt(False, "keep only each block's input from the forward and recompute its "
+                                          "activations in the backward: less memory, about one more forward of "
+                                          "compute, the same results", group="hardware")
+    cpu_offload: bool = _opt(False, "fsdp and --mesh: keep the sharded parameters, gradients and optimizer state in "
+                             "host memory between uses (FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU)",
+                             group="hardware")
     precision: str = _opt("fp32", "numeric precision (bf16/fp16 use torch.amp autocast; fp16 adds a GradScaler)", PRECISIONS, group="hardware")
     num_workers: int = _opt(0, "DataLoader worker processes (only for datasets that are not in-memory tensors)", group="hardware")
     microbatches: int = _opt(1, "--strategy pipeline: cut each micro-step's batch into this many pieces that "
@@ -201,6 +207,7 @@ class TrainConfig:
         if self.strategy == "dp" and self.world_size > 1:
             raise UsageError("--strategy dp (nn.DataParallel) runs ONE process that drives all GPUs; "
                              "drop --nproc/--nnodes, or use --strategy ddp for one process per GPU")
+        self._check_memory_levers()
         data_ranks = self._check_mesh()
         if self.strategy == "pipeline":
             self._check_pipeline()
@@ -210,6 +217,15 @@ class TrainConfig:
                                  "split a step's batch with another strategy use --accumulate")
             check_batch_split(self.batch_size, data_ranks, self.accumulate)
         return self
+
+    def _check_memory_levers(self) -> None:
+        """--activation-checkpointing and --cpu-offload only where they are implemented and tested."""
+        if self.cpu_offload and self.strategy not in ("fsdp", "mesh") and self.mesh is None:
+            raise UsageError(f"--cpu-offload moves FSDP's shards to host memory: use it with --strategy fsdp or --mesh "
+                             f"(not --strategy {self.strategy})")
+        if self.activation_checkpointing and self.strategy in ("dp", "pipeline"):
+            raise UsageError(f"--activation-checkpointing is not offered with --strategy {self.strategy}; use single, "
+                             "ddp, allreduce, fsdp or --mesh")
 
     def _check_mesh(self) -> int:
         """The data-parallel ranks a step's batch is split over (all of them without --mesh)."""

@@ -117,9 +117,14 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
                              find_unused_parameters=cfg.find_unused_parameters, static_graph=cfg.static_graph,
                              # A config that names another strategy (verify's one-process reference,
                              # a bench row) runs that one; the CLI rejects --mesh with another strategy.
-                             mesh=cfg.mesh if cfg.strategy in ("auto", "mesh") else None)
+                             mesh=cfg.mesh if cfg.strategy in ("auto", "mesh") else None, cpu_offload=cfg.cpu_offload)
     lr = scaled_lr(cfg)
     notes = speed_up_model(model, cfg, env.device)
+    if cfg.activation_checkpointing:   # before the strategy wraps the blocks (torchtitan's order: TP, AC, FSDP)
+        from scaleloop.strategies.recompute import checkpoint_blocks
+
+        notes.append(f"activation checkpointing: {checkpoint_blocks(model)} blocks keep only their input and "
+                     "recompute their activations in the backward")
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(cfg, params, lr.peak))
     if cfg.compile:
         # In place (nn.Module.compile): the module, its wrappers' isinstance checks and its

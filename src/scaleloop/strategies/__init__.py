@@ -56,10 +56,11 @@ def resolve_strategy_name(name: str, env: DistEnv) -> str:
 def make_strategy(name: str, env: DistEnv, precision: Optional[Precision | str] = None,
                   accumulate: int = 1, sync_batchnorm: bool = False, *, microbatches: int = 1,
                   find_unused_parameters: bool = False, static_graph: bool = False,
-                  mesh: Optional[MeshSpec | str] = None) -> Strategy:
+                  mesh: Optional[MeshSpec | str] = None, cpu_offload: bool = False) -> Strategy:
     """Build a strategy by name (``auto`` picks one for ``env``); ``microbatches`` is the pipeline's,
     ``find_unused_parameters`` and ``static_graph`` are DDP's; ``mesh`` (``"dp=2,tp=2"`` or a
-    ``MeshSpec``) builds the ``mesh`` strategy, which ``auto`` then means."""
+    ``MeshSpec``) builds the ``mesh`` strategy, which ``auto`` then means; ``cpu_offload`` is
+    FSDP2's (fsdp and mesh)."""
     if isinstance(precision, str) or precision is None:
         precision = Precision(precision or "fp32", env.device)
     if mesh is not None or name == "mesh":
@@ -70,7 +71,7 @@ def make_strategy(name: str, env: DistEnv, precision: Optional[Precision | str] 
         spec = MeshSpec.parse(mesh) if isinstance(mesh, str) else mesh
         if microbatches > 1 or find_unused_parameters or static_graph:
             raise UsageError("--microbatches, --find-unused-parameters and --static-graph do not apply to --mesh")
-        return MeshParallel(env, precision, accumulate, sync_batchnorm, mesh=spec)
+        return MeshParallel(env, precision, accumulate, sync_batchnorm, mesh=spec, cpu_offload=cpu_offload)
     concrete = resolve_strategy_name(name, env)
     cls = STRATEGY_CLASSES.get(concrete)
     if cls is None:
@@ -79,6 +80,10 @@ def make_strategy(name: str, env: DistEnv, precision: Optional[Precision | str] 
         raise UsageError(
             f"--strategy {concrete} runs one process, but this job has {env.world_size}; "
             "use --strategy ddp or allreduce")
+    if cls is FSDP:
+        return FSDP(env, precision, accumulate, sync_batchnorm, cpu_offload=cpu_offload)
+    if cpu_offload:
+        raise UsageError(f"cpu_offload moves FSDP's shards to host memory: use it with fsdp or mesh, not {concrete}")
     if cls is PipelineParallel:
         return PipelineParallel(env, precision, accumulate, sync_batchnorm, microbatches=microbatches)
     if microbatches > 1:

@@ -39,11 +39,11 @@ class MeshParallel(FSDP):
     batch_split = "split evenly over the dp x fsdp ranks (tp ranks share theirs)"
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
-                 sync_batchnorm: bool = False, *, mesh: MeshSpec) -> None:
+                 sync_batchnorm: bool = False, *, mesh: MeshSpec, cpu_offload: bool = False) -> None:
         self.spec = mesh
         self.mesh: Any = None          # the DeviceMesh, once setup() built it
         self.tp_layers = 0
-        super().__init__(env, precision, accumulate, sync_batchnorm)
+        super().__init__(env, precision, accumulate, sync_batchnorm, cpu_offload=cpu_offload)
 
     def _check(self) -> None:
         super()._check()
@@ -80,9 +80,11 @@ class MeshParallel(FSDP):
         self.units = 0
         for module in reversed(list(model.modules())):   # innermost units first
             if module is not model and id(module) in block_ids:
-                fully_shard(module, mesh=data_mesh, mp_policy=self._policy(), shard_placement_fn=fsdp_placement)
+                fully_shard(module, mesh=data_mesh, mp_policy=self._policy(), shard_placement_fn=fsdp_placement,
+                            offload_policy=self._offload())
                 self.units += 1
-        fully_shard(model, mesh=data_mesh, mp_policy=self._policy(), shard_placement_fn=fsdp_placement)
+        fully_shard(model, mesh=data_mesh, mp_policy=self._policy(), shard_placement_fn=fsdp_placement,
+                            offload_policy=self._offload())
         self.units += 1
         return model
 
@@ -138,7 +140,8 @@ class MeshParallel(FSDP):
         return " x ".join(part for part in (data, "tp" if tp > 1 else "") if part) or "one rank"
 
     def describe(self) -> str:
-        return f"mesh {self.spec} ({self.layout()}, {self.units} units, {self.tp_layers} tp layers)"
+        offload = ", cpu offload" if self.cpu_offload else ""
+        return f"mesh {self.spec} ({self.layout()}, {self.units} units, {self.tp_layers} tp layers{offload})"
 
     def details(self) -> list[str]:
         return self.spec.draw()

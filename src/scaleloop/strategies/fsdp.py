@@ -83,7 +83,9 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
 
     name = "fsdp"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, cpu_offload: bool = False, **kwargs: Any) -> None:
+        #: Shards, gradients and optimizer state kept in host memory between uses (--cpu-offload).
+        self.cpu_offload = cpu_offload
         super().__init__(*args, **kwargs)
         self.units = 0
         self._own_group = False
@@ -106,6 +108,14 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         if self.precision.dtype is None or not low_precision:
             return MixedPrecisionPolicy()
         return MixedPrecisionPolicy(param_dtype=self.precision.dtype, reduce_dtype=torch.float32)
+
+    def _offload(self) -> Any:
+        """FSDP2's offload policy: the shards in (pinned, on CUDA) host memory, or none."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+        if not self.cpu_offload:
+            return OffloadPolicy()
+        return CPUOffloadPolicy(pin_memory=self.env.device.type == "cuda")
 
     def _ensure_process_group(self) -> None:
         if torch_dist.is_initialized():
@@ -149,13 +159,14 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
             if module is model:
                 continue
             if id(module) in norms:
-                fully_shard(module, mesh=mesh, mp_policy=self._policy(low_precision=False))
+                fully_shard(module, mesh=mesh, mp_policy=self._policy(low_precision=False),
+                            offload_policy=self._offload())
             elif id(module) in block_ids:
-                fully_shard(module, mesh=mesh, mp_policy=self._policy())
+                fully_shard(module, mesh=mesh, mp_policy=self._policy(), offload_policy=self._offload())
             else:
                 continue
             self.units += 1
-        fully_shard(model, mesh=mesh, mp_policy=self._policy())
+        fully_shard(model, mesh=mesh, mp_policy=self._policy(), offload_policy=self._offload())
         self.units += 1
         return model
 
@@ -256,4 +267,5 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         set_optimizer_state_dict(model, optimizer, named, options=full)
 
     def describe(self) -> str:
-        return f"fsdp ({self.units} units)" if self.units else "fsdp"
+        offload = ", cpu offload" if self.cpu_offload else ""
+        return f"fsdp ({self.units} units{offload})" if self.units else "fsdp"

@@ -21,6 +21,7 @@ RUNS = {
     "fsdp-tp": {"mesh": "fsdp=2,tp=2", "clip_grad": 0.05},
     "hsdp": {"mesh": "dp=2,fsdp=2"},
     "dp-tp": {"mesh": "dp=2,tp=2"},
+    "levers": {"mesh": "fsdp=2,tp=2", "activation_checkpointing": True, "cpu_offload": True},
     "first-half": {"mesh": "fsdp=2,tp=2", "max_steps": 2},
 }
 
