@@ -18,10 +18,9 @@ BASE = dict(data="tokens", model="tinygpt", n_samples=48, seq_len=8, vocab_size=
             tensorboard=False, log_every=1, device="cpu", nproc=4)
 RUNS = {
     "tp": {"mesh": "tp=4"},
-    "fsdp-tp": {"mesh": "fsdp=2,tp=2", "clip_grad": 0.05},
+    "fsdp-tp": {"mesh": "fsdp=2,tp=2", "clip_grad": 0.05, "activation_checkpointing": True, "cpu_offload": True},
     "hsdp": {"mesh": "dp=2,fsdp=2"},
     "dp-tp": {"mesh": "dp=2,tp=2"},
-    "levers": {"mesh": "fsdp=2,tp=2", "activation_checkpointing": True, "cpu_offload": True},
     "first-half": {"mesh": "fsdp=2,tp=2", "max_steps": 2},
 }
 
