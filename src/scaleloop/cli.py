@@ -12,6 +12,7 @@ from scaleloop.config import load_toml, resolve
 from scaleloop.errors import UsageError
 from scaleloop.runtime.cmdline import EXIT_INTERRUPTED, EXIT_USAGE, Parser, add_config_flags, flag_values
 from scaleloop.runtime.launcher import Interrupted, WorkersFailed, auto_processes, launch_train
+from scaleloop.runtime.preempt import EXIT_PREEMPTED, Preempted
 from scaleloop.bench.cli import add_parser as add_bench_parser, run as run_bench
 from scaleloop.verify.cli import add_parser as add_verify_parser, run as run_verify
 
@@ -126,6 +127,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Interrupted as exc:
         print(f"\nscaleloop: {exc}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Preempted as exc:  # a stop signal: the checkpoint is written; the line says how to continue
+        print(f"scaleloop: {exc}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except KeyboardInterrupt:
         print("\nscaleloop: interrupted; everything written so far is kept", file=sys.stderr)
         return EXIT_INTERRUPTED

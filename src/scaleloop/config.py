@@ -126,6 +126,10 @@ class TrainConfig:
     rdzv_endpoint: Optional[str] = _opt(None, "host:port of a c10d rendezvous (elastic; instead of --master-addr/--node-rank)", group="launch")
     rdzv_id: str = _opt("scaleloop", "job id shared by all nodes of one --rdzv-endpoint job", group="launch")
     max_restarts: int = _opt(0, "times torchrun restarts the worker group after a failure", group="launch")
+    signal: str = _opt("SIGUSR1", "a signal that, like SIGTERM and SIGUSR1, stops the run after the current step with a "
+                       "checkpoint (preemption; see docs/slurm.md)", group="launch")
+    requeue: bool = _opt(False, "after such a stop under SLURM, put the job back into the queue (scontrol requeue)",
+                         group="launch")
     backend: Optional[str] = _opt(None, "process-group backend (default: nccl on CUDA, gloo on CPU)", BACKENDS, group="launch")
     timeout: float = _opt(1800.0, "seconds a collective waits for the slowest rank before the run stops with a report "
                                   "naming the rank behind; keep it above your longest first step (torch.compile) "
@@ -186,6 +190,9 @@ class TrainConfig:
         _require(0 <= self.node_rank < self.nnodes, "node_rank", f"in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
         _require(1 <= self.master_port <= 65535, "master_port", "a port number in 1..65535")
         _require(self.max_restarts >= 0, "max_restarts", "zero or positive")
+        from scaleloop.runtime.preempt import signal_number
+
+        signal_number(self.signal)   # a name that is no catchable signal: one line now, not at the stop
         _require(self.timeout > 0, "timeout", "a positive number of seconds")
         _require(self.warmup_steps >= 0, "warmup_steps", "zero or positive")
         _require(self.base_batch_size is None or self.base_batch_size >= 1, "base_batch_size", "a positive integer")

@@ -6,6 +6,11 @@ workers; they resume from the newest valid checkpoint and finish. The final weig
 an uninterrupted run's, and the recorded sample indices show exactly what was trained when:
 the first attempt's steps up to the checkpoint, then the restarted attempt's from it to the end
 (the steps between the checkpoint and the kill are trained twice, and only the second time counts).
+
+Preemption: SIGTERM to ``scaleloop train --nproc 2`` mid-run; the workers finish their step, write
+a checkpoint together and the run ends with one line naming the checkpoint and the command that
+continues it; that command finishes the run with the uninterrupted weights, and the samples
+recorded show that the stopped run loaded nothing after its last step.
 """
 from __future__ import annotations
 
@@ -62,13 +67,24 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
         time.sleep(0.02)
 
 
-def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path: Path) -> None:
-    # The reference: the same run, never interrupted.
-    whole_env = env_for(tmp_path / "whole-records")
-    res = run([sys.executable, "-m", "scaleloop", *ARGS, "--out", str(tmp_path / "whole")],
-              cwd=tmp_path, env=whole_env)
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference: the same run, never interrupted (``whole/`` and ``whole-records/``)."""
+    base = tmp_path_factory.mktemp("elastic")
+    res = run([sys.executable, "-m", "scaleloop", *ARGS, "--out", str(base / "whole")],
+              cwd=base, env=env_for(base / "whole-records"))
     assert res.returncode == 0, res.stdout + res.stderr
+    return base
 
+
+def assert_same_weights(reference: Path, run_dir: Path) -> None:
+    whole_weights = torch.load(reference / "model.pt", weights_only=True)
+    final = torch.load(run_dir / "model.pt", weights_only=True)
+    for key in whole_weights:
+        assert torch.equal(whole_weights[key], final[key]), f"{key} differs from the uninterrupted run"
+
+
+def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path: Path, whole: Path) -> None:
     records = tmp_path / "records"
     proc = subprocess.Popen([sys.executable, "-m", "scaleloop", *ARGS, "--max-restarts", "3",
                              "--out", str(tmp_path / "run")],
@@ -90,16 +106,55 @@ def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path: Path) -> None:
     step = int(resumed.group(1))
     assert step >= 8
     # ... and ends with exactly the uninterrupted weights.
-    whole = torch.load(tmp_path / "whole" / "model.pt", weights_only=True)
-    final = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
-    for key in whole:
-        assert torch.equal(whole[key], final[key]), f"{key} differs from the uninterrupted run"
+    assert_same_weights(whole / "whole", tmp_path / "run")
 
     for rank in (0, 1):
         first, second = recorded(records, rank, 0), recorded(records, rank, 1)
         # Nothing skipped, nothing extra: attempt 1 up to the checkpoint, then attempt 2 to the end.
         done_before = len(planned(rank)) - len(planned(rank, step))
-        assert len(first) > done_before, f"rank {rank}: the kill came before the checkpoint's step"
+        # (>=: rank 0 renames the checkpoint into place before the save's last collective, so the
+        # kill can land before any rank loads the next step's samples.)
+        assert len(first) >= done_before, f"rank {rank}: the kill came before the checkpoint's step"
         assert first[:done_before] == planned(rank)[:done_before], f"rank {rank}: first attempt off plan"
         assert second == planned(rank, step), f"rank {rank}: the resumed attempt did not continue exactly"
-        assert first[:done_before] + second == recorded(tmp_path / "whole-records", rank, 0)
+        assert first[:done_before] + second == recorded(whole / "whole-records", rank, 0)
+
+
+STOP_LINE = re.compile(r"^scaleloop: stopped by SIGTERM after step (\d+); checkpoint (\S+) written; "
+                       r"continue with: (scaleloop train --out \S+)$", re.M)
+
+
+def test_sigterm_stops_after_a_step_with_a_checkpoint_and_continues_exactly(tmp_path: Path, whole: Path) -> None:
+    records = tmp_path / "records"
+    env = env_for(records)
+    env["RECORD_DELAY"] = "0.005"  # ~0.2 s a step: the run is still early on when the signal lands
+    proc = subprocess.Popen([sys.executable, "-m", "scaleloop", *ARGS, "--out", str(tmp_path / "run")],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        wait_for(tmp_path / "run" / "checkpoints" / "step-00000004", proc)
+        proc.send_signal(signal.SIGTERM)   # to the launcher only, as `kill PID` or a scheduler does
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 143, output
+    stops = STOP_LINE.findall(output)
+    assert len(stops) == 1 and "Traceback" not in output, output
+    step, checkpoint, command = int(stops[0][0]), Path(stops[0][1]), stops[0][2]
+    total = EPOCHS * StepPlan(N, BATCH, world_size=2, rank=0, seed=0).steps_per_epoch
+    assert 4 <= step < total, output
+    assert checkpoint == tmp_path / "run" / "checkpoints" / f"step-{step:08d}" and checkpoint.is_dir()
+    assert not (tmp_path / "run" / "model.pt").exists()
+    # Every rank stopped after the same step, and loaded no sample after it.
+    for rank in (0, 1):
+        done = len(planned(rank)) - len(planned(rank, step))
+        assert recorded(records, rank, 0) == planned(rank)[:done], f"rank {rank} did not stop after step {step}"
+
+    # The printed command continues the run to its end, exactly.
+    again = tmp_path / "records-again"
+    res = run([sys.executable, "-m", *command.split()[0:1], *command.split()[1:]], cwd=tmp_path, env=env_for(again))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"resuming from {checkpoint}" in res.stdout, res.stdout
+    assert_same_weights(whole / "whole", tmp_path / "run")
+    for rank in (0, 1):
+        assert recorded(again, rank, 0) == planned(rank, step), f"rank {rank}: the continued run is off plan"

@@ -196,7 +196,6 @@ def _train(run: Run, checkpointer: Checkpointer, resumed: Optional[Resumed], at:
             if bar is not None:
                 bar.close()
             _end_epoch(run, checkpointer, metrics, running, ledger, epoch, in_epoch, say)
-        stop.close()
         if stop.stopped_after is not None:  # the checkpoint is written: end with how to continue
             raise stop.preempted(ledger.out, checkpointer.last_step, cfg)
     except RunDirWriteError as exc:  # rank 0's own files (metrics.csv): add where the run can go on from

@@ -12,9 +12,10 @@ Pure functions on a mapping of environment variables: no torch, nothing read fro
 from __future__ import annotations
 
 import re
+import subprocess
 import zlib
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from scaleloop.errors import UsageError
 
@@ -180,3 +181,26 @@ def _expand_range(part: str, whole: str) -> list[str]:
         raise UsageError(f"SLURM node list {whole!r} has a descending range {part!r}")
     width = len(low)  # "01-03" keeps two digits; "1-3" none
     return [str(n).zfill(width) for n in range(int(low), int(high) + 1)]
+
+
+def in_slurm_job(environ: Mapping[str, str]) -> bool:
+    """Whether this process belongs to a SLURM job (batch script, srun task or a process they
+    started): SLURM then signals it directly when it preempts the job or its time runs out."""
+    return bool(environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID"))
+
+
+def requeue(environ: Mapping[str, str], run: Callable[..., Any] = subprocess.run) -> str:
+    """``scontrol requeue $SLURM_JOB_ID`` (``--requeue``): the job goes back into the queue and
+    continues from its checkpoint when it starts again. Returns what happened, for the log line."""
+    job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+    if not job:
+        return "--requeue: not in a SLURM job (no SLURM_JOB_ID), nothing to requeue"
+    try:
+        done = run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"--requeue: scontrol requeue {job} could not run ({exc}); requeue the job by hand"
+    if done.returncode != 0:
+        said = " ".join((done.stderr or done.stdout or "").split())[:200]
+        return (f"--requeue: scontrol requeue {job} failed ({said or f'exit {done.returncode}'}); "
+                "the job may need sbatch --requeue; requeue it by hand")
+    return f"job {job} requeued (scontrol requeue {job})"

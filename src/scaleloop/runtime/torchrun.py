@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 from scaleloop.config import TrainConfig
+from scaleloop.runtime import preempt
 from scaleloop.runtime.failures import AGENT_LOG, ELASTIC_DIR
+from scaleloop.runtime.preempt import signal_number
+
+# How long torchrun waits, after passing a stop signal on, for its workers to end before SIGKILL:
+# a step and a checkpoint. A scheduler's own SIGKILL at the end of its grace period comes first.
+SHUTDOWN_TIMEOUT_S = 600
 
 
 def torchrun_command(cfg: TrainConfig, argv: Sequence[str], python: str = sys.executable) -> list[str]:
@@ -78,6 +85,14 @@ def workers_env(cfg: TrainConfig, logs: Path, environ: Optional[Mapping[str, str
     """The environment torchrun and its workers get: this one, plus (on CUDA) the flight recorder's
     variables where the user has not set them."""
     env = dict(os.environ if environ is None else environ)
+    # torchrun forwards these to its workers (SIGUSR1: the launcher's stop request, see
+    # run_under_torchrun), and waits this long for them to write their checkpoint and end
+    # before SIGKILL. Set as torchrun's own variables: the flags are not in every torch >= 2.11.
+    signals = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1",
+                                      signal_number(cfg.signal).name]))
+    for key in ("PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
+        env.setdefault(key, signals)
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     if uses_cuda(cfg):
         for key, value in flight_recorder_env(logs).items():
             env.setdefault(key, value)
@@ -94,10 +109,37 @@ def run_under_torchrun(cfg: TrainConfig, argv: Sequence[str], logs: Path, launch
     logs.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(supervised_command(cfg, ["scaleloop.cli", *argv], logs, launch_id),
                             env=workers_env(cfg, logs))
+    # A stop signal (SIGTERM, SIGUSR1, --signal) is not this process's end: torchrun passes it
+    # on as SIGUSR1, the workers finish their step and checkpoint, and the run ends in one line.
+    preempt.listen(preempt.stop_signals(cfg.signal, torchrun_worker=False, slurm=False),
+                   on_signal=lambda _sig: _forward(proc, signal.SIGUSR1))
     try:
-        return proc.wait()
+        code = proc.wait()
     except KeyboardInterrupt:
         # The terminal sent SIGINT to torchrun too; let it stop its workers, then report the
         # interruption (not a worker failure).
         proc.wait()
         raise
+    if preempt.requested() is not None and code != 0:  # 0: the run ended before the signal
+        raise preempt.Preempted(_stopped_line(cfg, logs.parent))
+    return code
+
+
+def _forward(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:  # torchrun has ended already
+        pass
+
+
+def _stopped_line(cfg: TrainConfig, run_dir: Path) -> str:
+    """What the launcher says after a stop signal: the newest checkpoint and how to continue."""
+    from scaleloop.checkpoint.store import CHECKPOINTS_DIR, newest_valid
+
+    received = preempt.signal_name(preempt.requested() or signal.SIGTERM)
+    found = newest_valid(run_dir / CHECKPOINTS_DIR, warn=lambda _msg: None)
+    if found is None:
+        return f"stopped by {received}; no checkpoint was written: a new run starts over"
+    where = " (on every machine, with its own --node-rank)" if cfg.nnodes > 1 else ""
+    return (f"stopped by {received} after step {found.step}; checkpoint {found.path} written; "
+            f"continue with: {preempt.continue_command(str(run_dir))}{where}")

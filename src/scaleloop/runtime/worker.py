@@ -12,6 +12,8 @@
 - SIGTERM (torchrun stopping the survivors of a failure) first dumps every thread's Python
   stack into the log with ``faulthandler``, which works even while the rank is blocked inside
   a C++ call: it is how the launcher finds where a stuck rank was.
+- a stop signal (SIGUSR1 from the launcher through torchrun; also SIGTERM under SLURM) is
+  noted, not fatal: the loop stops after its step with a checkpoint (``scaleloop.runtime.preempt``).
 """
 from __future__ import annotations
 
@@ -29,8 +31,10 @@ from typing import IO, Any, Callable, Optional, Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
+from scaleloop.runtime import preempt
 from scaleloop.runtime.cmdline import EXIT_INTERRUPTED
 from scaleloop.runtime.frames import Frame, FrameKinds, where_of
+from scaleloop.runtime.slurm import in_slurm_job
 
 # Written at the start of each attempt in a rank's log; the launcher reads only what follows
 # the last one (torchrun may restart the group with --max-restarts).
@@ -237,6 +241,11 @@ def run(log_dir: Path, main: Callable[[list[str]], Optional[int]], argv: list[st
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_interrupt)
+    # Stop signals (scaleloop.runtime.preempt) are noted, and the loop stops after its step; the
+    # launcher prints the one line about it. Installed before record() registers faulthandler on
+    # SIGTERM, which then dumps the stacks first and chains to this handler.
+    preempt.listen(preempt.stop_signals(None, torchrun_worker=True, slurm=in_slurm_job(os.environ)),
+                   on_signal=lambda _sig: mute())
     try:
         code = record(main, error_handler=_RankErrorHandler(rank, log))(argv)
     except KeyboardInterrupt:
