@@ -10,6 +10,7 @@
 - ``health``: what the log rows learn on their all-reduce: stragglers, a diverging loss,
   fp16 skipped steps.
 - ``speed``: ``--compile``/``--channels-last`` set-up. ``tune``: ``scaleloop tune-batch``.
+- ``preempt``: ``StopVote``, every rank agreeing to stop after the same step on a stop signal.
 
 Names are imported lazily: ``import scaleloop.loop`` does not import torch.
 """

@@ -7,7 +7,8 @@
 - ``devices``: the best device and a local rank's device.
 - ``torchrun``: ``scaleloop train --nproc/--nnodes`` re-launched under ``torch.distributed.run``.
 - ``spawn``: ``scaleloop.launch(fn, nproc=N)`` from a script or a notebook.
-- ``slurm``: ranks and the master address from SLURM's variables.
+- ``slurm``: ranks and the master address from SLURM's variables; ``scontrol requeue``.
+- ``preempt``: stop signals (SIGTERM, SIGUSR1, ``--signal``) noted, not fatal; the one line after the stop.
 - ``envinfo``: ``scaleloop env``.
 - ``launcher``: ``scaleloop train`` behind its flags: train here, or start the workers under torchrun.
 - ``cmdline``: the command line's shared parts (one-line-error parser, config flags, exit codes).

@@ -30,6 +30,7 @@ from scaleloop.runtime.devices import resolve_device
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
 from scaleloop.strategies import make_strategy
+from scaleloop.strategies.mesh import MeshSpec
 from scaleloop.verify import data as data_check
 from scaleloop.verify.compare import compare_runs, tolerance_for
 from scaleloop.verify.diagnose import Cause, fallback, failure_cause, name_causes, piece_groups
@@ -150,8 +151,10 @@ def _header(s: Session) -> None:
               f"{cfg.accumulate}: every stage runs all {cfg.batch_size // cfg.accumulate} samples per backward in "
               f"{cfg.microbatches} pipeline micro-batch(es)")
         return
+    # --mesh: the batch is split over its dp x fsdp ranks only (a tp group shares its samples).
+    data_ranks = MeshSpec.parse(cfg.mesh).data_parallel if cfg.mesh else s.world
     s.say(f"  distributed: {s.world} {'GPUs in 1 process' if cfg.strategy == 'dp' else 'processes'} ({cfg.strategy}), "
-          f"accumulate {cfg.accumulate}: {cfg.batch_size // (s.world * cfg.accumulate)} samples per rank per "
+          f"accumulate {cfg.accumulate}: {cfg.batch_size // (data_ranks * cfg.accumulate)} samples per rank per "
           "backward" + (", --sync-batchnorm" if cfg.sync_batchnorm else ""))
 
 
