@@ -62,13 +62,14 @@ __all__ = sorted(_EXPORTS) + ["__version__", "strategy"]
 
 def strategy(name: str, env: Any, precision: str = "fp32", accumulate: int = 1, *,
              sync_batchnorm: bool = False, microbatches: int = 1, find_unused_parameters: bool = False,
-             static_graph: bool = False) -> Any:
+             static_graph: bool = False, pipeline_schedule: str = "gpipe", stages_per_rank: int = 0) -> Any:
     """Shorthand for ``make_strategy``: ``sl.strategy("ddp", env, precision="bf16")``,
-    ``sl.strategy("pipeline", env, microbatches=4)``."""
+    ``sl.strategy("pipeline", env, microbatches=4, pipeline_schedule="1f1b")``."""
     from scaleloop.strategies import make_strategy
 
     return make_strategy(name, env, precision, accumulate, sync_batchnorm, microbatches=microbatches,
-                         find_unused_parameters=find_unused_parameters, static_graph=static_graph)
+                         find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+                         pipeline_schedule=pipeline_schedule, stages_per_rank=stages_per_rank)
 
 
 def __getattr__(name: str) -> Any:

@@ -19,7 +19,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
-from scaleloop.data.batching import check_batch_split
+from scaleloop.data.batching import check_batch_split, check_pipeline_schedule
 from scaleloop.errors import UsageError
 from scaleloop.output.trackers import TRACKERS, check_installed
 
@@ -30,6 +30,7 @@ OPTIMIZERS = ("adam", "adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "step")
 LR_SCALINGS = ("none", "linear", "sqrt")
 TASKS = ("auto", "classification", "binary", "regression", "lm")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] = (), group: str = "training") -> Any:
@@ -94,7 +95,13 @@ class TrainConfig:
     precision: str = _opt("fp32", "numeric precision (bf16/fp16 use torch.amp autocast; fp16 adds a GradScaler)", PRECISIONS, group="hardware")
     num_workers: int = _opt(0, "DataLoader worker processes (only for datasets that are not in-memory tensors)", group="hardware")
     microbatches: int = _opt(1, "--strategy pipeline: cut each micro-step's batch into this many pieces that "
-                             "flow through the stages one after another (GPipe)", group="hardware")
+                             "flow through the stages one after another", group="hardware")
+    pipeline_schedule: str = _opt("gpipe", "--strategy pipeline: the order of the pieces' forwards and backwards: "
+                                  "gpipe (all forwards, then all backwards), 1f1b (one forward, one backward: fewer "
+                                  "activations held; needs --microbatches >= the stages) or interleaved (1F1B over "
+                                  "several stages per process: a smaller bubble)", PIPELINE_SCHEDULES, group="hardware")
+    stages_per_rank: int = _opt(0, "--pipeline-schedule interleaved: model stages per process (0: 2); process r holds "
+                                "stages r, r+N, r+2N, ...", group="hardware")
     sync_batchnorm: bool = _opt(False, "compute BatchNorm statistics over the global batch (all ranks), as one process would", group="hardware")
     find_unused_parameters: bool = _opt(False, "ddp: allow parameters that get no gradient in a step (DDP searches the "
                                         "graph after every forward; costs time)", group="hardware")
@@ -216,12 +223,16 @@ class TrainConfig:
                              "drop --nproc/--nnodes, or use --strategy ddp for one process per GPU")
         self._check_memory_levers()
         data_ranks = self._check_mesh()
+        _require(self.stages_per_rank >= 0, "stages_per_rank", "zero (the default) or a positive integer")
         if self.strategy == "pipeline":
             self._check_pipeline()
         else:
             if self.microbatches > 1:
                 raise UsageError(f"--microbatches {self.microbatches} applies to --strategy pipeline only; to "
                                  "split a step's batch with another strategy use --accumulate")
+            if self.pipeline_schedule != "gpipe" or self.stages_per_rank:
+                which = "--stages-per-rank" if self.stages_per_rank else "--pipeline-schedule"
+                raise UsageError(f"{which} applies to --strategy pipeline only: add --strategy pipeline, or drop it")
             check_batch_split(self.batch_size, data_ranks, self.accumulate)
         return self
 
@@ -251,9 +262,6 @@ class TrainConfig:
         if self.world_size < 2:
             raise UsageError("--strategy pipeline puts the model's layers on several processes, one stage each: "
                              "add --nproc 2 (or more)")
-        if self.precision == "fp16":
-            raise UsageError("--strategy pipeline does not support --precision fp16: each stage's GradScaler "
-                             "would skip steps on its own; use --precision bf16 (or fp32)")
         if self.sync_batchnorm:
             raise UsageError("--sync-batchnorm synchronises BatchNorm over data-parallel ranks; a pipeline has "
                              "none (each BatchNorm lives on one stage): drop it")
@@ -262,6 +270,7 @@ class TrainConfig:
             raise UsageError(f"--batch-size {self.batch_size} with --accumulate {self.accumulate} gives micro-steps of "
                              f"{micro} samples, fewer than --microbatches {self.microbatches}; raise --batch-size "
                              f"or lower --microbatches")
+        check_pipeline_schedule(self.pipeline_schedule, self.world_size, self.microbatches, self.stages_per_rank)
 
     @property
     def world_size(self) -> int:

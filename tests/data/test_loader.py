@@ -241,3 +241,34 @@ def test_cuda_pinned_and_on_device_batches_equal_the_cpu_ones() -> None:
         for (xa, ya, ia), (xb, yb, ib) in zip(ref, got, strict=True):
             assert ia == ib and xb.device.type == "cuda"
             assert torch.equal(xa, xb.cpu()) and torch.equal(ya, yb.cpu())
+
+
+@pytest.mark.parametrize("load", [(True, False), (False, True), (False, False)])
+def test_a_rank_loads_only_the_parts_it_uses(load: tuple[bool, bool]) -> None:
+    """A pipeline's first stage loads the inputs, its last the targets, a middle one neither:
+    the part left out is None on both paths, the rest and the sample counts as with both."""
+    x, y = _data()
+    plan = StepPlan(len(x), 12, world_size=1, rank=0, accumulate=2, seed=4)
+    whole = _collect(ShardedLoader(TensorDataset(x, y), plan, CPU))
+    for dataset in (TensorDataset(x, y), PlainDataset(x, y)):
+        batches = list(ShardedLoader(dataset, plan, CPU, load=load))
+        assert [len(b) for b in batches] == [len(i) for _, _, i in whole]
+        for batch, (xw, yw, _) in zip(batches, whole):
+            got_x, got_y = batch
+            assert (got_x is not None, got_y is not None) == load
+            assert got_x is None or torch.equal(got_x, xw)
+            assert got_y is None or torch.equal(got_y, yw)
+
+
+def test_a_part_that_is_not_a_tensor_is_kept_so_every_rank_sees_the_batch_shape() -> None:
+    # A mapping of inputs is not left out: every pipeline stage then refuses it with the same line.
+    class Named(Dataset):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int):
+            return {"a": torch.tensor([float(i)])}, torch.tensor(i)
+
+    plan = StepPlan(8, 4, world_size=1, rank=0, accumulate=1, seed=0, shuffle=False)
+    x, y = next(iter(ShardedLoader(Named(), plan, CPU, load=(False, False))))
+    assert isinstance(x, dict) and y is None

@@ -4,7 +4,11 @@
   an uneven epoch with accumulation, pieces that do not divide evenly and global-norm clipping;
   TinyGPT with its tied embedding and head on different stages; ConvNet (BatchNorm, one piece);
 - 3 stages (BiggerNet), so a middle stage that neither loads inputs nor computes the loss;
-- bf16 within bf16's tolerance;
+- the 1F1B schedule (an uneven run, whose one-piece micro-steps fall back to GPipe) and the
+  interleaved one (TinyGPT as 4 stages on 2 ranks) equal 1 process too;
+- bf16 and fp16 within their tolerance; under fp16 an overflow in one stage makes every stage
+  skip the step (one shared check) and keep the same scale;
+- only the first stage loads the inputs, only the last the targets;
 - checkpoints are whole-model ones: a pipeline checkpoint resumes on one process, and a
   one-process checkpoint resumes as a pipeline, both ending where one process ends;
 - the CLI prints the stages and the memory per rank, and refuses what cannot work in one line.
@@ -50,8 +54,11 @@ def launch(root: Path, which: str, nproc: int, *extra: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+PIPELINE_ONLY = ("microbatches", "pipeline_schedule", "resume_from_argv")
+
+
 def one_process(out: Path, settings: dict, **changes) -> Path:
-    settings = {k: v for k, v in settings.items() if k not in ("microbatches", "resume_from_argv")}
+    settings = {k: v for k, v in settings.items() if k not in PIPELINE_ONLY}
     cfg = TrainConfig(**{**settings, **changes, "out": str(out)}).validate()
     return train(cfg, DistEnv(), log=lambda _msg: None).run_dir
 
@@ -82,15 +89,15 @@ def three(root: Path) -> tuple[Path, dict]:
     return launch_into(root / "three", "three", 3)
 
 
-@pytest.mark.parametrize("name", ["simplenet", "uneven", "tinygpt", "convnet"])
+@pytest.mark.parametrize("name", ["simplenet", "uneven", "tinygpt", "convnet", "1f1b-uneven", "interleaved"])
 def test_two_stages_equal_one_process(two, root: Path, name: str) -> None:
     out, described = two
     settings = RUNS["two"][name]
-    assert described[name]["strategy"].startswith("pipeline (2 stages"), described[name]
+    assert described[name]["strategy"].startswith(("pipeline (2 stages", "pipeline (4 stages, 2 per process")), described[name]
     reference = one_process(root / "single" / name, settings)
     diff, key = max_rel_diff(weights(out / name), weights(reference))
     assert diff < 1e-5, f"{name}: pipeline differs from one process by {diff:.2e} of the weight scale at {key}"
-    ref_cfg = TrainConfig(**{k: v for k, v in settings.items() if k != "microbatches"}).validate()
+    ref_cfg = TrainConfig(**{k: v for k, v in settings.items() if k not in PIPELINE_ONLY}).validate()
     assert described[name]["steps"] == (ref_cfg.max_steps or described[name]["steps"])
 
 
@@ -126,6 +133,31 @@ def test_bf16_equals_one_process(two, root: Path) -> None:
     assert diff < 5e-3, f"bf16 pipeline in 2 pieces differs by {diff:.2e} at {key}"
 
 
+def test_schedules_are_described(two) -> None:
+    _, described = two
+    assert described["1f1b-uneven"]["strategy"] == "pipeline (2 stages, 4 micro-batch(es), 1F1B)"
+    assert described["interleaved"]["strategy"] == \
+        "pipeline (4 stages, 2 per process, 4 micro-batch(es), interleaved 1F1B)"
+
+
+def test_fp16_equals_one_process_and_every_stage_skips_together(two, root: Path) -> None:
+    out, described = two
+    reference = one_process(root / "single" / "fp16", RUNS["two"]["fp16"])
+    diff, key = max_rel_diff(weights(out / "fp16"), weights(reference))
+    # fp16 keeps 11 bits of mantissa; each piece's gradient is rounded alone (as for bf16 above)
+    assert diff < 1e-3, f"fp16 pipeline in 2 pieces differs by {diff:.2e} at {key}"
+    first, last = described["probe"]["fp16"]
+    assert first == last, f"stages disagree on fp16 steps: {first} vs {last}"
+    skipped, stepped = first
+    assert not skipped["stepped"] and not skipped["changed"] and stepped["stepped"] and stepped["changed"]
+    assert stepped["scale"] == skipped["scale"] < 2.0 ** 16   # lowered once, at the skipped step
+
+
+def test_only_the_first_stage_loads_inputs_and_only_the_last_targets(two) -> None:
+    _, described = two
+    assert described["probe"]["loaded"] == [{"inputs": True, "target": False}, {"inputs": False, "target": True}]
+
+
 def test_pipeline_checkpoint_resumes_on_one_process(two, root: Path) -> None:
     out, _ = two
     run_dir = out / "first-half"
@@ -159,7 +191,9 @@ def test_cli_prints_stages_and_memory(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("args, says", [
     (["--nproc", "1"], "add --nproc 2"),
-    (["--nproc", "2", "--precision", "fp16"], "use --precision bf16"),
+    (["--nproc", "2", "--pipeline-schedule", "1f1b"], "use --microbatches 2 or more, or gpipe"),
+    (["--nproc", "2", "--pipeline-schedule", "interleaved"], "cannot be cut into 4 pipeline stages (2 per process)"),
+    (["--nproc", "2", "--stages-per-rank", "2"], "needs --pipeline-schedule interleaved"),
     (["--nproc", "3"], "cannot be cut into 3 pipeline stages"),
     (["--nproc", "2", "--batch-size", "8", "--microbatches", "16"], "fewer than --microbatches 16"),
 ])

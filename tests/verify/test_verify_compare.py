@@ -87,6 +87,21 @@ def test_tolerances_are_looser_for_reduced_precision_and_can_be_overridden() -> 
     assert "at step 1 (same weights)" in bf16.describe() and "at step 1" not in FP32.describe()
 
 
+def test_adaptive_optimizers_allow_a_small_share_of_lr_per_step() -> None:
+    adam = tolerance_for("fp32", optimizer="adam", lr=0.01)
+    sgd = tolerance_for("fp32", optimizer="sgd", lr=0.01)
+    assert sgd is FP32 and adam.params == FP32.params and adam.adaptive_lr == 0.01
+    # 2.2e-6 apart (1.5e-5 of the largest weight) after 2 steps: 1.1e-4 of lr per step
+    near = StepDiff(2, 1.0, 1.0, 2.2e-6, 1.5e-5, "w", 1e-5, "w")
+    assert near.failures(FP32) and not near.failures(adam)
+    assert "adam's steps are about lr" in adam.describe()
+    # A whole step apart (an optimizer bug): far outside, and the message says both bounds.
+    whole = StepDiff(2, 1.0, 1.0, 1e-2, 7e-2, "w", 1e-5, "w")
+    [message] = whole.failures(adam)
+    assert "or 4.0e-05 absolute after 2 step(s) of adam" in message
+    assert StepDiff(2, 1.0, 1.0, float("nan"), float("nan"), "w", 0, "w").failures(adam)
+
+
 def test_verdict_and_table() -> None:
     good = [StepDiff(s, 1.0, 1.0, 0.0, 1e-8, "w", 1e-8, "w") for s in (1, 2)]
     passed, line = equivalence_verdict(good, 2, 2, "ddp", FP32, failed_run=False)

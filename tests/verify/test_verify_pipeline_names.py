@@ -11,11 +11,15 @@ from scaleloop.verify.sync import format_sync
 
 
 def test_a_stage_names_its_parameters_as_the_whole_model_does() -> None:
-    stage = StageModule([nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1)], Precision("fp32", torch.device("cpu")))
-    stage.global_keys = {"layers.0.weight": ["net.2.weight", "head.weight"], "layers.0.bias": ["net.2.bias"],
-                         "layers.2.weight": ["net.4.weight"], "layers.2.bias": ["net.4.bias"]}
-    assert whole_model_names(stage) == {"layers.0.weight": "net.2.weight", "layers.0.bias": "net.2.bias",
-                                        "layers.2.weight": "net.4.weight", "layers.2.bias": "net.4.bias"}
+    # Two stages on this rank (the interleaved schedule): the model's layers 2-3 and 4.
+    stage = StageModule([[nn.Linear(2, 3), nn.ReLU()], [nn.Linear(3, 1)]], Precision("fp32", torch.device("cpu")))
+    stage.global_keys = {"chunks.0.layers.0.weight": ["net.2.weight", "head.weight"],
+                         "chunks.0.layers.0.bias": ["net.2.bias"],
+                         "chunks.1.layers.0.weight": ["net.4.weight"], "chunks.1.layers.0.bias": ["net.4.bias"]}
+    assert whole_model_names(stage) == {"chunks.0.layers.0.weight": "net.2.weight",
+                                        "chunks.0.layers.0.bias": "net.2.bias",
+                                        "chunks.1.layers.0.weight": "net.4.weight",
+                                        "chunks.1.layers.0.bias": "net.4.bias"}
     plain = nn.Sequential(nn.Linear(2, 2))
     assert whole_model_names(plain) == {"0.weight": "0.weight", "0.bias": "0.bias"}
 

@@ -102,6 +102,8 @@ def config_for_resume(file_values: Mapping[str, Any], flag_values: Mapping[str, 
     saved["out"] = str(source)
     # A pipeline's pieces mean nothing to the strategy a resumed run switches to.
     new_strategy = {**file_values, **flag_values}.get("strategy")
-    if new_strategy not in (None, "pipeline") and "microbatches" not in {**file_values, **flag_values}:
-        saved.pop("microbatches", None)
+    if new_strategy not in (None, "pipeline"):
+        for name in ("microbatches", "pipeline_schedule", "stages_per_rank"):
+            if name not in {**file_values, **flag_values}:
+                saved.pop(name, None)
     return resolve({**saved, **file_values}, flag_values)

@@ -16,6 +16,11 @@ Options for accelerators (all leave the batches' values unchanged):
 - ``persistent_workers``: keep the DataLoader's worker processes alive between epochs (the
   in-memory path has no workers; there it changes nothing).
 - ``channels_last``: hand 4-d inputs (images) over in ``torch.channels_last`` memory format.
+
+``load=(inputs, target)`` leaves out a part this rank does not use (a pipeline's middle stages
+use neither): None in its place, not gathered on the in-memory path and not moved to the device
+on the DataLoader path (a map-style dataset still reads whole samples there). Only a tensor is
+left out, so every rank still sees a batch of another shape and can refuse it alike.
 """
 from __future__ import annotations
 
@@ -86,7 +91,8 @@ class ShardedLoader:
     def __init__(self, dataset: Dataset, plan: StepPlan, device: torch.device, *,
                  num_workers: int = 0, collate_fn: Optional[Callable[[list], Any]] = None,
                  pin_memory: bool = False, persistent_workers: bool = False, on_device: bool = False,
-                 channels_last: bool = False, keep_target: bool = False) -> None:
+                 channels_last: bool = False, keep_target: bool = False,
+                 load: tuple[bool, bool] = (True, True)) -> None:
         self.dataset = dataset
         self.plan = plan
         self.device = device
@@ -98,6 +104,8 @@ class ShardedLoader:
         self._loader: Optional[DataLoader] = None
         #: A mapping sample's target entry is also passed to the model (``data.batch.split``).
         self.keep_target = keep_target
+        #: Which of (inputs, target) this rank uses (see the module doc).
+        self.load = load
         self.configure(pin_memory=pin_memory, persistent_workers=persistent_workers, on_device=on_device,
                        channels_last=channels_last)
 
@@ -168,10 +176,15 @@ class ShardedLoader:
             loader = DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers,
                                 collate_fn=self.collate_fn, pin_memory=self.pin_memory, generator=seeds)
         for p, sample in zip(plans, loader):
-            x, y = split(move(sample, self.device, self.pin_memory), self.keep_target)
+            x, y = self._moved(split(sample, self.keep_target))
             if self.channels_last:
                 x = _channels_last(x)
             yield Batch(x, y, p)
+
+    def _moved(self, parts: tuple[Any, Any]) -> tuple[Any, Any]:
+        """Inputs and target on the device, a tensor that this rank does not load left out."""
+        return tuple(None if not keep and isinstance(part, torch.Tensor) else move(part, self.device, self.pin_memory)
+                     for part, keep in zip(parts, self.load))  # type: ignore[return-value]
 
     def _gathered(self, plans: list[MicroBatch]) -> Iterator[Batch]:
         """The fast path: each batch is one ``index_select`` per tensor."""
@@ -184,6 +197,9 @@ class ShardedLoader:
             yield from self._gathered_columns(plans)
             return
         x_all, y_all = self._source
+        if self.load != (True, True):
+            yield from self._gathered_parts(plans, x_all, y_all)
+            return
         # (A plain loop below: its cost per batch is part of every training step.)
         if x_all.device.type == y_all.device.type == self.device.type:
             # Gathered where the data already is: on the CPU, or kept on the GPU.
@@ -212,6 +228,16 @@ class ShardedLoader:
             x, y = x.to(self.device, non_blocking=pinned), y.to(self.device, non_blocking=pinned)
             yield Batch(_channels_last(x) if self.channels_last else x, y, p)
 
+    def _gathered_parts(self, plans: list[MicroBatch], x_all: torch.Tensor, y_all: torch.Tensor) -> Iterator[Batch]:
+        """The fast path for a rank that loads only the inputs, only the target, or neither."""
+        want_x, want_y = self.load
+        pinned = self.pin_memory
+        for p in plans:
+            idx = p.indices
+            x = x_all.index_select(0, idx.to(x_all.device)).to(self.device, non_blocking=pinned) if want_x else None
+            y = y_all.index_select(0, idx.to(y_all.device)).to(self.device, non_blocking=pinned) if want_y else None
+            yield Batch(_channels_last(x) if self.channels_last and x is not None else x, y, p)
+
     def _gathered_columns(self, plans: list[MicroBatch]) -> Iterator[Batch]:
         """The fast path for more than two tensors, or named ones: every column gathered, then
         cut into inputs and target like a collated batch."""
@@ -219,7 +245,7 @@ class ShardedLoader:
         here = next(iter(_values(self._source))).device
         for p in plans:
             sample = take(self._source, p.indices.to(here))
-            x, y = split(move(sample, self.device, self.pin_memory), self.keep_target)
+            x, y = self._moved(split(sample, self.keep_target))
             yield Batch(_channels_last(x) if self.channels_last else x, y, p)
 
 

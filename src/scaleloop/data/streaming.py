@@ -184,7 +184,8 @@ class StreamingLoader:
     def __init__(self, dataset: IterableDataset, plan: StreamPlan, device: torch.device, *,
                  num_workers: int = 0, collate_fn: Optional[Callable[[list], Any]] = None,
                  pin_memory: bool = False, persistent_workers: bool = False, on_device: bool = False,
-                 channels_last: bool = False, keep_target: bool = False, env: Any = None) -> None:
+                 channels_last: bool = False, keep_target: bool = False, env: Any = None,
+                 load: tuple[bool, bool] = (True, True)) -> None:
         self.dataset = dataset
         self.plan = plan
         self.device = device
@@ -194,6 +195,8 @@ class StreamingLoader:
         self.epoch = 0
         self.start_step = 0
         self.keep_target = keep_target
+        #: Which of (inputs, target) this rank uses: a tensor it does not is not moved to the device.
+        self.load = load
         self.pin_memory = self.channels_last = False
         self.configure(pin_memory=pin_memory, persistent_workers=persistent_workers, on_device=on_device,
                        channels_last=channels_last)
@@ -241,7 +244,8 @@ class StreamingLoader:
                 want += 1
                 if p.pass_samples is not None:
                     self._learn(p.pass_samples)   # before the last step trains: the loop sees it end the pass
-                x, y = split(move(sample, self.device, self.pin_memory), self.keep_target)
+                x, y = (None if not keep and isinstance(part, torch.Tensor) else move(part, self.device, self.pin_memory)
+                        for part, keep in zip(split(sample, self.keep_target), self.load))
                 yield Batch(_channels_last(x) if self.channels_last else x, y, p)
         if waiting:
             raise RuntimeError(f"stream readers skipped micro-batch {want}; got {sorted(waiting)}")

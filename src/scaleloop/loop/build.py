@@ -114,6 +114,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     parameters, model_bytes = count_parameters(model), parameter_bytes(model)
     strategy = make_strategy(cfg.strategy, env, Precision(cfg.precision, env.device), cfg.accumulate,
                              cfg.sync_batchnorm, microbatches=cfg.microbatches,
+                             pipeline_schedule=cfg.pipeline_schedule, stages_per_rank=cfg.stages_per_rank,
                              find_unused_parameters=cfg.find_unused_parameters, static_graph=cfg.static_graph,
                              # A config that names another strategy (verify's one-process reference,
                              # a bench row) runs that one; the CLI rejects --mesh with another strategy.

@@ -3,10 +3,11 @@
 - ``base``: the ``Strategy`` contract, and ``HandWrittenLoop``: the hand-written loop's calls;
   ``single``: one device; ``dataparallel``: ``nn.DataParallel``; ``ddp``: DistributedDataParallel;
   ``allreduce``: the gradient all-reduce written out by hand; ``fsdp``: FSDP2 sharding;
-  ``pipeline``: layers cut into stages, one per process; ``composed``: ``--mesh``, tensor
+  ``pipeline``: layers cut into stages, one per process (or several: interleaved); ``composed``: ``--mesh``, tensor
   parallelism with FSDP or HSDP (``mesh``: the named dimensions; ``tensor``: a model's TP plan).
 - ``precision``: autocast and the fp16 GradScaler; ``syncbn``: BatchNorm over all ranks on any
-  device; ``distcp``: sharded state through ``torch.distributed.checkpoint``.
+  device; ``distcp``: sharded state through ``torch.distributed.checkpoint``; ``recompute``:
+  ``--activation-checkpointing``, each block's activations recomputed in the backward.
 """
 from __future__ import annotations
 
@@ -56,8 +57,10 @@ def resolve_strategy_name(name: str, env: DistEnv) -> str:
 def make_strategy(name: str, env: DistEnv, precision: Optional[Precision | str] = None,
                   accumulate: int = 1, sync_batchnorm: bool = False, *, microbatches: int = 1,
                   find_unused_parameters: bool = False, static_graph: bool = False,
-                  mesh: Optional[MeshSpec | str] = None, cpu_offload: bool = False) -> Strategy:
-    """Build a strategy by name (``auto`` picks one for ``env``); ``microbatches`` is the pipeline's,
+                  mesh: Optional[MeshSpec | str] = None, cpu_offload: bool = False,
+                  pipeline_schedule: str = "gpipe", stages_per_rank: int = 0) -> Strategy:
+    """Build a strategy by name (``auto`` picks one for ``env``); ``microbatches``,
+    ``pipeline_schedule`` (gpipe, 1f1b, interleaved) and ``stages_per_rank`` are the pipeline's,
     ``find_unused_parameters`` and ``static_graph`` are DDP's; ``mesh`` (``"dp=2,tp=2"`` or a
     ``MeshSpec``) builds the ``mesh`` strategy, which ``auto`` then means; ``cpu_offload`` is
     FSDP2's (fsdp and mesh)."""
@@ -85,7 +88,10 @@ def make_strategy(name: str, env: DistEnv, precision: Optional[Precision | str] 
     if cpu_offload:
         raise UsageError(f"cpu_offload moves FSDP's shards to host memory: use it with fsdp or mesh, not {concrete}")
     if cls is PipelineParallel:
-        return PipelineParallel(env, precision, accumulate, sync_batchnorm, microbatches=microbatches)
+        return PipelineParallel(env, precision, accumulate, sync_batchnorm, microbatches=microbatches,
+                                schedule=pipeline_schedule, stages_per_rank=stages_per_rank)
+    if pipeline_schedule != "gpipe" or stages_per_rank:
+        raise UsageError(f"pipeline_schedule and stages_per_rank apply to the pipeline strategy only, not {concrete}")
     if microbatches > 1:
         raise UsageError(f"microbatches={microbatches} applies to the pipeline strategy only; use accumulate "
                          f"to split a step's batch with {concrete}")

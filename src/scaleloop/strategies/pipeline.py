@@ -1,10 +1,11 @@
-"""Pipeline model parallelism: the model's layers cut into stages, one stage per process.
+"""Pipeline model parallelism: the model's layers cut into stages, one stage per process (or
+several: the interleaved schedule).
 
-The stages run with ``torch.distributed.pipelining`` (``PipelineStage``, ``ScheduleGPipe``);
-this module decides the cut (``as_sequential()``, balanced by parameters), weights each
-micro-batch's loss so that a step equals one on the whole batch, sums tied weights' gradients
-and makes checkpoints whole-model ones. The rules and what is not offered:
-docs/strategies.md, "--strategy pipeline".
+The stages run with ``torch.distributed.pipelining`` (``PipelineStage`` and its GPipe, 1F1B and
+interleaved 1F1B schedules); this module decides the cut (``as_sequential()``, balanced by
+parameters), weights each piece's loss so that a step equals one on the whole batch, sums tied
+weights' gradients, shares fp16's overflow check between stages and makes checkpoints
+whole-model ones. The rules and what is not offered: docs/strategies.md, "--strategy pipeline".
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch.distributed as torch_dist
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
-from scaleloop.data.batching import check_batch_split
+from scaleloop.data.batching import check_batch_split, check_pipeline_schedule, pipeline_pieces
 from scaleloop.data.loader import Batch, ShardedLoader
 from scaleloop.data.sampler import StepPlan
 from scaleloop.data.streaming import StreamingLoader, StreamPlan, declared_length
@@ -66,16 +67,20 @@ def _own_parameter_count(layer: nn.Module) -> int:
     return sum(p.numel() for p in layer.parameters())
 
 
-def plan_stages(layers: list[nn.Module], n_stages: int, model_name: str = "the model") -> StagePlan:
-    """Cut ``layers`` into ``n_stages`` contiguous stages, each with parameters, balancing them."""
+def plan_stages(layers: list[nn.Module], n_stages: int, model_name: str = "the model",
+                per_rank: int = 1) -> StagePlan:
+    """Cut ``layers`` into ``n_stages`` contiguous stages, each with parameters, balancing them
+    (``per_rank``: stages per process, for the error's advice)."""
     counts = [_own_parameter_count(layer) for layer in layers]
     # Units: a layer with parameters plus the parameter-free layers after it (the first unit
     # also takes any parameter-free layers before it).
     starts = [i for i, c in enumerate(counts) if c > 0]
     if len(starts) < n_stages:
+        fewer = (f"fewer --stages-per-rank (or --pipeline-schedule 1f1b)" if per_rank > 1
+                 else f"--nproc {max(len(starts), 2)} or fewer")
         raise UsageError(f"{model_name} has {len(starts)} layer(s) with parameters, so it cannot be cut into "
-                         f"{n_stages} pipeline stages: use --nproc {max(len(starts), 2)} or fewer, a deeper "
-                         "model, or --strategy ddp/fsdp")
+                         f"{n_stages} pipeline stages{f' ({per_rank} per process)' if per_rank > 1 else ''}: use "
+                         f"{fewer}, a deeper model, or --strategy ddp/fsdp")
     bounds = [0] + starts[1:] + [len(layers)]
     unit_cost = [sum(counts[bounds[u]:bounds[u + 1]]) for u in range(len(starts))]
     cuts = _balanced_cuts(unit_cost, n_stages)
@@ -127,25 +132,14 @@ def _without_side_effects(module: nn.Module, device: torch.device) -> Iterator[N
             torch.cuda.set_rng_state(cuda_rng, device)
 
 
-class StageModule(nn.Module):
-    """This rank's stage: its run of the model's layers, under the run's autocast.
-
-    It remembers the whole model's names of its tensors, so that checkpoints and the exported
-    model use the whole model's ``state_dict`` keys and optimizer numbering.
-    """
+class StageChunk(nn.Module):
+    """One stage: a run of the model's layers, under the run's autocast."""
 
     def __init__(self, layers: list[nn.Module], precision: Precision) -> None:
         super().__init__()
         self.layers = nn.Sequential(*layers)
         self._precision = precision
         self._probe_next = False
-        #: local state_dict key -> the whole model's key(s) for the same tensor
-        self.global_keys: dict[str, list[str]] = {}
-        #: the whole model's state_dict keys and shapes, in its order
-        self.full_shapes: dict[str, tuple[int, ...]] = {}
-        #: id(parameter) -> its index in the whole model's ``parameters()``
-        self.param_index: dict[int, int] = {}
-        self.n_model_params = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._probe_next:
@@ -161,12 +155,33 @@ class StageModule(nn.Module):
         with self._precision.autocast():
             return self.layers(x)
 
+
+class StageModule(nn.Module):
+    """This rank's stages (one, or several with the interleaved schedule), in ``chunks``.
+
+    It remembers the whole model's names of its tensors, so that checkpoints and the exported
+    model use the whole model's ``state_dict`` keys and optimizer numbering. Its stages are not
+    consecutive layers of the model in general, so it has no ``forward`` of its own.
+    """
+
+    def __init__(self, chunks: list[list[nn.Module]], precision: Precision) -> None:
+        super().__init__()
+        self.chunks = nn.ModuleList(StageChunk(layers, precision) for layers in chunks)
+        #: local state_dict key -> the whole model's key(s) for the same tensor
+        self.global_keys: dict[str, list[str]] = {}
+        #: the whole model's state_dict keys and shapes, in its order
+        self.full_shapes: dict[str, tuple[int, ...]] = {}
+        #: id(parameter) -> its index in the whole model's ``parameters()``
+        self.param_index: dict[int, int] = {}
+        self.n_model_params = 0
+
     def probe_next_forward(self) -> None:
-        """Treat the next forward as the schedule's shape inference (see :meth:`forward`)."""
-        self._probe_next = True
+        """Treat each stage's next forward as the schedule's shape inference (``StageChunk.forward``)."""
+        for chunk in self.chunks:
+            chunk._probe_next = True
 
     def global_state(self) -> dict[str, torch.Tensor]:
-        """This stage's tensors under the whole model's keys (on the CPU)."""
+        """This rank's tensors under the whole model's keys (on the CPU)."""
         out: dict[str, torch.Tensor] = {}
         for key, tensor in self.state_dict().items():
             for name in self.global_keys.get(key, ()):
@@ -175,9 +190,10 @@ class StageModule(nn.Module):
 
 
 class PipelineParallel(ProcessGroupStrategy):
-    """GPipe pipeline over all ranks: rank r runs stage r (see the module docstring).
+    """A pipeline over all ranks: rank r runs stage r (see the module docstring); with the
+    interleaved schedule and V stages per rank, stages r, r+N, ..., r+(V-1)N of N*V.
 
-    A rank runs only its stage, so ``model(x)`` is not the model's output: a step goes through
+    A rank runs only its stages, so ``model(x)`` is not the model's output: a step goes through
     ``forward_backward`` (the step contract), and there are no hand-written-loop calls
     (``accumulate``, ``autocast``, ``backward``: ``HandWrittenLoop``'s).
     """
@@ -186,16 +202,29 @@ class PipelineParallel(ProcessGroupStrategy):
     batch_split = "seen whole by every stage"
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
-                 sync_batchnorm: bool = False, *, microbatches: int = 1) -> None:
+                 sync_batchnorm: bool = False, *, microbatches: int = 1, schedule: str = "gpipe",
+                 stages_per_rank: int = 0) -> None:
         self.microbatches = microbatches
+        self.schedule = schedule
+        self._stages_per_rank = stages_per_rank
         super().__init__(env, precision, accumulate, sync_batchnorm)
+        self.stages_per_rank = check_pipeline_schedule(schedule, env.world_size, microbatches, stages_per_rank)
+        if self.precision.scaler is not None:
+            # fp16: one overflow check for the whole model. Each stage finds inf/NaN only in its
+            # own gradients; ShardedGradScaler all-reduces that finding, so every stage skips
+            # the same steps and keeps the same scale (one process's GradScaler, in pieces).
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.precision.scaler = ShardedGradScaler(self.env.device.type, process_group=None)
         self.plan: Optional[StagePlan] = None
         self._module: Optional[StageModule] = None
         self._schedules: dict[tuple[str, int], Any] = {}
+        self._piece_counts: dict[tuple[str, int], int] = {}
         self._tied: list[tuple[int, int, Optional[nn.Parameter]]] = []  # (global index, numel, local param)
-        self._owned: set[int] = set()  # global indices whose gradient this stage counts in the norm
+        self._owned: set[int] = set()  # global indices whose gradient this rank counts in the norm
         self._loss_fn: Optional[LossFn] = None
         self._per_sample = 1.0
+        self._piece_losses: list[torch.Tensor] = []
         self._noted_uneven: set[int] = set()
         self.notes: list[str] = []
 
@@ -204,9 +233,6 @@ class PipelineParallel(ProcessGroupStrategy):
         if self.env.world_size < 2:
             raise UsageError("--strategy pipeline puts the model's layers on several processes, one stage each: "
                              "run it with --nproc 2 (or more)")
-        if self.precision.name == "fp16":
-            raise UsageError("--strategy pipeline does not support --precision fp16: each stage's GradScaler "
-                             "would skip steps on its own; use --precision bf16 (or fp32)")
         if self._sync_batchnorm:
             raise UsageError("--sync-batchnorm synchronises BatchNorm over data-parallel ranks; a pipeline has "
                              "none: drop it")
@@ -215,15 +241,23 @@ class PipelineParallel(ProcessGroupStrategy):
 
     @property
     def stage(self) -> int:
+        """This rank's (first) stage."""
         return self.env.rank
 
     @property
     def is_first(self) -> bool:
+        """This rank holds the first stage: it feeds the inputs."""
         return self.env.rank == 0
 
     @property
     def is_last(self) -> bool:
+        """This rank holds the last stage (of every schedule): it computes the loss."""
         return self.env.rank == self.env.world_size - 1
+
+    def _stage_indices(self) -> list[int]:
+        """The stages this rank runs: r, r+N, ... (one per chunk)."""
+        n = self.env.world_size
+        return [self.stage + k * n for k in range(self.stages_per_rank)]
 
     # --- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -233,41 +267,47 @@ class PipelineParallel(ProcessGroupStrategy):
             optimizer = optimizer(stage.parameters())
         if len(optimizer.param_groups) != 1:
             raise UsageError("--strategy pipeline supports optimizers with one parameter group")
+        if self.precision.scaler is not None:
+            # The scale is created by the first scale(), which only the last stage calls; every
+            # stage's scaler needs its own before it can unscale its gradients.
+            self.precision.scale(torch.zeros((), device=self.env.device))
         return stage, optimizer
 
     def _wrap(self, model: nn.Module) -> StageModule:
-        """This rank's stage of ``model`` (the other stages' layers are not kept)."""
+        """This rank's stages of ``model`` (the other stages' layers are not kept)."""
         layers = pipeline_layers(model)
-        self.plan = plan_stages(layers, self.env.world_size, type(model).__name__)
+        n_ranks = self.env.world_size
+        self.plan = plan_stages(layers, n_ranks * self.stages_per_rank, type(model).__name__, self.stages_per_rank)
         names_of: dict[int, list[str]] = {}
         full_state = model.state_dict(keep_vars=True)
         for key, tensor in full_state.items():
             names_of.setdefault(id(tensor), []).append(key)
         params = list(model.parameters())
         index = {id(p): i for i, p in enumerate(params)}
-        holders: dict[int, list[int]] = {}
+        holders: dict[int, list[int]] = {}   # parameter -> the ranks holding it, in stage order
         for s, span in enumerate(self.plan.layers):
-            seen: set[int] = set()
             for i in span:
                 for p in layers[i].parameters():
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        holders.setdefault(index[id(p)], []).append(s)
+                    ranks = holders.setdefault(index[id(p)], [])
+                    if s % n_ranks not in ranks:
+                        ranks.append(s % n_ranks)
 
-        mine = [layers[i] for i in self.plan.layers[self.stage]]
-        stage = StageModule(mine, self.precision)
+        chunks = [[layers[i] for i in self.plan.layers[s]] for s in self._stage_indices()]
+        stage = StageModule(chunks, self.precision)
         for key, tensor in stage.state_dict(keep_vars=True).items():
             stage.global_keys[key] = names_of.get(id(tensor), [])
         stage.full_shapes = {key: tuple(t.shape) for key, t in full_state.items()}
         stage.param_index = {id(p): index[id(p)] for p in stage.parameters()}
         stage.n_model_params = len(params)
         local = {index[id(p)]: p for p in stage.parameters()}
-        self._tied = [(g, params[g].numel(), local.get(g)) for g, stages in sorted(holders.items()) if len(stages) > 1]
-        self._owned = {g for g, stages in holders.items() if stages[0] == self.stage}
-        for g, stages in sorted(holders.items()):
-            if len(stages) > 1:
-                self.notes.append(f"  tied: {' = '.join(names_of.get(id(params[g]), ['?']))} is held by stages "
-                                  f"{', '.join(map(str, stages))}; their gradients are summed every step")
+        # A parameter used by two stages of one rank gets both gradients in its own .grad; only
+        # ranks that hold separate copies need to add theirs up.
+        self._tied = [(g, params[g].numel(), local.get(g)) for g, ranks in sorted(holders.items()) if len(ranks) > 1]
+        self._owned = {g for g, ranks in holders.items() if ranks[0] == self.stage}
+        for g, ranks in sorted(holders.items()):
+            if len(ranks) > 1:
+                self.notes.append(f"  tied: {' = '.join(names_of.get(id(params[g]), ['?']))} is held by ranks "
+                                  f"{', '.join(map(str, ranks))}; their gradients are summed every step")
         if self.microbatches > 1 and any(isinstance(m, nn.modules.batchnorm._BatchNorm)
                                          for layer in layers for m in layer.modules()):
             self.notes.append(f"note: BatchNorm normalises each of the {self.microbatches} pipeline micro-batches "
@@ -281,58 +321,76 @@ class PipelineParallel(ProcessGroupStrategy):
 
     def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                drop_last: bool = False, num_workers: int = 0) -> Union[ShardedLoader, StreamingLoader]:
-        """Every stage walks the same batches (stage 0 uses the inputs, the last stage the targets)."""
+        """Every stage walks the same batches; only the first stage loads the inputs and only the
+        last the targets (the others get None in their place)."""
         check_batch_split(batch_size, 1, self.accumulate_steps)
+        load = (self.is_first, self.is_last)
         if isinstance(dataset, IterableDataset):   # a stream: every stage reads all of it
             return StreamingLoader(dataset, StreamPlan(batch_size, accumulate=self.accumulate_steps, seed=seed,
                                                        drop_last=drop_last, n=declared_length(dataset)),
                                    self.env.device, num_workers=num_workers, env=self.env,
-                                   pin_memory=self.env.device.type == "cuda")
+                                   pin_memory=self.env.device.type == "cuda", load=load)
         plan = StepPlan(len(dataset), batch_size, world_size=1, rank=0, accumulate=self.accumulate_steps,
                         shuffle=shuffle, seed=seed, drop_last=drop_last)
         return ShardedLoader(dataset, plan, self.env.device, num_workers=num_workers,
-                             pin_memory=self.env.device.type == "cuda")
+                             pin_memory=self.env.device.type == "cuda", load=load)
 
     def describe(self) -> str:
-        return f"pipeline ({self.env.world_size} stages, {self.microbatches} micro-batch(es), GPipe)"
+        name = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}[self.schedule]
+        stages = self.env.world_size * self.stages_per_rank
+        per_rank = f", {self.stages_per_rank} per process" if self.stages_per_rank > 1 else ""
+        return f"pipeline ({stages} stages{per_rank}, {self.microbatches} micro-batch(es), {name})"
 
     def details(self) -> list[str]:
         lines = self.plan.describe() if self.plan is not None else []
+        if self.plan is not None and self.stages_per_rank > 1:
+            n = self.env.world_size
+            lines += [f"  rank {r}: stages {', '.join(str(r + k * n) for k in range(self.stages_per_rank))}"
+                      for r in range(n)]
         return lines + self.notes
 
     # --- the schedule -------------------------------------------------------------------
-    def _pieces(self, n: int, say: bool = True) -> int:
-        """Equal pieces for a batch of ``n``: ``M``, or the largest divisor of ``n`` below it."""
-        m = min(self.microbatches, n)
-        while n % m:
-            m -= 1
-        if say and m != self.microbatches and n not in self._noted_uneven:
+    def _pieces(self, n: int, say: bool = True) -> tuple[int, str]:
+        """Equal pieces for a batch of ``n`` and the schedule that runs them (``pipeline_pieces``)."""
+        m, schedule = pipeline_pieces(n, self.microbatches, self.schedule, self.env.world_size)
+        if say and (m, schedule) != (self.microbatches, self.schedule) and n not in self._noted_uneven:
             self._noted_uneven.add(n)
             if self.env.is_main:
+                also = f", with the GPipe schedule (1F1B needs a piece per stage)" if schedule != self.schedule else ""
                 print(f"note: a batch of {n} samples does not split into {self.microbatches} equal pipeline "
-                      f"micro-batches; it runs as {m} of {n // m}")
-        return m
+                      f"micro-batches; it runs as {m} of {n // m}{also}")
+        return m, schedule
 
     def _schedule(self, mode: str, n: int) -> Any:
-        """The stage and GPipe schedule for batches of ``n`` samples (one per size: the stages'
+        """The stages and schedule for batches of ``n`` samples (one per size: the stages'
         receive buffers have fixed shapes)."""
         key = (mode, n)
         if key not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+            from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                      ScheduleInterleaved1F1B)
 
             assert self._module is not None, "setup() first"
-            stage = PipelineStage(self._module, self.stage, self.env.world_size, self.env.device)
+            pieces, schedule = self._pieces(n, say=mode == "train")
+            self._piece_counts[key] = pieces
+            total = self.env.world_size * self.stages_per_rank
+            stages = [PipelineStage(chunk, index, total, self.env.device)
+                      for chunk, index in zip(self._module.chunks, self._stage_indices())]
             self._module.probe_next_forward()
             loss = self._piece_loss if mode == "train" else None
-            self._schedules[key] = ScheduleGPipe(stage, self._pieces(n, say=mode == "train"), loss_fn=loss,
-                                                 scale_grads=False)
+            if schedule == "interleaved":
+                self._schedules[key] = ScheduleInterleaved1F1B(stages, pieces, loss_fn=loss, scale_grads=False)
+            else:
+                single = Schedule1F1B if schedule == "1f1b" and mode == "train" else ScheduleGPipe
+                self._schedules[key] = single(stages[0], pieces, loss_fn=loss, scale_grads=False)
         return self._schedules[key]
 
     def _piece_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         # The piece's mean loss weighted by its share of the step: summed over the pieces and
-        # micro-steps, exactly the step's mean loss.
+        # micro-steps, exactly the step's mean loss. fp16 scales what backward starts from.
         assert self._loss_fn is not None
-        return self._loss_fn(output, target) * (target.shape[0] * self._per_sample)
+        weighted = self._loss_fn(output, target) * (target.shape[0] * self._per_sample)
+        self._piece_losses.append(weighted.detach().float())
+        return self.precision.scale(weighted)
 
     def forward_backward(self, model: nn.Module, batch: Batch, loss_fn: LossFn) -> Optional[torch.Tensor]:
         x, y = batch
@@ -340,19 +398,21 @@ class PipelineParallel(ProcessGroupStrategy):
         schedule = self._schedule("train", len(batch))
         self._loss_fn = loss_fn
         self._per_sample = batch.loss_scale / len(batch)
-        losses: list[torch.Tensor] = []
+        self._piece_losses = []
         if self.is_first:
             schedule.step(x, return_outputs=False)
         elif self.is_last:
-            schedule.step(target=y, losses=losses, return_outputs=False)
+            schedule.step(target=y, return_outputs=False)
         else:
             schedule.step(return_outputs=False)
         if batch.last_micro:
             self._sum_tied_gradients()
         if not self.is_last:
             return None
-        # The pieces' weighted losses add up to the micro-batch's share of the step's loss.
-        return torch.stack([l.detach().float() for l in losses]).sum() / batch.loss_scale
+        # The pieces' weighted losses add up to the micro-batch's share of the step's loss. (The
+        # last ones: on its first step a schedule also calls the loss in its shape inference.)
+        pieces = self._piece_counts[("train", len(batch))]
+        return torch.stack(self._piece_losses[-pieces:]).sum() / batch.loss_scale
 
     def _sum_tied_gradients(self) -> None:
         """Add up the gradients of parameters that several stages hold (each has part of it)."""
@@ -488,8 +548,10 @@ __all__ = ["PipelineParallel", "StageModule", "StagePlan", "pipeline_layers", "p
 
 
 def _check_one_tensor(x: Any, y: Any) -> None:
-    """The pipeline passes one tensor between stages and gives the last stage one target."""
-    if not isinstance(x, torch.Tensor) or not (y is None or isinstance(y, torch.Tensor)):
+    """The pipeline passes one tensor between stages and gives the last stage one target. (A stage
+    that does not load a tensor input or target gets None in its place; anything else reaches
+    every stage, so that all of them stop with the same line.)"""
+    if not (x is None or isinstance(x, torch.Tensor)) or not (y is None or isinstance(y, torch.Tensor)):
         from scaleloop.data.batch import describe
 
         raise UsageError(f"--strategy pipeline needs batches of one input tensor and one target tensor, got inputs "

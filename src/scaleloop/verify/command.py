@@ -274,7 +274,7 @@ def _failure_lines(r: Records) -> list[str]:
 def _equivalence(s: Session, r: Records) -> bool:
     """The step table and verdict; on failure, the named causes."""
     assert r.reference is not None
-    tol = tolerance_for(s.cfg.precision, s.opts.tolerance)
+    tol = tolerance_for(s.cfg.precision, s.opts.tolerance, s.cfg.optimizer, s.cfg.lr)
     run_losses = r.run["losses"] if r.run else (min(r.failures, key=lambda f: f["rank"]).get("losses") or [])
     rows = compare_runs(reference_dir(s.root), distributed_dir(s.root), r.reference["losses"], run_losses,
                         s.opts.steps, tol)

@@ -39,9 +39,15 @@ def batch_digest(inputs: Any, target: Any) -> str:
     return digest(inputs, target)
 
 
-def expected_digest(dataset: Dataset, indices: Sequence[int]) -> str:
-    """The SHA-256 a rank must report for a batch of these samples."""
-    return batch_digest(*load_samples(dataset, indices))
+def expected_digest(dataset: Dataset, indices: Sequence[int], loaded: Sequence[bool] = (True, True)) -> str:
+    """The SHA-256 a rank must report for a batch of these samples; ``loaded``: which of
+    (inputs, target) it loads (a pipeline stage loads only what it uses, None in the other's place)."""
+    x, y = load_samples(dataset, indices)
+    return batch_digest(x if loaded[0] else None, y if loaded[1] else None)
+
+
+def _expected(dataset: Dataset, m: dict[str, Any]) -> str:
+    return expected_digest(dataset, m["indices"], m.get("loaded", (True, True)))
 
 
 @dataclass(frozen=True)
@@ -120,7 +126,7 @@ def content_mismatches(dataset: Dataset, ranks: Sequence[dict[str, Any]], key: s
     problems = []
     for r in ranks:
         for m in r[key]:
-            if expected_digest(dataset, m["indices"]) != m["sha"]:
+            if _expected(dataset, m) != m["sha"]:
                 where = f"epoch {m['epoch'] + 1} " if "epoch" in m else ""
                 problems.append(f"rank {r['rank']}, {where}step {m['step']} micro-step {m['micro'] + 1}: "
                                 f"its data differs from the dataset's samples {_few(m['indices'])}")
@@ -139,7 +145,7 @@ def batch_table(ranks: Sequence[dict[str, Any]], dataset: Dataset, accumulate: i
     head = f"  {'step':>4}  {'micro':>5}  {'rank':>4}  {'samples':>7}  {'first indices':<22}  {'sha256':<12}  dataset"
     lines = [head if accumulate > 1 else head.replace(f"  {'micro':>5}", "")]
     for step, micro, rank, m in rows[:limit]:
-        ok = "matches" if expected_digest(dataset, m["indices"]) == m["sha"] else "DIFFERS"
+        ok = "matches" if _expected(dataset, m) == m["sha"] else "DIFFERS"
         first = "[" + ", ".join(str(i) for i in m["indices"][:3]) + (", ...]" if len(m["indices"]) > 3 else "]")
         micro_col = f"  {micro + 1:>5}" if accumulate > 1 else ""
         lines.append(f"  {step:>4}{micro_col}  {rank:>4}  {len(m['indices']):>7}  {first:<22}  {m['sha'][:12]:<12}  {ok}")

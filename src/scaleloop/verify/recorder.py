@@ -110,7 +110,8 @@ class Recorder(Observer):
         """Before the forward pass: which samples this rank trains on, and a digest of their data."""
         x, y = batch
         self.micro.append({"step": self.step, "epoch_step": batch.step, "micro": batch.plan.micro,
-                           "indices": batch.indices.tolist(), "sha": batch_digest(x, y)})
+                           "indices": batch.indices.tolist(), "sha": batch_digest(x, y),
+                           "loaded": _loaded(batch)})
 
     def micro_done(self, batch: Batch, loss: Optional[torch.Tensor]) -> None:
         """After backward: the micro-batch's loss, and its weight in the step's loss."""
@@ -221,7 +222,8 @@ class Recorder(Observer):
             for batch in loader:
                 x, y = batch
                 self.audit.append({"epoch": epoch, "step": batch.step, "micro": batch.plan.micro,
-                                   "indices": batch.indices.tolist(), "sha": batch_digest(x, y)})
+                                   "indices": batch.indices.tolist(), "sha": batch_digest(x, y),
+                                   "loaded": _loaded(batch)})
 
     def finish(self, loader: ShardedLoader, epochs_touched: int) -> None:
         """Audit the data if asked, hash every tensor on every rank, gather all to rank 0, write."""
@@ -273,3 +275,8 @@ def whole_model_names(module: nn.Module) -> dict[str, str]:
     if not isinstance(module, StageModule):
         return {name: name for name, _ in module.named_parameters()}
     return {name: (module.global_keys.get(name) or [name])[0] for name, _ in module.named_parameters()}
+
+
+def _loaded(batch: Batch) -> list[bool]:
+    """Which of (inputs, target) the batch carries (a pipeline stage leaves out what it does not use)."""
+    return [part is not None for part in batch]

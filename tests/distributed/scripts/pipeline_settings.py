@@ -26,6 +26,18 @@ RUNS = {
         # the rounding where gradients are near 0, as for TinyGPT above).
         "bf16": dict(SIMPLE, microbatches=1, precision="bf16"),
         "bf16-pieces": dict(SIMPLE, microbatches=2, precision="bf16", optimizer="sgd", lr=0.1),
+        # 1F1B on the uneven run: micro-steps of 30 run as 3 pieces, those of 5 as one piece under
+        # GPipe (1F1B needs a piece per stage); the same computation in another order.
+        "1f1b-uneven": dict(QUIET, data="random", n_samples=250, model="simplenet", epochs=2, batch_size=60,
+                            accumulate=2, microbatches=4, clip_grad=0.05, pipeline_schedule="1f1b"),
+        # Interleaved 1F1B: TinyGPT's 4 layers as 4 stages, rank 0 holding 0 and 2, rank 1 holding
+        # 1 and 3; the tied embedding (stage 0) and head (stage 3) on different ranks.
+        "interleaved": dict(QUIET, data="tokens", model="tinygpt", n_samples=160, seq_len=16, vocab_size=64,
+                            epochs=1, max_steps=4, batch_size=32, microbatches=4, clip_grad=1.0,
+                            optimizer="sgd", lr=0.1, pipeline_schedule="interleaved"),
+        # fp16 in 2 pieces under 1F1B (one overflow check for all stages); SGD, as for bf16.
+        "fp16": dict(SIMPLE, model="biggernet", microbatches=2, precision="fp16", optimizer="sgd", lr=0.1,
+                     pipeline_schedule="1f1b"),
         "first-half": dict(SIMPLE, microbatches=4, max_steps=3),   # resumed on one process by the test
         "from-single": dict(SIMPLE, microbatches=4, resume_from_argv=True),  # resumes a one-process checkpoint
     },
