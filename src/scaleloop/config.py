@@ -188,8 +188,8 @@ class TrainConfig:
         if self.persistent_workers and self.num_workers == 0:
             raise UsageError("--persistent-workers keeps DataLoader worker processes between epochs, and "
                              "--num-workers is 0 (no workers): add --num-workers N, or drop it")
-        if self.compile and self.strategy in ("dp", "pipeline"):
-            raise UsageError(f"--compile does not support --strategy {self.strategy} "
+        if self.compile and (self.strategy in ("dp", "pipeline") or self.pipeline_layout()):
+            raise UsageError(f"--compile does not support {'--strategy ' + self.strategy if self.strategy in ('dp', 'pipeline') else '--mesh pp=N'} "
                              + ("(nn.DataParallel): use --strategy ddp" if self.strategy == "dp" else
                                 "(its stages are scheduled by torch.distributed.pipelining): drop --compile"))
         _require(self.nproc >= 1, "nproc", "a positive integer")
@@ -224,12 +224,13 @@ class TrainConfig:
         self._check_memory_levers()
         data_ranks = self._check_mesh()
         _require(self.stages_per_rank >= 0, "stages_per_rank", "zero (the default) or a positive integer")
-        if self.strategy == "pipeline":
-            self._check_pipeline()
+        layout = self.pipeline_layout()
+        if layout is not None:
+            self._check_pipeline(*layout)
         else:
             if self.microbatches > 1:
-                raise UsageError(f"--microbatches {self.microbatches} applies to --strategy pipeline only; to "
-                                 "split a step's batch with another strategy use --accumulate")
+                raise UsageError(f"--microbatches {self.microbatches} applies to --strategy pipeline (or --mesh pp=N) "
+                                 "only; to split a step's batch with another strategy use --accumulate")
             if self.pipeline_schedule != "gpipe" or self.stages_per_rank:
                 which = "--stages-per-rank" if self.stages_per_rank else "--pipeline-schedule"
                 raise UsageError(f"{which} applies to --strategy pipeline only: add --strategy pipeline, or drop it")
@@ -241,9 +242,10 @@ class TrainConfig:
         if self.cpu_offload and self.strategy not in ("fsdp", "mesh") and self.mesh is None:
             raise UsageError(f"--cpu-offload moves FSDP's shards to host memory: use it with --strategy fsdp or --mesh "
                              f"(not --strategy {self.strategy})")
-        if self.activation_checkpointing and self.strategy in ("dp", "pipeline"):
-            raise UsageError(f"--activation-checkpointing is not offered with --strategy {self.strategy}; use single, "
-                             "ddp, allreduce, fsdp or --mesh")
+        if self.activation_checkpointing and (self.strategy in ("dp", "pipeline") or self.pipeline_layout()):
+            which = f"--strategy {self.strategy}" if self.strategy in ("dp", "pipeline") else "--mesh pp=N"
+            raise UsageError(f"--activation-checkpointing is not offered with {which}; use single, "
+                             "ddp, allreduce, fsdp or --mesh without pp")
 
     def _check_mesh(self) -> int:
         """The data-parallel ranks a step's batch is split over (all of them without --mesh)."""
@@ -255,22 +257,40 @@ class TrainConfig:
             raise UsageError(f"--mesh lays out the ranks itself: drop --strategy {self.strategy} (or use --strategy mesh)")
         from scaleloop.strategies.mesh import MeshSpec   # (imports torch: only when --mesh is given)
 
-        return MeshSpec.parse(self.mesh).check(self.world_size).data_parallel
+        spec = MeshSpec.parse(self.mesh).check(self.world_size)
+        if spec.pp > 1 and (spec.fsdp > 1 or spec.tp > 1):
+            raise UsageError(f"--mesh {spec}: pp composes with dp only (pipeline x data parallel); drop fsdp/tp, "
+                             "or drop pp")
+        return spec.data_parallel
 
-    def _check_pipeline(self) -> None:
-        """A pipeline's stages all see the whole batch: it is split into micro-steps, not ranks."""
+    def pipeline_layout(self) -> Optional[tuple[int, int]]:
+        """``(stage processes, replicas)`` when the run is a pipeline (``--strategy pipeline``:
+        every rank a stage; ``--mesh pp=S,dp=R``: S stages, each replicated R times), else None."""
+        if self.strategy == "pipeline":
+            return self.world_size, 1
+        if self.mesh is not None and self.strategy in ("auto", "mesh"):
+            from scaleloop.strategies.mesh import MeshSpec
+
+            spec = MeshSpec.parse(self.mesh)
+            if spec.pp > 1:
+                return spec.pp, spec.dp
+        return None
+
+    def _check_pipeline(self, stages: int, replicas: int) -> None:
+        """A pipeline's stages all see their replica's whole batch: it is split over replicas and
+        into micro-steps, not over stages."""
         if self.world_size < 2:
             raise UsageError("--strategy pipeline puts the model's layers on several processes, one stage each: "
                              "add --nproc 2 (or more)")
         if self.sync_batchnorm:
             raise UsageError("--sync-batchnorm synchronises BatchNorm over data-parallel ranks; a pipeline has "
                              "none (each BatchNorm lives on one stage): drop it")
-        micro = check_batch_split(self.batch_size, 1, self.accumulate)
+        micro = check_batch_split(self.batch_size, replicas, self.accumulate)
         if micro < self.microbatches:
             raise UsageError(f"--batch-size {self.batch_size} with --accumulate {self.accumulate} gives micro-steps of "
                              f"{micro} samples, fewer than --microbatches {self.microbatches}; raise --batch-size "
                              f"or lower --microbatches")
-        check_pipeline_schedule(self.pipeline_schedule, self.world_size, self.microbatches, self.stages_per_rank)
+        check_pipeline_schedule(self.pipeline_schedule, stages, self.microbatches, self.stages_per_rank)
 
     @property
     def world_size(self) -> int:

@@ -5,6 +5,7 @@
   (dp=2,fsdp=2) and replicated x TP (dp=2,tp=2), each with --accumulate 2, equal 1 process
   after 3 SGD steps within 1e-6 of the weight scale (the documented tolerance; measured: ~1e-8),
   and so does the test loss at the end;
+- pipeline x data parallel (pp=2,dp=2: two replicas of a 2-stage 1F1B pipeline) likewise;
 - a DCP checkpoint written on fsdp=2,tp=2 continues on fsdp=4 and then on 1 process, and ends
   where an uninterrupted 1-process run ends (2x2 -> 4 -> 1).
 
@@ -81,6 +82,17 @@ def test_four_processes_equal_one(root: Path, meshed: dict[str, str], single, na
     assert diff <= TOLERANCE, f"{name} differs from 1 process at {key}: {diff:.2e}"
     # The test set at the stop, evaluated over the data ranks (a tp group's outputs counted once).
     assert stop_test_loss(root / "mesh4" / name) == pytest.approx(stop_test_loss(reference), rel=1e-5)
+
+
+def test_pipeline_x_data_parallel_equals_one(root: Path, meshed: dict[str, str], single) -> None:
+    # 2 stages x 2 replicas: each replica a pipeline on half of each micro-step, in 2 pieces (1F1B),
+    # each stage's copies averaging their gradients; the tied embedding/head summed across stages.
+    assert meshed["pp-dp"] == "pipeline (2 stages x 2 replicas, 2 micro-batch(es), 1F1B)", meshed["pp-dp"]
+    reference = single("plain")
+    diff, key = max_rel_diff(weights(reference), weights(root / "mesh4" / "pp-dp"))
+    assert diff <= TOLERANCE, f"pp x dp differs from 1 process at {key}: {diff:.2e}"
+    # The test set evaluated over the replicas (each replica's last stage counts its share).
+    assert stop_test_loss(root / "mesh4" / "pp-dp") == pytest.approx(stop_test_loss(reference), rel=1e-5)
 
 
 def stop_test_loss(run_dir: Path) -> float:

@@ -65,6 +65,20 @@ def test_config_checks_the_mesh_and_splits_the_batch_over_data_ranks() -> None:
         TrainConfig(strategy="mesh", nproc=4).validate()
 
 
+def test_config_takes_pipeline_x_data_parallel() -> None:
+    cfg = TrainConfig(mesh="pp=2,dp=2", nproc=4, batch_size=8, accumulate=2, microbatches=2,
+                      pipeline_schedule="1f1b").validate()
+    assert cfg.pipeline_layout() == (2, 2)   # 2 stage positions, each held by 2 replicas
+    with pytest.raises(UsageError, match="fewer than --microbatches 4"):   # 8 / (2 replicas x 2) = 2 per micro-step
+        TrainConfig(mesh="pp=2,dp=2", nproc=4, batch_size=8, accumulate=2, microbatches=4).validate()
+    with pytest.raises(UsageError, match="pp composes with dp only"):
+        TrainConfig(mesh="pp=2,tp=2", nproc=4).validate()
+    with pytest.raises(UsageError, match="--microbatches 2 applies to --strategy pipeline"):
+        TrainConfig(mesh="dp=2,tp=2", nproc=4, microbatches=2).validate()
+    with pytest.raises(UsageError, match="--compile does not support --mesh pp=N"):
+        TrainConfig(mesh="pp=2,dp=2", nproc=4, compile=True).validate()
+
+
 def test_cli_reports_a_bad_mesh_in_one_line_with_exit_2() -> None:
     res = subprocess.run([sys.executable, "-m", "scaleloop", "train", "--mesh", "dp=2,tp=2", "--nproc", "2"],
                          capture_output=True, text=True, timeout=120)

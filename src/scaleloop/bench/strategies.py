@@ -74,12 +74,13 @@ def plan_rows(opts: StrategiesOptions, device_type: str, gpus: int) -> list[Plan
 
 def mesh_rows(n: int, threads: Optional[int]) -> list[Planned]:
     """The ``--mesh`` compositions on ``n`` workers (the model needs a ``tp_plan()``: TinyGPT):
-    tensor parallelism alone, then, from 4 workers, FSDP x TP, HSDP and replicated x TP."""
+    tensor parallelism alone, then, from 4 workers, FSDP x TP, HSDP, replicated x TP and pipeline
+    x data parallel (2 stages, each replicated; the model needs an ``as_sequential()``)."""
     rows = [Planned(f"tp x {n} (mesh tp={n})", f"mesh:tp={n}", n, threads,
                     None if n > 1 else "tensor parallelism needs --workers 2 or more")]
     half = n // 2
     for label, mesh in (("fsdp x tp", f"fsdp={half},tp=2"), ("hsdp", f"dp=2,fsdp={half}"),
-                        ("dp x tp", f"dp={half},tp=2")):
+                        ("dp x tp", f"dp={half},tp=2"), ("pp x dp", f"pp=2,dp={half}")):
         skip = None if n >= 4 and n % 2 == 0 else "needs an even --workers of 4 or more"
         rows.append(Planned(f"{label} (mesh {mesh})" if skip is None else label, f"mesh:{mesh}", n, threads, skip))
     return rows

@@ -178,10 +178,13 @@ def preflight(cfg: TrainConfig) -> None:
     from scaleloop.runtime.devices import check_processes_fit
 
     check_processes_fit(cfg.device, cfg.nproc)
-    if cfg.strategy == "pipeline":
+    layout = cfg.pipeline_layout()
+    if layout is not None:
         # The cut into stages is known before any worker starts: a model too shallow for
-        # --nproc stages fails here, in one line, rather than in every worker.
+        # its stages fails here, in one line, rather than in every worker.
+        from scaleloop.data.batching import check_pipeline_schedule
         from scaleloop.strategies.pipeline import pipeline_layers, plan_stages
 
+        per_rank = check_pipeline_schedule(cfg.pipeline_schedule, layout[0], cfg.microbatches, cfg.stages_per_rank)
         _, model = build_data_and_model(cfg)
-        plan_stages(pipeline_layers(model), cfg.world_size, cfg.model)
+        plan_stages(pipeline_layers(model), layout[0] * per_rank, cfg.model, per_rank)

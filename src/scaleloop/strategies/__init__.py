@@ -72,8 +72,18 @@ def make_strategy(name: str, env: DistEnv, precision: Optional[Precision | str] 
         if mesh is None:
             raise UsageError("--strategy mesh needs the layout: add --mesh, e.g. --mesh dp=2,tp=2")
         spec = MeshSpec.parse(mesh) if isinstance(mesh, str) else mesh
-        if microbatches > 1 or find_unused_parameters or static_graph:
-            raise UsageError("--microbatches, --find-unused-parameters and --static-graph do not apply to --mesh")
+        if find_unused_parameters or static_graph:
+            raise UsageError("--find-unused-parameters and --static-graph do not apply to --mesh")
+        if spec.pp > 1:   # pipeline x data parallel: each stage replicated dp times
+            if spec.fsdp > 1 or spec.tp > 1:
+                raise UsageError(f"--mesh {spec}: pp composes with dp only (pipeline x data parallel); drop fsdp/tp, "
+                                 "or drop pp")
+            spec.check(env.world_size)
+            return PipelineParallel(env, precision, accumulate, sync_batchnorm, microbatches=microbatches,
+                                    schedule=pipeline_schedule, stages_per_rank=stages_per_rank, replicas=spec.dp)
+        if microbatches > 1 or pipeline_schedule != "gpipe" or stages_per_rank:
+            raise UsageError("--microbatches, --pipeline-schedule and --stages-per-rank apply to pipelines: "
+                             "--strategy pipeline or --mesh pp=N")
         return MeshParallel(env, precision, accumulate, sync_batchnorm, mesh=spec, cpu_offload=cpu_offload)
     concrete = resolve_strategy_name(name, env)
     cls = STRATEGY_CLASSES.get(concrete)

@@ -5,7 +5,8 @@
 - ``dp``: data parallel, replicated: each replica holds the whole (tensor-parallel) model;
 - ``fsdp`` (alias ``shard``): data parallel, sharded: each rank holds 1/``fsdp`` of every parameter;
 - ``tp``: tensor parallel: each layer that the model's ``tp_plan()`` names is split over these ranks;
-- ``pp``: pipeline stages (parsed and validated; not composed yet, see docs/strategies.md).
+- ``pp``: pipeline stages; with ``dp`` only (pipeline x data parallel), run by the pipeline
+  strategy with each stage replicated ``dp`` times (docs/strategies.md).
 
 Ranks are laid out row-major in the order ``pp, dp, fsdp, tp`` (torchtitan's order: the
 dimension that communicates most, ``tp``, is innermost, so its ranks are neighbours on one

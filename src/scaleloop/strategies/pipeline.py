@@ -23,6 +23,7 @@ from scaleloop.data.batching import check_batch_split, check_pipeline_schedule, 
 from scaleloop.data.loader import Batch, ShardedLoader
 from scaleloop.data.sampler import StepPlan
 from scaleloop.data.streaming import StreamingLoader, StreamPlan, declared_length
+from scaleloop.data.sampler import split_sizes
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
 from scaleloop.strategies.precision import Precision
@@ -193,6 +194,11 @@ class PipelineParallel(ProcessGroupStrategy):
     """A pipeline over all ranks: rank r runs stage r (see the module docstring); with the
     interleaved schedule and V stages per rank, stages r, r+N, ..., r+(V-1)N of N*V.
 
+    With ``replicas`` R > 1 (``--mesh pp=S,dp=R``: pipeline x data parallel) there are S
+    pipeline positions, each held by R ranks: rank ``p*R + d`` is position p of replica d (the
+    mesh's row-major layout). Each replica is a whole pipeline on its share of the batch; after
+    the step's last backward each stage's gradients are averaged over its R copies.
+
     A rank runs only its stages, so ``model(x)`` is not the model's output: a step goes through
     ``forward_backward`` (the step contract), and there are no hand-written-loop calls
     (``accumulate``, ``autocast``, ``backward``: ``HandWrittenLoop``'s).
@@ -203,12 +209,16 @@ class PipelineParallel(ProcessGroupStrategy):
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
                  sync_batchnorm: bool = False, *, microbatches: int = 1, schedule: str = "gpipe",
-                 stages_per_rank: int = 0) -> None:
+                 stages_per_rank: int = 0, replicas: int = 1) -> None:
         self.microbatches = microbatches
         self.schedule = schedule
-        self._stages_per_rank = stages_per_rank
+        self.replicas = replicas
         super().__init__(env, precision, accumulate, sync_batchnorm)
-        self.stages_per_rank = check_pipeline_schedule(schedule, env.world_size, microbatches, stages_per_rank)
+        #: Pipeline positions (processes per replica).
+        self.positions = env.world_size // replicas
+        self.stages_per_rank = check_pipeline_schedule(schedule, self.positions, microbatches, stages_per_rank)
+        self._pp_group: Any = None   # this replica's pipeline ranks (None: all ranks)
+        self._dp_group: Any = None   # the ranks holding this rank's stages (replicas > 1)
         if self.precision.scaler is not None:
             # fp16: one overflow check for the whole model. Each stage finds inf/NaN only in its
             # own gradients; ShardedGradScaler all-reduces that finding, so every stage skips
@@ -230,7 +240,10 @@ class PipelineParallel(ProcessGroupStrategy):
 
     def _check(self) -> None:
         super()._check()
-        if self.env.world_size < 2:
+        if self.replicas < 1 or self.env.world_size % self.replicas:
+            raise UsageError(f"a pipeline with {self.replicas} replicas needs a world size that is a multiple of it, "
+                             f"not {self.env.world_size}")
+        if self.env.world_size // self.replicas < 2:
             raise UsageError("--strategy pipeline puts the model's layers on several processes, one stage each: "
                              "run it with --nproc 2 (or more)")
         if self._sync_batchnorm:
@@ -241,23 +254,37 @@ class PipelineParallel(ProcessGroupStrategy):
 
     @property
     def stage(self) -> int:
-        """This rank's (first) stage."""
-        return self.env.rank
+        """This rank's position in its pipeline (its first stage)."""
+        return self.env.rank // self.replicas
+
+    @property
+    def replica(self) -> int:
+        """Which replica of the pipeline this rank belongs to (0 without data parallelism)."""
+        return self.env.rank % self.replicas
 
     @property
     def is_first(self) -> bool:
         """This rank holds the first stage: it feeds the inputs."""
-        return self.env.rank == 0
+        return self.stage == 0
 
     @property
     def is_last(self) -> bool:
         """This rank holds the last stage (of every schedule): it computes the loss."""
-        return self.env.rank == self.env.world_size - 1
+        return self.stage == self.positions - 1
 
     def _stage_indices(self) -> list[int]:
-        """The stages this rank runs: r, r+N, ... (one per chunk)."""
-        n = self.env.world_size
-        return [self.stage + k * n for k in range(self.stages_per_rank)]
+        """The stages this rank runs: p, p+N, ... (one per chunk)."""
+        return [self.stage + k * self.positions for k in range(self.stages_per_rank)]
+
+    def _make_groups(self) -> None:
+        """With replicas: a process group per pipeline (the stages talk in it) and one per stage
+        position (its copies average their gradients in it), from a ("pp", "dp") device mesh."""
+        if self.replicas == 1 or self._pp_group is not None:
+            return
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(self.env.device.type, (self.positions, self.replicas), mesh_dim_names=("pp", "dp"))
+        self._pp_group, self._dp_group = mesh.get_group("pp"), mesh.get_group("dp")
 
     # --- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -276,7 +303,8 @@ class PipelineParallel(ProcessGroupStrategy):
     def _wrap(self, model: nn.Module) -> StageModule:
         """This rank's stages of ``model`` (the other stages' layers are not kept)."""
         layers = pipeline_layers(model)
-        n_ranks = self.env.world_size
+        self._make_groups()
+        n_ranks = self.positions
         self.plan = plan_stages(layers, n_ranks * self.stages_per_rank, type(model).__name__, self.stages_per_rank)
         names_of: dict[int, list[str]] = {}
         full_state = model.state_dict(keep_vars=True)
@@ -284,13 +312,16 @@ class PipelineParallel(ProcessGroupStrategy):
             names_of.setdefault(id(tensor), []).append(key)
         params = list(model.parameters())
         index = {id(p): i for i, p in enumerate(params)}
-        holders: dict[int, list[int]] = {}   # parameter -> the ranks holding it, in stage order
+        holders: dict[int, list[int]] = {}   # parameter -> the positions holding it, in stage order
+        stages_of: dict[int, list[int]] = {}   # parameter -> the stages using it
         for s, span in enumerate(self.plan.layers):
             for i in span:
                 for p in layers[i].parameters():
                     ranks = holders.setdefault(index[id(p)], [])
                     if s % n_ranks not in ranks:
                         ranks.append(s % n_ranks)
+                    if s not in stages_of.setdefault(index[id(p)], []):
+                        stages_of[index[id(p)]].append(s)
 
         chunks = [[layers[i] for i in self.plan.layers[s]] for s in self._stage_indices()]
         stage = StageModule(chunks, self.precision)
@@ -306,8 +337,8 @@ class PipelineParallel(ProcessGroupStrategy):
         self._owned = {g for g, ranks in holders.items() if ranks[0] == self.stage}
         for g, ranks in sorted(holders.items()):
             if len(ranks) > 1:
-                self.notes.append(f"  tied: {' = '.join(names_of.get(id(params[g]), ['?']))} is held by ranks "
-                                  f"{', '.join(map(str, ranks))}; their gradients are summed every step")
+                self.notes.append(f"  tied: {' = '.join(names_of.get(id(params[g]), ['?']))} is held by stages "
+                                  f"{', '.join(map(str, stages_of[g]))}; their gradients are summed every step")
         if self.microbatches > 1 and any(isinstance(m, nn.modules.batchnorm._BatchNorm)
                                          for layer in layers for m in layer.modules()):
             self.notes.append(f"note: BatchNorm normalises each of the {self.microbatches} pipeline micro-batches "
@@ -323,36 +354,43 @@ class PipelineParallel(ProcessGroupStrategy):
                drop_last: bool = False, num_workers: int = 0) -> Union[ShardedLoader, StreamingLoader]:
         """Every stage walks the same batches; only the first stage loads the inputs and only the
         last the targets (the others get None in their place)."""
-        check_batch_split(batch_size, 1, self.accumulate_steps)
+        check_batch_split(batch_size, self.replicas, self.accumulate_steps)
         load = (self.is_first, self.is_last)
         if isinstance(dataset, IterableDataset):   # a stream: every stage reads all of it
-            return StreamingLoader(dataset, StreamPlan(batch_size, accumulate=self.accumulate_steps, seed=seed,
+            return StreamingLoader(dataset, StreamPlan(batch_size, world_size=self.replicas, rank=self.replica,
+                                                       accumulate=self.accumulate_steps, seed=seed,
                                                        drop_last=drop_last, n=declared_length(dataset)),
                                    self.env.device, num_workers=num_workers, env=self.env,
                                    pin_memory=self.env.device.type == "cuda", load=load)
-        plan = StepPlan(len(dataset), batch_size, world_size=1, rank=0, accumulate=self.accumulate_steps,
-                        shuffle=shuffle, seed=seed, drop_last=drop_last)
+        plan = StepPlan(len(dataset), batch_size, world_size=self.replicas, rank=self.replica,
+                        accumulate=self.accumulate_steps, shuffle=shuffle, seed=seed, drop_last=drop_last)
         return ShardedLoader(dataset, plan, self.env.device, num_workers=num_workers,
                              pin_memory=self.env.device.type == "cuda", load=load)
 
     def describe(self) -> str:
         name = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}[self.schedule]
-        stages = self.env.world_size * self.stages_per_rank
+        stages = self.positions * self.stages_per_rank
         per_rank = f", {self.stages_per_rank} per process" if self.stages_per_rank > 1 else ""
-        return f"pipeline ({stages} stages{per_rank}, {self.microbatches} micro-batch(es), {name})"
+        replicas = f" x {self.replicas} replicas" if self.replicas > 1 else ""
+        return f"pipeline ({stages} stages{per_rank}{replicas}, {self.microbatches} micro-batch(es), {name})"
 
     def details(self) -> list[str]:
         lines = self.plan.describe() if self.plan is not None else []
         if self.plan is not None and self.stages_per_rank > 1:
-            n = self.env.world_size
-            lines += [f"  rank {r}: stages {', '.join(str(r + k * n) for k in range(self.stages_per_rank))}"
-                      for r in range(n)]
+            n = self.positions
+            lines += [f"  position {p}: stages {', '.join(str(p + k * n) for k in range(self.stages_per_rank))}"
+                      for p in range(n)]
+        if self.replicas > 1:
+            from scaleloop.strategies.mesh import MeshSpec
+
+            lines += ["  " + line for line in MeshSpec(pp=self.positions, dp=self.replicas).draw()]
+            lines.append(f"  each stage's {self.replicas} copies average their gradients after the step's last backward")
         return lines + self.notes
 
     # --- the schedule -------------------------------------------------------------------
     def _pieces(self, n: int, say: bool = True) -> tuple[int, str]:
         """Equal pieces for a batch of ``n`` and the schedule that runs them (``pipeline_pieces``)."""
-        m, schedule = pipeline_pieces(n, self.microbatches, self.schedule, self.env.world_size)
+        m, schedule = pipeline_pieces(n, self.microbatches, self.schedule, self.positions)
         if say and (m, schedule) != (self.microbatches, self.schedule) and n not in self._noted_uneven:
             self._noted_uneven.add(n)
             if self.env.is_main:
@@ -372,8 +410,8 @@ class PipelineParallel(ProcessGroupStrategy):
             assert self._module is not None, "setup() first"
             pieces, schedule = self._pieces(n, say=mode == "train")
             self._piece_counts[key] = pieces
-            total = self.env.world_size * self.stages_per_rank
-            stages = [PipelineStage(chunk, index, total, self.env.device)
+            total = self.positions * self.stages_per_rank
+            stages = [PipelineStage(chunk, index, total, self.env.device, group=self._pp_group)
                       for chunk, index in zip(self._module.chunks, self._stage_indices())]
             self._module.probe_next_forward()
             loss = self._piece_loss if mode == "train" else None
@@ -407,6 +445,7 @@ class PipelineParallel(ProcessGroupStrategy):
             schedule.step(return_outputs=False)
         if batch.last_micro:
             self._sum_tied_gradients()
+            self._average_over_replicas()
         if not self.is_last:
             return None
         # The pieces' weighted losses add up to the micro-batch's share of the step's loss. (The
@@ -423,7 +462,7 @@ class PipelineParallel(ProcessGroupStrategy):
             (p.grad.detach().flatten().float() if p is not None and p.grad is not None
              else torch.zeros(numel, device=device))
             for _, numel, p in self._tied])
-        torch_dist.all_reduce(flat)
+        torch_dist.all_reduce(flat, group=self._pp_group)
         offset = 0
         for _, numel, p in self._tied:
             if p is not None:
@@ -434,6 +473,28 @@ class PipelineParallel(ProcessGroupStrategy):
                     p.grad.copy_(total)
             offset += numel
 
+    def _average_over_replicas(self) -> None:
+        """Each stage's gradients, averaged over its copies in the other replicas (one bucket).
+
+        Each replica weighted its loss by its share of the global step times the replicas (as
+        every data-parallel rank does), so the mean over replicas is the whole step's gradient."""
+        if self.replicas == 1:
+            return
+        assert self._module is not None
+        params = [p for p in self._module.parameters() if p.requires_grad]
+        flat = torch.cat([(p.grad.detach().flatten().float() if p.grad is not None
+                           else torch.zeros(p.numel(), device=self.env.device)) for p in params])
+        torch_dist.all_reduce(flat, group=self._dp_group)
+        flat /= self.replicas
+        offset = 0
+        for p in params:
+            mean = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
+            if p.grad is None:
+                p.grad = mean.clone()
+            else:
+                p.grad.copy_(mean)
+            offset += p.numel()
+
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Clip by the norm over ALL stages' gradients (a tied parameter counted once)."""
         assert self._module is not None
@@ -441,7 +502,7 @@ class PipelineParallel(ProcessGroupStrategy):
                  if p.grad is not None and self._module.param_index[id(p)] in self._owned]
         local = (torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).pow(2).sum()
                  if grads else torch.zeros((), device=self.env.device))
-        torch_dist.all_reduce(local)
+        torch_dist.all_reduce(local, group=self._pp_group)   # the replicas hold equal gradients by now
         total = local.sqrt()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self._module.parameters():
@@ -451,7 +512,12 @@ class PipelineParallel(ProcessGroupStrategy):
 
     # --- evaluation ---------------------------------------------------------------------
     def eval_shard(self, n: int, batch_size: int) -> EvalShard:
-        return EvalShard(range(0, n))
+        """Every stage of a replica walks the replica's share of the set (all of it without replicas)."""
+        if self.replicas == 1:
+            return EvalShard(range(0, n))
+        sizes = split_sizes(n, self.replicas)
+        start = sum(sizes[:self.replica])
+        return EvalShard(range(start, start + sizes[self.replica]))
 
     def eval_forward(self, model: nn.Module, x: Any) -> Optional[torch.Tensor]:
         _check_one_tensor(x, None)

@@ -124,8 +124,15 @@ def _report_root(report: Optional[str]) -> Iterator[Path]:
 
 
 def _pipeline(cfg: TrainConfig) -> bool:
-    """Whether the distributed run cuts the model into stages, one per rank (no data parallelism)."""
-    return cfg.strategy == "pipeline"
+    """Whether the distributed run cuts the model into stages (``--strategy pipeline``, or
+    ``--mesh pp=S,dp=R``: S stages, each replicated R times)."""
+    return cfg.pipeline_layout() is not None
+
+
+def _replicas(cfg: TrainConfig) -> int:
+    """A pipeline's replicas (1 without --mesh pp=S,dp=R)."""
+    layout = cfg.pipeline_layout()
+    return layout[1] if layout is not None else 1
 
 
 def _world(cfg: TrainConfig) -> int:
@@ -147,9 +154,12 @@ def _header(s: Session) -> None:
         s.say(f"  reference:   1 process (single), accumulate {s.ref_accumulate}: "
               f"{cfg.batch_size // s.ref_accumulate} samples per backward")
     if _pipeline(cfg):
-        s.say(f"  distributed: {s.world} processes (pipeline), one stage of the model each, accumulate "
-              f"{cfg.accumulate}: every stage runs all {cfg.batch_size // cfg.accumulate} samples per backward in "
-              f"{cfg.microbatches} pipeline micro-batch(es)")
+        r = _replicas(cfg)
+        copies = f" in {r} replicas" if r > 1 else ""
+        share = "all" if r == 1 else f"its replica's"
+        s.say(f"  distributed: {s.world} processes (pipeline), one stage of the model each{copies}, accumulate "
+              f"{cfg.accumulate}: every stage runs {share} {cfg.batch_size // (r * cfg.accumulate)} samples per "
+              f"backward in {cfg.microbatches} pipeline micro-batch(es)")
         return
     # --mesh: the batch is split over its dp x fsdp ranks only (a tp group shares its samples).
     data_ranks = MeshSpec.parse(cfg.mesh).data_parallel if cfg.mesh else s.world
@@ -320,11 +330,11 @@ def _equivalence(s: Session, r: Records) -> bool:
 def _pieces(s: Session) -> tuple[int, int]:
     """(data-parallel ranks, pieces per rank and step) of the distributed run: how its step's batch is cut.
 
-    A pipeline has no data parallelism: its stages all see the whole batch, cut into
-    --accumulate micro-steps of --microbatches pieces each.
+    A pipeline's stages all see their replica's share of the batch (all of it without
+    replicas), cut into --accumulate micro-steps of --microbatches pieces each.
     """
     if _pipeline(s.cfg):
-        return 1, s.cfg.accumulate * s.cfg.microbatches
+        return _replicas(s.cfg), s.cfg.accumulate * s.cfg.microbatches
     return s.world, s.cfg.accumulate
 
 
@@ -332,16 +342,20 @@ def _data_ranks(s: Session, ranks: list[dict[str, Any]]) -> tuple[list[dict[str,
     """The ranks whose samples make up the distributed run's steps, and problems found in doing so.
 
     Data-parallel ranks each train on their share: all of them. A pipeline's stages all walk the
-    same batches (the first stage uses the inputs, the last the targets): stage 0 stands for the
-    run, and every other stage must have loaded exactly its samples.
+    same batches (the first stage uses the inputs, the last the targets): stage 0 (its copy in
+    each replica) stands for the run, and every other stage must have loaded exactly its samples.
     """
     if not _pipeline(s.cfg) or not ranks:
         return ranks, []
-    first = [(m["step"], m["micro"], m["indices"]) for m in ranks[0]["micro"]]
-    problems = [f"stage {r['rank']} loaded other batches than stage 0 (the stages of a pipeline must walk the "
-                "same samples)" for r in ranks[1:]
-                if [(m["step"], m["micro"], m["indices"]) for m in r["micro"]] != first]
-    return ranks[:1], problems
+    r = _replicas(s.cfg)   # rank p*r + d is stage p of replica d
+
+    def walked(rank: dict[str, Any]) -> list[tuple[Any, ...]]:
+        return [(m["step"], m["micro"], m["indices"]) for m in rank["micro"]]
+
+    problems = [f"stage {rank['rank'] // r} (rank {rank['rank']}) loaded other batches than stage 0 of its replica "
+                "(the stages of a pipeline must walk the same samples)" for rank in ranks[r:]
+                if walked(rank) != walked(ranks[rank["rank"] % r])]
+    return ranks[:r], problems
 
 
 def _probe(s: Session, reference: dict[str, Any]) -> Optional[Probes]:

@@ -72,13 +72,20 @@ def check_sync(strategy: Strategy, module: nn.Module) -> Optional[dict[str, Any]
     return {"world_size": len(every), "tensors": len(shared),
             "parameters": sum(1 for n in shared if n in parameters),
             "buffers": sum(1 for n in shared if n not in parameters), "diverging": diverging,
-            "stages": stages, "model_tensors": len(holders)}
+            "stages": stages, "model_tensors": len(holders),
+            "replicas": getattr(strategy, "replicas", 1) if stages else 1}
 
 
 def format_sync(result: dict[str, Any], steps: int) -> tuple[bool, list[str]]:
     """(passed, lines) for the sync report; ``result`` is what :func:`check_sync` returned on rank 0."""
     diverging = result["diverging"]
-    if result.get("stages"):
+    if result.get("stages") and result.get("replicas", 1) > 1:
+        head = (f"sync: pipeline x {result['replicas']} replicas: of the model's {result['model_tensors']} tensors, "
+                f"{result['tensors']} are held by several ranks (each stage's replicas, and tied weights), hashed "
+                f"(SHA-256) on each of {result['world_size']} ranks after {steps} step(s)")
+        if not diverging:
+            return True, [head, "  every rank holding one of them holds an identical copy"]
+    elif result.get("stages"):
         head = (f"sync: pipeline: each of {result['world_size']} ranks holds its own stage, so there are no replicas; "
                 f"of the model's {result['model_tensors']} tensors, {result['tensors']} are held by several stages "
                 f"(tied), hashed (SHA-256) after {steps} step(s)")

@@ -21,6 +21,8 @@ RUNS = {
     "fsdp-tp": {"mesh": "fsdp=2,tp=2", "clip_grad": 0.05, "activation_checkpointing": True, "cpu_offload": True},
     "hsdp": {"mesh": "dp=2,fsdp=2"},
     "dp-tp": {"mesh": "dp=2,tp=2"},
+    # pipeline x data parallel: 2 stages, each replicated twice; 2 pieces per micro-step, 1F1B
+    "pp-dp": {"mesh": "pp=2,dp=2", "microbatches": 2, "pipeline_schedule": "1f1b"},
     "first-half": {"mesh": "fsdp=2,tp=2", "max_steps": 2},
 }
 
