@@ -147,6 +147,10 @@ class TrainConfig:
                              "--checkpoint-every steps)", group="checkpoints")
     checkpoint_every: int = _opt(0, "also checkpoint every N optimizer steps (0: only at epoch ends)", group="checkpoints")
     keep_checkpoints: int = _opt(3, "how many of the newest checkpoints to keep", group="checkpoints")
+    sharded_checkpoints: bool = _opt(False, "pipelines (--strategy pipeline, --mesh pp=N): every stage writes its own "
+                                     "part of each checkpoint (torch.distributed.checkpoint) instead of sending it to "
+                                     "rank 0, for a model too large to gather; fsdp and --mesh always do",
+                                     group="checkpoints")
     resume: str = _opt("auto", "auto: continue from the newest valid checkpoint in --out if there is one; "
                        "never; or a checkpoint/run directory to continue from", group="checkpoints")
 
@@ -225,6 +229,9 @@ class TrainConfig:
         data_ranks = self._check_mesh()
         _require(self.stages_per_rank >= 0, "stages_per_rank", "zero (the default) or a positive integer")
         layout = self.pipeline_layout()
+        if self.sharded_checkpoints and layout is None and self.strategy not in ("fsdp", "mesh"):
+            raise UsageError(f"--sharded-checkpoints applies to pipelines (fsdp and --mesh always write sharded "
+                             f"checkpoints); with --strategy {self.strategy} every rank holds the whole model: drop it")
         if layout is not None:
             self._check_pipeline(*layout)
         else:

@@ -10,7 +10,9 @@
   skip the step (one shared check) and keep the same scale;
 - only the first stage loads the inputs, only the last the targets;
 - checkpoints are whole-model ones: a pipeline checkpoint resumes on one process, and a
-  one-process checkpoint resumes as a pipeline, both ending where one process ends;
+  one-process checkpoint resumes as a pipeline, both ending where one process ends; with
+  --sharded-checkpoints each stage writes its own part, which resumes as a pipeline and on one
+  process alike;
 - the CLI prints the stages and the memory per rank, and refuses what cannot work in one line.
 
 The pipeline runs of one world size share one torchrun launch (scripts/pipeline_runs.py); the
@@ -54,7 +56,7 @@ def launch(root: Path, which: str, nproc: int, *extra: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-PIPELINE_ONLY = ("microbatches", "pipeline_schedule", "resume_from_argv")
+PIPELINE_ONLY = ("microbatches", "pipeline_schedule", "resume_from_argv", "resume_from_run", "sharded_checkpoints")
 
 
 def one_process(out: Path, settings: dict, **changes) -> Path:
@@ -166,6 +168,20 @@ def test_pipeline_checkpoint_resumes_on_one_process(two, root: Path) -> None:
     reference = one_process(root / "single" / "six", SIMPLE)
     diff, key = max_rel_diff(weights(resumed), weights(reference))
     assert diff < 1e-5, f"pipeline checkpoint resumed on 1 process differs by {diff:.2e} at {key}"
+
+
+def test_sharded_pipeline_checkpoints_resume_as_a_pipeline_and_on_one_process(two, root: Path) -> None:
+    out, described = two
+    half = out / "sharded-half" / "checkpoints" / "step-00000003"
+    manifest = json.loads((half / "manifest.json").read_text())
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(manifest["files"])   # each stage wrote its own part
+    reference = weights(one_process(root / "single" / "six-c", SIMPLE))
+    assert described["sharded-on"]["steps"] == 6
+    diff, key = max_rel_diff(weights(out / "sharded-on"), reference)
+    assert diff < 1e-5, f"sharded pipeline checkpoint resumed as a pipeline differs by {diff:.2e} at {key}"
+    resumed = one_process(out / "sharded-half", SIMPLE, resume=str(out / "sharded-half"))
+    diff, key = max_rel_diff(weights(resumed), reference)
+    assert diff < 1e-5, f"sharded pipeline checkpoint resumed on 1 process differs by {diff:.2e} at {key}"
 
 
 def test_one_process_checkpoint_resumes_as_pipeline(two, root: Path) -> None:

@@ -103,7 +103,7 @@ def config_for_resume(file_values: Mapping[str, Any], flag_values: Mapping[str, 
     # A pipeline's pieces mean nothing to the strategy a resumed run switches to.
     new_strategy = {**file_values, **flag_values}.get("strategy")
     if new_strategy not in (None, "pipeline"):
-        for name in ("microbatches", "pipeline_schedule", "stages_per_rank"):
+        for name in ("microbatches", "pipeline_schedule", "stages_per_rank", "sharded_checkpoints"):
             if name not in {**file_values, **flag_values}:
                 saved.pop(name, None)
     return resolve({**saved, **file_values}, flag_values)

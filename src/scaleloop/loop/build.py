@@ -118,7 +118,8 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
                              find_unused_parameters=cfg.find_unused_parameters, static_graph=cfg.static_graph,
                              # A config that names another strategy (verify's one-process reference,
                              # a bench row) runs that one; the CLI rejects --mesh with another strategy.
-                             mesh=cfg.mesh if cfg.strategy in ("auto", "mesh") else None, cpu_offload=cfg.cpu_offload)
+                             mesh=cfg.mesh if cfg.strategy in ("auto", "mesh") else None, cpu_offload=cfg.cpu_offload,
+                             sharded_checkpoints=cfg.sharded_checkpoints)
     lr = scaled_lr(cfg)
     notes = speed_up_model(model, cfg, env.device)
     if cfg.activation_checkpointing:   # before the strategy wraps the blocks (torchtitan's order: TP, AC, FSDP)

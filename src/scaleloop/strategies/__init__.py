@@ -58,9 +58,11 @@ def make_strategy(name: str, env: DistEnv, precision: Optional[Precision | str] 
                   accumulate: int = 1, sync_batchnorm: bool = False, *, microbatches: int = 1,
                   find_unused_parameters: bool = False, static_graph: bool = False,
                   mesh: Optional[MeshSpec | str] = None, cpu_offload: bool = False,
-                  pipeline_schedule: str = "gpipe", stages_per_rank: int = 0) -> Strategy:
+                  pipeline_schedule: str = "gpipe", stages_per_rank: int = 0,
+                  sharded_checkpoints: bool = False) -> Strategy:
     """Build a strategy by name (``auto`` picks one for ``env``); ``microbatches``,
-    ``pipeline_schedule`` (gpipe, 1f1b, interleaved) and ``stages_per_rank`` are the pipeline's,
+    ``pipeline_schedule`` (gpipe, 1f1b, interleaved), ``stages_per_rank`` and ``sharded_checkpoints``
+    (each stage writes its own part) are the pipeline's,
     ``find_unused_parameters`` and ``static_graph`` are DDP's; ``mesh`` (``"dp=2,tp=2"`` or a
     ``MeshSpec``) builds the ``mesh`` strategy, which ``auto`` then means; ``cpu_offload`` is
     FSDP2's (fsdp and mesh)."""
@@ -80,7 +82,8 @@ def make_strategy(name: str, env: DistEnv, precision: Optional[Precision | str] 
                                  "or drop pp")
             spec.check(env.world_size)
             return PipelineParallel(env, precision, accumulate, sync_batchnorm, microbatches=microbatches,
-                                    schedule=pipeline_schedule, stages_per_rank=stages_per_rank, replicas=spec.dp)
+                                    schedule=pipeline_schedule, stages_per_rank=stages_per_rank, replicas=spec.dp,
+                                    sharded_checkpoints=sharded_checkpoints)
         if microbatches > 1 or pipeline_schedule != "gpipe" or stages_per_rank:
             raise UsageError("--microbatches, --pipeline-schedule and --stages-per-rank apply to pipelines: "
                              "--strategy pipeline or --mesh pp=N")
@@ -99,7 +102,8 @@ def make_strategy(name: str, env: DistEnv, precision: Optional[Precision | str] 
         raise UsageError(f"cpu_offload moves FSDP's shards to host memory: use it with fsdp or mesh, not {concrete}")
     if cls is PipelineParallel:
         return PipelineParallel(env, precision, accumulate, sync_batchnorm, microbatches=microbatches,
-                                schedule=pipeline_schedule, stages_per_rank=stages_per_rank)
+                                schedule=pipeline_schedule, stages_per_rank=stages_per_rank,
+                                sharded_checkpoints=sharded_checkpoints)
     if pipeline_schedule != "gpipe" or stages_per_rank:
         raise UsageError(f"pipeline_schedule and stages_per_rank apply to the pipeline strategy only, not {concrete}")
     if microbatches > 1:

@@ -115,6 +115,56 @@ def load_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: P
     set_state_dict(module, optimizer, model_state_dict=state[MODEL_KEY], optim_state_dict=state[OPTIMIZER_KEY])
 
 
+def _renamed(model_state: dict[str, Any], optim_state: dict[str, Any], names: dict[str, list[str]],
+             all_params: list[str], every_name: bool) -> dict[str, Any]:
+    """A module's ``get_state_dict`` under other names: ``names[key]`` are the names its tensor
+    has in the whole model (``every_name``: under each of them, else the first); the optimizer's
+    groups list ``all_params``, the same on every rank, so that any rank's copy of them is right."""
+    model = {new: value for key, value in model_state.items()
+             for new in (names[key] if every_name else names[key][:1])}
+    state = {names[key][0]: value for key, value in optim_state["state"].items()}
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": list(all_params)}
+              for group in optim_state["param_groups"]]
+    return {MODEL_KEY: model, OPTIMIZER_KEY: {"state": state, "param_groups": groups}}
+
+
+def save_named(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, names: dict[str, list[str]],
+               all_params: list[str]) -> None:
+    """As :func:`save_state` for a module that holds part of a model (a pipeline's stages): each
+    rank writes its tensors under the whole model's names (``names``: its ``state_dict`` key ->
+    those names), so that the files read back like a whole model's (DCP keeps one copy of a key
+    that several ranks write: a tied weight, a replica)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(module, optimizer)
+    with _quiet_without_group():
+        dcp.save(_renamed(model_state, optim_state, names, all_params, every_name=True), checkpoint_id=str(directory))
+
+
+def load_named(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, names: dict[str, list[str]],
+               all_params: list[str]) -> None:
+    """Load this rank's part of a sharded checkpoint (written by :func:`save_state` or
+    :func:`save_named`, any world size) into a module that holds part of the model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(module, optimizer)   # (initialises the optimizer's state)
+    state = _renamed(model_state, optim_state, names, all_params, every_name=False)
+    with _quiet_without_group():
+        try:
+            dcp.load(state, checkpoint_id=str(directory))
+        except CheckpointException as exc:
+            raise RuntimeError(f"torch.distributed.checkpoint could not load it: {exc}") from None
+    model = {key: state[MODEL_KEY][names[key][0]] for key in model_state}
+    saved_groups = state[OPTIMIZER_KEY]["param_groups"]
+    optim = {"state": {key: state[OPTIMIZER_KEY]["state"][names[key][0]] for key in optim_state["state"]},
+             "param_groups": [{**{k: v for k, v in saved.items() if k != "params"}, "params": mine["params"]}
+                              for saved, mine in zip(saved_groups, optim_state["param_groups"])]}
+    set_state_dict(module, optimizer, model_state_dict=model, optim_state_dict=optim)
+
+
 def saved_model_shapes(directory: Path) -> dict[str, Optional[torch.Size]]:
     """Each model entry of a DCP checkpoint with its global shape (None: not a tensor), from ``.metadata``."""
     from torch.distributed.checkpoint import FileSystemReader

@@ -21,11 +21,11 @@ from torch.utils.data import Dataset, IterableDataset
 
 from scaleloop.data.batching import check_batch_split, check_pipeline_schedule, pipeline_pieces
 from scaleloop.data.loader import Batch, ShardedLoader
-from scaleloop.data.sampler import StepPlan
+from scaleloop.data.sampler import StepPlan, split_sizes
 from scaleloop.data.streaming import StreamingLoader, StreamPlan, declared_length
-from scaleloop.data.sampler import split_sizes
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
+from scaleloop.strategies import distcp
 from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.base import EvalShard, OptimizerLike, ProcessGroupStrategy
 
@@ -175,6 +175,8 @@ class StageModule(nn.Module):
         #: id(parameter) -> its index in the whole model's ``parameters()``
         self.param_index: dict[int, int] = {}
         self.n_model_params = 0
+        #: the whole model's parameter names, in ``parameters()`` order (a tied one by its first name)
+        self.param_names: list[str] = []
 
     def probe_next_forward(self) -> None:
         """Treat each stage's next forward as the schedule's shape inference (``StageChunk.forward``)."""
@@ -209,8 +211,10 @@ class PipelineParallel(ProcessGroupStrategy):
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
                  sync_batchnorm: bool = False, *, microbatches: int = 1, schedule: str = "gpipe",
-                 stages_per_rank: int = 0, replicas: int = 1) -> None:
+                 stages_per_rank: int = 0, replicas: int = 1, sharded_checkpoints: bool = False) -> None:
         self.microbatches = microbatches
+        #: Each stage writes its own part of a checkpoint (DCP) rather than sending it to rank 0.
+        self.sharded_checkpoints = sharded_checkpoints
         self.schedule = schedule
         self.replicas = replicas
         super().__init__(env, precision, accumulate, sync_batchnorm)
@@ -330,6 +334,7 @@ class PipelineParallel(ProcessGroupStrategy):
         stage.full_shapes = {key: tuple(t.shape) for key, t in full_state.items()}
         stage.param_index = {id(p): index[id(p)] for p in stage.parameters()}
         stage.n_model_params = len(params)
+        stage.param_names = [names_of[id(p)][0] for p in params]
         local = {index[id(p)]: p for p in stage.parameters()}
         # A parameter used by two stages of one rank gets both gradients in its own .grad; only
         # ranks that hold separate copies need to add theirs up.
@@ -564,8 +569,11 @@ class PipelineParallel(ProcessGroupStrategy):
     def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                         directory: Optional[Path]) -> Optional[dict[str, Any]]:
         """The whole model's weights and optimizer state, as one process would save them: the
-        stages send their parts to rank 0 (every rank calls it)."""
+        stages send their parts to rank 0 (every rank calls it); with ``sharded_checkpoints``
+        each stage writes its own part under the whole model's names (DCP)."""
         assert self._module is not None
+        if self.sharded_checkpoints:
+            return self._save_sharded(optimizer, directory)
         weights = self.full_state_dict(model)
         parts = self._gather_to_main(self._optimizer_part(optimizer))
         if parts is None or directory is None:
@@ -603,11 +611,26 @@ class PipelineParallel(ProcessGroupStrategy):
         group = {k: v for k, v in full["param_groups"][0].items() if k != "params"}
         optimizer.load_state_dict({"state": local_state, "param_groups": [{**group, "params": list(range(len(params)))}]})
 
-    def _load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    def _save_sharded(self, optimizer: torch.optim.Optimizer, directory: Optional[Path]) -> Optional[dict[str, Any]]:
+        """Every stage writes its tensors into rank 0's ``directory`` (torch.distributed.checkpoint),
+        named as one process names them, so any strategy and world size can read them back."""
         from scaleloop.checkpoint.store import CheckpointError
+        from scaleloop.runtime.collectives import broadcast_object
 
-        raise CheckpointError(f"{directory} is a sharded (--strategy fsdp) checkpoint, which --strategy pipeline "
-                              "cannot read: resume it with --strategy fsdp, or use its run's exported model.pt")
+        shared = broadcast_object(str(directory) if directory is not None else None, self.env)
+        if shared is None:
+            return None
+        distcp.save_named(self._module, optimizer, Path(shared), self._module.global_keys, self._module.param_names)
+        error = broadcast_object(distcp.missing_shards(Path(shared)) if directory is not None else None, self.env)
+        if error is not None:
+            raise CheckpointError(error)
+        return {"sharded": distcp.SHARDED_FORMAT} if directory is not None else None
+
+    def _load_sharded(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+        """Each stage reads its own tensors from a sharded checkpoint (this strategy's own, or fsdp's
+        or --mesh's: both use the whole model's names)."""
+        assert self._module is not None
+        distcp.load_named(self._module, optimizer, directory, self._module.global_keys, self._module.param_names)
 
 
 __all__ = ["PipelineParallel", "StageModule", "StagePlan", "pipeline_layers", "plan_stages"]

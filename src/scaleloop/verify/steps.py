@@ -29,7 +29,9 @@ class RunSpec:
 def run_steps(cfg: TrainConfig, env: DistEnv, spec: RunSpec, recorder: Recorder) -> None:
     """Train ``spec.steps`` optimizer steps on this rank, telling ``recorder`` what happens."""
     # The reference side runs one process: a pipeline's pieces and schedule apply to the pipeline only.
-    pipeline = {} if spec.strategy == "pipeline" else dict(microbatches=1, pipeline_schedule="gpipe", stages_per_rank=0)
+    pipelined = cfg.replace(strategy=spec.strategy).pipeline_layout() is not None
+    pipeline = {} if pipelined else dict(microbatches=1, pipeline_schedule="gpipe", stages_per_rank=0,
+                                         sharded_checkpoints=False)
     run = build_run(cfg.replace(strategy=spec.strategy, accumulate=spec.accumulate, **pipeline), env)
     plan = run.loader.plan
     if plan.steps_per_epoch == 0:

@@ -56,6 +56,8 @@ for name, settings in RUNS[which].items():
     settings = dict(settings)
     if settings.pop("resume_from_argv", False):
         settings["resume"] = resume_from
+    if "resume_from_run" in settings:
+        settings["resume"] = str(root / settings.pop("resume_from_run"))
     cfg = TrainConfig(**{**settings, "strategy": "pipeline", "nproc": env.world_size,
                          "out": str(root / name)}).validate()
     result = train(cfg, env, log=lambda _msg: None)

@@ -38,6 +38,10 @@ RUNS = {
         # fp16 in 2 pieces under 1F1B (one overflow check for all stages); SGD, as for bf16.
         "fp16": dict(SIMPLE, model="biggernet", microbatches=2, precision="fp16", optimizer="sgd", lr=0.1,
                      pipeline_schedule="1f1b"),
+        # Each stage writes its own part of the checkpoints (DCP); resumed as a pipeline below and on
+        # one process by the test.
+        "sharded-half": dict(SIMPLE, microbatches=4, max_steps=3, sharded_checkpoints=True),
+        "sharded-on": dict(SIMPLE, microbatches=4, sharded_checkpoints=True, resume_from_run="sharded-half"),
         "first-half": dict(SIMPLE, microbatches=4, max_steps=3),   # resumed on one process by the test
         "from-single": dict(SIMPLE, microbatches=4, resume_from_argv=True),  # resumes a one-process checkpoint
     },
