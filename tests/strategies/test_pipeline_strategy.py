@@ -71,7 +71,8 @@ def test_a_model_without_a_layer_order_is_refused_with_what_to_do() -> None:
 
 @pytest.mark.parametrize("changes, says", [
     (dict(nproc=1), "add --nproc 2"),
-    (dict(nproc=2, precision="fp16"), "use --precision bf16"),
+    (dict(nproc=4, microbatches=2, pipeline_schedule="1f1b"), "use --microbatches 4 or more, or gpipe"),
+    (dict(nproc=2, stages_per_rank=2), "needs --pipeline-schedule interleaved"),
     (dict(nproc=2, sync_batchnorm=True), "drop it"),
     (dict(nproc=2, batch_size=8, microbatches=16), "fewer than --microbatches 16"),
     (dict(nproc=2, batch_size=30, accumulate=4), "use a multiple of 4"),
@@ -82,7 +83,13 @@ def test_config_refuses_pipelines_that_cannot_work(changes: dict, says: str) -> 
 
 
 def test_microbatches_belong_to_the_pipeline() -> None:
-    with pytest.raises(UsageError, match="applies to --strategy pipeline only"):
+    with pytest.raises(UsageError, match="applies to --strategy pipeline \\(or --mesh pp=N\\) only"):
         TrainConfig(strategy="ddp", nproc=2, microbatches=4).validate()
+    with pytest.raises(UsageError, match="--pipeline-schedule applies to --strategy pipeline only"):
+        TrainConfig(strategy="ddp", nproc=2, pipeline_schedule="1f1b").validate()
+    with pytest.raises(UsageError, match="--sharded-checkpoints applies to pipelines"):
+        TrainConfig(strategy="ddp", nproc=2, sharded_checkpoints=True).validate()
+    # fp16 runs under the pipeline (one overflow check over the stages)
+    assert TrainConfig(strategy="pipeline", nproc=2, precision="fp16").validate()
     # the global batch is not divided among a pipeline's ranks: 30 is fine for 2 stages
     assert TrainConfig(strategy="pipeline", nproc=2, batch_size=30, microbatches=3).validate()
