@@ -153,7 +153,7 @@ class _TimedSteps:
         self.timer = _PhaseTimer(lambda: synchronize(self.device))
         self.plain, self.timed = Step(built), Step(built, observer=self.timer)
         self.batches = _endless(built.loader)
-        self.last_loss = torch.zeros(())
+        self.last_loss: Optional[torch.Tensor] = None   # None on a rank that computes no loss (a pipeline stage)
         self.done = 0   # steps run so far, warm-up included: a failure report names the step
 
     def run(self, count: int, phases: bool, what: str) -> tuple[float, list[dict[str, Any]]]:
@@ -194,6 +194,11 @@ class _TimedSteps:
                 self.last_loss = loss
             if phases:
                 t2, c2 = self.timer.forward_end
+                if t2 < t1:
+                    # No loss computed here in this micro-batch (a pipeline's earlier stage, whose
+                    # forwards and backwards interleave in the schedule): the backward column
+                    # holds both.
+                    t2, c2 = t1, c1
                 # CPU time of the compute phases: backward's up to its last all-reduce launch.
                 backward_cpu = (launch[1] if launch is not None and t2 <= launch[0] <= t3 else c3) - c2
                 records.append({"data_s": t1 - t0, "forward_s": t2 - t1, "backward_s": t3 - t2,
@@ -251,7 +256,9 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
         _, records = steps.run(workload.steps, phases=True, what="breakdown")
     recorder.active = False
     ranks = gather_object(_local_result(elapsed, records, recorder, steps.last_loss, env.device), env)
-    nbytes = grad_bytes(built.strategy.unwrap(built.model))
+    # The same size on every rank (the all-reduce benchmark is a collective): a pipeline's stages
+    # hold different parts of the model, so the largest stage's.
+    nbytes = max(gather_object(grad_bytes(built.strategy.unwrap(built.model)), env))
     bench = allreduce_benchmark(nbytes, env, allreduce_reps) if env.is_distributed else None
     comm = {"method": comm_method, "grad_bytes": nbytes,
             "reduced_bytes_per_step": ranks[0]["reduced_bytes_per_step"],
@@ -267,7 +274,7 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
 
 
 def _local_result(elapsed: float, records: list[dict[str, Any]], recorder: CommRecorder,
-                  last_loss: torch.Tensor, device: torch.device) -> dict[str, Any]:
+                  last_loss: Optional[torch.Tensor], device: torch.device) -> dict[str, Any]:
     """This rank's measurements, to be gathered."""
     timed = bool(recorder.steps)
     return {
@@ -278,7 +285,7 @@ def _local_result(elapsed: float, records: list[dict[str, Any]], recorder: CommR
                              if timed and device.type == "cpu" else None),
         "reduced_bytes_per_step": summarize([s[1] for s in recorder.steps])["median"] if timed else None,
         "buckets_per_step": summarize([s[2] for s in recorder.steps])["median"] if timed else None,
-        "loss": float(last_loss),
+        "loss": float(last_loss) if last_loss is not None else None,
         # Where backward's computation ended (the last all-reduce's launch), CPU only: a CUDA
         # hook runs when the kernels are queued, not when they have run.
         "marks": ([r["marks"] for r in records] if device.type == "cpu" and recorder.attached else None),
@@ -323,8 +330,9 @@ def _combine(ranks: list[dict[str, Any]], workload: Workload, run: RunSpec, env:
         "interop_threads_seen": sorted({r["interop_threads"] for r in ranks}),
         "comm": dict(comm, in_flight_s=rank_mean("comm_in_flight_s")),
         "allreduce_bench": bench,
-        "loss": ranks[0]["loss"],
-        "loss_finite": all(math.isfinite(r["loss"]) for r in ranks),
+        # The first rank that computes a loss (a pipeline's last stage; rank 0 otherwise).
+        "loss": next((r["loss"] for r in ranks if r["loss"] is not None), float("nan")),
+        "loss_finite": all(math.isfinite(r["loss"]) for r in ranks if r["loss"] is not None),
     }
 
 
