@@ -12,7 +12,7 @@ from scaleloop.config import TrainConfig
 from scaleloop.errors import UsageError
 from scaleloop.models import TinyGPT
 from scaleloop.strategies.mesh import MeshSpec
-from scaleloop.strategies.tensor import tp_plan_of
+from scaleloop.strategies.tensor import strided_tp_supported, tp_plan_of
 
 
 def test_parse_names_aliases_and_sizes() -> None:
@@ -88,12 +88,22 @@ def test_cli_reports_a_bad_mesh_in_one_line_with_exit_2() -> None:
         "or change the mesh"]
 
 
+@pytest.mark.skipif(not strided_tp_supported(), reason="tp of a fused q/k/v needs torch 2.13+ (refused in one line: "
+                                                        "test_a_fused_split_on_old_torch_is_one_line)")
 def test_tinygpt_plan_splits_attention_and_mlp() -> None:
     model = TinyGPT(vocab_size=16, seq_len=8, d_model=32, n_layers=2, n_heads=4)
     plan = model.tp_plan(2)
     assert plan["blocks.1.attn.qkv"] == "colwise:3" and plan["blocks.1.attn.proj"] == "rowwise"
     assert plan["blocks.0.mlp.0"] == "colwise" and plan["blocks.0.mlp.2"] == "rowwise" and len(plan) == 8
     assert len(tp_plan_of(model, 2)) == 8   # every entry names a submodule and a known style
+
+
+def test_a_fused_split_on_old_torch_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import scaleloop.strategies.tensor as tensor
+
+    monkeypatch.setattr(tensor, "strided_tp_supported", lambda: False)
+    with pytest.raises(UsageError, match="'colwise:3' .* needs torch 2.13 or newer"):
+        tp_plan_of(TinyGPT(vocab_size=16, seq_len=8, d_model=32, n_heads=4), 2)
 
 
 def test_heads_must_divide_by_tp() -> None:

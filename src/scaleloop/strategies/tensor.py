@@ -76,9 +76,24 @@ def _style(spec: Union[str, Any], where: str) -> Any:
     if spec == "rowwise":
         return rowwise()
     if isinstance(spec, str) and spec.startswith("colwise:") and spec[8:].isdigit() and int(spec[8:]) >= 1:
+        if not strided_tp_supported():
+            import torch
+
+            raise UsageError(f"tp_plan(): {where!r} -> {spec!r} (a fused layer split in whole parts) needs torch "
+                             f"2.13 or newer, whose DTensor runs a Linear with a strided-sharded weight; this is "
+                             f"torch {torch.__version__}: upgrade torch, or drop tp from --mesh")
         return fused_colwise(int(spec[8:]))
     raise UsageError(f"tp_plan(): {where!r} -> {spec!r} is not a way to split a layer; use 'colwise', "
                      "'colwise:N', 'rowwise' or a torch ParallelStyle")
+
+
+def strided_tp_supported() -> bool:
+    """Whether this torch runs ``colwise:N`` layers: torch 2.11's DTensor cannot redistribute a
+    Linear's input against a ``_StridedShard`` weight (tested: 2.11 fails, 2.13 and 2.15 work)."""
+    import torch
+    from torch.torch_version import TorchVersion
+
+    return TorchVersion(torch.__version__.split("+")[0]) >= "2.13"
 
 
 def tp_plan_of(model: nn.Module, tp: int) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import scaleloop as sl
 from scaleloop.config import TrainConfig
 from scaleloop.loop.training import train
+from scaleloop.strategies.tensor import strided_tp_supported
 
 # The same settings as BASE in test_mesh_dist.py (for the single-process references).
 BASE = dict(data="tokens", model="tinygpt", n_samples=48, seq_len=8, vocab_size=32, epochs=1, max_steps=3,
@@ -26,6 +27,10 @@ RUNS = {
     "first-half": {"mesh": "fsdp=2,tp=2", "max_steps": 2},
 }
 
+# torch 2.11 cannot run TinyGPT's fused q/k/v split (strategies/tensor.py): its tp runs are left out there.
+if not strided_tp_supported():
+    RUNS = {name: changes for name, changes in RUNS.items() if "tp" not in changes["mesh"]}
+
 root = Path(sys.argv[1])
 env = sl.DistEnv.from_env(device="cpu")
 sl.init_process_group(env)
@@ -34,10 +39,11 @@ for name, changes in RUNS.items():
     cfg = TrainConfig(**{**BASE, **changes, "out": str(root / name)}).validate()
     described[name] = train(cfg, env, log=lambda _msg: None).strategy
 # The first half's checkpoint, continued on another mesh shape (2x2 -> 4): step 3 here, step 4 on 1 process.
-cfg = TrainConfig(**{**BASE, "mesh": "fsdp=4", "out": str(root / "first-half")}).validate()
-said: list = []
-described["resume"] = train(cfg, env, log=said.append).strategy
-described["resume_log"] = [line for line in said if "resuming from" in line or "written by" in line]
+if "first-half" in RUNS:
+    cfg = TrainConfig(**{**BASE, "mesh": "fsdp=4", "out": str(root / "first-half")}).validate()
+    said: list = []
+    described["resume"] = train(cfg, env, log=said.append).strategy
+    described["resume_log"] = [line for line in said if "resuming from" in line or "written by" in line]
 sl.destroy_process_group()
 if env.is_main:
     print(json.dumps(described))
