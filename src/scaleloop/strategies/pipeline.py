@@ -77,7 +77,7 @@ def plan_stages(layers: list[nn.Module], n_stages: int, model_name: str = "the m
     # also takes any parameter-free layers before it).
     starts = [i for i, c in enumerate(counts) if c > 0]
     if len(starts) < n_stages:
-        fewer = (f"fewer --stages-per-rank (or --pipeline-schedule 1f1b)" if per_rank > 1
+        fewer = ("fewer --stages-per-rank (or --pipeline-schedule 1f1b)" if per_rank > 1
                  else f"--nproc {max(len(starts), 2)} or fewer")
         raise UsageError(f"{model_name} has {len(starts)} layer(s) with parameters, so it cannot be cut into "
                          f"{n_stages} pipeline stages{f' ({per_rank} per process)' if per_rank > 1 else ''}: use "
@@ -399,7 +399,7 @@ class PipelineParallel(ProcessGroupStrategy):
         if say and (m, schedule) != (self.microbatches, self.schedule) and n not in self._noted_uneven:
             self._noted_uneven.add(n)
             if self.env.is_main:
-                also = f", with the GPipe schedule (1F1B needs a piece per stage)" if schedule != self.schedule else ""
+                also = ", with the GPipe schedule (1F1B needs a piece per stage)" if schedule != self.schedule else ""
                 print(f"note: a batch of {n} samples does not split into {self.microbatches} equal pipeline "
                       f"micro-batches; it runs as {m} of {n // m}{also}")
         return m, schedule

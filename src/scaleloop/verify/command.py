@@ -156,7 +156,7 @@ def _header(s: Session) -> None:
     if _pipeline(cfg):
         r = _replicas(cfg)
         copies = f" in {r} replicas" if r > 1 else ""
-        share = "all" if r == 1 else f"its replica's"
+        share = "all" if r == 1 else "its replica's"
         s.say(f"  distributed: {s.world} processes (pipeline), one stage of the model each{copies}, accumulate "
               f"{cfg.accumulate}: every stage runs {share} {cfg.batch_size // (r * cfg.accumulate)} samples per "
               f"backward in {cfg.microbatches} pipeline micro-batch(es)")
