@@ -126,12 +126,22 @@ class TrainConfig:
 
     # how many processes, on how many machines (N > 1 re-launches under torch.distributed.run)
     nproc: int = _opt(1, "worker processes on this machine (one per GPU on CUDA)", group="launch")
-    nnodes: int = _opt(1, "machines in the job", group="launch")
+    nnodes: int = _opt(1, "machines in the job: N, or MIN:MAX for elastic membership (with --rdzv-endpoint: the "
+                       "job goes on with as few as MIN machines and admits returning ones, up to MAX)", group="launch")
+    min_nnodes: int = _opt(0, "the fewest machines an elastic job goes on with (set by --nnodes MIN:MAX; 0: --nnodes)",
+                           group="launch")
     node_rank: int = _opt(0, "this machine's index, 0..nnodes-1 (with --master-addr)", group="launch")
     master_addr: Optional[str] = _opt(None, "address of node 0 (static rendezvous; default: single-node standalone)", group="launch")
     master_port: int = _opt(29500, "port on node 0 for --master-addr", group="launch")
     rdzv_endpoint: Optional[str] = _opt(None, "host:port of a c10d rendezvous (elastic; instead of --master-addr/--node-rank)", group="launch")
     rdzv_id: str = _opt("scaleloop", "job id shared by all nodes of one --rdzv-endpoint job", group="launch")
+    rdzv_conf: Optional[str] = _opt(None, "torchrun's --rdzv-conf for --rdzv-endpoint, e.g. last_call_timeout=5,"
+                                    "join_timeout=600 (docs/multinode.md, 'Faults')", group="launch")
+    local_addr: Optional[str] = _opt(None, "this machine's address as the others reach it (default: the address "
+                                     "that routes to --rdzv-endpoint)", group="launch")
+    shared_fs: str = _opt("auto", "whether every machine sees the same run directory: auto (checked at the start), "
+                          "yes, or no (every machine then keeps a verified copy of each checkpoint)",
+                          ("auto", "yes", "no"), group="launch")
     max_restarts: int = _opt(0, "times torchrun restarts the worker group after a failure", group="launch")
     signal: str = _opt("SIGUSR1", "a signal that, like SIGTERM and SIGUSR1, stops the run after the current step with a "
                        "checkpoint (preemption; see docs/slurm.md)", group="launch")
@@ -198,6 +208,7 @@ class TrainConfig:
                                 "(its stages are scheduled by torch.distributed.pipelining): drop --compile"))
         _require(self.nproc >= 1, "nproc", "a positive integer")
         _require(self.nnodes >= 1, "nnodes", "a positive integer")
+        _require(0 <= self.min_nnodes <= self.nnodes, "min_nnodes", f"in 0..{self.nnodes} (--nnodes MIN:MAX)")
         _require(0 <= self.node_rank < self.nnodes, "node_rank", f"in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
         _require(1 <= self.master_port <= 65535, "master_port", "a port number in 1..65535")
         _require(self.max_restarts >= 0, "max_restarts", "zero or positive")
@@ -219,6 +230,8 @@ class TrainConfig:
                              "or --rdzv-endpoint HOST:PORT")
         if self.rdzv_endpoint and self.master_addr:
             raise UsageError("give either --master-addr (static) or --rdzv-endpoint (elastic), not both")
+        if self.elastic:
+            self._check_elastic()
         if self.strategy == "single" and self.world_size > 1:
             raise UsageError(f"--strategy single runs one process, but --nproc x --nnodes = {self.world_size}; "
                              "use --strategy ddp or allreduce")
@@ -241,8 +254,35 @@ class TrainConfig:
             if self.pipeline_schedule != "gpipe" or self.stages_per_rank:
                 which = "--stages-per-rank" if self.stages_per_rank else "--pipeline-schedule"
                 raise UsageError(f"{which} applies to --strategy pipeline only: add --strategy pipeline, or drop it")
-            check_batch_split(self.batch_size, data_ranks, self.accumulate)
+            if not self.elastic:
+                check_batch_split(self.batch_size, data_ranks, self.accumulate)
+            elif self.batch_size < self.world_size * self.accumulate:
+                # Any world size MIN..MAX runs; an uneven split is weighted (strategies/base.py).
+                raise UsageError(f"--batch-size {self.batch_size} gives some of the up to {self.world_size} workers x "
+                                 f"{self.accumulate} accumulation step(s) no sample; use at least "
+                                 f"{self.world_size * self.accumulate}")
         return self
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job's machines may change while it runs (``--nnodes MIN:MAX``, MIN < MAX)."""
+        return 0 < self.min_nnodes < self.nnodes
+
+    def _check_elastic(self) -> None:
+        """An elastic job runs on whatever world size its machines give: only strategies that
+        work on any world size, and a rendezvous that can change."""
+        if not self.rdzv_endpoint:
+            raise UsageError(f"--nnodes {self.min_nnodes}:{self.nnodes} lets machines leave and join, which needs the "
+                             "c10d rendezvous: add --rdzv-endpoint HOST:PORT (instead of --master-addr)")
+        if self.mesh is not None or self.strategy in ("pipeline", "mesh", "dp", "single"):
+            which = f"--mesh {self.mesh}" if self.mesh is not None else f"--strategy {self.strategy}"
+            raise UsageError(f"--nnodes {self.min_nnodes}:{self.nnodes}: {which} needs a fixed number of processes; "
+                             "an elastic job runs ddp, allreduce or fsdp")
+
+    def elastic_world_sizes(self) -> range:
+        """The world sizes an elastic job may run with (just the one for a fixed job)."""
+        low = self.min_nnodes if self.elastic else self.nnodes
+        return range(low * self.nproc, self.world_size + 1, self.nproc)
 
     def _check_memory_levers(self) -> None:
         """--activation-checkpointing and --cpu-offload only where they are implemented and tested."""
@@ -334,6 +374,8 @@ def field_types() -> dict[str, type]:
 def coerce(name: str, value: Any, source: str) -> Any:
     """Convert ``value`` to the field's type, or raise UsageError naming where it came from."""
     tp = field_types()[name]
+    if name == "nnodes" and isinstance(value, str) and ":" in value:
+        return _min_max(value, source)
     if value is None or (isinstance(value, str) and value.lower() == "none"
                          and TrainConfig.__dataclass_fields__[name].default is None):
         return None
@@ -359,6 +401,17 @@ def coerce(name: str, value: Any, source: str) -> Any:
     except (TypeError, ValueError):
         pass
     raise UsageError(f"{source}: {name} must be {tp.__name__}, got {value!r}")
+
+
+def _min_max(value: str, source: str) -> str:
+    """``MIN:MAX`` machines, checked (kept as text: ``resolve`` splits it into two fields)."""
+    try:
+        low, high = (int(part) for part in value.split(":"))
+    except ValueError:
+        low = high = 0
+    if not 1 <= low <= high:
+        raise UsageError(f"{source}: nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got {value!r}")
+    return f"{low}:{high}"
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -392,6 +445,11 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 def resolve(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> TrainConfig:
     """Defaults, then the config file, then CLI flags; validated."""
     merged = {**file_values, **flag_values}
+    if isinstance(merged.get("nnodes"), str):   # elastic "MIN:MAX" (checked by coerce)
+        low, high = (int(part) for part in merged["nnodes"].split(":"))
+        merged["min_nnodes"], merged["nnodes"] = low, high
+    elif "nnodes" in flag_values and "min_nnodes" not in flag_values:
+        merged["min_nnodes"] = 0   # --nnodes N on the command line: a fixed job, whatever the file said
     return TrainConfig(**merged).validate()
 
 

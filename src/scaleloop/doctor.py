@@ -8,7 +8,8 @@ the directory, without torch:
   (``docs/troubleshooting.md`` lists its keys);
 - ``metrics.csv``: the steps and epochs that were logged;
 - ``checkpoints/``: the newest checkpoint whose manifest and checksums verify;
-- ``config.toml``: the run's settings, which ``scaleloop train --out RUN_DIR`` resumes with.
+- ``config.toml``: the run's settings, which ``scaleloop train --out RUN_DIR`` resumes with;
+- ``recovery.json``: the faults an elastic job got over, and how long each took (listed as they are).
 
 Which of them is newest decides the story: a ``model.pt`` newer than every checkpoint and
 failure record is a finished run; a failure record newer than ``model.pt`` is a failed,
@@ -18,6 +19,7 @@ machine lost).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import shlex
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ from typing import Any, Optional
 from scaleloop.checkpoint.store import CHECKPOINTS_DIR, CheckpointInfo, newest_valid
 from scaleloop.config import load_toml
 from scaleloop.errors import UsageError
+from scaleloop.runtime.recovery import read_recoveries
 
 FAILURE_FILE = "failure.json"
 MODEL_FILE = "model.pt"
@@ -45,11 +48,13 @@ class Diagnosis:
     checkpoint: Optional[CheckpointInfo] = None
     continue_with: Optional[str] = None
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    recoveries: tuple[str, ...] = ()   # faults an elastic job got over (recovery.json), oldest first
 
     def lines(self) -> list[str]:
         """The report, as printed."""
         out = [f"run: {self.run_dir}", f"what happened: {self.what}"]
         out += [f"  {d}" for d in self.details]
+        out += [f"  {r}" for r in self.recoveries]
         out += [f"  {w}" for w in self.warnings]
         if self.checkpoint is not None:
             meta = self.checkpoint.meta
@@ -67,6 +72,12 @@ class Diagnosis:
 
 def diagnose(run_dir: Path) -> Diagnosis:
     """Read ``run_dir`` and tell its story (module doc); UsageError if it is not a run directory."""
+    told = _diagnose(run_dir)
+    recoveries = tuple(f"{e.get('when', '?')}: {e.get('summary', '')}" for e in read_recoveries(run_dir)[-5:])
+    return dataclasses.replace(told, recoveries=recoveries) if recoveries else told
+
+
+def _diagnose(run_dir: Path) -> Diagnosis:
     if not run_dir.is_dir():
         raise UsageError(f"{str(run_dir)!r} is not a directory; give the run directory (the --out of a run, "
                          "e.g. runs/20261125-101500-simplenet-digits)")

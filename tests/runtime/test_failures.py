@@ -35,7 +35,7 @@ def record(run: Path, monkeypatch: pytest.MonkeyPatch, rank: int, exc_fn, log_te
     try:
         exc_fn()
     except Exception as exc:  # as torch's record() does
-        _RankErrorHandler(rank, open(run / "logs" / f"rank-{rank}.log", "a")).record_exception(exc)
+        _RankErrorHandler(rank, open(run / "logs" / f"rank-{rank}.log", "a"), run / "logs").record_exception(exc)
     return json.loads(path.read_text())
 
 
@@ -162,12 +162,12 @@ def test_only_the_last_attempt_of_a_log_is_read(tmp_path: Path) -> None:
 
 def test_where_is_found_through_chained_exceptions() -> None:
     inner = ValueError("x")
-    note_where(inner, epoch=2, step=7)
+    note_where(inner, epoch=2, step=7, last_progress=1234.5)
     note_where(inner, epoch=9, step=9)          # the first note wins
     outer = RuntimeError("y")
     outer.__cause__ = inner
-    assert where_of(outer) == {"epoch": 2, "step": 7}
-    assert where_of(KeyError()) == {"epoch": None, "step": None}
+    assert where_of(outer) == {"epoch": 2, "step": 7, "last_progress": 1234.5}
+    assert where_of(KeyError()) == {"epoch": None, "step": None, "last_progress": None}
 
 
 def test_flight_recorder_variables_for_cuda_workers_only(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from torch import nn
 
+from scaleloop.checkpoint.replicas import Replicas, machines, newest_among_machines
 from scaleloop.checkpoint.resume import check_compatible, find_checkpoint
 from scaleloop.checkpoint.state import capture_rng, from_bytes, restore_rng, to_bytes
 from scaleloop.checkpoint.store import (CHECKPOINTS_DIR, FORMAT_VERSION, STATE_FILE, CheckpointError,
@@ -64,6 +65,7 @@ class Resumed:
     sums: torch.Tensor              # the loop's running sums (all ranks' total, on rank 0)
     saved_world_size: int
     notes: list[str] = field(default_factory=list)
+    copy_on_rank: Optional[int] = None   # read from this rank's machine's copy (checkpoint.replicas), not rank 0's
 
 
 class Checkpointer:
@@ -78,6 +80,7 @@ class Checkpointer:
         self.seconds = 0.0
         self.last_path: Optional[Path] = None
         self._last_step: Optional[int] = None
+        self.replicas = Replicas(strategy.env, cfg.keep_checkpoints)   # none until attach()
 
     @property
     def last_step(self) -> Optional[int]:
@@ -85,12 +88,16 @@ class Checkpointer:
         return self._last_step
 
     def attach(self, run_dir: Optional[Path]) -> None:
-        """Write into ``run_dir/checkpoints`` (None on ranks that do not write)."""
+        """Write into ``run_dir/checkpoints`` (None on ranks that do not write); on a job of several
+        machines, also decide which keep copies (a collective: every rank calls it)."""
         self.root = run_dir / CHECKPOINTS_DIR if run_dir is not None else None
+        self.replicas = Replicas.arrange(self.strategy.env, self.cfg, run_dir, sharded=_writes_sharded(self.strategy),
+                                         say=self.say)
 
     def retire_after(self, step: int) -> list[Path]:
-        """On the writing rank: move this run's checkpoints of steps after ``step`` aside."""
-        return retire_after(self.root, step) if self.root is not None else []
+        """On the writing rank (and a machine's copies): move the checkpoints of steps after ``step`` aside."""
+        mine = retire_after(self.root, step) if self.root is not None else []
+        return mine + self.replicas.retire_after(step)
 
     # --- save -------------------------------------------------------------------------------
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -149,6 +156,8 @@ class Checkpointer:
         if error is not None:
             self._last_step = previous
             raise RunDirWriteError(error)
+        if self.replicas.active:
+            self.replicas.copy(path, self.say)
         self.written += 1
         self.seconds += time.perf_counter() - started
         return path
@@ -183,14 +192,23 @@ class Checkpointer:
         strategy = self.strategy
         env = strategy.env
         payload: tuple[Optional[str], Optional[bytes], Optional[str]] = (None, None, None)
-        if env.is_main:
+        # On several machines without a shared disk, each machine's first process looks in its own
+        # run directory (copies, see checkpoint.replicas), and the newest checkpoint any holds wins.
+        anywhere = machines(env) > 1 and self.cfg.shared_fs != "yes" and self.cfg.resume == "auto"
+        looks = env.is_main or (anywhere and env.local_rank == 0)
+        info, error = None, None
+        if looks:
             try:
-                info = find_checkpoint(self.cfg, restarting=restarting, warn=self.say)
-                if info is not None:
-                    payload = (None, info.state_file.read_bytes(), str(info.path))
+                info = find_checkpoint(self.cfg, restarting=restarting, warn=self.say if env.is_main else _quiet)
             except (CheckpointError, OSError) as exc:
+                error = str(exc)
+        src = newest_among_machines(env, info)[0] if anywhere else 0
+        if env.rank == src:
+            try:
+                payload = (error, info.state_file.read_bytes(), str(info.path)) if info is not None else (error, None, None)
+            except OSError as exc:
                 payload = (str(exc), None, None)
-        error, data, source = broadcast_object(payload, env)
+        error, data, source = broadcast_object(payload, env, src=src)
         if error is not None:
             raise CheckpointError(error)
         if data is None or source is None:
@@ -221,6 +239,17 @@ class Checkpointer:
                 # A rank that did not exist gets its own fresh stream, as a new worker would.
                 torch.manual_seed(self.cfg.seed + env.rank + 1_000_003 * progress.global_step)
         sums = state["sums"].to(env.device) if env.is_main else torch.zeros_like(state["sums"], device=env.device)
+        if src != 0:
+            notes.append(f"note: rank 0's machine held no checkpoint this new; the copy on rank {src}'s machine "
+                         f"({source}) was sent to every rank")
         return Resumed(source=Path(source), progress=progress, sums=sums,
-                       saved_world_size=saved_world, notes=notes)
+                       saved_world_size=saved_world, notes=notes, copy_on_rank=src or None)
 
+
+def _quiet(_msg: str) -> None:
+    """Warnings of a machine other than rank 0's go nowhere: rank 0 speaks for the run."""
+
+
+def _writes_sharded(strategy: Strategy) -> bool:
+    """Whether the strategy's checkpoints are written by every rank into one directory."""
+    return strategy.name in ("fsdp", "mesh") or bool(getattr(strategy, "sharded_checkpoints", False))

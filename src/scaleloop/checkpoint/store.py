@@ -141,6 +141,12 @@ def finish_checkpoint(root: Path, step: int, tmp: Path, files: Mapping[str, byte
     _write_file(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True).encode())
     for sub in sorted({p.parent for p in tmp.rglob("*")}, key=lambda p: len(p.parts), reverse=True):
         _fsync_dir(sub)
+    _publish(root, tmp, final)
+    return final
+
+
+def _publish(root: Path, tmp: Path, final: Path) -> None:
+    """Rename the complete ``tmp`` to ``final``, then move the ``latest`` pointer to it."""
     if final.exists():
         # The same step saved again (e.g. a resumed run that ends where it resumed): swap it
         # out of the way first, since a directory cannot be renamed over a non-empty one.
@@ -155,7 +161,27 @@ def finish_checkpoint(root: Path, step: int, tmp: Path, files: Mapping[str, byte
     _write_file(pointer, (final.name + "\n").encode())
     os.replace(pointer, root / LATEST_FILE)
     _fsync_dir(root)
-    return final
+
+
+def copy_checkpoint(root: Path, step: int, files: Mapping[str, bytes]) -> CheckpointInfo:
+    """Write another machine's checkpoint ``files`` (its manifest among them, unchanged) as the
+    checkpoint for ``step`` under ``root``, as atomically as :func:`finish_checkpoint`; then verify
+    every file against that manifest. Returns the verified copy; CheckpointError if it differs."""
+    tmp = begin_checkpoint(root, step)
+    for name in sorted(files, key=lambda n: n == MANIFEST_FILE):   # the manifest last
+        target = tmp / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _write_file(target, files[name])
+    for sub in sorted({p.parent for p in tmp.rglob("*")}, key=lambda p: len(p.parts), reverse=True):
+        _fsync_dir(sub)
+    try:
+        verify_checkpoint(tmp)
+    except CheckpointError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    final = root / step_dir_name(step)
+    _publish(root, tmp, final)
+    return CheckpointInfo(path=final, step=step, meta=json.loads(files[MANIFEST_FILE]))
 
 
 def verify_checkpoint(path: Path) -> CheckpointInfo:

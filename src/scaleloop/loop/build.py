@@ -136,7 +136,14 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     # independent workers would; the data order stays shared, drawn from cfg.seed + epoch.
     torch.manual_seed(cfg.seed + env.rank)
     loader = strategy.loader(datasets.train, cfg.batch_size, shuffle=True, seed=cfg.seed,
-                             drop_last=cfg.drop_last, num_workers=cfg.num_workers)
+                             drop_last=cfg.drop_last, num_workers=cfg.num_workers, uneven=cfg.elastic)
+    pieces = env.world_size * cfg.accumulate
+    if cfg.elastic and cfg.batch_size % pieces:
+        low = cfg.batch_size // pieces
+        notes.append(f"note: --batch-size {cfg.batch_size} does not split evenly over the {env.world_size} worker(s) "
+                     f"x {cfg.accumulate} accumulation step(s) this elastic job has now; each micro-batch holds "
+                     f"{low} or {low + 1} samples, weighted by its share, so a step is still the mean over "
+                     f"{cfg.batch_size} samples")
     try:
         loader.configure(pin_memory=cfg.pin_memory, persistent_workers=cfg.persistent_workers,
                          on_device=cfg.data_on_device, channels_last=cfg.channels_last)

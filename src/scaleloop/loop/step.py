@@ -81,6 +81,11 @@ class Step:
         """The next step's own time starts now (after a pause: evaluation, a checkpoint, an epoch's start)."""
         self._step_began = self._loss_known = time.perf_counter()
 
+    @property
+    def last_progress(self) -> float:
+        """``time.perf_counter()`` when the loop last moved on: the last step's end, or a restart of the clock."""
+        return self._step_began
+
     def take_own_s(self) -> float:
         """This rank's own seconds since the last call (then counted from zero again)."""
         own, self.own_s = self.own_s, 0.0

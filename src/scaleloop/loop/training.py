@@ -39,7 +39,9 @@ from scaleloop.output.rundir import RunDirWriteError, lock_run_dir, prepare_run_
 from scaleloop.runtime.collectives import gather_object, sum_over_ranks
 from scaleloop.runtime.devices import describe_device, device_clock, to_cpu
 from scaleloop.runtime.dist import DistEnv, launched_by_torchrun, restart_count
+from scaleloop.runtime.failures import LOGS_DIR
 from scaleloop.runtime.frames import note_where
+from scaleloop.runtime.recovery import RECOVERY_FILE, Recovery, take_faults
 
 Log = Callable[[str], None]
 
@@ -112,7 +114,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
 
     ``on_batch`` (optional) sees every micro-batch this rank trains on, before its forward pass.
     """
-    started = time.perf_counter()
+    started, joined = time.perf_counter(), time.time()   # (called once the process group is formed)
     say: Log = (log or print) if env.is_main else (lambda _msg: None)
     reset_peak(env.device)  # this run's peak CUDA memory, not an earlier run's in this process
     run = build_run(cfg, env)
@@ -120,12 +122,29 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     resumed = checkpointer.restore(run.model, run.optimizer, run.scheduler, restarting=restart_count() > 0)
     at = resumed.progress if resumed is not None else Progress()
     run_dir, lock = _open_run_dir(run, checkpointer, resumed)
+    recovery = _recovery(cfg, env, joined, resumed)
     with lock:  # released at the end, however the run ends
-        return _train(run, checkpointer, resumed, at, run_dir, say, started, on_batch)
+        return _train(run, checkpointer, resumed, at, run_dir, say, started, on_batch, recovery)
+
+
+def _recovery(cfg: TrainConfig, env: DistEnv, joined: float, resumed: Optional[Resumed]) -> Optional[Recovery]:
+    """On rank 0 of a group that torchrun restarted after a fault: what the attempt before left
+    (every machine's records, a collective), to report once the first step is done."""
+    if not launched_by_torchrun() or env.world_size == 1 and restart_count() == 0:
+        return None
+    mine = take_faults(Path(cfg.out) / LOGS_DIR) if env.local_rank == 0 and cfg.out else []
+    records = [r for rank_records in gather_object(mine, env) for r in rank_records]
+    if not env.is_main:
+        return None
+    found = Recovery.from_records(records, env.world_size, joined)
+    if found is not None and resumed is not None:
+        found.resumed_step = resumed.progress.global_step
+    return found
 
 
 def _train(run: Run, checkpointer: Checkpointer, resumed: Optional[Resumed], at: Progress,
-           run_dir: Optional[Path], say: Log, started: float, on_batch: Optional[Callable[[Batch], None]]) -> RunResult:
+           run_dir: Optional[Path], say: Log, started: float, on_batch: Optional[Callable[[Batch], None]],
+           recovery: Optional[Recovery] = None) -> RunResult:
     """The epochs and their steps, from ``at`` on; then the final weights and the result."""
     cfg, env = run.cfg, run.env
     metrics = (MetricsLogger(run_dir, tensorboard=cfg.tensorboard, tracker=cfg.tracker, config=cfg,
@@ -170,6 +189,9 @@ def _train(run: Run, checkpointer: Checkpointer, resumed: Optional[Resumed], at:
                     continue
                 ledger.lr = step.update()
                 ledger.step += 1
+                if recovery is not None:   # the first step after a fault: the recovery is complete
+                    _recovered(recovery, metrics, run_dir, ledger, epoch, say)
+                    recovery = None
                 in_epoch = batch.step + 1
                 ledger.samples += batch.plan.step_samples
                 window_samples += batch.plan.step_samples
@@ -202,12 +224,29 @@ def _train(run: Run, checkpointer: Checkpointer, resumed: Optional[Resumed], at:
         note_where(exc, epoch=ledger.epochs_run + 1, step=ledger.step + 1)
         raise exc.with_hint(checkpointer.continue_hint(exc.once)) from None
     except BaseException as exc:  # where the loop was, for the launcher's failure report
-        note_where(exc, epoch=ledger.epochs_run + 1, step=ledger.step + 1)
+        note_where(exc, epoch=ledger.epochs_run + 1, step=ledger.step + 1,
+                   last_progress=time.time() - (time.perf_counter() - step.last_progress))
         raise
     finally:
         if metrics is not None:
             metrics.close()
     return _finish(run, run_dir, checkpointer, resumed, ledger, step.gradient_bytes)
+
+
+def _recovered(recovery: Recovery, metrics: Optional[MetricsLogger], run_dir: Optional[Path], ledger: _Ledger,
+               epoch: int, say: Log) -> None:
+    """Report a recovery: a line, a ``recovery`` row of metrics.csv and an entry of recovery.json."""
+    recovery.first_step = time.time()
+    say(f"scaleloop: {recovery.describe()}")
+    phases = recovery.phases
+    if metrics is not None:
+        metrics.log_recovery(epoch + 1, ledger.step, ledger.samples, world_size=recovery.world_after,
+                             recovery_s=phases["total_s"])
+    if run_dir is not None:
+        try:
+            recovery.write(run_dir)
+        except OSError as exc:
+            say(f"warning: {run_dir / RECOVERY_FILE} could not be written: {exc}")
 
 
 def _open_run_dir(run: Run, checkpointer: Checkpointer, resumed: Optional[Resumed]
@@ -222,7 +261,8 @@ def _open_run_dir(run: Run, checkpointer: Checkpointer, resumed: Optional[Resume
         out = run_dir_for(run.cfg)
         # Only one of this run directory's own checkpoints continues the run in it; another
         # run's checkpoint starts a new run (a fork), which must not overwrite a run in --out.
-        continuing = restart_count() > 0 or (resumed is not None and continues_run(out, resumed.source))
+        continuing = restart_count() > 0 or (resumed is not None and (resumed.copy_on_rank is not None
+                                                                       or continues_run(out, resumed.source)))
         run_dir = prepare_run_dir(str(out) if out else None, run.cfg.model, run.cfg.data, continuing=continuing)
         lock = lock_run_dir(run_dir, single_node=run.cfg.nnodes == 1)
         try:

@@ -48,6 +48,8 @@ METRIC_COLUMNS: tuple[str, ...] = (
     "rank_step_s_max",
     "slowest_rank",
     "skipped_steps",
+    "world_size",
+    "recovery_s",
 )
 
 # Columns a caller may pass as keyword values; the others are positional.
@@ -135,6 +137,11 @@ class MetricsLogger:
         """Record where a run stopped inside an epoch (``--max-steps``): a ``stop`` row, with the
         loss of the epoch so far. Not an ``epoch`` row: the run that resumes it writes that one."""
         self._write("stop", epoch=epoch, step=step, samples=samples, values=values)
+
+    def log_recovery(self, epoch: int, step: int, samples: int, **values: float) -> None:
+        """Record a recovery from a fault (``runtime.recovery``): a ``recovery`` row at the first
+        step after it, with the new ``world_size`` and ``recovery_s``, the seconds it took."""
+        self._write("recovery", epoch=epoch, step=step, samples=samples, values=values)
 
     def _write(
         self, kind: str, *, epoch: int, step: int, samples: int, values: dict[str, float]

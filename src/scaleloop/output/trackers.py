@@ -49,6 +49,8 @@ TAGS = {
     "rank_step_s_max": "ranks/step_s_max",
     "slowest_rank": "ranks/slowest",
     "skipped_steps": "train/skipped_steps",
+    "world_size": "elastic/world_size",
+    "recovery_s": "elastic/recovery_s",
 }
 
 

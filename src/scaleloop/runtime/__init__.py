@@ -6,6 +6,7 @@
   and the exact, padding-free helpers for user metrics (``gather_tensor``, ``shard_indices``).
 - ``devices``: the best device and a local rank's device.
 - ``torchrun``: ``scaleloop train --nproc/--nnodes`` re-launched under ``torch.distributed.run``.
+- ``rendezvous``: a multi-machine job's c10d rendezvous: this machine's address, and whether it hosts.
 - ``spawn``: ``scaleloop.launch(fn, nproc=N)`` from a script or a notebook.
 - ``slurm``: ranks and the master address from SLURM's variables; ``scontrol requeue``.
 - ``preempt``: stop signals (SIGTERM, SIGUSR1, ``--signal``) noted, not fatal; the one line after the stop.
@@ -17,4 +18,5 @@
 - ``failures``: after a failure, which rank failed first or stalled, and where; the report and
   ``failure.json``.
 - ``frames``: which frames are the user's; where the loop was when an exception left it.
+- ``recovery``: an elastic job's recovery from a fault, timed from what each attempt leaves behind.
 """

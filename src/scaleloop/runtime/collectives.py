@@ -111,12 +111,12 @@ def gather_object(obj: Any, env: DistEnv) -> list[Any]:
     return out
 
 
-def broadcast_object(obj: Any, env: DistEnv) -> Any:
-    """Rank 0's picklable ``obj`` on every rank (the others' ``obj`` is ignored)."""
+def broadcast_object(obj: Any, env: DistEnv, src: int = 0) -> Any:
+    """Rank ``src``'s picklable ``obj`` on every rank (the others' ``obj`` is ignored)."""
     if env.world_size == 1:
         return obj
     box = [obj]
-    torch_dist.broadcast_object_list(box, src=0)
+    torch_dist.broadcast_object_list(box, src=src)
     return box[0]
 
 

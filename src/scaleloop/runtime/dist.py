@@ -160,14 +160,16 @@ def _per_attempt_store(environ: Mapping[str, str], env: DistEnv, timeout_s: floa
     torchrun's workers share the agent's TCPStore, and it outlives a restart of the group: the
     keys the failed attempt wrote (each rank's Gloo/NCCL address) are still there, so a
     restarted rank may read a dead peer's address and fail with "connection refused"
-    (pytorch/pytorch#167288). A prefix per restart count gives each attempt fresh keys.
+    (pytorch/pytorch#167288). A prefix per restart count gives each attempt fresh keys; the world
+    size is in it too, because an elastic job's agents restart the group without counting a
+    restart when a machine joins (the world then grows).
     None: not under torchrun's agent store, so the default env:// rendezvous is right.
     """
     if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in environ:
         return None
     store = torch_dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), env.world_size,
                                 is_master=False, timeout=timedelta(seconds=timeout_s))
-    return torch_dist.PrefixStore(f"scaleloop/attempt-{restart_count(environ)}", store)
+    return torch_dist.PrefixStore(f"scaleloop/attempt-{restart_count(environ)}-w{env.world_size}", store)
 
 
 def destroy_process_group() -> None:

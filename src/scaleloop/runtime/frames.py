@@ -17,15 +17,17 @@ from typing import Iterable, Optional
 WHERE_ATTR = "scaleloop_where"
 
 
-def note_where(exc: BaseException, epoch: Optional[int], step: int) -> None:
+def note_where(exc: BaseException, epoch: Optional[int], step: int, last_progress: Optional[float] = None) -> None:
     """Attach where the loop was (1-based epoch, global step in progress) to ``exc``.
 
-    ``epoch`` None: a loop that counts steps only (``scaleloop verify``). The first note wins:
-    an exception re-raised through an outer loop keeps the inner place.
+    ``epoch`` None: a loop that counts steps only (``scaleloop verify``). ``last_progress``: the
+    wall-clock time the loop last moved on (its last step's end), for recovery times. The first
+    note wins: an exception re-raised through an outer loop keeps the inner place.
     """
     if getattr(exc, WHERE_ATTR, None) is None:
         try:
-            setattr(exc, WHERE_ATTR, {"epoch": None if epoch is None else int(epoch), "step": int(step)})
+            setattr(exc, WHERE_ATTR, {"epoch": None if epoch is None else int(epoch), "step": int(step),
+                                      "last_progress": last_progress})
         except (AttributeError, TypeError):  # an exception type that takes no attributes
             pass
 
@@ -38,9 +40,9 @@ def where_of(exc: BaseException) -> dict[str, Optional[int]]:
         seen.add(id(current))
         where = getattr(current, WHERE_ATTR, None)
         if isinstance(where, dict):
-            return {"epoch": where.get("epoch"), "step": where.get("step")}
+            return {"epoch": where.get("epoch"), "step": where.get("step"), "last_progress": where.get("last_progress")}
         current = current.__cause__ or current.__context__
-    return {"epoch": None, "step": None}
+    return {"epoch": None, "step": None, "last_progress": None}
 
 
 @dataclass(frozen=True)

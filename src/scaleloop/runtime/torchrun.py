@@ -20,6 +20,7 @@ from scaleloop.config import TrainConfig
 from scaleloop.runtime import preempt
 from scaleloop.runtime.failures import AGENT_LOG, ELASTIC_DIR
 from scaleloop.runtime.preempt import signal_number
+from scaleloop.runtime.rendezvous import rdzv_conf, route_address, split_endpoint
 
 # How long torchrun waits, after passing a stop signal on, for its workers to end before SIGKILL:
 # a step and a checkpoint. A scheduler's own SIGKILL at the end of its grace period comes first.
@@ -28,10 +29,18 @@ SHUTDOWN_TIMEOUT_S = 600
 
 def torchrun_command(cfg: TrainConfig, argv: Sequence[str], python: str = sys.executable) -> list[str]:
     """The torchrun command line that runs ``scaleloop <argv>`` in ``cfg.nproc`` workers per node."""
+    nnodes = f"{cfg.min_nnodes}:{cfg.nnodes}" if cfg.elastic else str(cfg.nnodes)
     cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.nproc}",
-           f"--nnodes={cfg.nnodes}", f"--max-restarts={cfg.max_restarts}"]
+           f"--nnodes={nnodes}", f"--max-restarts={cfg.max_restarts}"]
     if cfg.rdzv_endpoint:
+        host, port = split_endpoint(cfg.rdzv_endpoint)
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={cfg.rdzv_endpoint}", f"--rdzv-id={cfg.rdzv_id}"]
+        conf = rdzv_conf(cfg.rdzv_conf, host)
+        if conf:
+            cmd.append(f"--rdzv-conf={conf}")
+        local = cfg.local_addr or route_address(host, port)
+        if local:   # the address the other machines reach this one at (torchrun: its host name)
+            cmd.append(f"--local-addr={local}")
     elif cfg.master_addr:
         cmd += [f"--node-rank={cfg.node_rank}", f"--master-addr={cfg.master_addr}",
                 f"--master-port={cfg.master_port}"]
@@ -93,6 +102,11 @@ def workers_env(cfg: TrainConfig, logs: Path, environ: Optional[Mapping[str, str
     for key in ("PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
         env.setdefault(key, signals)
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
+    if cfg.rdzv_endpoint:
+        # With the store shared between the agents and the workers (torch's default), a machine
+        # that is not the new rank 0 after rank 0's machine is lost keeps the dead machine's store
+        # address, and the restarted group cannot form. Unshared, each round's rank 0 hosts a fresh one.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if uses_cuda(cfg):
         for key, value in flight_recorder_env(logs).items():
             env.setdefault(key, value)

@@ -34,6 +34,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 from scaleloop.runtime import preempt
 from scaleloop.runtime.cmdline import EXIT_INTERRUPTED
 from scaleloop.runtime.frames import Frame, FrameKinds, where_of
+from scaleloop.runtime.recovery import leave_fault
 from scaleloop.runtime.slurm import in_slurm_job
 
 # Written at the start of each attempt in a rank's log; the launcher reads only what follows
@@ -89,8 +90,8 @@ class _Tee:
 class _RankErrorHandler(ErrorHandler):
     """torchrun's error handler, with faulthandler aimed at this rank's log and scaleloop's extras."""
 
-    def __init__(self, rank: int, log: IO[str]) -> None:
-        self.rank, self.log = rank, log
+    def __init__(self, rank: int, log: IO[str], log_dir: Path) -> None:
+        self.rank, self.log, self.log_dir = rank, log, log_dir
 
     def initialize(self) -> None:
         faulthandler.enable(file=self.log, all_threads=True)
@@ -98,13 +99,16 @@ class _RankErrorHandler(ErrorHandler):
         faulthandler.register(signal.SIGTERM, file=self.log, all_threads=True, chain=True)
 
     def record_exception(self, e: BaseException) -> None:
+        described = describe_exception(e, self.rank)
+        # For the next attempt of an elastic job: what ended this one, and when (runtime.recovery).
+        leave_fault(self.log_dir, self.rank, described, int(os.environ.get("WORLD_SIZE", "1") or 1))
         path = self._get_error_file_path()
         if not path:
             return
         data = {"message": {"message": f"{type(e).__name__}: {e}", "extraInfo": {
             "py_callstack": traceback.format_exc(),
             "timestamp": str(int(time.time())),
-            "scaleloop": describe_exception(e, self.rank),
+            "scaleloop": described,
         }}}
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
@@ -247,7 +251,7 @@ def run(log_dir: Path, main: Callable[[list[str]], Optional[int]], argv: list[st
     preempt.listen(preempt.stop_signals(None, torchrun_worker=True, slurm=in_slurm_job(os.environ)),
                    on_signal=lambda _sig: mute())
     try:
-        code = record(main, error_handler=_RankErrorHandler(rank, log))(argv)
+        code = record(main, error_handler=_RankErrorHandler(rank, log, log_dir))(argv)
     except KeyboardInterrupt:
         mute()
         print("interrupted", file=log)

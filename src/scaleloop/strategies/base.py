@@ -83,10 +83,18 @@ class Strategy:
         return _uncompiled(getattr(model, "module", model))
 
     def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-               drop_last: bool = False, num_workers: int = 0) -> Union[ShardedLoader, StreamingLoader]:
+               drop_last: bool = False, num_workers: int = 0,
+               uneven: bool = False) -> Union[ShardedLoader, StreamingLoader]:
         """Batches for this rank; ``batch_size`` is the GLOBAL batch of one optimizer step. A stream
-        (an ``IterableDataset``) is split by the rule of ``data.streaming``, in its own order."""
-        check_batch_split(batch_size, self.env.world_size, self.accumulate_steps)
+        (an ``IterableDataset``) is split by the rule of ``data.streaming``, in its own order.
+
+        ``uneven``: a batch that does not split evenly over the ranks is not refused; the ranks'
+        shares then differ by one sample and each is weighted by its share (``StepPlan``), so a step
+        is still the mean over the global batch (an elastic job on whatever world size it has).
+        """
+        if not (uneven and not isinstance(dataset, IterableDataset)
+                and batch_size >= self.env.world_size * self.accumulate_steps):
+            check_batch_split(batch_size, self.env.world_size, self.accumulate_steps)
         if isinstance(dataset, IterableDataset):
             return StreamingLoader(dataset, StreamPlan(batch_size, world_size=self.env.world_size, rank=self.env.rank,
                                                        accumulate=self.accumulate_steps, seed=seed, drop_last=drop_last,

@@ -89,7 +89,8 @@ class MeshParallel(FSDP):
         return model
 
     def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-               drop_last: bool = False, num_workers: int = 0) -> Union[ShardedLoader, StreamingLoader]:
+               drop_last: bool = False, num_workers: int = 0,
+               uneven: bool = False) -> Union[ShardedLoader, StreamingLoader]:  # uneven: elastic jobs only, not offered here
         """The batch is split over the data-parallel ranks only (``dp x fsdp``); ``tp`` ranks of
         one group load the same samples."""
         if isinstance(dataset, IterableDataset):

@@ -356,7 +356,8 @@ class PipelineParallel(ProcessGroupStrategy):
         return model
 
     def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-               drop_last: bool = False, num_workers: int = 0) -> Union[ShardedLoader, StreamingLoader]:
+               drop_last: bool = False, num_workers: int = 0,
+               uneven: bool = False) -> Union[ShardedLoader, StreamingLoader]:  # uneven: elastic jobs only, not offered here
         """Every stage walks the same batches; only the first stage loads the inputs and only the
         last the targets (the others get None in their place)."""
         check_batch_split(batch_size, self.replicas, self.accumulate_steps)

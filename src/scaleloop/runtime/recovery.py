@@ -1,0 +1,149 @@
+"""How long an elastic job took to get over a fault, measured from what each attempt leaves behind.
+
+When a worker's attempt ends by an exception (a peer's machine died or was cut off, and the
+collective it waited in failed; or the agent stopped it to admit a returning machine), it
+leaves ``logs/fault-rank-<R>.json`` on its own machine (:func:`leave_fault`): when it failed, the
+last time it made progress, its step and the world size. The next attempt's first process on
+each machine reads its machine's files, rank 0 puts them together (:func:`gather_faults`) and,
+once the new group has taken its first step, reports the recovery (:class:`Recovery`): in the
+run's output, as a ``recovery`` row of ``metrics.csv`` and in ``recovery.json``, which
+``scaleloop doctor`` reads. The times are wall-clock times of different machines: they are as
+exact as the machines' clocks agree (NTP: milliseconds).
+
+The phases, as the survivors see them:
+
+- noticed: from the last progress any surviving rank made to the first survivor's failure
+  (at once for a machine that died: its connections drop; after ``--timeout`` for one cut off);
+- new group: from that failure to the restarted group's process group (the agents' restart,
+  the rendezvous with its ``last_call_timeout``, the workers' start);
+- first step: from there to the end of the new group's first optimizer step (building the
+  run, loading the checkpoint, one step).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+FAULT_PREFIX = "fault-rank-"
+RECOVERY_FILE = "recovery.json"
+
+
+def leave_fault(log_dir: Path, rank: int, described: dict[str, Any], world_size: int) -> None:
+    """Write this rank's fault record (``described``: ``worker.describe_exception``'s dict)."""
+    record = {**described, "rank": rank, "world_size": world_size,
+              "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
+    path = log_dir / f"{FAULT_PREFIX}{rank}.json"
+    try:
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(record), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass   # a full or read-only disk: the failure report still goes through torchrun's error file
+
+
+def take_faults(log_dir: Optional[Path]) -> list[dict[str, Any]]:
+    """This machine's fault records of the attempt before, removed once read (each is reported once)."""
+    if log_dir is None or not log_dir.is_dir():
+        return []
+    found = []
+    for path in sorted(log_dir.glob(f"{FAULT_PREFIX}*.json")):
+        try:
+            found.append(json.loads(path.read_text(encoding="utf-8")))
+            path.unlink()
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+@dataclass
+class Recovery:
+    """One recovery of an elastic job, as rank 0 reports it."""
+
+    world_before: int
+    world_after: int
+    lost_ranks: list[int]                 # ranks of the attempt before that left no record (their machine is gone)
+    cause: str                            # what the survivors saw, in words
+    last_progress: float                  # wall time of the last progress a survivor made
+    noticed: float                        # ... of the first survivor's failure
+    group_formed: float                   # ... when the new process group was formed
+    resumed_step: Optional[int] = None    # the checkpoint's step the new group resumed from
+    first_step: Optional[float] = None    # ... when the new group's first optimizer step ended
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_records(cls, records: list[dict[str, Any]], world_after: int, group_formed: float) -> Optional["Recovery"]:
+        """None without records (a first attempt, or one whose predecessor left none)."""
+        if not records:
+            return None
+        # (With a shared run directory, two machines may both have read a record.)
+        records = list({(r.get("rank"), r.get("time")): r for r in records}.values())
+        world_before = max(int(r.get("world_size") or 0) for r in records)
+        seen = {int(r["rank"]) for r in records if "rank" in r}
+        lost = [r for r in range(world_before) if r not in seen]
+        own = [r for r in records if not r.get("communication") and r.get("error_type") != "Preempted"]
+        if own:
+            first = min(own, key=lambda r: r.get("time", 0))
+            cause = f"rank {first['rank']} failed: {first.get('error_type')}: {str(first.get('message', ''))[:120]}"
+        elif all(r.get("error_type") == "Preempted" for r in records):
+            cause = "the group was stopped to change its membership (a machine joined)"
+        else:
+            timed_out = any(r.get("timed_out") for r in records)
+            who = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}" if lost else "a peer"
+            cause = (f"{who} of {world_before} stopped answering: " +
+                     ("the others' collective timed out (--timeout), as when a machine is cut off" if timed_out else
+                      "its connections dropped, as when a process or its machine dies"))
+        progress = [float(r["last_progress"]) for r in records if r.get("last_progress")]
+        times = [float(r["time"]) for r in records if r.get("time")]
+        noticed = min(times) if times else group_formed
+        return cls(world_before=world_before, world_after=world_after, lost_ranks=lost, cause=cause,
+                   last_progress=max(progress) if progress else noticed, noticed=noticed,
+                   group_formed=group_formed, records=records)
+
+    @property
+    def phases(self) -> dict[str, Optional[float]]:
+        """Seconds: noticed, new group, first step, and in all (None until the first step)."""
+        return {"noticed_s": max(0.0, self.noticed - self.last_progress),
+                "new_group_s": max(0.0, self.group_formed - self.noticed),
+                "first_step_s": None if self.first_step is None else max(0.0, self.first_step - self.group_formed),
+                "total_s": None if self.first_step is None else max(0.0, self.first_step - self.last_progress)}
+
+    def describe(self) -> str:
+        """The line the run prints once the new group has taken its first step."""
+        p = self.phases
+        size = (f"a new group of {self.world_after} process(es) (was {self.world_before})"
+                if self.world_after != self.world_before else f"a new group of {self.world_after} process(es)")
+        text = (f"recovered: {self.cause}; noticed {p['noticed_s']:.1f} s after the last step, "
+                f"{size} formed {p['new_group_s']:.1f} s later")
+        if self.resumed_step is not None:
+            text += f", resumed from step {self.resumed_step}"
+        if p["first_step_s"] is not None:
+            text += (f", first step done {p['first_step_s']:.1f} s after that: {p['total_s']:.1f} s from the last "
+                     "step before the fault to training again")
+        return text
+
+    def write(self, run_dir: Path) -> None:
+        """Append to ``run_dir/recovery.json`` (a list, oldest first)."""
+        path = run_dir / RECOVERY_FILE
+        try:
+            earlier = json.loads(path.read_text(encoding="utf-8")) if path.exists() else []
+        except (OSError, ValueError):
+            earlier = []
+        entry = {**asdict(self), **self.phases, "summary": self.describe(),
+                 "when": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(self.noticed))}
+        entry.pop("records", None)
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps([*earlier, entry], indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+
+
+def read_recoveries(run_dir: Path) -> list[dict[str, Any]]:
+    """``recovery.json``'s entries (empty if there is none or it cannot be read)."""
+    try:
+        data = json.loads((run_dir / RECOVERY_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    return [e for e in data if isinstance(e, dict)] if isinstance(data, list) else []

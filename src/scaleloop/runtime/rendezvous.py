@@ -1,0 +1,85 @@
+"""The c10d rendezvous of a multi-machine job: which address this machine has, and whether it hosts.
+
+torchrun decides both from host names: a machine hosts the rendezvous store when the endpoint's
+name matches its own, and it tells the other machines to reach it at ``socket.getfqdn()``. Both
+go wrong where a host name resolves to an address the others cannot use (an ``/etc/hosts``
+entry of ``127.0.1.1``, containers, network namespaces): the job then waits at the rendezvous
+or fails with "connection refused". scaleloop asks the network instead and passes the answers
+to torchrun explicitly (``--local-addr`` and ``--rdzv-conf is_host=...``).
+"""
+from __future__ import annotations
+
+import ipaddress
+import socket
+from typing import Optional
+
+from scaleloop.errors import UsageError
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) as host and port; UsageError for anything else."""
+    host, sep, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UsageError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, e.g. 10.0.0.1:29400")
+    return host, int(port)
+
+
+def route_address(host: str, port: int) -> Optional[str]:
+    """The address of this machine's interface that reaches ``host`` (None if it cannot be found).
+
+    A UDP socket's ``connect`` only chooses the route (nothing is sent), so this works before
+    the other machine listens.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        return None
+    for family, kind, proto, _name, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.connect(address)
+                return str(probe.getsockname()[0])
+        except OSError:
+            continue
+    return None
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether ``host`` names an address of this machine: one a socket here can bind to."""
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    for family, kind, proto, _name, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind(address)
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def rdzv_conf(user_conf: Optional[str], host: str) -> str:
+    """torchrun's ``--rdzv-conf``: the user's settings, plus ``is_host`` where they did not set it."""
+    pairs = [p.strip() for p in (user_conf or "").split(",") if p.strip()]
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise UsageError(f"--rdzv-conf {user_conf!r}: expected KEY=VALUE[,KEY=VALUE...], "
+                             "e.g. last_call_timeout=5,join_timeout=600")
+    if not any(p.partition("=")[0].strip() == "is_host" for p in pairs) and not _is_loopback(host):
+        # (A loopback endpoint is left to torchrun: several "machines" on one host all match it,
+        # and torchrun then lets the first to bind host the store and the others join it.)
+        pairs.append(f"is_host={'true' if is_this_machine(host) else 'false'}")
+    return ",".join(pairs)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

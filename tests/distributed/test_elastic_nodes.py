@@ -1,0 +1,273 @@
+"""Losing a machine, and getting it back: ``--nnodes 2:3`` over three network namespaces.
+
+Three "machines" (namespaces on one bridge, one worker each, Gloo, each its own run directory:
+no shared disk) train with ``--nnodes 2:3 --max-restarts 3``; the c10d rendezvous is on machine
+2. A fault comes once the first checkpoint copies exist:
+
+- machine 0 (global rank 0, which writes the checkpoints) dies: all its processes killed;
+- machine 1's link goes down (the others wait for ``--timeout``);
+- a run on machines 1 and 2 gets machine 0 back: the agents restart the group to admit it.
+
+Each run must finish on the machines that are left. Its final weights must equal, bit for bit,
+a reference that changes world size at the same step through the ordinary resume path (an
+uninterrupted run on the first world size keeps every checkpoint; the one of that step is
+resumed with the new world size), and the samples each worker recorded must be exactly the
+plan's: the first attempt's up to the checkpoint, the next attempt's from it, so that every
+sample of every epoch is trained once in the run's result. The recovery is reported (output,
+``recovery.json``, ``metrics.csv``, ``scaleloop doctor``). Namespaces and processes are always
+removed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from netns import Host, can_make_namespaces, cut, hosts, kill_inside, reconnect
+from procs import SRC, child_env, kill_group, run
+
+from scaleloop.data.sampler import StepPlan
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+reason = can_make_namespaces()
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+BATCH, EPOCHS, N = 66, 3, 1000          # 66: splits evenly over 2 and 3 (the references need it)
+TRAIN = ["train", "--data", "recording_data:build", "--model", "simplenet", "--epochs", str(EPOCHS),
+         "--batch-size", str(BATCH), "--optimizer", "sgd", "--lr", "0.05", "--strategy", "ddp",
+         "--checkpoint-every", "4", "--keep-checkpoints", "100", "--no-progress", "--no-tensorboard",
+         "--log-every", "1"]
+ELASTIC = ["--nproc", "1", "--nnodes", "2:3", "--max-restarts", "3", "--timeout", "15",
+           # Fast enough to test: a lost machine is dropped from the rendezvous after 3 missed
+           # heartbeats of 1 s, and a round closes 1 s after the minimum has joined.
+           "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1"]
+RESUMED = re.compile(r"resuming from \S*step-(\d+)")
+
+
+def env_for(records: Path, host: Host | None = None, delay: str = "0.003") -> dict[str, str]:
+    records.mkdir(parents=True, exist_ok=True)
+    extra = {"PYTHONPATH": os.pathsep.join([str(SRC), str(SCRIPTS)]), "RECORD_DIR": str(records),
+             "RECORD_DELAY": delay}
+    if host is not None:
+        extra["GLOO_SOCKET_IFNAME"] = host.interface
+    return child_env(extra)
+
+
+def recorded(records: Path, rank: int, restart: int) -> list[int]:
+    path = records / f"rank{rank}-restart{restart}.txt"
+    return [int(line) for line in path.read_text().split()] if path.exists() else []
+
+
+def planned(world: int, rank: int, from_step: int = 0, to_step: int | None = None) -> list[int]:
+    """The indices ``rank`` of ``world`` loads from global step ``from_step`` up to ``to_step``."""
+    plan = StepPlan(N, BATCH, world_size=world, rank=rank, seed=0)
+    out: list[int] = []
+    for epoch in range(EPOCHS):
+        for mb in plan.micro_batches(epoch, max(0, from_step - epoch * plan.steps_per_epoch)):
+            if to_step is not None and epoch * plan.steps_per_epoch + mb.step >= to_step:
+                return out
+            out += mb.indices.tolist()
+    return out
+
+
+def assert_every_sample_once(before: int, after: int, step: int) -> None:
+    """World ``before`` up to ``step``, then ``after``: every epoch trains each sample exactly once."""
+    per_epoch = StepPlan(N, BATCH, world_size=before, seed=0).steps_per_epoch
+    for epoch in range(EPOCHS):
+        lo, hi = epoch * per_epoch, (epoch + 1) * per_epoch
+        got: list[int] = []
+        for world, a, b in ((before, lo, min(hi, step)), (after, max(lo, step), hi)):
+            if a < b:
+                got += [i for r in range(world) for i in planned(world, r, a, b)]
+        assert sorted(got) == list(range(N)), f"epoch {epoch + 1}: samples skipped or repeated"
+
+
+class Cluster:
+    """Three machines' launchers, each in its namespace with its own run and record directories."""
+
+    def __init__(self, base: Path, machines: list[Host]) -> None:
+        self.base, self.machines = base, machines
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.endpoint = f"{machines[2].address}:29400"
+
+    def start(self, i: int) -> None:
+        host = self.machines[i]
+        out = open(self.base / f"out{i}-{len(self.procs)}.txt", "w")
+        self.procs[i] = subprocess.Popen(
+            ["ip", "netns", "exec", host.namespace, sys.executable, "-m", "scaleloop", *TRAIN, *ELASTIC,
+             "--rdzv-endpoint", self.endpoint, "--out", str(self.run_dir(i))],
+            cwd=self.base, env=env_for(self.records(i), host), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        out.close()
+
+    def run_dir(self, i: int) -> Path:
+        return self.base / f"machine{i}"
+
+    def records(self, i: int) -> Path:
+        return self.base / f"records{i}"
+
+    def output(self, i: int) -> str:
+        return "\n".join(p.read_text() for p in sorted(self.base.glob(f"out{i}-*.txt")))
+
+    def wait_for_checkpoint(self, i: int, step: int, timeout: float = 150) -> None:
+        path = self.run_dir(i) / "checkpoints" / f"step-{step:08d}"
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            ended = {j: p.returncode for j, p in self.procs.items() if p.poll() is not None}
+            assert not ended, f"machines ended before {path} appeared: {ended}\n" + self.output(i)
+            assert time.monotonic() < deadline, f"{path} did not appear in {timeout} s\n" + self.output(i)
+            time.sleep(0.02)
+
+    def wait(self, i: int, timeout: float = 200) -> int:
+        try:
+            return self.procs[i].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"machine {i} did not end in {timeout} s:\n{self.output(i)}")
+
+    def stop_all(self) -> None:
+        for p in self.procs.values():
+            kill_group(p)
+        for host in self.machines:
+            kill_inside(host.namespace)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    with hosts(f"se{os.getpid() % 10000}", 3) as machines:
+        c = Cluster(tmp_path, machines)
+        try:
+            yield c
+        finally:
+            c.stop_all()
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Uninterrupted runs on 3 and on 2 processes (loopback), every checkpoint kept."""
+    base = tmp_path_factory.mktemp("elastic-nodes")
+    found = {}
+    for world in (3, 2):
+        res = run([sys.executable, "-m", "scaleloop", *TRAIN, "--nproc", str(world), "--out", str(base / f"w{world}")],
+                  cwd=base, env=env_for(base / f"records-w{world}", delay="0"), timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        found[world] = base / f"w{world}"
+    return found
+
+
+def continued(reference: Path, step: int, world: int) -> dict[str, torch.Tensor]:
+    """The reference's weights had it changed to ``world`` processes at ``step`` (a plain resume)."""
+    out = reference.parent / f"{reference.name}-step{step}-w{world}"
+    if not (out / "model.pt").exists():
+        res = run([sys.executable, "-m", "scaleloop", *TRAIN, "--nproc", str(world), "--resume",
+                   str(reference / "checkpoints" / f"step-{step:08d}"), "--out", str(out)],
+                  cwd=reference.parent, env=env_for(reference.parent / f"records-{out.name}", delay="0"), timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+def assert_same_weights(expected: dict[str, torch.Tensor], model: Path) -> None:
+    final = torch.load(model, weights_only=True)
+    for key in expected:
+        assert torch.equal(expected[key], final[key]), f"{key} differs from the reference"
+
+
+def assert_recovery_reported(run_dir: Path, output: str, world_before: int, world_after: int, step: int) -> None:
+    assert re.search(rf"scaleloop: recovered: .*a new group of {world_after} process\(es\) \(was {world_before}\)"
+                     rf".*resumed from step {step}, first step done", output), output
+    entries = json.loads((run_dir / "recovery.json").read_text())
+    assert len(entries) == 1 and entries[0]["world_after"] == world_after
+    for phase in ("noticed_s", "new_group_s", "first_step_s", "total_s"):
+        assert 0 <= entries[0][phase] < 120, entries[0]
+    rows = [line.split(",") for line in (run_dir / "metrics.csv").read_text().splitlines() if line.startswith("recovery,")]
+    assert len(rows) == 1, "one recovery row in metrics.csv"
+    doctor = run([sys.executable, "-m", "scaleloop", "doctor", str(run_dir)], cwd=run_dir, timeout=60)
+    assert doctor.returncode == 0 and "recovered:" in doctor.stdout, doctor.stdout + doctor.stderr
+
+
+@pytest.mark.skipif(reason is not None, reason=reason or "")
+def test_machine_zero_dies_and_the_others_finish_from_their_copies(cluster: Cluster, references: dict[int, Path]) -> None:
+    for i in range(3):
+        cluster.start(i)
+    cluster.wait_for_checkpoint(1, 8)       # machine 1's copy of step 8 (rank 0 wrote its own first)
+    killed = kill_inside(cluster.machines[0].namespace)
+    assert killed, "machine 0 had no processes to kill"
+    assert cluster.wait(1) == 0, cluster.output(1)
+    assert cluster.wait(2) == 0, cluster.output(2)
+
+    # Machine 1 is the new rank 0 (the rendezvous orders machines by address): it resumed from
+    # its own copy of the newest checkpoint, on 2 processes, and wrote the final weights.
+    out = cluster.output(1)
+    step = int(RESUMED.findall(out)[-1])
+    assert step >= 8 and "checkpoints: the machines do not share the run directory" in out
+    assert_same_weights(continued(references[3], step, 2), cluster.run_dir(1) / "model.pt")
+    assert_recovery_reported(cluster.run_dir(1), out, 3, 2, step)
+    assert "rank 0 of 3 stopped answering" in out
+
+    # Samples: machine 1 was rank 1 of 3, then rank 0 of 2; machine 2 rank 2 of 3, then rank 1 of 2.
+    for machine, (first_rank, second_rank) in ((1, (1, 0)), (2, (2, 1))):
+        first, second = recorded(cluster.records(machine), first_rank, 0), recorded(cluster.records(machine), second_rank, 1)
+        done = planned(3, first_rank, 0, step)
+        assert first[:len(done)] == done, f"machine {machine}: first attempt off plan"
+        assert second == planned(2, second_rank, step), f"machine {machine}: the resumed attempt did not continue exactly"
+    assert_every_sample_once(3, 2, step)
+
+
+@pytest.mark.skipif(reason is not None, reason=reason or "")
+def test_machine_cut_off_and_the_others_finish(cluster: Cluster, references: dict[int, Path]) -> None:
+    for i in range(3):
+        cluster.start(i)
+    cluster.wait_for_checkpoint(1, 8)
+    cut(cluster.machines[1])
+    assert cluster.wait(0) == 0, cluster.output(0)
+    # The machine cut off cannot be told; once its link is back, it and the rendezvous host end.
+    reconnect(cluster.machines[1])
+    cluster.wait(2, timeout=120)
+    cluster.wait(1, timeout=120)
+
+    out = cluster.output(0)
+    step = int(RESUMED.findall(out)[-1])
+    assert step >= 8
+    assert_same_weights(continued(references[3], step, 2), cluster.run_dir(0) / "model.pt")
+    assert_recovery_reported(cluster.run_dir(0), out, 3, 2, step)
+    assert "rank 1 of 3 stopped answering: the others' collective timed out" in out
+    for machine, (first_rank, second_rank) in ((0, (0, 0)), (2, (2, 1))):
+        first, second = recorded(cluster.records(machine), first_rank, 0), recorded(cluster.records(machine), second_rank, 1)
+        done = planned(3, first_rank, 0, step)
+        assert first[:len(done)] == done, f"machine {machine}: first attempt off plan"
+        assert second == planned(2, second_rank, step), f"machine {machine}: the resumed attempt did not continue exactly"
+    assert_every_sample_once(3, 2, step)
+
+
+@pytest.mark.skipif(reason is not None, reason=reason or "")
+def test_a_machine_comes_back_and_joins_at_the_next_restart(cluster: Cluster, references: dict[int, Path]) -> None:
+    cluster.start(1)
+    cluster.start(2)
+    cluster.wait_for_checkpoint(1, 8)       # a run of 2 machines (the minimum) is under way
+    cluster.start(0)                        # machine 0 comes (back): the group restarts with 3
+    assert cluster.wait(0) == 0, cluster.output(0)
+    assert cluster.wait(1) == 0, cluster.output(1)
+    assert cluster.wait(2) == 0, cluster.output(2)
+
+    # Machine 0 (rank 0 of the new group) holds no checkpoint: the newest, on machine 1, was sent.
+    out = cluster.output(0)
+    step = int(RESUMED.findall(out)[-1])
+    assert step >= 8 and "world size        3" in out
+    assert "the copy on rank 1's machine" in out
+    assert_same_weights(continued(references[2], step, 3), cluster.run_dir(0) / "model.pt")
+    # Machine 1 was rank 0 of 2, then rank 1 of 3; machine 2 rank 1 of 2, then rank 2 of 3; the
+    # agents restart the group for a joining machine without counting a restart.
+    for machine, (first_rank, second_rank) in ((1, (0, 1)), (2, (1, 2))):
+        first, second = recorded(cluster.records(machine), first_rank, 0), recorded(cluster.records(machine), second_rank, 0)
+        done = planned(2, first_rank, 0, step)
+        assert first[:len(done)] == done, f"machine {machine}: the run of 2 off plan"
+        assert second == planned(3, second_rank, step), f"machine {machine}: the group of 3 did not continue exactly"
+    assert recorded(cluster.records(0), 0, 0) == planned(3, 0, step)
+    assert_every_sample_once(2, 3, step)
