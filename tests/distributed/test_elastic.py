@@ -158,3 +158,26 @@ def test_sigterm_stops_after_a_step_with_a_checkpoint_and_continues_exactly(tmp_
     assert_same_weights(whole / "whole", tmp_path / "run")
     for rank in (0, 1):
         assert recorded(again, rank, 0) == planned(rank, step), f"rank {rank}: the continued run is off plan"
+
+
+def test_an_elastic_job_splits_a_batch_unevenly_and_says_so(tmp_path: Path) -> None:
+    """--nnodes 1:2 on one machine with 3 workers: 64 does not split over 3, so the workers train
+    22, 21 and 21 samples a step, each weighted by its share: the same steps as one process."""
+    common = ["train", "--data", "random", "--n-samples", "640", "--epochs", "1", "--batch-size", "64",
+              "--optimizer", "sgd", "--lr", "0.1", "--no-progress", "--no-tensorboard"]
+    one = run([sys.executable, "-m", "scaleloop", *common, "--out", str(tmp_path / "one")], cwd=tmp_path)
+    assert one.returncode == 0, one.stdout + one.stderr
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    three = run([sys.executable, "-m", "scaleloop", *common, "--nproc", "3", "--strategy", "ddp", "--nnodes", "1:2",
+                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "last_call_timeout=1",
+                 "--out", str(tmp_path / "three")], cwd=tmp_path)
+    assert three.returncode == 0, three.stdout + three.stderr
+    assert ("--batch-size 64 does not split evenly over the 3 worker(s) x 1 accumulation step(s) this elastic job "
+            "has now; each micro-batch holds 21 or 22 samples") in three.stdout, three.stdout
+    a = torch.load(tmp_path / "one" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "three" / "model.pt", weights_only=True)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5

@@ -271,3 +271,30 @@ def test_a_machine_comes_back_and_joins_at_the_next_restart(cluster: Cluster, re
         assert second == planned(3, second_rank, step), f"machine {machine}: the group of 3 did not continue exactly"
     assert recorded(cluster.records(0), 0, 0) == planned(3, 0, step)
     assert_every_sample_once(2, 3, step)
+
+
+@pytest.mark.skipif(reason is not None, reason=reason or "")
+def test_a_shared_run_directory_is_detected_and_holds_one_copy(tmp_path: Path) -> None:
+    """Two machines given the same --out (one file system): found shared, nothing copied."""
+    with hosts(f"sf{os.getpid() % 10000}", 2) as machines:
+        procs = []
+        try:
+            for i, host in enumerate(machines):
+                procs.append(subprocess.Popen(
+                    ["ip", "netns", "exec", host.namespace, sys.executable, "-m", "scaleloop", *TRAIN,
+                     "--epochs", "1", "--nproc", "1", "--nnodes", "2", "--timeout", "60",
+                     "--rdzv-endpoint", f"{machines[0].address}:29400", "--out", str(tmp_path / "shared")],
+                    cwd=tmp_path, env=env_for(tmp_path / f"records{i}", host, delay="0"), stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, text=True, start_new_session=True))
+            outputs = [p.communicate(timeout=180)[0] for p in procs]
+        finally:
+            for p in procs:
+                kill_group(p)
+            for host in machines:
+                kill_inside(host.namespace)
+    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
+    said = "\n".join(outputs)
+    assert "every machine sees the run directory (a shared file system): one copy" in said, said
+    assert "keeps a verified copy" not in said
+    assert not list((tmp_path / "shared").glob(".scaleloop-shared-fs-*")), "the probe file is removed"
+    assert (tmp_path / "shared" / "model.pt").exists()

@@ -77,6 +77,9 @@ class Replicas:
                 (run_dir / probe).unlink(missing_ok=True)
         holders = tuple(r for r in range(1, env.world_size) if seen[r] and not sees[r])
         if not holders:
+            if cfg.shared_fs == "auto" and any(sees):
+                say("checkpoints: every machine sees the run directory (a shared file system): one copy, "
+                    "written by rank 0")
             return none
         if sharded:
             raise UsageError("this job's machines do not share the run directory (--shared-fs "
