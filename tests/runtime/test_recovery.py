@@ -51,3 +51,10 @@ def test_a_timeout_and_a_rank_of_its_own_are_told_apart() -> None:
 def test_unreadable_recovery_file_reads_as_none(tmp_path: Path) -> None:
     (tmp_path / "recovery.json").write_text("{not json")
     assert read_recoveries(tmp_path) == []
+
+
+def test_a_machine_joining_is_not_called_a_loss() -> None:
+    # Admitting a machine, the agents stop the old group: its ranks see each other go.
+    rec = Recovery.from_records([fault(1, 50.0, 49.8, world_size=2)], world_after=3, group_formed=55.0)
+    assert rec is not None and rec.lost_ranks == []
+    assert rec.cause.startswith("a machine joined: the agents restarted the group of 2 process(es)")

@@ -85,11 +85,13 @@ class Recovery:
         seen = {int(r["rank"]) for r in records if "rank" in r}
         lost = [r for r in range(world_before) if r not in seen]
         own = [r for r in records if not r.get("communication") and r.get("error_type") != "Preempted"]
-        if own:
+        if world_after > world_before and not own:
+            # The agents stop the group to admit a machine: its ranks see their peers go.
+            cause = f"a machine joined: the agents restarted the group of {world_before} process(es) to admit it"
+            lost = []
+        elif own:
             first = min(own, key=lambda r: r.get("time", 0))
             cause = f"rank {first['rank']} failed: {first.get('error_type')}: {str(first.get('message', ''))[:120]}"
-        elif all(r.get("error_type") == "Preempted" for r in records):
-            cause = "the group was stopped to change its membership (a machine joined)"
         else:
             timed_out = any(r.get("timed_out") for r in records)
             who = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}" if lost else "a peer"
