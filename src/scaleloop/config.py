@@ -226,8 +226,10 @@ class TrainConfig:
         _require(bool(self.resume.strip()), "resume", "auto, never, or a checkpoint path")
         check_installed(self.tracker)   # a missing W&B/MLflow package: now, before the run directory exists
         if self.nnodes > 1 and not (self.master_addr or self.rdzv_endpoint):
-            raise UsageError(f"--nnodes {self.nnodes} needs where to meet: --master-addr HOST (with --node-rank) "
-                             "or --rdzv-endpoint HOST:PORT")
+            nnodes = f"{self.min_nnodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
+            raise UsageError(f"--nnodes {nnodes} needs where to meet: "
+                             + ("--rdzv-endpoint HOST:PORT (an elastic job meets at a c10d rendezvous)" if self.elastic
+                                else "--master-addr HOST (with --node-rank) or --rdzv-endpoint HOST:PORT"))
         if self.rdzv_endpoint and self.master_addr:
             raise UsageError("give either --master-addr (static) or --rdzv-endpoint (elastic), not both")
         if self.elastic:
