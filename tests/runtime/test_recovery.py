@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-from scaleloop.runtime.recovery import FAULT_PREFIX, Recovery, leave_fault, read_recoveries, take_faults
+from scaleloop.runtime.recovery import (FAULT_PREFIX, Recovery, clear_faults, leave_fault, read_recoveries,
+                                        take_faults)
 
 
 def fault(rank: int, t: float, progress: float, **extra) -> dict:
@@ -17,8 +19,15 @@ def test_faults_are_left_and_taken_once(tmp_path: Path, monkeypatch) -> None:
     leave_fault(tmp_path, 1, fault(1, 10.0, 9.0), world_size=3)
     record = json.loads((tmp_path / f"{FAULT_PREFIX}1.json").read_text())
     assert (record["rank"], record["world_size"], record["attempt"]) == (1, 3, 2)
+    assert record["agent"] == os.getppid()      # the torchrun agent that started the worker
     assert take_faults(tmp_path) == [record]
     assert take_faults(tmp_path) == [] and take_faults(tmp_path / "none") == []
+    # One left under another agent (an earlier launch) is dropped, not reported.
+    (tmp_path / f"{FAULT_PREFIX}0.json").write_text(json.dumps({**record, "rank": 0, "agent": -1}))
+    assert take_faults(tmp_path) == [] and not list(tmp_path.glob(f"{FAULT_PREFIX}*"))
+    leave_fault(tmp_path, 1, fault(1, 10.0, 9.0), world_size=3)
+    clear_faults(tmp_path)
+    assert not list(tmp_path.glob(f"{FAULT_PREFIX}*"))
 
 
 def test_a_lost_machine_is_named_and_the_phases_timed(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from scaleloop.config import TrainConfig, to_toml
 from scaleloop.errors import UsageError
 from scaleloop.runtime.cmdline import EXIT_INTERRUPTED
 from scaleloop.runtime.failures import ELASTIC_DIR, LOGS_DIR, Failure, analyse
+from scaleloop.runtime.recovery import clear_faults
 
 if TYPE_CHECKING:
     from scaleloop.loop.training import RunResult
@@ -110,6 +111,7 @@ def _launch_workers(cfg: TrainConfig) -> None:
     resolved = run_dir / "config.toml"
     write_atomic(resolved, to_toml(cfg).encode())
     logs = run_dir / LOGS_DIR
+    clear_faults(logs)   # an earlier launch's: this launch reports only the faults it recovers from
     launch_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
     started = time.time()
     try:

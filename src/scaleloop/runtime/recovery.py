@@ -34,7 +34,7 @@ RECOVERY_FILE = "recovery.json"
 
 def leave_fault(log_dir: Path, rank: int, described: dict[str, Any], world_size: int) -> None:
     """Write this rank's fault record (``described``: ``worker.describe_exception``'s dict)."""
-    record = {**described, "rank": rank, "world_size": world_size,
+    record = {**described, "rank": rank, "world_size": world_size, "agent": os.getppid(),
               "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
     path = log_dir / f"{FAULT_PREFIX}{rank}.json"
     try:
@@ -46,17 +46,30 @@ def leave_fault(log_dir: Path, rank: int, described: dict[str, Any], world_size:
 
 
 def take_faults(log_dir: Optional[Path]) -> list[dict[str, Any]]:
-    """This machine's fault records of the attempt before, removed once read (each is reported once)."""
+    """This machine's fault records of the attempt before, removed once read (each is reported once).
+
+    Only records left under the same torchrun agent (this process's parent) count: one left by an
+    earlier launch of the run (a failure that ended it; the launcher also clears them, see
+    :func:`clear_faults`) is no fault this launch recovered from.
+    """
     if log_dir is None or not log_dir.is_dir():
         return []
     found = []
     for path in sorted(log_dir.glob(f"{FAULT_PREFIX}*.json")):
         try:
-            found.append(json.loads(path.read_text(encoding="utf-8")))
+            record = json.loads(path.read_text(encoding="utf-8"))
             path.unlink()
         except (OSError, ValueError):
             continue
+        if record.get("agent") in (None, os.getppid()):
+            found.append(record)
     return found
+
+
+def clear_faults(log_dir: Path) -> None:
+    """Remove the fault records of an earlier launch (the launcher, before it starts the workers)."""
+    for path in log_dir.glob(f"{FAULT_PREFIX}*.json"):
+        path.unlink(missing_ok=True)
 
 
 @dataclass
