@@ -72,7 +72,14 @@ def single(root: Path):
     def get(name: str, **changes) -> Path:
         if name not in cache:
             cfg = TrainConfig(**{**SIX, **changes, "out": str(root / "single" / name)}).validate()
-            cache[name] = train(cfg, DistEnv(), log=lambda _msg: None).run_dir
+            # One thread, as each torchrun worker has (OMP_NUM_THREADS=1): the reference then does
+            # not depend on what an earlier test left torch's thread count at.
+            before = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                cache[name] = train(cfg, DistEnv(), log=lambda _msg: None).run_dir
+            finally:
+                torch.set_num_threads(before)
         return cache[name]
 
     return get
