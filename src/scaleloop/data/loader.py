@@ -47,7 +47,7 @@ class Batch(tuple):
     plan: MicroBatch
 
     def __new__(cls, x: Any, y: Any, plan: MicroBatch) -> "Batch":
-        obj = super().__new__(cls, (x, y))
+        obj = tuple.__new__(cls, (x, y))
         obj.plan = plan
         return obj
 
@@ -217,9 +217,12 @@ class ShardedLoader:
                     x, y = x_all.index_select(0, idx).to(self.device), y_all.index_select(0, idx).to(self.device)
                     yield Batch(_channels_last(x) if self.channels_last else x, y, p)
                 return
-            for p, idx in zip(plans, pieces):   # the CPU: nothing to move
-                x = x_all.index_select(0, idx)
-                yield Batch(_channels_last(x) if self.channels_last else x, y_all.index_select(0, idx), p)
+            if self.channels_last:
+                for p, idx in zip(plans, pieces):   # the CPU: nothing to move
+                    yield Batch(_channels_last(x_all.index_select(0, idx)), y_all.index_select(0, idx), p)
+                return
+            for p, idx in zip(plans, pieces):
+                yield Batch(x_all.index_select(0, idx), y_all.index_select(0, idx), p)
             return
         pinned = self.pin_memory
         for p in plans:
