@@ -52,7 +52,9 @@ def blocks(total: Sequence[float], head: int, world: int) -> list[list[float]]:
     return [rest[i:i + world] for i in range(0, len(rest), world)]
 
 
-@dataclass(frozen=True)
+# Not frozen: a frozen dataclass sets each field through object.__setattr__, and one is made at
+# every log row, inside the timed loop. Treat it as read-only.
+@dataclass(slots=True)
 class WindowTotals:
     """A log window reduced over ranks: the loss sums and the per-rank health numbers."""
 
