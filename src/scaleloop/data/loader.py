@@ -47,7 +47,7 @@ class Batch(tuple):
     plan: MicroBatch
 
     def __new__(cls, x: Any, y: Any, plan: MicroBatch) -> "Batch":
-        obj = super().__new__(cls, (x, y))
+        obj = tuple.__new__(cls, (x, y))
         obj.plan = plan
         return obj
 
@@ -153,10 +153,15 @@ class ShardedLoader:
         return self.plan.micro_batches_per_epoch(self.start_step)
 
     def __iter__(self) -> Iterator[Batch]:
-        plans = list(self.plan.micro_batches(self.epoch, self.start_step))
+        # The fast path's generator itself, not one that delegates to it: a ``yield from`` is one
+        # more generator to resume for every batch.
         if self._tensors is not None:
-            yield from self._gathered(plans)
-            return
+            return self._gathered()
+        return self._loaded()
+
+    def _loaded(self) -> Iterator[Batch]:
+        """The DataLoader path: any map-style dataset, read sample by sample."""
+        plans = list(self.plan.micro_batches(self.epoch, self.start_step))
         # A generator of its own: otherwise each DataLoader iterator draws its worker seed from
         # the global torch RNG, and a run resumed mid-epoch (one extra iterator) would drift
         # from the uninterrupted run's dropout and augmentation randomness.
@@ -186,8 +191,9 @@ class ShardedLoader:
         return tuple(None if not keep and isinstance(part, torch.Tensor) else move(part, self.device, self.pin_memory)
                      for part, keep in zip(parts, self.load))  # type: ignore[return-value]
 
-    def _gathered(self, plans: list[MicroBatch]) -> Iterator[Batch]:
+    def _gathered(self) -> Iterator[Batch]:
         """The fast path: each batch is one ``index_select`` per tensor."""
+        plans = list(self.plan.micro_batches(self.epoch, self.start_step))
         if self._source is None:
             source = self._tensors
             if self.on_device:
@@ -211,9 +217,12 @@ class ShardedLoader:
                     x, y = x_all.index_select(0, idx).to(self.device), y_all.index_select(0, idx).to(self.device)
                     yield Batch(_channels_last(x) if self.channels_last else x, y, p)
                 return
-            for p, idx in zip(plans, pieces):   # the CPU: nothing to move
-                x = x_all.index_select(0, idx)
-                yield Batch(_channels_last(x) if self.channels_last else x, y_all.index_select(0, idx), p)
+            if self.channels_last:
+                for p, idx in zip(plans, pieces):   # the CPU: nothing to move
+                    yield Batch(_channels_last(x_all.index_select(0, idx)), y_all.index_select(0, idx), p)
+                return
+            for p, idx in zip(plans, pieces):
+                yield Batch(x_all.index_select(0, idx), y_all.index_select(0, idx), p)
             return
         pinned = self.pin_memory
         for p in plans:

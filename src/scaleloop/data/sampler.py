@@ -94,13 +94,16 @@ class StepPlan:
         for _step, _micro, _last, start, size, _total in layout:
             sizes += (start - pos, size)   # the gap before this rank's piece, then the piece
             pos = start + size
-        pieces = self.order(epoch)[first:pos].split(sizes)[1::2]
+        if self.world_size == 1:
+            # One rank's pieces follow each other (no gaps): half as many views to cut.
+            pieces = self.order(epoch)[first:pos].split(sizes[1::2])
+        else:
+            pieces = self.order(epoch)[first:pos].split(sizes)[1::2]
         world = self.world_size
         for (step, micro, last, _start, size, total), indices in zip(layout, pieces):
             # Each rank's gradient is averaged over W ranks (DDP divides by W), so a
             # micro-batch holding share size/total of the step is weighted W * share.
-            yield MicroBatch(step=step, micro=micro, last_micro=last, indices=indices, step_samples=total,
-                             loss_scale=world * size / total)
+            yield MicroBatch(step, micro, last, indices, total, world * size / total)
 
     def _layout(self, start_step: int) -> list[tuple[int, int, bool, int, int, int]]:
         """(step, micro, last micro, start in the epoch's order, size, samples in the step) of

@@ -52,7 +52,9 @@ def blocks(total: Sequence[float], head: int, world: int) -> list[list[float]]:
     return [rest[i:i + world] for i in range(0, len(rest), world)]
 
 
-@dataclass(frozen=True)
+# Not frozen: a frozen dataclass sets each field through object.__setattr__, and one is made at
+# every log row, inside the timed loop. Treat it as read-only.
+@dataclass(slots=True)
 class WindowTotals:
     """A log window reduced over ranks: the loss sums and the per-rank health numbers."""
 
@@ -81,6 +83,11 @@ def reduce_window(env: DistEnv, loss_sums: Sequence[float], own_s: float, first_
     and (fp16) the scaler's device-side count of skipped steps, which is copied in on the device
     so that nothing waits for it before the reduction itself."""
     world = env.world_size
+    if world == 1:
+        # Nothing to reduce: the same numbers as the vector below would give, without building
+        # it (a log row of a small model's run comes every few milliseconds).
+        return WindowTotals(float(loss_sums[0]), float(loss_sums[1]), [float(own_s)],
+                            first_bad([first_nonfinite or 0]), int(skipped) if skipped is not None else 0)
     vector = per_rank_vector(loss_sums, [own_s, first_nonfinite or 0, 0.0], env)
     if skipped is not None:
         vector[len(loss_sums) + 2 * world + env.rank] = skipped

@@ -65,6 +65,11 @@ class RunningLoss:
         self._flush()
         return torch.tensor(self.window, dtype=torch.float64, device=device)
 
+    def window_values(self) -> list[float]:
+        """This rank's log-window sums as numbers (what ``window_sums(cpu).tolist()`` gives)."""
+        self._flush()
+        return [float(v) for v in self.window]
+
     def first_nonfinite_step(self) -> Optional[int]:
         """The first (global) step whose loss was inf or NaN on this rank, if any (reads the losses)."""
         self._flush()

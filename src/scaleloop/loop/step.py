@@ -11,10 +11,17 @@ caller keeps the loop over the loader, so that a reader sees where a step starts
             lr = step.update()
 
 ``verify``'s recorder and ``bench``'s timers watch a step through an :class:`Observer`; with
-none (``scaleloop train``), the step costs nothing beyond the strategy's own calls and one clock
-reading per micro-batch: :attr:`Step.own_s` adds up the time this rank spends on its own work
-(data, forward passes) before its last loss of a step is known, the part of a step that does
-not wait for the other ranks, so that the log rows can compare ranks (a straggler).
+none (``scaleloop train``), the step costs nothing beyond the strategy's own calls and, with
+more than one rank, one clock reading per micro-batch: :attr:`Step.own_s` adds up the time this
+rank spends on its own work (data, forward passes) before its last loss of a step is known, the
+part of a step that does not wait for the other ranks, so that the log rows can compare ranks (a
+straggler). One rank has no one to compare with: its clock is not read.
+
+A step of a small model takes well under a millisecond on a CPU, so what :class:`Step` does
+around the strategy's calls is decided once, when it is built: with no observer, one rank and
+a strategy whose step is the plain hand-written one (``Strategy.plain_step``: fp32, no context
+or hook around the calls), :meth:`Step.micro` and :meth:`Step.update` are replaced by the same
+calls written out, with nothing per step that would do nothing.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from scaleloop.data.batch import call_model
 from scaleloop.data.loader import Batch
 from scaleloop.loop.build import Run
 from scaleloop.output.memory import gradient_bytes
@@ -59,13 +67,23 @@ class Step:
         self.clip = run.cfg.clip_grad
         self.observer = observer
         self._loss_fn = run.loss_fn
-        self.loss_fn = self._timed_loss if observer is None else self._observed_loss
+        #: Whether this rank's own seconds are measured: only where there are ranks to compare.
+        self.clocked = run.env.world_size > 1
+        if observer is not None:
+            self.loss_fn = self._observed_loss
+        else:
+            self.loss_fn = self._timed_loss if self.clocked else run.loss_fn
         #: The gradients' bytes at the first update (they exist only between backward and step).
         self.gradient_bytes: Optional[int] = None
         self._measured = False
-        #: Seconds of this rank's own work (see the module doc) since the last :meth:`take_own_s`.
+        #: Seconds of this rank's own work (see the module doc) since the last :meth:`take_own_s`
+        #: (stays 0 on one rank: see ``clocked``).
         self.own_s = 0.0
         self._step_began = self._loss_known = time.perf_counter()
+        if observer is None and not self.clocked and self.strategy.plain_step():
+            # The common case (one process, fp32): the same calls without the layers around them.
+            self.micro = self._plain_micro    # type: ignore[method-assign]
+            self.update = self._plain_update  # type: ignore[method-assign]
 
     def _timed_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self._loss_fn(output, target)
@@ -79,11 +97,13 @@ class Step:
 
     def restart_clock(self) -> None:
         """The next step's own time starts now (after a pause: evaluation, a checkpoint, an epoch's start)."""
-        self._step_began = self._loss_known = time.perf_counter()
+        if self.clocked:
+            self._step_began = self._loss_known = time.perf_counter()
 
     @property
     def last_progress(self) -> float:
-        """``time.perf_counter()`` when the loop last moved on: the last step's end, or a restart of the clock."""
+        """``time.perf_counter()`` when the loop last moved on: the last step's end, or a restart of the
+        clock (kept with several ranks only, see ``clocked``: one rank has nobody to recover with)."""
         return self._step_began
 
     def take_own_s(self) -> float:
@@ -106,9 +126,10 @@ class Step:
         """Clip, step the optimizer (fp16: skipped on overflow) and the schedule; returns the
         learning rate the step used."""
         observer = self.observer
-        # A rank that computes no loss (a pipeline's earlier stage) counts the step up to here.
-        ready = self._loss_known if self._loss_known > self._step_began else time.perf_counter()
-        self.own_s += ready - self._step_began
+        if self.clocked:
+            # A rank that computes no loss (a pipeline's earlier stage) counts the step up to here.
+            ready = self._loss_known if self._loss_known > self._step_began else time.perf_counter()
+            self.own_s += ready - self._step_began
         if observer is not None:
             observer.synced()
         if self.clip is not None:
@@ -120,5 +141,29 @@ class Step:
         self.scheduler.step()
         if observer is not None:
             observer.stepped()
-        self._step_began = time.perf_counter()
+        if self.clocked:
+            self._step_began = time.perf_counter()
+        return lr
+
+    def _plain_micro(self, batch: Batch) -> torch.Tensor:
+        """:meth:`micro` for a plain step (``Strategy.plain_step``): ``HandWrittenLoop.forward_backward``
+        with its empty contexts and hooks left out, the same operations in the same order."""
+        x, y = batch
+        loss = self._loss_fn(call_model(self.model, x), y)
+        scale = batch.plan.loss_scale
+        # x * 1.0 is x, bit for bit: skipped, as HandWrittenLoop.backward skips it.
+        (loss * scale if scale != 1.0 else loss).backward()
+        return loss.detach()
+
+    def _plain_update(self) -> float:
+        """:meth:`update` for a plain step: clip, ``optimizer.step()``, ``zero_grad``, the schedule."""
+        optimizer = self.optimizer
+        if self.clip is not None:
+            self.strategy.clip_grad_norm(self.model, optimizer, self.clip)
+        if not self._measured:
+            self.gradient_bytes, self._measured = gradient_bytes(self.model), True
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        lr = optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
         return lr

@@ -163,6 +163,10 @@ def _train(run: Run, checkpointer: Checkpointer, resumed: Optional[Resumed], at:
     done = _nothing_left(cfg, at, say)
     stop = StopVote(env, cfg.signal, torchrun_worker=launched_by_torchrun())  # preemption (loop/preempt.py)
     model.train()
+    # Looked up once: the loop below runs once per micro-batch, and a small model's step takes
+    # well under a millisecond on a CPU, so every lookup and call in it shows.
+    micro, update, add, after_step = step.micro, step.update, running.add, stop.after_step
+    log_every, max_steps, checkpoint_every = cfg.log_every, cfg.max_steps, cfg.checkpoint_every
     try:
         for epoch in range(at.epoch, cfg.epochs):
             if done:
@@ -182,32 +186,33 @@ def _train(run: Run, checkpointer: Checkpointer, resumed: Optional[Resumed], at:
             for batch in loader:
                 if on_batch is not None:
                     on_batch(batch)
-                loss = step.micro(batch)
+                loss = micro(batch)
+                where = batch.plan
                 if loss is not None:  # None: this rank computes no loss (a pipeline's earlier stage)
-                    running.add(loss, len(batch), ledger.step + 1)
-                if not batch.last_micro:
+                    add(loss, len(batch), ledger.step + 1)
+                if not where.last_micro:
                     continue
-                ledger.lr = step.update()
-                ledger.step += 1
+                ledger.lr = update()
+                done_steps = ledger.step = ledger.step + 1
                 if recovery is not None:   # the first step after a fault: the recovery is complete
                     _recovered(recovery, metrics, run_dir, ledger, epoch, say)
                     recovery = None
-                in_epoch = batch.step + 1
-                ledger.samples += batch.plan.step_samples
-                window_samples += batch.plan.step_samples
+                in_epoch = where.step + 1
+                ledger.samples += where.step_samples
+                window_samples += where.step_samples
                 if bar is not None:
                     bar.update(1)
-                if ledger.step % cfg.log_every == 0:
+                if done_steps % log_every == 0:
                     window_start = _log_window(run, step, running, metrics, bar, ledger, epoch, window_samples,
                                                window_start, checkpointer)
                     window_samples = 0
-                if cfg.max_steps is not None and ledger.step >= cfg.max_steps:
+                if max_steps is not None and done_steps >= max_steps:
                     done = True
                     break
-                if stop.after_step(ledger.step):  # a stop signal: every rank ends here, as --max-steps does
+                if after_step(done_steps):  # a stop signal: every rank ends here, as --max-steps does
                     done = True
                     break
-                if (cfg.checkpoint_every and ledger.step % cfg.checkpoint_every == 0
+                if (checkpoint_every and done_steps % checkpoint_every == 0
                         and not _epoch_complete(plan, in_epoch)):
                     paused = _checkpoint(run, checkpointer, metrics, running, ledger,
                                          Progress(epoch, in_epoch), ledger.train_s + time.perf_counter() - epoch_start)
@@ -339,7 +344,7 @@ def _log_window(run: Run, step: Step, running: RunningLoss, metrics: Optional[Me
     """
     steps = ledger.step - ledger.window_from
     skipped = run.strategy.precision.skipped
-    totals = reduce_window(run.env, running.window_sums(torch.device("cpu")).tolist(), step.take_own_s(),
+    totals = reduce_window(run.env, running.window_values(), step.take_own_s(),
                            running.first_nonfinite_step(), skipped)
     now = device_clock(run.env.device)
     rate = window_samples / max(now - window_start, 1e-9)
