@@ -82,6 +82,16 @@ def planned(world: int, rank: int, from_step: int = 0, to_step: int | None = Non
     return out
 
 
+def assert_attempts(records: Path, before: int, after: int, step: int, first: tuple[int, int | None],
+                    second: tuple[int, int | None]) -> None:
+    """A machine's worker loaded, as ``first`` (rank, restart) of ``before``, the plan up to ``step``
+    (and maybe more, trained again), then as ``second`` of ``after`` exactly the plan from it."""
+    loaded, resumed = recorded(records, *first), recorded(records, *second)
+    done = planned(before, first[0], 0, step)
+    assert loaded[:len(done)] == done, f"{records.name}: the attempt before the fault is off plan"
+    assert resumed == planned(after, second[0], step), f"{records.name}: the new group did not continue exactly"
+
+
 def assert_every_sample_once(before: int, after: int, step: int) -> None:
     """World ``before`` up to ``step``, then ``after``: every epoch trains each sample exactly once."""
     per_epoch = StepPlan(N, BATCH, world_size=before, seed=0).steps_per_epoch
@@ -216,11 +226,8 @@ def test_machine_zero_dies_and_the_others_finish_from_their_copies(cluster: Clus
     assert "rank 0 of 3 stopped answering" in out
 
     # Samples: machine 1 was rank 1 of 3, then rank 0 of 2; machine 2 rank 2 of 3, then rank 1 of 2.
-    for machine, (first_rank, second_rank) in ((1, (1, 0)), (2, (2, 1))):
-        first, second = recorded(cluster.records(machine), first_rank), recorded(cluster.records(machine), second_rank)
-        done = planned(3, first_rank, 0, step)
-        assert first[:len(done)] == done, f"machine {machine}: first attempt off plan"
-        assert second == planned(2, second_rank, step), f"machine {machine}: the resumed attempt did not continue exactly"
+    assert_attempts(cluster.records(1), 3, 2, step, (1, None), (0, None))
+    assert_attempts(cluster.records(2), 3, 2, step, (2, None), (1, None))
     assert_every_sample_once(3, 2, step)
 
 
@@ -242,12 +249,9 @@ def test_machine_cut_off_and_the_others_finish(cluster: Cluster, references: dic
     assert_same_weights(continued(references[3], step, 2), cluster.run_dir(0) / "model.pt")
     assert_recovery_reported(cluster.run_dir(0), out, 3, 2, step)
     assert "rank 1 of 3 stopped answering: the others' collective timed out" in out
-    for machine, (first_rank, second_rank) in ((0, (0, 0)), (2, (2, 1))):
-        # Both survivors' workers failed (timed out), so each agent counted one restart.
-        first, second = recorded(cluster.records(machine), first_rank, 0), recorded(cluster.records(machine), second_rank, 1)
-        done = planned(3, first_rank, 0, step)
-        assert first[:len(done)] == done, f"machine {machine}: first attempt off plan"
-        assert second == planned(2, second_rank, step), f"machine {machine}: the resumed attempt did not continue exactly"
+    # Both survivors' workers failed (timed out), so each agent counted one restart.
+    assert_attempts(cluster.records(0), 3, 2, step, (0, 0), (0, 1))
+    assert_attempts(cluster.records(2), 3, 2, step, (2, 0), (1, 1))
     assert_every_sample_once(3, 2, step)
 
 
@@ -269,11 +273,8 @@ def test_a_machine_comes_back_and_joins_at_the_next_restart(cluster: Cluster, re
     assert_same_weights(continued(references[2], step, 3), cluster.run_dir(0) / "model.pt")
     # Machine 1 was rank 0 of 2, then rank 1 of 3; machine 2 rank 1 of 2, then rank 2 of 3; the
     # agents restart the group for a joining machine without counting a restart.
-    for machine, (first_rank, second_rank) in ((1, (0, 1)), (2, (1, 2))):
-        first, second = recorded(cluster.records(machine), first_rank), recorded(cluster.records(machine), second_rank)
-        done = planned(2, first_rank, 0, step)
-        assert first[:len(done)] == done, f"machine {machine}: the run of 2 off plan"
-        assert second == planned(3, second_rank, step), f"machine {machine}: the group of 3 did not continue exactly"
+    assert_attempts(cluster.records(1), 2, 3, step, (0, None), (1, None))
+    assert_attempts(cluster.records(2), 2, 3, step, (1, None), (2, None))
     assert recorded(cluster.records(0), 0) == planned(3, 0, step)
     assert_every_sample_once(2, 3, step)
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from typing import Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from scaleloop.errors import UsageError
+
+T = TypeVar("T")
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -31,34 +33,28 @@ def route_address(host: str, port: int) -> Optional[str]:
     A UDP socket's ``connect`` only chooses the route (nothing is sent), so this works before
     the other machine listens.
     """
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-    except (OSError, UnicodeError):
-        return None
-    for family, kind, proto, _name, address in infos:
-        try:
-            with socket.socket(family, kind, proto) as probe:
-                probe.connect(address)
-                return str(probe.getsockname()[0])
-        except OSError:
-            continue
-    return None
+    return _first_socket(host, port, socket.SOCK_DGRAM, lambda probe, address: (
+        probe.connect(address), str(probe.getsockname()[0]))[1])
 
 
 def is_this_machine(host: str) -> bool:
     """Whether ``host`` names an address of this machine: one a socket here can bind to."""
+    return _first_socket(host, 0, socket.SOCK_STREAM, lambda probe, address: probe.bind(address) or True) is not None
+
+
+def _first_socket(host: str, port: int, kind: int, use: Callable[[socket.socket, Any], T]) -> Optional[T]:
+    """``use(socket, address)`` for each address ``host`` resolves to, until one does not raise."""
     try:
-        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(host, port, type=kind)
     except (OSError, UnicodeError):
-        return False
-    for family, kind, proto, _name, address in infos:
+        return None
+    for family, sock_kind, proto, _name, address in infos:
         try:
-            with socket.socket(family, kind, proto) as probe:
-                probe.bind(address)
-                return True
+            with socket.socket(family, sock_kind, proto) as probe:
+                return use(probe, address)
         except OSError:
             continue
-    return False
+    return None
 
 
 def rdzv_conf(user_conf: Optional[str], host: str) -> str:
