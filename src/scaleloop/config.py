@@ -232,6 +232,11 @@ class TrainConfig:
                                 else "--master-addr HOST (with --node-rank) or --rdzv-endpoint HOST:PORT"))
         if self.rdzv_endpoint and self.master_addr:
             raise UsageError("give either --master-addr (static) or --rdzv-endpoint (elastic), not both")
+        if self.rdzv_endpoint:   # now, before the launcher makes the run directory
+            from scaleloop.runtime.rendezvous import conf_pairs, split_endpoint
+
+            split_endpoint(self.rdzv_endpoint)
+            conf_pairs(self.rdzv_conf)
         if self.elastic:
             self._check_elastic()
         if self.strategy == "single" and self.world_size > 1:

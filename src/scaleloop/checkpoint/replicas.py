@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from scaleloop.checkpoint.store import (CHECKPOINTS_DIR, MANIFEST_FILE, CheckpointError, CheckpointInfo,
-                                        copy_checkpoint, prune, step_of)
+                                        copy_checkpoint, prune, retire_after, step_of)
 from scaleloop.config import TrainConfig
 from scaleloop.errors import UsageError
 from scaleloop.runtime.collectives import broadcast_object, gather_object
@@ -98,7 +98,7 @@ class Replicas:
         error = None
         if files is not None and self.root is not None:
             try:
-                copy_checkpoint(self.root, step_of(written or Path(files["name"])), files["files"])
+                copy_checkpoint(self.root, step_of(Path(files["name"])), files["files"])
                 prune(self.root, self.keep)
             except (OSError, CheckpointError) as exc:
                 error = f"rank {self.env.rank}: {exc}"
@@ -108,8 +108,6 @@ class Replicas:
 
     def retire_after(self, step: int) -> list[Path]:
         """A holder's copies of steps after ``step`` moved aside (as rank 0 does with its own)."""
-        from scaleloop.checkpoint.store import retire_after
-
         return retire_after(self.root, step) if self.root is not None else []
 
 

@@ -130,7 +130,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
 def _recovery(cfg: TrainConfig, env: DistEnv, joined: float, resumed: Optional[Resumed]) -> Optional[Recovery]:
     """On rank 0 of a group that torchrun restarted after a fault: what the attempt before left
     (every machine's records, a collective), to report once the first step is done."""
-    if not launched_by_torchrun() or env.world_size == 1 and restart_count() == 0:
+    if not launched_by_torchrun() or (env.world_size == 1 and restart_count() == 0):
         return None
     mine = take_faults(Path(cfg.out) / LOGS_DIR) if env.local_rank == 0 and cfg.out else []
     records = [r for rank_records in gather_object(mine, env) for r in rank_records]

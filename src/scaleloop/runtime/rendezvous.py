@@ -57,14 +57,20 @@ def _first_socket(host: str, port: int, kind: int, use: Callable[[socket.socket,
     return None
 
 
-def rdzv_conf(user_conf: Optional[str], host: str) -> str:
-    """torchrun's ``--rdzv-conf``: the user's settings, plus ``is_host`` where they did not set it."""
+def conf_pairs(user_conf: Optional[str]) -> list[str]:
+    """``--rdzv-conf``'s ``KEY=VALUE`` pairs; UsageError for anything else (checked with the config)."""
     pairs = [p.strip() for p in (user_conf or "").split(",") if p.strip()]
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip() or not value.strip():
             raise UsageError(f"--rdzv-conf {user_conf!r}: expected KEY=VALUE[,KEY=VALUE...], "
                              "e.g. last_call_timeout=5,join_timeout=600")
+    return pairs
+
+
+def rdzv_conf(user_conf: Optional[str], host: str) -> str:
+    """torchrun's ``--rdzv-conf``: the user's settings, plus ``is_host`` where they did not set it."""
+    pairs = conf_pairs(user_conf)
     if not any(p.partition("=")[0].strip() == "is_host" for p in pairs) and not _is_loopback(host):
         # (A loopback endpoint is left to torchrun: several "machines" on one host all match it,
         # and torchrun then lets the first to bind host the store and the others join it.)
