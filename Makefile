@@ -25,7 +25,7 @@ test: setup
 # path, write benchmarks/<date>_<gpu>_gpu-check.md. GPU_CHECK_FLAGS=--cpu runs the plan without CUDA.
 gpu-check:
 	$(PYTHON) -m pip install --quiet --no-deps --no-build-isolation -e .
-	$(PYTHON) -m scaleloop.bench.gpucheck $(GPU_CHECK_FLAGS)
+	$(PYTHON) tools/gpucheck.py $(GPU_CHECK_FLAGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

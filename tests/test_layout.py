@@ -142,3 +142,68 @@ def test_every_package_docstring_maps_its_modules() -> None:
             missing.append(f"{module_name(package / '__init__.py')}: {', '.join(absent)}")
     assert not missing, "package docstrings that do not name (in ``double backticks``) these modules:\n" + \
         "\n".join("  " + m for m in missing)
+
+
+# The floors of the house, bottom first (docs/architecture.md). A part (a subpackage, or a top-level
+# module) may import parts on its own floor or below, never above; two parts never import each
+# other. Left out: the package root (a facade of lazy re-exports) and ``__main__`` modules (entry
+# points: run, never imported, so they stand on the top floor whatever package holds them).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "plugins"),           # one-line errors; user code named as pkg.module:attr
+    ("runtime",),                    # ground: this process (DistEnv, devices, collectives, mesh, signals)
+    ("data", "models", "output"),    # what is trained on, what is trained, what a run writes
+    ("config",),                     # the settings, checked with the helpers of the floors below
+    ("checkpoint",),                 # store, state, resume, replicas; the Checkpointer
+    ("strategies",),                 # parallelism: how the model, optimizer and loader are wrapped
+    ("loop",),                       # the trainer: build a run, step, evaluate, finish
+    ("launching",),                  # starting workers: torchrun, the worker entry, launch(), failures
+    ("verify", "bench"),             # the tools built on training and launching
+    ("commands", "cli"),             # one module per subcommand; cli parses and dispatches
+)
+
+
+def part_of(module: str) -> Optional[str]:
+    """``scaleloop.loop.training`` -> ``loop``; None for the package root and ``__main__`` modules."""
+    bits = module.split(".")
+    if len(bits) == 1 or bits[-1] == "__main__":
+        return None
+    return bits[1]
+
+
+def layer_breaches(graph: dict[str, set[str]]) -> tuple[list[str], list[str]]:
+    """Imports that go up a floor (``module -> module``), and parts that import each other."""
+    floor = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+    upward, edges = [], set()
+    for module, targets in graph.items():
+        mine = part_of(module)
+        if mine is None:
+            continue
+        for target in targets:
+            theirs = part_of(target)
+            if theirs is None or theirs == mine:
+                continue
+            edges.add((mine, theirs))
+            if floor[theirs] > floor[mine]:
+                upward.append(f"{module} -> {target}")
+    mutual = sorted(f"{a} <-> {b}" for a, b in edges if (b, a) in edges and a < b)
+    return sorted(upward), mutual
+
+
+def test_every_part_has_a_floor() -> None:
+    parts = {part_of(m) for m in all_modules()} - {None}
+    floors = {p for parts in LAYERS for p in parts}
+    assert parts == floors, f"parts without a floor: {sorted(parts - floors)}; floors without a part: {sorted(floors - parts)}"
+
+
+def test_the_layer_check_finds_a_planted_breach() -> None:
+    graph = {"scaleloop.data.loader": {"scaleloop.loop.step"}, "scaleloop.loop.step": {"scaleloop.data.loader"},
+             "scaleloop.bench.__main__": {"scaleloop.cli"}, "scaleloop.cli": {"scaleloop.commands.bench"}}
+    upward, mutual = layer_breaches(graph)
+    assert upward == ["scaleloop.data.loader -> scaleloop.loop.step"]
+    assert mutual == ["data <-> loop"]
+
+
+def test_no_import_goes_up_a_floor_and_no_two_parts_import_each_other() -> None:
+    upward, mutual = layer_breaches(import_graph())
+    assert not upward, "imports that go up a floor (docs/architecture.md):\n" + "\n".join("  " + u for u in upward)
+    assert not mutual, "parts that import each other:\n" + "\n".join("  " + m for m in mutual)

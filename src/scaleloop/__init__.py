@@ -3,13 +3,14 @@
 The public API is re-exported here lazily, so that ``import scaleloop`` costs almost nothing
 until a name is used. The map:
 
-- ``loop``: the run and its loop (``scaleloop train``); ``strategies``: single, dp, ddp,
-  allreduce, fsdp, pipeline, and precision; ``data``: datasets, samplers, loaders;
-  ``checkpoint``: save and resume; ``runtime``: launching and the process environment;
-  ``output``: what a run writes and prints; ``verify`` and ``bench``: those subcommands;
-  ``doctor``: reads a run directory and says what happened.
-- ``config``: ``TrainConfig``; ``models``: the built-in models; ``plugins``: user code as
-  ``pkg.module:factory``; ``errors``: ``UsageError``; ``cli`` and ``__main__``: the command.
+- The floors, top first (docs/architecture.md): ``cli`` and ``commands``: the command, one
+  module per subcommand; ``verify`` and ``bench``: the tools built on training; ``launching``:
+  starting workers and reading how they ended; ``loop``: the run and its loop; ``strategies``:
+  single, dp, ddp, allreduce, fsdp, pipeline, mesh, and precision; ``checkpoint``: save and
+  resume; ``config``: ``TrainConfig``; ``data``: datasets, samplers, loaders; ``models``: the
+  built-in models; ``output``: what a run writes and prints; ``runtime``: the ground floor, this
+  process (``DistEnv``, devices, collectives); ``plugins``: user code as ``pkg.module:factory``;
+  ``errors``: ``UsageError``; ``__main__``: ``python -m scaleloop``.
 """
 from __future__ import annotations
 
@@ -52,9 +53,9 @@ _EXPORTS = {
     "BatchSearch": "scaleloop.loop.tune",
     "Checkpointer": "scaleloop.checkpoint",
     "CheckpointError": "scaleloop.checkpoint",
-    "launch": "scaleloop.runtime.spawn",
-    "WorkerError": "scaleloop.runtime.spawn",
-    "WorkerFailure": "scaleloop.runtime.spawn",
+    "launch": "scaleloop.launching.spawn",
+    "WorkerError": "scaleloop.launching.spawn",
+    "WorkerFailure": "scaleloop.launching.spawn",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__", "strategy"]

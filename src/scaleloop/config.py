@@ -233,8 +233,6 @@ class TrainConfig:
         if self.rdzv_endpoint and self.master_addr:
             raise UsageError("give either --master-addr (static) or --rdzv-endpoint (elastic), not both")
         if self.rdzv_endpoint:   # now, before the launcher makes the run directory
-            from scaleloop.runtime.rendezvous import conf_pairs, split_endpoint
-
             split_endpoint(self.rdzv_endpoint)
             conf_pairs(self.rdzv_conf)
         if self.elastic:
@@ -309,7 +307,7 @@ class TrainConfig:
             return self.world_size
         if self.strategy not in ("auto", "mesh"):
             raise UsageError(f"--mesh lays out the ranks itself: drop --strategy {self.strategy} (or use --strategy mesh)")
-        from scaleloop.strategies.mesh import MeshSpec   # (imports torch: only when --mesh is given)
+        from scaleloop.runtime.mesh import MeshSpec   # (imports torch: only when --mesh is given)
 
         spec = MeshSpec.parse(self.mesh).check(self.world_size)
         if spec.pp > 1 and (spec.fsdp > 1 or spec.tp > 1):
@@ -323,7 +321,7 @@ class TrainConfig:
         if self.strategy == "pipeline":
             return self.world_size, 1
         if self.mesh is not None and self.strategy in ("auto", "mesh"):
-            from scaleloop.strategies.mesh import MeshSpec
+            from scaleloop.runtime.mesh import MeshSpec
 
             spec = MeshSpec.parse(self.mesh)
             if spec.pp > 1:
@@ -488,3 +486,23 @@ def _toml_string(value: str) -> str:
         else:
             out.append(ch)
     return '"' + "".join(out) + '"'
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) as host and port; UsageError for anything else."""
+    host, sep, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UsageError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, e.g. 10.0.0.1:29400")
+    return host, int(port)
+
+
+def conf_pairs(user_conf: Optional[str]) -> list[str]:
+    """``--rdzv-conf``'s ``KEY=VALUE`` pairs; UsageError for anything else (checked with the config)."""
+    pairs = [p.strip() for p in (user_conf or "").split(",") if p.strip()]
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise UsageError(f"--rdzv-conf {user_conf!r}: expected KEY=VALUE[,KEY=VALUE...], "
+                             "e.g. last_call_timeout=5,join_timeout=600")
+    return pairs

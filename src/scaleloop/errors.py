@@ -1,6 +1,9 @@
 """Errors that reach the user as one line and an exit code, never as a traceback."""
 from __future__ import annotations
 
+EXIT_USAGE = 2          # bad input: a flag, a file, a name, a size
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
+
 
 class UsageError(Exception):
     """Bad input from the user (flag, config file, name, size).
@@ -9,5 +12,5 @@ class UsageError(Exception):
     what is wrong and what to do instead, in one line.
     """
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
     shown = False   # True once printed (rank 0 of ``--nproc`` workers): the CLI then does not repeat it

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from scaleloop.bench import cli as bench_cli
+from scaleloop.commands import bench as bench_cli
 
 
 def _read(out_dir: Path, what: str) -> tuple[dict[str, Any], str]:

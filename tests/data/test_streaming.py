@@ -20,7 +20,7 @@ from scaleloop.data.sampler import StepPlan
 from scaleloop.data.streaming import StreamingLoader, StreamPlan
 from scaleloop.errors import UsageError
 from scaleloop.loop.training import train
-from scaleloop.output.summary import describe_epoch
+from scaleloop.loop.summary import describe_epoch
 from scaleloop.runtime.dist import DistEnv
 from stream_data import N_TRAIN, SizedStream, Stream, sample_id
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from procs import SRC, child_env, kill_group, run
-from scaleloop.doctor import diagnose
+from scaleloop.commands.doctor import diagnose
 
 pytestmark = pytest.mark.distributed
 

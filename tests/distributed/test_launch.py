@@ -43,7 +43,7 @@ def test_ddp_all_reduces_only_on_the_last_micro_step(tmp_path: Path, accumulate:
 
 def test_torchrun_command_shapes() -> None:
     from scaleloop.config import TrainConfig
-    from scaleloop.runtime.torchrun import torchrun_command
+    from scaleloop.launching.torchrun import torchrun_command
 
     single_node = torchrun_command(TrainConfig(nproc=4), ["train"], python="py")
     assert single_node[:3] == ["py", "-m", "torch.distributed.run"]

@@ -107,7 +107,7 @@ def test_fp16_skipped_steps_are_counted_and_reported(tmp_path: Path, monkeypatch
     assert result.steps == 5 and result.skipped_steps == 5
     logged = [(r["kind"], r["step"], r["skipped_steps"]) for r in rows(Path(cfg.out))]
     assert logged == [("step", "2", "2"), ("step", "4", "4"), ("epoch", "4", "4"), ("stop", "5", "5")]
-    from scaleloop.output.summary import format_result
+    from scaleloop.loop.summary import format_result
     assert "fp16 skipped steps  5 of 5" in format_result(result)
 
 

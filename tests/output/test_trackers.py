@@ -276,7 +276,7 @@ def test_tracker_setting_choices_and_the_older_tensorboard_setting(tmp_path: Pat
 
 def test_cli_flag_parses() -> None:
     from scaleloop.cli import build_parser
-    from scaleloop.runtime.cmdline import flag_values
+    from scaleloop.commands.cmdline import flag_values
 
     args = build_parser().parse_args(["train", "--tracker", "none", "--no-tensorboard"])
     assert flag_values(args) == {"tracker": "none", "tensorboard": False}

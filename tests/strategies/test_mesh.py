@@ -11,7 +11,7 @@ from torch import nn
 from scaleloop.config import TrainConfig
 from scaleloop.errors import UsageError
 from scaleloop.models import TinyGPT
-from scaleloop.strategies.mesh import MeshSpec
+from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.strategies.tensor import strided_tp_supported, tp_plan_of
 
 

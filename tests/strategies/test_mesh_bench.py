@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 
 from scaleloop.bench.strategies import Planned, _per_worker_batch, mesh_rows
-from scaleloop.runtime.cmdline import Parser, add_config_flags
-from scaleloop.verify.cli import add_parser, resolve_verify
+from scaleloop.commands.cmdline import Parser, add_config_flags
+from scaleloop.commands.verify import add_parser, resolve_verify
 
 
 def test_four_workers_get_every_composition() -> None:

@@ -16,8 +16,7 @@ One module per job:
 - ``loopcost``   the loop's own cost per step, piece by piece (batch objects, step calls, loss sums, logging)
 - ``devices``, ``scaling``, ``strategies``, ``overhead``, ``mfu``: the bench commands
 - ``plots``      the PNG charts (matplotlib, imported lazily)
-- ``index``      benchmarks/README.md, rebuilt from the results' JSON
+- ``index``      a results directory's README.md, rebuilt from the results' JSON (``scaleloop bench index``)
 - ``startup``    what ``import scaleloop`` and ``scaleloop --help`` cost (``overhead --mode startup``)
-- ``cli``        the ``bench`` subcommand's flags; ``__main__``: ``python -m scaleloop.bench``
-- ``gpucheck``   ``make gpu-check``: every CUDA path in one run, one dated report (``--cpu`` in CI)
+- ``__main__``   ``python -m scaleloop.bench``; the flags are ``scaleloop.commands.bench``'s
 """

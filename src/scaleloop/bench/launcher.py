@@ -4,10 +4,10 @@ Every measurement runs in fresh processes, so that no run inherits another's thr
 allocator state or warm caches, and the 1-worker baseline starts exactly as the N-worker
 runs do. The workers' progress lines are passed on as they arrive.
 
-Workers start as ``scaleloop train --nproc N`` starts its own (``scaleloop.runtime.worker``
-under ``scaleloop.runtime.agent``): each rank's output in ``logs/rank-<R>.log``, an exception
+Workers start as ``scaleloop train --nproc N`` starts its own (``scaleloop.launching.worker``
+under ``scaleloop.launching.agent``): each rank's output in ``logs/rank-<R>.log``, an exception
 in torchrun's error file. When a worker fails, :class:`BenchFailure` carries the short report
-of ``scaleloop.runtime.failures`` (the rank that failed first, its exception, the user's
+of ``scaleloop.launching.failures`` (the rank that failed first, its exception, the user's
 line, where the logs are), and the logs are kept.
 """
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any, Callable, Optional, Sequence
 from scaleloop.bench.worker import PROGRESS_PREFIX
 from scaleloop.bench.workload import RunSpec, Workload
 from scaleloop.config import TrainConfig
-from scaleloop.runtime.failures import ELASTIC_DIR, LOGS_DIR, analyse
-from scaleloop.runtime.torchrun import supervised_command
+from scaleloop.launching.failures import ELASTIC_DIR, LOGS_DIR, analyse
+from scaleloop.launching.torchrun import supervised_command
 
 Say = Callable[[str], None]
 
@@ -49,11 +49,11 @@ class BenchFailure(Exception):
 
 def supervised_worker_command(nproc: int, spec: Path, out: Path, logs: Path,
                               python: str = sys.executable) -> list[str]:
-    """What runs: the worker through ``scaleloop.runtime.worker`` (logs and error files in ``logs``);
+    """What runs: the worker through ``scaleloop.launching.worker`` (logs and error files in ``logs``);
     under torchrun (its messages in ``logs/torchrun.log``) when ``nproc`` > 1."""
     worker = [WORKER_MODULE, "--spec", str(spec), "--out", str(out)]
     if nproc == 1:
-        return [python, "-m", "scaleloop.runtime.worker", str(logs), *worker]
+        return [python, "-m", "scaleloop.launching.worker", str(logs), *worker]
     return supervised_command(TrainConfig(nproc=nproc, max_restarts=0), worker, logs, LAUNCH_ID, python)
 
 

@@ -90,7 +90,7 @@ def _per_worker_batch(row: Planned, global_batch: int, measured: int) -> int:
     """Samples each worker's forward sees: a mesh's tp ranks share theirs (the batch is split over dp x fsdp)."""
     if not row.strategy.startswith("mesh:"):
         return measured
-    from scaleloop.strategies.mesh import MeshSpec
+    from scaleloop.runtime.mesh import MeshSpec
 
     return global_batch // MeshSpec.parse(row.strategy[5:]).data_parallel
 

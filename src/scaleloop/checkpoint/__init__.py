@@ -7,8 +7,25 @@
 - ``replicas``: a verified copy of each checkpoint on every machine that does not share rank 0's disk.
 
 Sharded (FSDP) state goes through ``scaleloop.strategies.distcp``.
+Names are imported lazily: reading a run directory (``scaleloop doctor``) imports no torch.
 """
-from scaleloop.checkpoint.manager import Checkpointer, Progress, Resumed
-from scaleloop.checkpoint.store import CheckpointError, CheckpointInfo, verify_checkpoint
+from __future__ import annotations
 
-__all__ = ["Checkpointer", "Progress", "Resumed", "CheckpointError", "CheckpointInfo", "verify_checkpoint"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Checkpointer": "scaleloop.checkpoint.manager",
+    "Progress": "scaleloop.checkpoint.manager",
+    "Resumed": "scaleloop.checkpoint.manager",
+    "CheckpointError": "scaleloop.checkpoint.store",
+    "CheckpointInfo": "scaleloop.checkpoint.store",
+    "verify_checkpoint": "scaleloop.checkpoint.store",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'scaleloop.checkpoint' has no attribute {name!r}")

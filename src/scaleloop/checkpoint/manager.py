@@ -27,7 +27,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 from torch import nn
@@ -41,7 +41,24 @@ from scaleloop.checkpoint.store import (CHECKPOINTS_DIR, FORMAT_VERSION, STATE_F
 from scaleloop.config import TrainConfig
 from scaleloop.output.rundir import RunDirWriteError, unwritable
 from scaleloop.runtime.collectives import broadcast_object, gather_object, sum_over_ranks
-from scaleloop.strategies.base import Strategy
+from scaleloop.runtime.dist import DistEnv
+
+
+class Stateful(Protocol):
+    """What a checkpoint needs of a strategy (``scaleloop.strategies.base.Strategy`` is one).
+
+    A protocol, not the class: checkpoints sit below the strategies in the layers, and any object
+    that saves and loads the model and optimizer this way can be checkpointed.
+    """
+
+    name: str
+    env: DistEnv
+    precision: Any
+    batch_split: str
+
+    def save_checkpoint(self, model: Any, optimizer: Any, directory: Optional[Path]) -> Any: ...
+
+    def load_checkpoint(self, model: Any, optimizer: Any, state: Any, directory: Path) -> None: ...
 
 
 @dataclass
@@ -71,7 +88,7 @@ class Resumed:
 class Checkpointer:
     """Writes checkpoints of one run (rank 0's ``run_dir``) and restores them on every rank."""
 
-    def __init__(self, strategy: Strategy, cfg: TrainConfig, *, say: Callable[[str], None]) -> None:
+    def __init__(self, strategy: Stateful, cfg: TrainConfig, *, say: Callable[[str], None]) -> None:
         self.strategy = strategy
         self.cfg = cfg
         self.say = say
@@ -250,6 +267,6 @@ def _quiet(_msg: str) -> None:
     """Warnings of a machine other than rank 0's go nowhere: rank 0 speaks for the run."""
 
 
-def _writes_sharded(strategy: Strategy) -> bool:
+def _writes_sharded(strategy: Stateful) -> bool:
     """Whether the strategy's checkpoints are written by every rank into one directory."""
     return strategy.name in ("fsdp", "mesh") or bool(getattr(strategy, "sharded_checkpoints", False))

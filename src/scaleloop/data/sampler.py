@@ -24,11 +24,7 @@ from typing import Iterator
 
 import torch
 
-
-def split_sizes(n: int, parts: int) -> list[int]:
-    """Sizes of ``parts`` contiguous pieces of ``n`` items; the first ``n % parts`` get one more."""
-    base, extra = divmod(n, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
+from scaleloop.runtime.collectives import split_sizes  # (re-exported: the data split is the collectives' split)
 
 
 # Not frozen: a frozen dataclass sets each field through object.__setattr__, and one is made

@@ -9,8 +9,9 @@
 - ``running``: the running loss sums. ``tasks``: the loss for each task.
 - ``health``: what the log rows learn on their all-reduce: stragglers, a diverging loss,
   fp16 skipped steps.
-- ``speed``: ``--compile``/``--channels-last`` set-up. ``tune``: ``scaleloop tune-batch``.
+- ``speed``: ``--compile``/``--channels-last`` set-up. ``tune``: the largest batch that fits (``scaleloop tune-batch``).
 - ``preempt``: ``StopVote``, every rank agreeing to stop after the same step on a stop signal.
+- ``summary``: the end-of-run summary ``scaleloop train`` prints.
 
 Names are imported lazily: ``import scaleloop.loop`` does not import torch.
 """

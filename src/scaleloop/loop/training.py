@@ -35,11 +35,10 @@ from scaleloop.loop.schedule import describe_schedule
 from scaleloop.loop.step import Step
 from scaleloop.output.memory import RankMemory, measure, reset_peak, write_json
 from scaleloop.output.metrics import MetricsLogger, plot_curves
-from scaleloop.output.rundir import RunDirWriteError, lock_run_dir, prepare_run_dir, unwritable, write_atomic
+from scaleloop.output.rundir import LOGS_DIR, RunDirWriteError, lock_run_dir, prepare_run_dir, unwritable, write_atomic
 from scaleloop.runtime.collectives import gather_object, sum_over_ranks
 from scaleloop.runtime.devices import describe_device, device_clock, to_cpu
 from scaleloop.runtime.dist import DistEnv, launched_by_torchrun, restart_count
-from scaleloop.runtime.failures import LOGS_DIR
 from scaleloop.runtime.frames import note_where
 from scaleloop.runtime.recovery import RECOVERY_FILE, Recovery, take_faults
 

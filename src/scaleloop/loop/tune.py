@@ -277,7 +277,7 @@ def _over_mps_budget(device: torch.device) -> bool:
     return torch.mps.driver_allocated_memory() > torch.mps.recommended_max_memory()
 
 
-# --- the `scaleloop tune-batch` command -------------------------------------------------------
+# --- a TrainConfig's search (`scaleloop tune-batch`: scaleloop.commands.tune_batch) ------------------
 
 @dataclass(frozen=True)
 class TuneReport:
@@ -321,38 +321,3 @@ def tune_batch(cfg: Any) -> TuneReport:
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     return TuneReport(search=search, device=describe_device(device), workers=workers,
                       accumulate=cfg.accumulate, train_samples=len(data.train), total_bytes=total)
-
-
-def tune_batch_command(cfg: Any) -> str:
-    """``scaleloop tune-batch``: run the search for ``cfg`` and return the report to print."""
-    return format_report(cfg, tune_batch(cfg))
-
-
-def format_report(cfg: Any, report: TuneReport) -> str:
-    """The text ``tune_batch_command`` prints: every try, the limit, and the ``--batch-size`` to use."""
-    search = report.search
-    lines = [f"scaleloop tune-batch: {cfg.model} on {cfg.data}, {cfg.optimizer}, {cfg.precision}, on {report.device}",
-             "  per-device batch  training step"]
-    for t in search.trials:
-        peak = f" (peak {_gib(t.peak_bytes)})" if t.peak_bytes is not None else ""
-        lines.append(f"  {t.batch:>16,}  {'fits' if t.fits else 'out of memory'}{peak}")
-    split = (f"{report.workers} worker(s) x {report.accumulate} accumulation step(s) x "
-             f"{search.max_batch:,} per device")
-    if search.capped:
-        lines.append(f"every per-device batch up to {search.cap:,} fits, and a larger one would hold more than "
-                     f"all {report.train_samples:,} training samples: memory does not limit the batch here, "
-                     f"so choose it for the optimisation (any --batch-size up to {report.batch_size} = {split})")
-        return "\n".join(lines)
-    peak = next((t.peak_bytes for t in search.trials if t.batch == search.max_batch), None)
-    of_total = f" of {_gib(report.total_bytes)}" if report.total_bytes else ""
-    lines.append(f"largest per-device batch that fits: {search.max_batch:,}"
-                 + (f" (peak {_gib(peak)}{of_total})" if peak is not None else ""))
-    lines.append(f"use --batch-size {report.batch_size} (= {split})")
-    if report.workers > 1 or cfg.strategy == "dp":
-        lines.append("note: measured on one device without DDP, whose gradient buckets hold about one more "
-                     "copy of the gradients (and DataParallel gathers outputs on GPU 0): leave some headroom")
-    return "\n".join(lines)
-
-
-def _gib(n: Optional[int]) -> str:
-    return "?" if n is None else f"{n / 2**30:.2f} GiB"

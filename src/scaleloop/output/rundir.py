@@ -20,6 +20,7 @@ __all__ = ["LOCK_FILE", "RunDirLock", "RunDirWriteError", "default_run_dir", "is
            "prepare_run_dir", "unwritable", "write_atomic"]
 
 # First bytes of the files only scaleloop writes this way: they mark a directory as a run.
+LOGS_DIR = "logs"   # each rank's log, torchrun's messages, fault records (scaleloop.launching.failures)
 _CONFIG_HEAD = "# scaleloop "
 _METRICS_HEAD = "kind,epoch,step"
 

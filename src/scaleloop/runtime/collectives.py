@@ -27,8 +27,13 @@ from typing import Any, Sequence, Union
 import torch
 import torch.distributed as torch_dist
 
-from scaleloop.data.sampler import split_sizes
 from scaleloop.runtime.dist import DistEnv
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` contiguous pieces of ``n`` items; the first ``n % parts`` get one more."""
+    base, extra = divmod(n, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 def shard_indices(n: int, env: DistEnv) -> range:

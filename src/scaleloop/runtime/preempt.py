@@ -13,7 +13,7 @@ Which signals mean "stop after this step" (:func:`stop_signals`):
 - ``SIGTERM`` too, except in a worker that torchrun started outside SLURM: there torchrun uses
   ``SIGTERM`` to end the survivors of a failed rank (and the worker dumps its stack on it, which is
   how a stalled rank is found), so scaleloop's launcher turns a ``SIGTERM`` it receives into
-  ``SIGUSR1`` for its workers instead (``scaleloop.runtime.torchrun``). Under SLURM every process
+  ``SIGUSR1`` for its workers instead (``scaleloop.launching.torchrun``). Under SLURM every process
   of the job gets the scheduler's ``SIGTERM`` directly, so there it means preemption everywhere.
 
 Signal handlers are process-wide by nature; the one record of a received signal is therefore

@@ -4,7 +4,7 @@
   ``single``: one device; ``dataparallel``: ``nn.DataParallel``; ``ddp``: DistributedDataParallel;
   ``allreduce``: the gradient all-reduce written out by hand; ``fsdp``: FSDP2 sharding;
   ``pipeline``: layers cut into stages, one per process (or several: interleaved); ``composed``: ``--mesh``, tensor
-  parallelism with FSDP or HSDP (``mesh``: the named dimensions; ``tensor``: a model's TP plan).
+  parallelism with FSDP or HSDP (``tensor``: a model's TP plan; the mesh itself is ``scaleloop.runtime.mesh``).
 - ``precision``: autocast and the fp16 GradScaler; ``syncbn``: BatchNorm over all ranks on any
   device; ``distcp``: sharded state through ``torch.distributed.checkpoint``; ``recompute``:
   ``--activation-checkpointing``, each block's activations recomputed in the backward.
@@ -22,7 +22,7 @@ from scaleloop.strategies.base import EvalShard, HandWrittenLoop, ProcessGroupSt
 from scaleloop.strategies.dataparallel import DataParallel
 from scaleloop.strategies.ddp import DDP
 from scaleloop.strategies.fsdp import FSDP
-from scaleloop.strategies.mesh import MeshSpec
+from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.strategies.pipeline import PipelineParallel
 from scaleloop.strategies.single import SingleDevice
 

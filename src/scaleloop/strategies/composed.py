@@ -1,6 +1,6 @@
 """``--mesh``: data parallelism (replicated ``dp``, sharded ``fsdp``) composed with tensor parallelism (``tp``).
 
-One strategy for every layout a :class:`~scaleloop.strategies.mesh.MeshSpec` names, built the
+One strategy for every layout a :class:`~scaleloop.runtime.mesh.MeshSpec` names, built the
 way torchtitan builds it: first the model's ``tp_plan()`` splits its layers over the ``tp``
 dimension (``parallelize_module``), then FSDP2's ``fully_shard`` shards every unit over the
 data-parallel dimensions: over ``fsdp`` alone (FSDP x TP), or over the 2-D ``(dp, fsdp)`` mesh
@@ -27,7 +27,7 @@ from scaleloop.runtime.collectives import gather_object
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.strategies.base import EvalShard
 from scaleloop.strategies.fsdp import FSDP, _has_params, fsdp_blocks, untied_units
-from scaleloop.strategies.mesh import MeshSpec
+from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.tensor import apply_tensor_parallel, fsdp_placement
 

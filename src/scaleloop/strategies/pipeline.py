@@ -387,7 +387,7 @@ class PipelineParallel(ProcessGroupStrategy):
             lines += [f"  position {p}: stages {', '.join(str(p + k * n) for k in range(self.stages_per_rank))}"
                       for p in range(n)]
         if self.replicas > 1:
-            from scaleloop.strategies.mesh import MeshSpec
+            from scaleloop.runtime.mesh import MeshSpec
 
             lines += ["  " + line for line in MeshSpec(pp=self.positions, dp=self.replicas).draw()]
             lines.append(f"  each stage's {self.replicas} copies average their gradients after the step's last backward")

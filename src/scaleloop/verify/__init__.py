@@ -2,8 +2,7 @@
 
 Modules, one job each (torch is imported only by the ones that train or compare):
 
-- ``cli``       the subcommand's flags and entry point (``add_parser``, ``run``); ``__main__``:
-  ``python -m scaleloop.verify``
+- ``__main__``  ``python -m scaleloop.verify``; the flags are ``scaleloop.commands.verify``'s
 - ``options``   what was asked (steps, checks, step to explain, user loss), passed to workers
 - ``command``   the whole run: reference, workers, checks, report
 - ``steps``     the K training steps, shared by the reference and every worker

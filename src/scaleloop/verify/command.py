@@ -30,12 +30,12 @@ from scaleloop.runtime.devices import resolve_device
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
 from scaleloop.strategies import make_strategy
-from scaleloop.strategies.mesh import MeshSpec
+from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.verify import data as data_check
 from scaleloop.verify.compare import compare_runs, tolerance_for
 from scaleloop.verify.diagnose import Cause, fallback, failure_cause, name_causes, piece_groups
 from scaleloop.verify.explain import format_explain
-from scaleloop.runtime.failures import FAILURE_FILE, Failure
+from scaleloop.launching.failures import FAILURE_FILE, Failure
 from scaleloop.verify.launch import failure_report, start_workers, worker_errors
 from scaleloop.verify.layout import CONFIG_FILE, OPTIONS_FILE, distributed_dir, reference_dir
 from scaleloop.loop.tasks import resolve_loss

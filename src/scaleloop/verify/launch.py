@@ -1,10 +1,10 @@
 """Start the N verify workers under torchrun and wait for them; what to say when they fail.
 
-The command is the one ``scaleloop train --nproc N`` runs (``scaleloop.runtime.torchrun``), with
+The command is the one ``scaleloop train --nproc N`` runs (``scaleloop.launching.torchrun``), with
 the hidden worker program in place of the CLI: torchrun's own messages go to
 ``logs/torchrun.log`` in the report directory, each rank's output to ``logs/rank-<R>.log``,
-and a worker that raises leaves torchrun's error file (``scaleloop.runtime.worker``). When the
-workers fail, :func:`failure_report` reads those files (``scaleloop.runtime.failures``): the
+and a worker that raises leaves torchrun's error file (``scaleloop.launching.worker``). When the
+workers fail, :func:`failure_report` reads those files (``scaleloop.launching.failures``): the
 same few lines as ``train`` prints, naming the rank that failed first or stalled and the user's
 line. Rank 0's console output goes to ``torchrun.log``: the parent prints a table, not N
 interleaved logs.
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from scaleloop.config import TrainConfig
-from scaleloop.runtime.failures import ELASTIC_DIR, FAILURE_FILE, LOGS_DIR, Failure, analyse
-from scaleloop.runtime.torchrun import supervised_command, torchrun_command, workers_env
+from scaleloop.launching.failures import ELASTIC_DIR, FAILURE_FILE, LOGS_DIR, Failure, analyse
+from scaleloop.launching.torchrun import supervised_command, torchrun_command, workers_env
 from scaleloop.verify.layout import LOG_FILE
 
 WORKER_MODULE = "scaleloop.verify.worker"

@@ -28,7 +28,7 @@ from torch import nn
 from scaleloop.data.loader import Batch, ShardedLoader
 from scaleloop.runtime.collectives import gather_object, sum_over_ranks
 from scaleloop.runtime.dist import DistEnv
-from scaleloop.runtime.worker import describe_exception
+from scaleloop.launching.worker import describe_exception
 from scaleloop.loop.step import Observer
 from scaleloop.strategies.base import Strategy
 from scaleloop.strategies.pipeline import StageModule

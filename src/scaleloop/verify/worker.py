@@ -4,7 +4,7 @@ Not for users: ``python -m scaleloop.verify.worker REPORT_DIR`` reads the resolv
 verify command wrote into ``REPORT_DIR``, trains the K steps on this rank and records them
 (rank 0 writes). A failure is written to ``failure-rank<R>.json`` for the parent's comparison
 (the steps done, the losses) and raised again, with the step it happened in: the verify
-command starts this program through ``scaleloop.runtime.worker``, whose ``record`` puts it in
+command starts this program through ``scaleloop.launching.worker``, whose ``record`` puts it in
 torchrun's error file for the short failure report; the worker exits with 1, and torchrun stops
 the other ranks at once.
 """

@@ -5,7 +5,7 @@ starts the workers, runs the rendezvous, sets RANK / WORLD_SIZE / LOCAL_RANK / M
 MASTER_PORT in each, restarts the group on failure if asked, and stops every worker when one
 fails. scaleloop adds sane defaults, a start method that works in notebooks, rank 0's return
 value, and failures that explain themselves: the caller gets one ``WorkerError`` whose message
-is the short report of ``scaleloop.runtime.failures`` (the rank that failed first, its
+is the short report of ``scaleloop.launching.failures`` (the rank that failed first, its
 exception, the user's file:line; or the rank that stalled and where it was stuck), not the
 agent's tracebacks.
 
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 from scaleloop.errors import UsageError
-from scaleloop.runtime.failures import ELASTIC_DIR, LOGS_DIR, analyse
+from scaleloop.launching.failures import ELASTIC_DIR, LOGS_DIR, analyse
 
 START_METHODS = ("auto", "fork", "spawn", "forkserver")
 
@@ -144,7 +144,7 @@ class _Worker:
 def _stack_dumps(logs: Path, rank: int) -> IO[str]:
     """``logs/rank-<R>.log``, where SIGTERM (the agent stopping the survivors of a failure) first
     dumps every thread's Python stack: how the report finds where a stuck rank was."""
-    from scaleloop.runtime.failures import ATTEMPT_MARK
+    from scaleloop.launching.failures import ATTEMPT_MARK
 
     logs.mkdir(parents=True, exist_ok=True)
     log = open(logs / f"rank-{rank}.log", "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - closed by the caller
@@ -155,9 +155,9 @@ def _stack_dumps(logs: Path, rank: int) -> IO[str]:
 
 
 def _record(exc: BaseException, rank: int) -> None:
-    """``exc`` in torchrun's error file, as ``scaleloop.runtime.worker`` records it (its extras
+    """``exc`` in torchrun's error file, as ``scaleloop.launching.worker`` records it (its extras
     under ``extraInfo.scaleloop``), for the launcher's report."""
-    from scaleloop.runtime.worker import describe_exception
+    from scaleloop.launching.worker import describe_exception
 
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
@@ -224,7 +224,7 @@ def launch(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from scaleloop.runtime.agent import logs_in
+    from scaleloop.launching.agent import logs_in
 
     # Workers' error files and stack dumps go to a directory of our own, removed afterwards:
     # the elastic default is a fresh /tmp/torchelastic_* per call, left behind. The agent's

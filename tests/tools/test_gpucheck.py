@@ -6,7 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from scaleloop.bench import gpucheck
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import gpucheck  # noqa: E402  (tools/ is the repository's tooling, not the installed package)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,6 @@
 """The entry point of each worker that scaleloop's launcher starts under torchrun.
 
-``python -m scaleloop.runtime.worker LOG_DIR MODULE [ARGS...]`` runs ``MODULE.main(ARGS)`` (the
+``python -m scaleloop.launching.worker LOG_DIR MODULE [ARGS...]`` runs ``MODULE.main(ARGS)`` (the
 ``scaleloop`` command, or the verify worker) so that a failure explains itself:
 
 - this rank's output goes to ``LOG_DIR/rank-<R>.log``; rank 0 also shows its normal output
@@ -32,7 +32,7 @@ from typing import IO, Any, Callable, Optional, Sequence
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from scaleloop.runtime import preempt
-from scaleloop.runtime.cmdline import EXIT_INTERRUPTED
+from scaleloop.errors import EXIT_INTERRUPTED
 from scaleloop.runtime.frames import Frame, FrameKinds, where_of
 from scaleloop.runtime.recovery import leave_fault
 from scaleloop.runtime.slurm import in_slurm_job
@@ -269,7 +269,7 @@ def run(log_dir: Path, main: Callable[[list[str]], Optional[int]], argv: list[st
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 2:
-        print("usage: python -m scaleloop.runtime.worker LOG_DIR MODULE [ARGS...] (started by scaleloop's launcher)",
+        print("usage: python -m scaleloop.launching.worker LOG_DIR MODULE [ARGS...] (started by scaleloop's launcher)",
               file=sys.stderr)
         return 2
     log_dir, module, rest = Path(args[0]), args[1], args[2:]

@@ -13,18 +13,12 @@ import ipaddress
 import socket
 from typing import Any, Callable, Optional, TypeVar
 
+from scaleloop.config import conf_pairs, split_endpoint  # (re-exported: parsed with the config)
 from scaleloop.errors import UsageError
 
 T = TypeVar("T")
 
 
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` too) as host and port; UsageError for anything else."""
-    host, sep, port = endpoint.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise UsageError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, e.g. 10.0.0.1:29400")
-    return host, int(port)
 
 
 def route_address(host: str, port: int) -> Optional[str]:
@@ -57,15 +51,6 @@ def _first_socket(host: str, port: int, kind: int, use: Callable[[socket.socket,
     return None
 
 
-def conf_pairs(user_conf: Optional[str]) -> list[str]:
-    """``--rdzv-conf``'s ``KEY=VALUE`` pairs; UsageError for anything else (checked with the config)."""
-    pairs = [p.strip() for p in (user_conf or "").split(",") if p.strip()]
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise UsageError(f"--rdzv-conf {user_conf!r}: expected KEY=VALUE[,KEY=VALUE...], "
-                             "e.g. last_call_timeout=5,join_timeout=600")
-    return pairs
 
 
 def rdzv_conf(user_conf: Optional[str], host: str) -> str:

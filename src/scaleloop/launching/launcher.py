@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from scaleloop.config import TrainConfig, to_toml
-from scaleloop.errors import UsageError
-from scaleloop.runtime.cmdline import EXIT_INTERRUPTED
-from scaleloop.runtime.failures import ELASTIC_DIR, LOGS_DIR, Failure, analyse
+from scaleloop.errors import EXIT_INTERRUPTED, UsageError
+from scaleloop.launching.failures import ELASTIC_DIR, LOGS_DIR, Failure, analyse
 from scaleloop.runtime.recovery import clear_faults
 
 if TYPE_CHECKING:
@@ -41,7 +40,7 @@ class Interrupted(Exception):
 class WorkersFailed(Exception):
     """The workers started under torchrun failed; the message is the report to print as it is.
 
-    ``failure`` is what ``failure.json`` holds (``scaleloop.runtime.failures.Failure``).
+    ``failure`` is what ``failure.json`` holds (``scaleloop.launching.failures.Failure``).
     """
 
     def __init__(self, code: int, failure: Failure) -> None:
@@ -92,7 +91,7 @@ def launch_train(cfg: TrainConfig) -> Optional["RunResult"]:
 
 def _launch_workers(cfg: TrainConfig) -> None:
     """Start ``cfg.world_size`` workers under torchrun and wait for them."""
-    from scaleloop.runtime.torchrun import run_under_torchrun
+    from scaleloop.launching.torchrun import run_under_torchrun
     from scaleloop.loop.build import preflight
     from scaleloop.checkpoint.resume import continues_run, run_dir_for
     from scaleloop.output.rundir import default_run_dir, lock_run_dir, prepare_run_dir, write_atomic

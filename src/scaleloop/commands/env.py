@@ -6,6 +6,7 @@ importing the CLI stays fast for commands that never touch torch.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import platform
@@ -218,3 +219,15 @@ def format_env(info: dict[str, Any]) -> str:
             lines.append("")
         lines += _section(title, rows)
     return "\n".join(lines)
+
+
+def register(subparsers: Any) -> None:
+    """Add ``env`` to the CLI's subparsers."""
+    subparsers.add_parser("env", help="what this machine offers: torch, devices, backends, runnable strategies",
+                          description="Report Python, torch, CUDA/NCCL/Gloo/MPS availability, devices, CPU "
+                                      "cores, and which strategies can run here.")
+
+
+def run(args: argparse.Namespace) -> int:
+    print(format_env(collect_env()))
+    return 0

@@ -7,9 +7,9 @@ import pytest
 
 from scaleloop.config import TrainConfig, resolve
 from scaleloop.errors import UsageError
-from scaleloop.runtime.cmdline import EXIT_USAGE
-from scaleloop.runtime.rendezvous import is_this_machine, rdzv_conf, route_address, split_endpoint
-from scaleloop.runtime.torchrun import torchrun_command, workers_env
+from scaleloop.commands.cmdline import EXIT_USAGE
+from scaleloop.launching.rendezvous import is_this_machine, rdzv_conf, route_address, split_endpoint
+from scaleloop.launching.torchrun import torchrun_command, workers_env
 
 
 def test_this_machine_and_the_route_come_from_the_network() -> None:

@@ -15,7 +15,7 @@ from torch import nn
 
 import scaleloop as sl
 from scaleloop.errors import UsageError
-from scaleloop.runtime.spawn import (WorkerError, WorkerFailure, _failure, _parse_nnodes, choose_start_method, launch,
+from scaleloop.launching.spawn import (WorkerError, WorkerFailure, _failure, _parse_nnodes, choose_start_method, launch,
                                     resolve_start_method)
 
 TIME_LIMIT_S = 60  # per test; far above what a 2-process run needs, far below "hung"
@@ -217,7 +217,7 @@ def test_a_worker_that_exits_without_an_exception() -> None:
 def test_the_public_name_stays_the_function_after_the_cli_modules_are_imported() -> None:
     import importlib
 
-    for name in ("scaleloop.cli", "scaleloop.runtime.torchrun"):
+    for name in ("scaleloop.cli", "scaleloop.launching.torchrun"):
         importlib.import_module(name)
     assert sl.launch is launch
 

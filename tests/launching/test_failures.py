@@ -1,6 +1,6 @@
 """Failure reports from what workers leave behind: error files, stack dumps, the report, failure.json.
 
-The error files here are written by the worker's real handler (``scaleloop.runtime.worker``)
+The error files here are written by the worker's real handler (``scaleloop.launching.worker``)
 from exceptions raised in this process; the stack dumps have faulthandler's format. The real
 2-process runs are in tests/distributed/test_failures_dist.py.
 """
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from scaleloop.config import TrainConfig
-from scaleloop.runtime.failures import FAILURE_FILE, analyse, read_stack_dump
+from scaleloop.launching.failures import FAILURE_FILE, analyse, read_stack_dump
 from scaleloop.runtime.frames import note_where, where_of
-from scaleloop.runtime.worker import ATTEMPT_MARK, _RankErrorHandler
+from scaleloop.launching.worker import ATTEMPT_MARK, _RankErrorHandler
 
 ELASTIC = "logs/torchrun/launch/run-id_x"
 GLOO_CLOSED = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
@@ -171,7 +171,7 @@ def test_where_is_found_through_chained_exceptions() -> None:
 
 
 def test_flight_recorder_variables_for_cuda_workers_only(tmp_path: Path) -> None:
-    from scaleloop.runtime.torchrun import workers_env
+    from scaleloop.launching.torchrun import workers_env
 
     env = workers_env(TrainConfig(device="cuda", nproc=2), tmp_path / "logs", environ={"PATH": "/bin"})
     assert env["TORCH_FR_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
@@ -182,17 +182,17 @@ def test_flight_recorder_variables_for_cuda_workers_only(tmp_path: Path) -> None
 
 
 def test_supervised_command_is_torchrun_with_logs(tmp_path: Path) -> None:
-    from scaleloop.runtime.torchrun import supervised_command
+    from scaleloop.launching.torchrun import supervised_command
 
     cmd = supervised_command(TrainConfig(nproc=2), ["scaleloop.cli", "train"], tmp_path, "L1", python="py")
-    assert cmd[:4] == ["py", "-m", "scaleloop.runtime.agent", str(tmp_path / "torchrun.log")]
+    assert cmd[:4] == ["py", "-m", "scaleloop.launching.agent", str(tmp_path / "torchrun.log")]
     assert "--nproc-per-node=2" in cmd and "--standalone" in cmd and f"--log-dir={tmp_path}/torchrun/L1" in cmd
-    assert cmd[-5:] == ["-m", "scaleloop.runtime.worker", str(tmp_path), "scaleloop.cli", "train"]
+    assert cmd[-5:] == ["-m", "scaleloop.launching.worker", str(tmp_path), "scaleloop.cli", "train"]
 
 
 def test_timeout_flag_and_default() -> None:
     from scaleloop.cli import build_parser
-    from scaleloop.runtime.cmdline import flag_values
+    from scaleloop.commands.cmdline import flag_values
     from scaleloop.runtime.dist import DEFAULT_TIMEOUT_S
 
     assert TrainConfig().timeout == DEFAULT_TIMEOUT_S

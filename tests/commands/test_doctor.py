@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from scaleloop.cli import main
-from scaleloop.doctor import diagnose
+from scaleloop.commands.doctor import diagnose
 
 SMALL = ["--epochs", "1", "--batch-size", "64", "--no-progress", "--device", "cpu", "--checkpoint-every", "4"]
 

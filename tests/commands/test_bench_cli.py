@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from scaleloop.bench import cli as bench_cli
-from scaleloop.runtime.cmdline import Parser
+from scaleloop.commands import bench as bench_cli
+from scaleloop.commands.cmdline import Parser
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -151,7 +151,7 @@ def test_mfu_quick(tmp_path: Path) -> None:
 def test_multiprocess_bench_fits_workers_to_gpus() -> None:
     # gpu-first-run note 1: NCCL refuses two processes on one GPU, so `auto` falls back to the CPU
     # and says so, and an explicit cuda is refused in one line before any worker starts.
-    from scaleloop.bench.cli import fit_workers_to_gpus
+    from scaleloop.commands.bench import fit_workers_to_gpus
     from scaleloop.errors import UsageError
 
     said: list[str] = []

@@ -419,7 +419,7 @@ def _dispatch(args: argparse.Namespace, say: Callable[[str], None]) -> tuple[Any
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m scaleloop.bench``: the ``bench`` command on its own, exactly as ``scaleloop bench``."""
-    from scaleloop.runtime.cmdline import EXIT_USAGE, Parser
+    from scaleloop.commands.cmdline import EXIT_USAGE, Parser
 
     parser = Parser(prog="scaleloop")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser, required=True)
@@ -430,3 +430,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as exc:
         print(f"scaleloop: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def register(subparsers: Any) -> None:
+    """Add ``bench`` and its commands to the CLI's subparsers (created with ``Parser``)."""
+    from scaleloop.commands.cmdline import Parser
+
+    add_parser(subparsers, Parser)

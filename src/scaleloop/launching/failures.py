@@ -4,7 +4,7 @@ The launcher calls :func:`analyse` when torchrun reports a failure. It reads onl
 workers and torchrun left in the run directory (no console text):
 
 - torchrun's error files (``logs/torchrun/<launch>/<run id>/attempt_<K>/<local rank>/error.json``),
-  written by ``record`` in each worker that raised (``scaleloop.runtime.worker``), each with its
+  written by ``record`` in each worker that raised (``scaleloop.launching.worker``), each with its
   rank, epoch, step, exception, the user's innermost frame and a precise time;
 - the ranks' logs (``logs/rank-<R>.log``): a rank that raised nothing but was stopped by torchrun
   ends with its faulthandler stack dump, which says where it was.
@@ -25,13 +25,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from scaleloop.output.rundir import LOGS_DIR  # (re-exported: the launch side names it from here)
 from scaleloop.runtime.frames import Frame, FrameKinds
 
-LOGS_DIR = "logs"
 ELASTIC_DIR = "torchrun"           # under LOGS_DIR: torchrun's --log-dir, one folder per launch
 AGENT_LOG = "torchrun.log"         # under LOGS_DIR: torchrun's own messages
 FAILURE_FILE = "failure.json"
-ATTEMPT_MARK = "==== scaleloop worker"  # = scaleloop.runtime.worker.ATTEMPT_MARK (no torch here)
+ATTEMPT_MARK = "==== scaleloop worker"  # = scaleloop.launching.worker.ATTEMPT_MARK (no torch here)
 
 _THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+.*\(most recent call first\):\s*$|^Stack \(most recent call first\):\s*$")
 _FRAME = re.compile(r'^\s+File "(?P<path>.+)", line (?P<line>\d+) in (?P<name>.+?)\s*$')

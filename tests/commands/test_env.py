@@ -1,4 +1,4 @@
-"""Tests for scaleloop.runtime.envinfo on the CPU-only development machine."""
+"""Tests for scaleloop.commands.env on the CPU-only development machine."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaleloop.runtime.envinfo import STRATEGY_NAMES, collect_env, format_env
+from scaleloop.commands.env import STRATEGY_NAMES, collect_env, format_env
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="expects a CPU-only machine")
 
@@ -162,7 +162,7 @@ def test_import_does_not_load_torch() -> None:
     code = (
         "import sys, scaleloop\n"
         "before = 'torch' in sys.modules\n"
-        "import scaleloop.runtime.envinfo\n"
+        "import scaleloop.commands.env\n"
         "print(before or 'torch' not in sys.modules)\n"
     )
     src = str(Path(__file__).resolve().parents[2] / "src")

@@ -18,6 +18,7 @@ machine lost).
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import json
@@ -251,3 +252,18 @@ def _extend_command(run_dir: Path, config: dict[str, Any]) -> str:
     else:
         more = f" --epochs {epochs + 1}" if epochs else " --epochs N"
     return f"nothing left to train; to train further: scaleloop train --out {shlex.quote(str(run_dir))}{more}"
+
+
+def register(subparsers: Any) -> None:
+    """Add ``doctor RUN_DIR`` to the CLI's subparsers."""
+    parser = subparsers.add_parser(
+        "doctor", help="read a run directory: what happened, the newest checkpoint, how to continue",
+        description="Read a run directory (the --out of a run) and say in a few lines whether the run "
+                    "finished, was interrupted, failed (which rank, with what, where) or stalled (which "
+                    "rank, stuck where), the newest checkpoint that verifies, and the command that continues it.")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (e.g. runs/20261125-101500-simplenet-digits)")
+
+
+def run(args: argparse.Namespace) -> int:
+    print(format_diagnosis(diagnose(Path(args.run_dir))))
+    return 0

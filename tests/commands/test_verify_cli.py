@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from scaleloop.runtime.cmdline import Parser, add_config_flags
+from scaleloop.commands.cmdline import Parser, add_config_flags
 from scaleloop.errors import UsageError
 from scaleloop.verify.__main__ import main as verify_main
-from scaleloop.verify.cli import add_parser, resolve_verify, run
+from scaleloop.commands.verify import add_parser, resolve_verify, run
 
 FAST = ["--data", "random", "--n-samples", "64", "--model", "simplenet", "--device", "cpu"]
 

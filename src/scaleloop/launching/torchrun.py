@@ -18,9 +18,9 @@ from typing import Mapping, Optional, Sequence
 
 from scaleloop.config import TrainConfig
 from scaleloop.runtime import preempt
-from scaleloop.runtime.failures import AGENT_LOG, ELASTIC_DIR
+from scaleloop.launching.failures import AGENT_LOG, ELASTIC_DIR
 from scaleloop.runtime.preempt import signal_number
-from scaleloop.runtime.rendezvous import rdzv_conf, route_address, split_endpoint
+from scaleloop.launching.rendezvous import rdzv_conf, route_address, split_endpoint
 
 # How long torchrun waits, after passing a stop signal on, for its workers to end before SIGKILL:
 # a step and a checkpoint. A scheduler's own SIGKILL at the end of its grace period comes first.
@@ -54,16 +54,16 @@ def supervised_command(cfg: TrainConfig, worker: Sequence[str], logs: Path, laun
                        python: str = sys.executable) -> list[str]:
     """What the launcher runs: the same torchrun, quiet, with error files and per-rank logs in ``logs``.
 
-    torchrun's own messages go to ``logs/torchrun.log`` (``scaleloop.runtime.agent``), its error
+    torchrun's own messages go to ``logs/torchrun.log`` (``scaleloop.launching.agent``), its error
     files under ``logs/torchrun/<launch_id>/`` (``--log-dir``), and each worker, started through
-    ``scaleloop.runtime.worker``, runs ``python -m <worker...>`` with its output in
-    ``logs/rank-<R>.log``. ``scaleloop.runtime.failures`` reads them when a worker fails.
+    ``scaleloop.launching.worker``, runs ``python -m <worker...>`` with its output in
+    ``logs/rank-<R>.log``. ``scaleloop.launching.failures`` reads them when a worker fails.
     """
     plain = torchrun_command(cfg, [], python)
     torchrun_args = plain[3:-2]  # between "python -m torch.distributed.run" and "-m scaleloop"
-    return [python, "-m", "scaleloop.runtime.agent", str(logs / AGENT_LOG), *torchrun_args,
+    return [python, "-m", "scaleloop.launching.agent", str(logs / AGENT_LOG), *torchrun_args,
             f"--log-dir={logs / ELASTIC_DIR / launch_id}",
-            "-m", "scaleloop.runtime.worker", str(logs), *worker]
+            "-m", "scaleloop.launching.worker", str(logs), *worker]
 
 
 # NCCL's flight recorder: on a collective's timeout each rank dumps its last collectives (which

@@ -1,4 +1,4 @@
-"""``python -m scaleloop.runtime.agent LOG_FILE TORCHRUN_ARGS...``: torchrun, its own messages in a file.
+"""``python -m scaleloop.launching.agent LOG_FILE TORCHRUN_ARGS...``: torchrun, its own messages in a file.
 
 This is torchrun: ``torch.distributed.run``'s own parser and elastic agent, unchanged. Only
 where the agent's own messages go differs: its log lines, its failure summary ("Root Cause
@@ -53,7 +53,7 @@ def logs_in(path: str) -> Iterator[None]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
-        print("usage: python -m scaleloop.runtime.agent LOG_FILE TORCHRUN_ARGS... (started by scaleloop's launcher)",
+        print("usage: python -m scaleloop.launching.agent LOG_FILE TORCHRUN_ARGS... (started by scaleloop's launcher)",
               file=sys.stderr)
         return 2
     from torch.distributed import run as torchrun

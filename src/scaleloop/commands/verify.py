@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from scaleloop.config import TrainConfig, load_toml, resolve
 from scaleloop.errors import UsageError
-from scaleloop.runtime.cmdline import flag_values
+from scaleloop.commands.cmdline import flag_values
 from scaleloop.verify.options import CHECKS, DEFAULT_STEPS, VerifyOptions, parse_checks
 
 DESCRIPTION = (
@@ -71,7 +71,7 @@ def resolve_verify(args: argparse.Namespace) -> tuple[TrainConfig, VerifyOptions
         # Verify's defaults where train's do not fit: a comparison needs several processes.
         mesh = values.get("mesh")
         if mesh is not None:   # --mesh: its ranks, and the mesh strategy
-            from scaleloop.strategies.mesh import MeshSpec
+            from scaleloop.runtime.mesh import MeshSpec
 
             values.setdefault("nproc", MeshSpec.parse(mesh).world_size)
         values.setdefault("nproc", 2)
@@ -95,3 +95,10 @@ def run(args: argparse.Namespace) -> int:
 
     preflight(cfg)
     return verify(cfg, opts)
+
+
+def register(subparsers: Any) -> None:
+    """Add ``verify`` to the CLI's subparsers (created with ``Parser``)."""
+    from scaleloop.commands.cmdline import Parser, add_config_flags
+
+    add_parser(subparsers, Parser, add_config_flags)

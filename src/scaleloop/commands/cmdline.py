@@ -10,10 +10,7 @@ import dataclasses
 from typing import Any, NoReturn
 
 from scaleloop.config import TrainConfig, coerce, field_types, flag
-from scaleloop.errors import UsageError
-
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
+from scaleloop.errors import EXIT_INTERRUPTED, EXIT_USAGE, UsageError  # (exit codes re-exported)
 
 
 class Parser(argparse.ArgumentParser):

@@ -6,7 +6,7 @@ holds the plan (:data:`PLAN`: what to run, what it needs) and runs it: each chec
 ``benchmarks/`` says for each what passed, what failed (with the last lines it printed), what
 was skipped because this machine lacks what it needs, and what one GPU cannot show at all.
 
-``python -m scaleloop.bench.gpucheck --cpu`` runs the same plan where there is no GPU (CI): it
+``python tools/gpucheck.py --cpu`` runs the same plan where there is no GPU (CI): it
 checks that every command parses, runs those that need no CUDA, skips the rest by name, and
 writes the same report, so that the plan and the report cannot rot between GPU runs.
 """
@@ -33,7 +33,7 @@ BUDGET_S = 20 * 60
 CUDA_TEST_FILES = ("tests/runtime/test_devices.py", "tests/data/test_loader.py", "tests/loop/test_speed_options.py",
                    "tests/loop/test_gpu_paths.py",
                    "tests/loop/test_tune.py", "tests/distributed/test_precision_dist.py",
-                   "tests/bench/test_bench_cli.py", "tests/verify/test_verify_cli.py")
+                   "tests/commands/test_bench_cli.py", "tests/commands/test_verify_cli.py")
 
 
 @dataclass(frozen=True)
@@ -229,8 +229,8 @@ def table_markdown(columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> st
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m scaleloop.bench.gpucheck [--cpu] [--out DIR]``; exit 1 if a check failed."""
-    parser = argparse.ArgumentParser(prog="python -m scaleloop.bench.gpucheck", description=__doc__.split("\n")[0])
+    """``python tools/gpucheck.py [--cpu] [--out DIR]``; exit 1 if a check failed."""
+    parser = argparse.ArgumentParser(prog="python tools/gpucheck.py", description=__doc__.split("\n")[0])
     parser.add_argument("--cpu", action="store_true", help="no GPU here: skip the CUDA checks, check the rest")
     parser.add_argument("--out", default="benchmarks", help="where the report goes (default: benchmarks)")
     args = parser.parse_args(argv)

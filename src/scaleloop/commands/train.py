@@ -1,0 +1,33 @@
+"""``scaleloop train``: its flags, and the run it starts (here, or as workers under torchrun)."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from scaleloop.commands.cmdline import add_config_flags, flag_values
+from scaleloop.config import load_toml
+
+
+def register(subparsers: Any) -> None:
+    """Add ``train`` and its flags (one per ``TrainConfig`` field) to the CLI's subparsers."""
+    parser = subparsers.add_parser(
+        "train", help="train a model (defaults: SimpleNet on the bundled digits, best device)",
+        description="Train a model. With no flags: SimpleNet on scikit-learn's bundled 8x8 digits, on the "
+                    "best device (CUDA > MPS > CPU). Flags override --config, which overrides the defaults.")
+    parser.add_argument("--config", metavar="FILE", help="TOML file of settings (keys as below, e.g. batch_size = 128)")
+    add_config_flags(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train; the launcher's process prints the summary (workers under torchrun print their own)."""
+    from scaleloop.checkpoint.resume import config_for_resume
+    from scaleloop.launching.launcher import launch_train
+
+    file_values = load_toml(args.config) if args.config else {}
+    # Resuming a run starts from that run's saved settings; flags still override them.
+    result = launch_train(config_for_resume(file_values, flag_values(args)))
+    if result is not None:
+        from scaleloop.loop.summary import format_result
+
+        print(format_result(result))
+    return 0
