@@ -207,3 +207,40 @@ def test_no_import_goes_up_a_floor_and_no_two_parts_import_each_other() -> None:
     upward, mutual = layer_breaches(import_graph())
     assert not upward, "imports that go up a floor (docs/architecture.md):\n" + "\n".join("  " + u for u in upward)
     assert not mutual, "parts that import each other:\n" + "\n".join("  " + m for m in mutual)
+
+
+def readme_layout() -> dict[str, str]:
+    """The README's Layout block: each entry (``src/scaleloop/``, ``  loop/``, ``tools/``) -> its text."""
+    text = (ROOT.parent / "README.md").read_text(encoding="utf-8")
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    entries: dict[str, str] = {}
+    current = None
+    for line in block.splitlines():
+        head = line[:19].strip()
+        if head:
+            current = head
+            entries[current] = ""
+        if current is not None:
+            entries[current] += " " + line[19:]
+    return entries
+
+
+def test_the_readme_layout_names_every_module() -> None:
+    entries = readme_layout()
+    missing = []
+    for package in packages():
+        key = "src/scaleloop/" if package.name == PACKAGE else f"{package.name}/"
+        words = set(re.findall(r"[\w]+", entries.get(key, "")))
+        for module in sorted(p.stem for p in package.glob("*.py") if p.name != "__init__.py" or key == "src/scaleloop/"):
+            if module not in words:
+                missing.append(f"{key}{module}")
+    tools = set(re.findall(r"[\w]+", entries.get("tools/", "")))
+    missing += [f"tools/{p.stem}" for p in sorted((ROOT.parent / "tools").glob("*.py")) if p.stem not in tools]
+    assert not missing, "modules the README's Layout does not name: " + ", ".join(missing)
+
+
+def test_the_readme_lists_every_doc() -> None:
+    text = (ROOT.parent / "README.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^- \[docs/([\w.-]+\.md)\]", text.split("## Documentation", 1)[1], re.M))
+    docs = {p.name for p in (ROOT.parent / "docs").glob("*.md")}
+    assert not docs - listed, f"docs the README's Documentation list leaves out: {sorted(docs - listed)}"
