@@ -152,9 +152,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "plugins"),           # one-line errors; user code named as pkg.module:attr
     ("runtime",),                    # ground: this process (DistEnv, devices, collectives, mesh, signals)
     ("data", "models", "output"),    # what is trained on, what is trained, what a run writes
-    ("config",),                     # the settings, checked with the helpers of the floors below
     ("checkpoint",),                 # store, state, resume, replicas; the Checkpointer
     ("strategies",),                 # parallelism: how the model, optimizer and loader are wrapped
+    ("config",),                     # the flat settings, handed out in sections that their owners check
     ("loop",),                       # the trainer: build a run, step, evaluate, finish
     ("launching",),                  # starting workers: torchrun, the worker entry, launch(), failures
     ("verify", "bench"),             # the tools built on training and launching

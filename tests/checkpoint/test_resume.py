@@ -13,7 +13,8 @@ from typing import Callable, Optional
 import pytest
 import torch
 
-from scaleloop.checkpoint.resume import FIXED_ON_RESUME, config_for_resume
+from scaleloop.checkpoint.resume import FIXED_ON_RESUME
+from scaleloop.config import config_for_resume
 from scaleloop.checkpoint.store import (MANIFEST_FILE, STATE_FILE, CheckpointError, list_checkpoints,
                                         verify_checkpoint)
 from scaleloop.config import TrainConfig, to_toml

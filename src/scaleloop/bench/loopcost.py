@@ -146,7 +146,7 @@ def _bookkeeping_cost(run: Any) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="scaleloop-loopcost-") as tmp:
         metrics = MetricsLogger(Path(tmp), tensorboard=False)
         ledger = _Ledger(time.perf_counter())
-        step, checkpointer = Step(run), Checkpointer(run.strategy, run.cfg, say=lambda _msg: None)
+        step, checkpointer = Step(run), Checkpointer(run.strategy, run.cfg.checkpointing, {}, say=lambda _msg: None)
 
         def log_rows(n: int) -> None:
             for _ in range(n):

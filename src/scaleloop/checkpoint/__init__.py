@@ -1,5 +1,6 @@
 """Checkpoints: full training state, written atomically, verified on load, resumable anywhere.
 
+- ``settings``: ``CheckpointSettings``, the config's checkpoint section, and its checks;
 - ``store``: the on-disk layout, atomic writes, manifests and checksums, pruning;
 - ``state``: weights-only serialisation, RNG capture/restore, the model-shape check;
 - ``resume``: which checkpoint ``--resume`` means, and which settings a resumed run keeps;

@@ -38,7 +38,7 @@ from scaleloop.checkpoint.state import capture_rng, from_bytes, restore_rng, to_
 from scaleloop.checkpoint.store import (CHECKPOINTS_DIR, FORMAT_VERSION, STATE_FILE, CheckpointError,
                                         begin_checkpoint, finish_checkpoint, newest_valid, prune, retire_after,
                                         step_dir_name)
-from scaleloop.config import TrainConfig
+from scaleloop.checkpoint.settings import CheckpointSettings
 from scaleloop.output.rundir import RunDirWriteError, unwritable
 from scaleloop.runtime.collectives import broadcast_object, gather_object, sum_over_ranks
 from scaleloop.runtime.dist import DistEnv
@@ -88,16 +88,19 @@ class Resumed:
 class Checkpointer:
     """Writes checkpoints of one run (rank 0's ``run_dir``) and restores them on every rank."""
 
-    def __init__(self, strategy: Stateful, cfg: TrainConfig, *, say: Callable[[str], None]) -> None:
+    def __init__(self, strategy: Stateful, settings: CheckpointSettings, config: Mapping[str, Any], *,
+                 say: Callable[[str], None]) -> None:
         self.strategy = strategy
-        self.cfg = cfg
+        self.settings = settings
+        #: The run's whole config (flat fields), saved in each checkpoint and compared on resume.
+        self.config = dict(config)
         self.say = say
         self.root: Optional[Path] = None   # set on the writing rank once the run directory exists
         self.written = 0
         self.seconds = 0.0
         self.last_path: Optional[Path] = None
         self._last_step: Optional[int] = None
-        self.replicas = Replicas(strategy.env, cfg.keep_checkpoints)   # none until attach()
+        self.replicas = Replicas(strategy.env, settings.keep_checkpoints)   # none until attach()
 
     @property
     def last_step(self) -> Optional[int]:
@@ -108,7 +111,7 @@ class Checkpointer:
         """Write into ``run_dir/checkpoints`` (None on ranks that do not write); on a job of several
         machines, also decide which keep copies (a collective: every rank calls it)."""
         self.root = run_dir / CHECKPOINTS_DIR if run_dir is not None else None
-        self.replicas = Replicas.arrange(self.strategy.env, self.cfg, run_dir, sharded=_writes_sharded(self.strategy),
+        self.replicas = Replicas.arrange(self.strategy.env, self.settings, run_dir, sharded=_writes_sharded(self.strategy),
                                          say=self.say)
 
     def retire_after(self, step: int) -> list[Path]:
@@ -120,7 +123,7 @@ class Checkpointer:
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
              progress: Progress, sums: torch.Tensor) -> Optional[Path]:
         """Checkpoint the run (every rank must call this at the same point). Returns the path written."""
-        if not self.cfg.checkpoints or self._last_step == progress.global_step:
+        if not self.settings.checkpoints or self._last_step == progress.global_step:
             return None
         started = time.perf_counter()
         strategy = self.strategy
@@ -140,7 +143,7 @@ class Checkpointer:
         previous, self._last_step = self._last_step, progress.global_step
         path = None
         if tmp is not None and model_and_optim is not None:
-            config = asdict(self.cfg)
+            config = dict(self.config)
             state = {
                 "format_version": FORMAT_VERSION,
                 **model_and_optim,
@@ -161,7 +164,7 @@ class Checkpointer:
             data = to_bytes(state)
             try:
                 path = finish_checkpoint(self.root, progress.global_step, tmp, {STATE_FILE: data}, meta)
-                prune(self.root, self.cfg.keep_checkpoints)
+                prune(self.root, self.settings.keep_checkpoints)
             except OSError as exc:
                 final = self.root / step_dir_name(progress.global_step) / STATE_FILE
                 error = self._write_error(final, exc, len(data), tmp)
@@ -211,12 +214,12 @@ class Checkpointer:
         payload: tuple[Optional[str], Optional[bytes], Optional[str]] = (None, None, None)
         # On several machines without a shared disk, each machine's first process looks in its own
         # run directory (copies, see checkpoint.replicas), and the newest checkpoint any holds wins.
-        anywhere = machines(env) > 1 and self.cfg.shared_fs != "yes" and self.cfg.resume == "auto"
+        anywhere = machines(env) > 1 and self.settings.shared_fs != "yes" and self.settings.resume == "auto"
         looks = env.is_main or (anywhere and env.local_rank == 0)
         info, error = None, None
         if looks:
             try:
-                info = find_checkpoint(self.cfg, restarting=restarting, warn=self.say if env.is_main else _quiet)
+                info = find_checkpoint(self.settings, restarting=restarting, warn=self.say if env.is_main else _quiet)
             except (CheckpointError, OSError) as exc:
                 error = str(exc)
         src = newest_among_machines(env, info)[0] if anywhere else 0
@@ -232,7 +235,7 @@ class Checkpointer:
             return None
         state = from_bytes(data, source)
         if isinstance(state.get("config"), Mapping):
-            check_compatible(state["config"], self.cfg, source)
+            check_compatible(state["config"], self.config, source)
         try:
             strategy.load_checkpoint(model, optimizer, state, Path(source))
             if scheduler is not None and state.get("scheduler"):
@@ -254,7 +257,7 @@ class Checkpointer:
                          f"of the epoch holds the same samples, now {strategy.batch_split}")
             if env.rank >= len(rngs):
                 # A rank that did not exist gets its own fresh stream, as a new worker would.
-                torch.manual_seed(self.cfg.seed + env.rank + 1_000_003 * progress.global_step)
+                torch.manual_seed(self.settings.seed + env.rank + 1_000_003 * progress.global_step)
         sums = state["sums"].to(env.device) if env.is_main else torch.zeros_like(state["sums"], device=env.device)
         if src != 0:
             notes.append(f"note: rank 0's machine held no checkpoint this new; the copy on rank {src}'s machine "

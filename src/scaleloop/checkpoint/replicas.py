@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 from scaleloop.checkpoint.store import (CHECKPOINTS_DIR, MANIFEST_FILE, CheckpointError, CheckpointInfo,
                                         copy_checkpoint, prune, retire_after, step_of)
-from scaleloop.config import TrainConfig
+from scaleloop.checkpoint.settings import CheckpointSettings
 from scaleloop.errors import UsageError
 from scaleloop.runtime.collectives import broadcast_object, gather_object
 from scaleloop.runtime.dist import DistEnv
@@ -50,7 +50,7 @@ class Replicas:
         return bool(self.holders)
 
     @classmethod
-    def arrange(cls, env: DistEnv, cfg: TrainConfig, run_dir: Optional[Path], *, sharded: bool,
+    def arrange(cls, env: DistEnv, cfg: CheckpointSettings, run_dir: Optional[Path], *, sharded: bool,
                 say: Say) -> "Replicas":
         """Decide, together (a collective on a job of several machines), who keeps copies.
 

@@ -13,9 +13,9 @@ Rules:
 - A worker group restarted by torchrun (``--max-restarts``) always takes the newest valid
   checkpoint of its run directory first: that is where the failed attempt left off.
 
-A resumed run starts from the settings saved with its run (``<run>/config.toml``); flags given
-on the command line override them, except those that fix the data order and model shape
-(:data:`FIXED_ON_RESUME`), which must match the checkpoint.
+A resumed run starts from the settings saved with its run (``<run>/config.toml``,
+``scaleloop.config.resume``); flags given on the command line override them, except those that
+fix the data order and model shape (:data:`FIXED_ON_RESUME`), which must match the checkpoint.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from scaleloop.checkpoint.store import (CHECKPOINTS_DIR, CheckpointError, CheckpointInfo, list_checkpoints,
                                         locate, newest_valid, run_dir_of, verify_checkpoint)
-from scaleloop.config import TrainConfig, flag, load_toml, resolve
+from scaleloop.checkpoint.settings import CheckpointSettings
 
 # Settings that decide which samples step s holds, the model's shape and the optimizer's state
 # layout: changing one mid-run would not continue the run but start a different one.
@@ -34,7 +34,7 @@ FIXED_ON_RESUME = ("model", "data", "data_dir", "hidden_dim", "n_samples", "inpu
                    "lr_scaling", "base_batch_size")
 
 
-def run_dir_for(cfg: TrainConfig) -> Optional[Path]:
+def run_dir_for(cfg: CheckpointSettings) -> Optional[Path]:
     """The run directory a resuming run writes to: ``--out``, else the checkpoint's own run."""
     if cfg.out:
         return Path(cfg.out)
@@ -50,7 +50,7 @@ def continues_run(out: Optional[Path], checkpoint: Path) -> bool:
     return out is not None and source_run is not None and source_run.resolve() == Path(out).resolve()
 
 
-def find_checkpoint(cfg: TrainConfig, *, restarting: bool, warn: Callable[[str], None]) -> Optional[CheckpointInfo]:
+def find_checkpoint(cfg: CheckpointSettings, *, restarting: bool, warn: Callable[[str], None]) -> Optional[CheckpointInfo]:
     """The verified checkpoint to continue from, or None for a fresh start (rules in the module doc)."""
     if restarting and cfg.out:
         found = newest_valid(Path(cfg.out) / CHECKPOINTS_DIR, warn)
@@ -71,39 +71,19 @@ def find_checkpoint(cfg: TrainConfig, *, restarting: bool, warn: Callable[[str],
     return verify_checkpoint(locate(Path(cfg.resume)))
 
 
-def check_compatible(saved: Mapping[str, Any], cfg: TrainConfig, source: str) -> None:
-    """CheckpointError listing the data-order/model settings in which ``cfg`` differs from ``saved``."""
-    diffs = [(name, saved[name], getattr(cfg, name)) for name in FIXED_ON_RESUME
-             if name in saved and saved[name] != getattr(cfg, name)]
+def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], source: str) -> None:
+    """CheckpointError listing the data-order/model settings in which the ``current`` config (its
+    fields as a mapping) differs from the ``saved`` one."""
+    diffs = [(name, saved[name], current[name]) for name in FIXED_ON_RESUME
+             if name in saved and name in current and saved[name] != current[name]]
     if not diffs:
         return
-    was = " ".join(f"{flag(n)} {old}" for n, old, _ in diffs)
-    now = " ".join(f"{flag(n)} {new}" for n, _, new in diffs)
+    was = " ".join(f"{_flag(n)} {old}" for n, old, _ in diffs)
+    now = " ".join(f"{_flag(n)} {new}" for n, _, new in diffs)
     raise CheckpointError(f"cannot resume {source}: it was trained with {was}, this run asks for {now}; "
                           "these fix the data order, the model or the optimizer, so resume with the checkpoint's values "
                           "or start a new run (--resume never --out NEW_DIR)")
 
 
-def config_for_resume(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> TrainConfig:
-    """The run's settings: the saved ``config.toml`` of the run being resumed (if any), then
-    ``--config`` values, then flags. Without a run to resume: just ``--config`` then flags."""
-    cfg = resolve(file_values, flag_values)
-    if cfg.resume == "never":
-        return cfg
-    source = Path(cfg.out) if cfg.resume == "auto" and cfg.out else None
-    if cfg.resume not in ("auto", "never"):
-        source = run_dir_of(locate(Path(cfg.resume)))
-    if source is None or not (source / "config.toml").is_file() or not list_checkpoints(source / CHECKPOINTS_DIR):
-        return cfg
-    saved = load_toml(source / "config.toml")
-    # Which checkpoint to take is this invocation's choice, never an old run's.
-    saved.pop("resume", None)
-    # Without --out the run goes on in the directory it came from.
-    saved["out"] = str(source)
-    # A pipeline's pieces mean nothing to the strategy a resumed run switches to.
-    new_strategy = {**file_values, **flag_values}.get("strategy")
-    if new_strategy not in (None, "pipeline"):
-        for name in ("microbatches", "pipeline_schedule", "stages_per_rank", "sharded_checkpoints"):
-            if name not in {**file_values, **flag_values}:
-                saved.pop(name, None)
-    return resolve({**saved, **file_values}, flag_values)
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")

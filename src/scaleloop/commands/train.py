@@ -5,7 +5,7 @@ import argparse
 from typing import Any
 
 from scaleloop.commands.cmdline import add_config_flags, flag_values
-from scaleloop.config import load_toml
+from scaleloop.config import config_for_resume, load_toml
 
 
 def register(subparsers: Any) -> None:
@@ -20,7 +20,6 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train; the launcher's process prints the summary (workers under torchrun print their own)."""
-    from scaleloop.checkpoint.resume import config_for_resume
     from scaleloop.launching.launcher import launch_train
 
     file_values = load_toml(args.config) if args.config else {}

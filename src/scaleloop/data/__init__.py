@@ -6,4 +6,5 @@
   ``loader``: batches for one rank from that plan; ``batching``: the global-batch rule;
   ``streaming``: the same for a stream (an ``IterableDataset``), split as it is read.
 - ``batch``: the one rule for what in a sample is input and target, and how the model is called.
+- ``settings``: ``DataSettings``, the config's model-and-data section, and its checks.
 """

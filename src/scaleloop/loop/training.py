@@ -11,6 +11,7 @@ and epoch ends also watch the run's health on the reductions they make anyway
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import math
 import time
@@ -117,7 +118,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     say: Log = (log or print) if env.is_main else (lambda _msg: None)
     reset_peak(env.device)  # this run's peak CUDA memory, not an earlier run's in this process
     run = build_run(cfg, env)
-    checkpointer = Checkpointer(run.strategy, cfg, say=say)
+    checkpointer = Checkpointer(run.strategy, cfg.checkpointing, dataclasses.asdict(cfg), say=say)
     resumed = checkpointer.restore(run.model, run.optimizer, run.scheduler, restarting=restart_count() > 0)
     at = resumed.progress if resumed is not None else Progress()
     run_dir, lock = _open_run_dir(run, checkpointer, resumed)

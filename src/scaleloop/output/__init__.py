@@ -1,5 +1,6 @@
 """What a run writes and prints.
 
+- ``settings``: ``OutputSettings``, the config's output section, and its checks.
 - ``rundir``: the run directory (what ``--out`` accepts) and atomic file writes.
 - ``lock``: the lock a run holds on its run directory (host, pid; stale ones taken over).
 - ``metrics``: ``metrics.csv``, ``curves.png``, number formatting.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as torch_dist
@@ -31,6 +31,9 @@ from scaleloop.data.streaming import StreamingLoader, StreamPlan, declared_lengt
 from scaleloop.runtime.collectives import gather_object, shard_indices
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.strategies.precision import Precision
+
+if TYPE_CHECKING:
+    from scaleloop.strategies.registry import ParallelSettings
 
 OptimizerLike = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -58,6 +61,11 @@ class Strategy:
         self.accumulate_steps = accumulate
         self._sync_batchnorm = sync_batchnorm
         self._check()
+
+    @classmethod
+    def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings") -> "Strategy":
+        """This strategy for checked ``settings`` (``strategies.registry``), taking the options it has."""
+        return cls(env, precision, settings.accumulate, settings.sync_batchnorm)
 
     # --- hooks for subclasses -----------------------------------------------------------
     def _check(self) -> None:

@@ -11,7 +11,7 @@ ranks; the ``tp`` ranks of a group train on the same samples. docs/strategies.md
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import torch.distributed as torch_dist
@@ -31,12 +31,25 @@ from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.tensor import apply_tensor_parallel, fsdp_placement
 
+if TYPE_CHECKING:
+    from scaleloop.strategies.registry import ParallelSettings
+
 
 class MeshParallel(FSDP):
     """TP over ``tp``, then FSDP2 over ``fsdp`` or HSDP over ``(dp, fsdp)``: see the module docstring."""
 
     name = "mesh"
     batch_split = "split evenly over the dp x fsdp ranks (tp ranks share theirs)"
+
+    @classmethod
+    def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings") -> Union["MeshParallel", Any]:
+        """The mesh's strategy; with a ``pp`` dimension, a pipeline whose stages are replicated ``dp`` times."""
+        if settings.pipeline_layout() is not None:
+            from scaleloop.strategies.pipeline import PipelineParallel
+
+            return PipelineParallel.build(env, precision, settings)
+        return cls(env, precision, settings.accumulate, settings.sync_batchnorm,
+                   mesh=MeshSpec.parse(settings.mesh or ""), cpu_offload=settings.cpu_offload)
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
                  sync_batchnorm: bool = False, *, mesh: MeshSpec, cpu_offload: bool = False) -> None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Union
+from typing import TYPE_CHECKING, Iterator, Optional, Union
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -15,6 +15,9 @@ from scaleloop.strategies.base import HandWrittenLoop, ProcessGroupStrategy
 from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.syncbn import convert_batchnorm
 
+if TYPE_CHECKING:
+    from scaleloop.strategies.registry import ParallelSettings
+
 
 class DDP(HandWrittenLoop, ProcessGroupStrategy):
     """Each rank holds a full replica; DDP averages gradients over ranks as backward runs.
@@ -24,6 +27,11 @@ class DDP(HandWrittenLoop, ProcessGroupStrategy):
     """
 
     name = "ddp"
+
+    @classmethod
+    def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings") -> "DDP":
+        return cls(env, precision, settings.accumulate, settings.sync_batchnorm,
+                   find_unused_parameters=settings.find_unused_parameters, static_graph=settings.static_graph)
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
                  sync_batchnorm: bool = False, *, find_unused_parameters: bool = False,

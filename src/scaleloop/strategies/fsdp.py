@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
 import torch
 import torch.distributed as torch_dist
@@ -24,6 +24,9 @@ from scaleloop.runtime.collectives import broadcast_object, gather_object
 from scaleloop.runtime.devices import indexed
 from scaleloop.strategies.base import EvalShard, HandWrittenLoop, ProcessGroupStrategy
 from scaleloop.strategies.syncbn import convert_batchnorm
+
+if TYPE_CHECKING:
+    from scaleloop.strategies.registry import ParallelSettings
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -82,6 +85,10 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
     """Parameters, gradients and optimizer state sharded over ranks with FSDP2's ``fully_shard``."""
 
     name = "fsdp"
+
+    @classmethod
+    def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings") -> "FSDP":
+        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, cpu_offload=settings.cpu_offload)
 
     def __init__(self, *args: Any, cpu_offload: bool = False, **kwargs: Any) -> None:
         #: Shards, gradients and optimizer state kept in host memory between uses (--cpu-offload).

@@ -12,14 +12,15 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as torch_dist
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
-from scaleloop.data.batching import check_batch_split, check_pipeline_schedule, pipeline_pieces
+from scaleloop.data.batching import check_batch_split
+from scaleloop.strategies.pieces import check_pipeline_schedule, pipeline_pieces
 from scaleloop.data.loader import Batch, ShardedLoader
 from scaleloop.data.sampler import StepPlan, split_sizes
 from scaleloop.data.streaming import StreamingLoader, StreamPlan, declared_length
@@ -28,6 +29,9 @@ from scaleloop.errors import UsageError
 from scaleloop.strategies import distcp
 from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.base import EvalShard, OptimizerLike, ProcessGroupStrategy
+
+if TYPE_CHECKING:
+    from scaleloop.strategies.registry import ParallelSettings
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -208,6 +212,13 @@ class PipelineParallel(ProcessGroupStrategy):
 
     name = "pipeline"
     batch_split = "seen whole by every stage"
+
+    @classmethod
+    def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings") -> "PipelineParallel":
+        layout = settings.pipeline_layout()
+        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, microbatches=settings.microbatches,
+                   schedule=settings.pipeline_schedule, stages_per_rank=settings.stages_per_rank,
+                   replicas=layout[1] if layout is not None else 1, sharded_checkpoints=settings.sharded_checkpoints)
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
                  sync_batchnorm: bool = False, *, microbatches: int = 1, schedule: str = "gpipe",

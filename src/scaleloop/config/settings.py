@@ -12,25 +12,29 @@ import difflib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union, get_args, get_origin, get_type_hints
+from typing import Any, Mapping, Optional, TypeVar, Union, get_args, get_origin, get_type_hints
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
-from scaleloop.data.batching import check_batch_split, check_pipeline_schedule
+from scaleloop.checkpoint.settings import CheckpointSettings
+from scaleloop.config.sections import LaunchSettings, OptimSettings
+from scaleloop.data.settings import DataSettings
 from scaleloop.errors import UsageError
-from scaleloop.output.trackers import TRACKERS, check_installed
+from scaleloop.output.settings import OutputSettings
+from scaleloop.output.trackers import TRACKERS
+from scaleloop.strategies.pieces import SCHEDULES as PIPELINE_SCHEDULES
+from scaleloop.strategies.registry import STRATEGIES, ParallelSettings
 
-STRATEGIES = ("auto", "single", "dp", "ddp", "allreduce", "fsdp", "pipeline", "mesh")
+S = TypeVar("S")
 BACKENDS = ("gloo", "nccl")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "step")
 LR_SCALINGS = ("none", "linear", "sqrt")
 TASKS = ("auto", "classification", "binary", "regression", "lm")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] = (), group: str = "training") -> Any:
@@ -174,175 +178,53 @@ class TrainConfig:
                              group="output")
 
     def validate(self) -> "TrainConfig":
-        """Check every value; raise UsageError naming the flag and what to use instead."""
+        """Check every value; raise UsageError naming the flag and what to use instead.
+
+        Each section is checked by its owner (``SECTIONS``); here only what every field shares:
+        a value among its choices.
+        """
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             value = getattr(self, f.name)
             if choices and value is not None and value not in choices:
                 raise UsageError(f"{flag(f.name)} {value!r} is not one of: {', '.join(choices)}")
-        positive = ("hidden_dim", "n_samples", "input_dim", "image_size", "seq_len", "vocab_size",
-                    "epochs", "batch_size", "accumulate", "log_every", "microbatches")
-        for name in positive:
-            _require(getattr(self, name) >= 1, name, "a positive integer")
-        _require(self.max_steps is None or self.max_steps >= 1, "max_steps", "a positive integer")
-        _require(self.lr > 0, "lr", "a positive number")
-        _require(self.weight_decay >= 0, "weight_decay", "zero or positive")
-        _require(self.momentum >= 0, "momentum", "zero or positive")
-        _require(self.clip_grad is None or self.clip_grad > 0, "clip_grad", "a positive number")
-        _require(0 <= self.test_fraction < 1, "test_fraction", "in [0, 1)")
-        _require(self.num_workers >= 0, "num_workers", "zero or positive")
-        for name in ("loss", "metrics"):
-            for spec in (getattr(self, name) or "").split(","):
-                if getattr(self, name) is not None and ":" not in spec:
-                    raise UsageError(f"{flag(name)} {spec.strip()!r}: expected 'package.module:function'")
-        if (self.find_unused_parameters or self.static_graph) and self.strategy not in ("auto", "ddp"):
-            which = "--find-unused-parameters" if self.find_unused_parameters else "--static-graph"
-            raise UsageError(f"{which} is an option of DistributedDataParallel: use it with --strategy ddp "
-                             f"(not {self.strategy})")
-        if self.persistent_workers and self.num_workers == 0:
-            raise UsageError("--persistent-workers keeps DataLoader worker processes between epochs, and "
-                             "--num-workers is 0 (no workers): add --num-workers N, or drop it")
-        if self.compile and (self.strategy in ("dp", "pipeline") or self.pipeline_layout()):
-            raise UsageError(f"--compile does not support {'--strategy ' + self.strategy if self.strategy in ('dp', 'pipeline') else '--mesh pp=N'} "
-                             + ("(nn.DataParallel): use --strategy ddp" if self.strategy == "dp" else
-                                "(its stages are scheduled by torch.distributed.pipelining): drop --compile"))
-        _require(self.nproc >= 1, "nproc", "a positive integer")
-        _require(self.nnodes >= 1, "nnodes", "a positive integer")
-        _require(0 <= self.min_nnodes <= self.nnodes, "min_nnodes", f"in 0..{self.nnodes} (--nnodes MIN:MAX)")
-        _require(0 <= self.node_rank < self.nnodes, "node_rank", f"in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
-        _require(1 <= self.master_port <= 65535, "master_port", "a port number in 1..65535")
-        _require(self.max_restarts >= 0, "max_restarts", "zero or positive")
-        from scaleloop.runtime.preempt import signal_number
-
-        signal_number(self.signal)   # a name that is no catchable signal: one line now, not at the stop
-        _require(self.timeout > 0, "timeout", "a positive number of seconds")
-        _require(self.warmup_steps >= 0, "warmup_steps", "zero or positive")
-        _require(self.base_batch_size is None or self.base_batch_size >= 1, "base_batch_size", "a positive integer")
-        if self.lr_scaling != "none" and self.base_batch_size is None:
-            raise UsageError(f"--lr-scaling {self.lr_scaling} scales --lr from the batch it was tuned for: "
-                             "add --base-batch-size N")
-        _require(self.checkpoint_every >= 0, "checkpoint_every", "zero (epoch ends only) or a positive integer")
-        _require(self.keep_checkpoints >= 1, "keep_checkpoints", "a positive integer (use --no-checkpoints to write none)")
-        _require(bool(self.resume.strip()), "resume", "auto, never, or a checkpoint path")
-        check_installed(self.tracker)   # a missing W&B/MLflow package: now, before the run directory exists
-        if self.nnodes > 1 and not (self.master_addr or self.rdzv_endpoint):
-            nnodes = f"{self.min_nnodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
-            raise UsageError(f"--nnodes {nnodes} needs where to meet: "
-                             + ("--rdzv-endpoint HOST:PORT (an elastic job meets at a c10d rendezvous)" if self.elastic
-                                else "--master-addr HOST (with --node-rank) or --rdzv-endpoint HOST:PORT"))
-        if self.rdzv_endpoint and self.master_addr:
-            raise UsageError("give either --master-addr (static) or --rdzv-endpoint (elastic), not both")
-        if self.rdzv_endpoint:   # now, before the launcher makes the run directory
-            split_endpoint(self.rdzv_endpoint)
-            conf_pairs(self.rdzv_conf)
-        if self.elastic:
-            self._check_elastic()
-        if self.strategy == "single" and self.world_size > 1:
-            raise UsageError(f"--strategy single runs one process, but --nproc x --nnodes = {self.world_size}; "
-                             "use --strategy ddp or allreduce")
-        if self.strategy == "dp" and self.world_size > 1:
-            raise UsageError("--strategy dp (nn.DataParallel) runs ONE process that drives all GPUs; "
-                             "drop --nproc/--nnodes, or use --strategy ddp for one process per GPU")
-        self._check_memory_levers()
-        data_ranks = self._check_mesh()
-        _require(self.stages_per_rank >= 0, "stages_per_rank", "zero (the default) or a positive integer")
-        layout = self.pipeline_layout()
-        if self.sharded_checkpoints and layout is None and self.strategy not in ("fsdp", "mesh"):
-            raise UsageError(f"--sharded-checkpoints applies to pipelines (fsdp and --mesh always write sharded "
-                             f"checkpoints); with --strategy {self.strategy} every rank holds the whole model: drop it")
-        if layout is not None:
-            self._check_pipeline(*layout)
-        else:
-            if self.microbatches > 1:
-                raise UsageError(f"--microbatches {self.microbatches} applies to --strategy pipeline (or --mesh pp=N) "
-                                 "only; to split a step's batch with another strategy use --accumulate")
-            if self.pipeline_schedule != "gpipe" or self.stages_per_rank:
-                which = "--stages-per-rank" if self.stages_per_rank else "--pipeline-schedule"
-                raise UsageError(f"{which} applies to --strategy pipeline only: add --strategy pipeline, or drop it")
-            if not self.elastic:
-                check_batch_split(self.batch_size, data_ranks, self.accumulate)
-            elif self.batch_size < self.world_size * self.accumulate:
-                # Any world size MIN..MAX runs; an uneven split is weighted (strategies/base.py).
-                raise UsageError(f"--batch-size {self.batch_size} gives some of the up to {self.world_size} workers x "
-                                 f"{self.accumulate} accumulation step(s) no sample; use at least "
-                                 f"{self.world_size * self.accumulate}")
+        for kind in SECTIONS:
+            self.section(kind).check()
         return self
+
+    def section(self, kind: type[S]) -> S:
+        """One section of this config (``CheckpointSettings``, ``ParallelSettings``, ...): the fields
+        it names, taken from the flat ones. A component is handed its section, not the whole config."""
+        return kind(**{f.name: getattr(self, f.name) for f in dataclasses.fields(kind)})
+
+    @property
+    def checkpointing(self) -> CheckpointSettings:
+        """The checkpoint section (``scaleloop.checkpoint.settings``)."""
+        return self.section(CheckpointSettings)
+
+    @property
+    def parallel(self) -> ParallelSettings:
+        """The parallel section (``scaleloop.strategies.registry``)."""
+        return self.section(ParallelSettings)
 
     @property
     def elastic(self) -> bool:
         """Whether the job's machines may change while it runs (``--nnodes MIN:MAX``, MIN < MAX)."""
         return 0 < self.min_nnodes < self.nnodes
 
-    def _check_elastic(self) -> None:
-        """An elastic job runs on whatever world size its machines give: only strategies that
-        work on any world size, and a rendezvous that can change."""
-        if not self.rdzv_endpoint:
-            raise UsageError(f"--nnodes {self.min_nnodes}:{self.nnodes} lets machines leave and join, which needs the "
-                             "c10d rendezvous: add --rdzv-endpoint HOST:PORT (instead of --master-addr)")
-        if self.mesh is not None or self.strategy in ("pipeline", "mesh", "dp", "single"):
-            which = f"--mesh {self.mesh}" if self.mesh is not None else f"--strategy {self.strategy}"
-            raise UsageError(f"--nnodes {self.min_nnodes}:{self.nnodes}: {which} needs a fixed number of processes; "
-                             "an elastic job runs ddp, allreduce or fsdp")
+    @property
+    def elastic_nodes(self) -> Optional[str]:
+        """``MIN:MAX`` for an elastic job, else None."""
+        return f"{self.min_nnodes}:{self.nnodes}" if self.elastic else None
 
     def elastic_world_sizes(self) -> range:
         """The world sizes an elastic job may run with (just the one for a fixed job)."""
         low = self.min_nnodes if self.elastic else self.nnodes
         return range(low * self.nproc, self.world_size + 1, self.nproc)
 
-    def _check_memory_levers(self) -> None:
-        """--activation-checkpointing and --cpu-offload only where they are implemented and tested."""
-        if self.cpu_offload and self.strategy not in ("fsdp", "mesh") and self.mesh is None:
-            raise UsageError(f"--cpu-offload moves FSDP's shards to host memory: use it with --strategy fsdp or --mesh "
-                             f"(not --strategy {self.strategy})")
-        if self.activation_checkpointing and (self.strategy in ("dp", "pipeline") or self.pipeline_layout()):
-            which = f"--strategy {self.strategy}" if self.strategy in ("dp", "pipeline") else "--mesh pp=N"
-            raise UsageError(f"--activation-checkpointing is not offered with {which}; use single, "
-                             "ddp, allreduce, fsdp or --mesh without pp")
-
-    def _check_mesh(self) -> int:
-        """The data-parallel ranks a step's batch is split over (all of them without --mesh)."""
-        if self.mesh is None:
-            if self.strategy == "mesh":
-                raise UsageError("--strategy mesh needs the layout: add --mesh, e.g. --mesh dp=2,tp=2")
-            return self.world_size
-        if self.strategy not in ("auto", "mesh"):
-            raise UsageError(f"--mesh lays out the ranks itself: drop --strategy {self.strategy} (or use --strategy mesh)")
-        from scaleloop.runtime.mesh import MeshSpec   # (imports torch: only when --mesh is given)
-
-        spec = MeshSpec.parse(self.mesh).check(self.world_size)
-        if spec.pp > 1 and (spec.fsdp > 1 or spec.tp > 1):
-            raise UsageError(f"--mesh {spec}: pp composes with dp only (pipeline x data parallel); drop fsdp/tp, "
-                             "or drop pp")
-        return spec.data_parallel
-
     def pipeline_layout(self) -> Optional[tuple[int, int]]:
-        """``(stage processes, replicas)`` when the run is a pipeline (``--strategy pipeline``:
-        every rank a stage; ``--mesh pp=S,dp=R``: S stages, each replicated R times), else None."""
-        if self.strategy == "pipeline":
-            return self.world_size, 1
-        if self.mesh is not None and self.strategy in ("auto", "mesh"):
-            from scaleloop.runtime.mesh import MeshSpec
-
-            spec = MeshSpec.parse(self.mesh)
-            if spec.pp > 1:
-                return spec.pp, spec.dp
-        return None
-
-    def _check_pipeline(self, stages: int, replicas: int) -> None:
-        """A pipeline's stages all see their replica's whole batch: it is split over replicas and
-        into micro-steps, not over stages."""
-        if self.world_size < 2:
-            raise UsageError("--strategy pipeline puts the model's layers on several processes, one stage each: "
-                             "add --nproc 2 (or more)")
-        if self.sync_batchnorm:
-            raise UsageError("--sync-batchnorm synchronises BatchNorm over data-parallel ranks; a pipeline has "
-                             "none (each BatchNorm lives on one stage): drop it")
-        micro = check_batch_split(self.batch_size, replicas, self.accumulate)
-        if micro < self.microbatches:
-            raise UsageError(f"--batch-size {self.batch_size} with --accumulate {self.accumulate} gives micro-steps of "
-                             f"{micro} samples, fewer than --microbatches {self.microbatches}; raise --batch-size "
-                             f"or lower --microbatches")
-        check_pipeline_schedule(self.pipeline_schedule, stages, self.microbatches, self.stages_per_rank)
+        """``(stage processes, replicas)`` when the run is a pipeline, else None (``ParallelSettings``)."""
+        return self.parallel.pipeline_layout()
 
     @property
     def world_size(self) -> int:
@@ -357,11 +239,6 @@ class TrainConfig:
 def flag(name: str) -> str:
     """The CLI flag for a field name: ``batch_size`` -> ``--batch-size``."""
     return "--" + name.replace("_", "-")
-
-
-def _require(ok: bool, name: str, what: str) -> None:
-    if not ok:
-        raise UsageError(f"{flag(name)} must be {what}")
 
 
 def field_types() -> dict[str, type]:
@@ -488,21 +365,6 @@ def _toml_string(value: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` too) as host and port; UsageError for anything else."""
-    host, sep, port = endpoint.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise UsageError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, e.g. 10.0.0.1:29400")
-    return host, int(port)
-
-
-def conf_pairs(user_conf: Optional[str]) -> list[str]:
-    """``--rdzv-conf``'s ``KEY=VALUE`` pairs; UsageError for anything else (checked with the config)."""
-    pairs = [p.strip() for p in (user_conf or "").split(",") if p.strip()]
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip() or not value.strip():
-            raise UsageError(f"--rdzv-conf {user_conf!r}: expected KEY=VALUE[,KEY=VALUE...], "
-                             "e.g. last_call_timeout=5,join_timeout=600")
-    return pairs
+# The sections, checked in this order by ``TrainConfig.validate``; each field belongs to one or more.
+SECTIONS: tuple[type, ...] = (DataSettings, OptimSettings, OutputSettings, CheckpointSettings, LaunchSettings,
+                              ParallelSettings)

@@ -1,0 +1,21 @@
+"""Run configuration: one flat ``TrainConfig`` (TOML file + CLI flags), handed out in sections.
+
+- ``settings``: ``TrainConfig``, its fields (help, choices, CLI group), TOML reading and writing,
+  ``validate`` (every section's own check) and ``section`` (one section of it);
+- ``sections``: the sections whose owners sit above the config (``OptimSettings`` for the
+  trainer, ``LaunchSettings`` for the launcher); the others live with their owners:
+  ``scaleloop.data.settings``, ``scaleloop.output.settings``, ``scaleloop.checkpoint.settings``,
+  ``scaleloop.strategies.registry`` (``ParallelSettings``);
+- ``resume``: a resumed run's settings, from those saved with the run it continues.
+
+No torch here: ``scaleloop --help`` answers at once.
+"""
+from scaleloop.config.resume import config_for_resume
+from scaleloop.config.sections import LaunchSettings, OptimSettings, conf_pairs, split_endpoint
+from scaleloop.config.settings import (BACKENDS, LR_SCALINGS, LR_SCHEDULES, OPTIMIZERS, PIPELINE_SCHEDULES, PRECISIONS,
+                                       SECTIONS, STRATEGIES, TASKS, TrainConfig, coerce, field_types, flag, load_toml,
+                                       resolve, to_toml)
+
+__all__ = ["TrainConfig", "OptimSettings", "LaunchSettings", "SECTIONS", "config_for_resume", "coerce", "field_types",
+           "flag", "load_toml", "resolve", "to_toml", "conf_pairs", "split_endpoint", "STRATEGIES", "BACKENDS",
+           "PRECISIONS", "OPTIMIZERS", "LR_SCHEDULES", "LR_SCALINGS", "TASKS", "PIPELINE_SCHEDULES"]

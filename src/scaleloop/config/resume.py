@@ -1,0 +1,33 @@
+"""A resumed run's settings: those saved with the run it continues, then ``--config``, then flags."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from scaleloop.checkpoint.store import CHECKPOINTS_DIR, list_checkpoints, locate, run_dir_of
+from scaleloop.config.settings import TrainConfig, load_toml, resolve
+
+
+def config_for_resume(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> TrainConfig:
+    """The run's settings: the saved ``config.toml`` of the run being resumed (if any), then
+    ``--config`` values, then flags. Without a run to resume: just ``--config`` then flags."""
+    cfg = resolve(file_values, flag_values)
+    if cfg.resume == "never":
+        return cfg
+    source = Path(cfg.out) if cfg.resume == "auto" and cfg.out else None
+    if cfg.resume not in ("auto", "never"):
+        source = run_dir_of(locate(Path(cfg.resume)))
+    if source is None or not (source / "config.toml").is_file() or not list_checkpoints(source / CHECKPOINTS_DIR):
+        return cfg
+    saved = load_toml(source / "config.toml")
+    # Which checkpoint to take is this invocation's choice, never an old run's.
+    saved.pop("resume", None)
+    # Without --out the run goes on in the directory it came from.
+    saved["out"] = str(source)
+    # A pipeline's pieces mean nothing to the strategy a resumed run switches to.
+    new_strategy = {**file_values, **flag_values}.get("strategy")
+    if new_strategy not in (None, "pipeline"):
+        for name in ("microbatches", "pipeline_schedule", "stages_per_rank", "sharded_checkpoints"):
+            if name not in {**file_values, **flag_values}:
+                saved.pop(name, None)
+    return resolve({**saved, **file_values}, flag_values)

@@ -1,0 +1,123 @@
+"""The config's sections whose owners sit above the config: the trainer's optimizer and schedule,
+and the launcher's processes and machines. (Sections owned by the floors below are defined there:
+``data.settings``, ``output.settings``, ``checkpoint.settings``, ``strategies.registry``.)
+
+Each section is a frozen dataclass of flat ``TrainConfig`` fields, built by ``TrainConfig.section``,
+with its own ``check``. No torch here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from scaleloop.errors import UsageError
+from scaleloop.runtime.preempt import signal_number
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """How long to train, the batch, the optimizer, the learning rate and its schedule."""
+
+    epochs: int = 20
+    max_steps: Optional[int] = None
+    batch_size: int = 64
+    accumulate: int = 1
+    lr: float = 0.01
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    lr_scaling: str = "none"
+    base_batch_size: Optional[int] = None
+    optimizer: str = "adam"
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+    clip_grad: Optional[float] = None
+    drop_last: bool = False
+    seed: int = 0
+
+    def check(self) -> None:
+        for name in ("epochs", "batch_size", "accumulate"):
+            _require(getattr(self, name) >= 1, name, "a positive integer")
+        _require(self.max_steps is None or self.max_steps >= 1, "max_steps", "a positive integer")
+        _require(self.lr > 0, "lr", "a positive number")
+        _require(self.weight_decay >= 0, "weight_decay", "zero or positive")
+        _require(self.momentum >= 0, "momentum", "zero or positive")
+        _require(self.clip_grad is None or self.clip_grad > 0, "clip_grad", "a positive number")
+        _require(self.warmup_steps >= 0, "warmup_steps", "zero or positive")
+        _require(self.base_batch_size is None or self.base_batch_size >= 1, "base_batch_size", "a positive integer")
+        if self.lr_scaling != "none" and self.base_batch_size is None:
+            raise UsageError(f"--lr-scaling {self.lr_scaling} scales --lr from the batch it was tuned for: "
+                             "add --base-batch-size N")
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """How many processes on how many machines, where they meet, and how the launcher treats them."""
+
+    nproc: int = 1
+    nnodes: int = 1
+    min_nnodes: int = 0
+    node_rank: int = 0
+    master_addr: Optional[str] = None
+    master_port: int = 29500
+    rdzv_endpoint: Optional[str] = None
+    rdzv_id: str = "scaleloop"
+    rdzv_conf: Optional[str] = None
+    local_addr: Optional[str] = None
+    max_restarts: int = 0
+    signal: str = "SIGUSR1"
+    requeue: bool = False
+    backend: Optional[str] = None
+    timeout: float = 1800.0
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job's machines may change while it runs (``--nnodes MIN:MAX``, MIN < MAX)."""
+        return 0 < self.min_nnodes < self.nnodes
+
+    def check(self) -> None:
+        _require(self.nproc >= 1, "nproc", "a positive integer")
+        _require(self.nnodes >= 1, "nnodes", "a positive integer")
+        _require(0 <= self.min_nnodes <= self.nnodes, "min_nnodes", f"in 0..{self.nnodes} (--nnodes MIN:MAX)")
+        _require(0 <= self.node_rank < self.nnodes, "node_rank", f"in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
+        _require(1 <= self.master_port <= 65535, "master_port", "a port number in 1..65535")
+        _require(self.max_restarts >= 0, "max_restarts", "zero or positive")
+        signal_number(self.signal)   # a name that is no catchable signal: one line now, not at the stop
+        _require(self.timeout > 0, "timeout", "a positive number of seconds")
+        if self.nnodes > 1 and not (self.master_addr or self.rdzv_endpoint):
+            nnodes = f"{self.min_nnodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
+            raise UsageError(f"--nnodes {nnodes} needs where to meet: "
+                             + ("--rdzv-endpoint HOST:PORT (an elastic job meets at a c10d rendezvous)" if self.elastic
+                                else "--master-addr HOST (with --node-rank) or --rdzv-endpoint HOST:PORT"))
+        if self.rdzv_endpoint and self.master_addr:
+            raise UsageError("give either --master-addr (static) or --rdzv-endpoint (elastic), not both")
+        if self.rdzv_endpoint:   # now, before the launcher makes the run directory
+            split_endpoint(self.rdzv_endpoint)
+            conf_pairs(self.rdzv_conf)
+        if self.elastic and not self.rdzv_endpoint:
+            raise UsageError(f"--nnodes {self.min_nnodes}:{self.nnodes} lets machines leave and join, which needs the "
+                             "c10d rendezvous: add --rdzv-endpoint HOST:PORT (instead of --master-addr)")
+
+
+def _require(ok: bool, name: str, what: str) -> None:
+    if not ok:
+        raise UsageError(f"--{name.replace('_', '-')} must be {what}")
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) as host and port; UsageError for anything else."""
+    host, sep, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UsageError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, e.g. 10.0.0.1:29400")
+    return host, int(port)
+
+
+def conf_pairs(user_conf: Optional[str]) -> list[str]:
+    """``--rdzv-conf``'s ``KEY=VALUE`` pairs; UsageError for anything else (checked with the config)."""
+    pairs = [p.strip() for p in (user_conf or "").split(",") if p.strip()]
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise UsageError(f"--rdzv-conf {user_conf!r}: expected KEY=VALUE[,KEY=VALUE...], "
+                             "e.g. last_call_timeout=5,join_timeout=600")
+    return pairs

@@ -1,0 +1,190 @@
+"""Every strategy, registered once: its name, its class and how many processes it runs, and
+the rules for the settings that lay the ranks out (the config's parallel section). No torch here.
+
+``ParallelSettings.check`` is the one place that refuses a combination that cannot run: the CLI
+calls it through ``TrainConfig.validate`` before any worker starts, and ``make_strategy`` calls
+it for library users. Adding a strategy means one :class:`Registered` entry below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from scaleloop.data.batching import check_batch_split
+from scaleloop.errors import UsageError
+from scaleloop.strategies.pieces import check_pipeline_schedule
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A strategy as the CLI and the factory know it."""
+
+    name: str
+    cls: str                  # "module:Class", imported only when the strategy is built (torch)
+    processes: str            # "one": a single process (it refuses a distributed job); "many": any number
+
+
+REGISTRY: dict[str, Registered] = {r.name: r for r in (
+    Registered("single", "scaleloop.strategies.single:SingleDevice", "one"),
+    Registered("dp", "scaleloop.strategies.dataparallel:DataParallel", "one"),
+    Registered("ddp", "scaleloop.strategies.ddp:DDP", "many"),
+    Registered("allreduce", "scaleloop.strategies.allreduce:ManualAllReduce", "many"),
+    Registered("fsdp", "scaleloop.strategies.fsdp:FSDP", "many"),
+    Registered("pipeline", "scaleloop.strategies.pipeline:PipelineParallel", "many"),
+    Registered("mesh", "scaleloop.strategies.composed:MeshParallel", "many"),
+)}
+#: The names ``--strategy`` accepts: ``auto`` (DDP when there are several processes, else single) and each registered one.
+STRATEGIES = ("auto", *REGISTRY)
+
+
+def resolve_strategy_name(name: str, distributed: bool) -> str:
+    """``auto`` becomes DDP when the job has several processes, else single-device."""
+    if name == "auto":
+        return "ddp" if distributed else "single"
+    return name
+
+
+@dataclass(frozen=True)
+class ParallelSettings:
+    """The config's parallel section: how the ranks are laid out, and each strategy's options."""
+
+    strategy: str = "auto"
+    world_size: int = 1
+    mesh: Optional[str] = None
+    batch_size: int = 64
+    accumulate: int = 1
+    elastic_nodes: Optional[str] = None   # "MIN:MAX" machines when the job is elastic
+    microbatches: int = 1
+    pipeline_schedule: str = "gpipe"
+    stages_per_rank: int = 0
+    sync_batchnorm: bool = False
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    sharded_checkpoints: bool = False
+    compile: bool = False
+
+    def check(self) -> None:
+        """Refuse, in one line naming the flags, a layout or option that cannot run."""
+        data_ranks = self.check_layout()
+        layout = self.pipeline_layout()
+        if layout is not None:
+            self._check_pipeline_batch(layout[1])
+        elif not self.elastic_nodes:
+            check_batch_split(self.batch_size, data_ranks, self.accumulate)
+        elif self.batch_size < self.world_size * self.accumulate:
+            # Any world size MIN..MAX runs; an uneven split is weighted (strategies/base.py).
+            raise UsageError(f"--batch-size {self.batch_size} gives some of the up to {self.world_size} workers x "
+                             f"{self.accumulate} accumulation step(s) no sample; use at least "
+                             f"{self.world_size * self.accumulate}")
+
+    def check_layout(self) -> int:
+        """Everything but the batch size; returns the data-parallel ranks a step's batch is split over."""
+        if self.strategy != "auto" and self.strategy not in REGISTRY:
+            raise UsageError(f"--strategy {self.strategy!r} is not one of: {', '.join(STRATEGIES)}")
+        _require(self.microbatches >= 1, "--microbatches", "a positive integer")
+        data_ranks = self._check_mesh()
+        concrete = resolve_strategy_name(self.strategy, self.world_size > 1)
+        if concrete in REGISTRY and REGISTRY[concrete].processes == "one" and self.world_size > 1:
+            raise UsageError(_ONE_PROCESS[concrete].format(world=self.world_size))
+        self._check_options(concrete)
+        _require(self.stages_per_rank >= 0, "--stages-per-rank", "zero (the default) or a positive integer")
+        layout = self.pipeline_layout()
+        if layout is not None:
+            self._check_pipeline(*layout)
+        elif self.microbatches > 1:
+            raise UsageError(f"--microbatches {self.microbatches} applies to --strategy pipeline (or --mesh pp=N) "
+                             "only; to split a step's batch with another strategy use --accumulate")
+        elif self.pipeline_schedule != "gpipe" or self.stages_per_rank:
+            which = "--stages-per-rank" if self.stages_per_rank else "--pipeline-schedule"
+            raise UsageError(f"{which} applies to --strategy pipeline only: add --strategy pipeline, or drop it")
+        return data_ranks
+
+    def _check_options(self, concrete: str) -> None:
+        """Each option only with the strategies that implement it."""
+        if (self.find_unused_parameters or self.static_graph) and concrete != "ddp" and self.strategy != "auto":
+            which = "--find-unused-parameters" if self.find_unused_parameters else "--static-graph"
+            raise UsageError(f"{which} is an option of DistributedDataParallel: use it with --strategy ddp "
+                             f"(not {self.strategy})")
+        if (self.find_unused_parameters or self.static_graph) and self.mesh is not None:
+            raise UsageError("--find-unused-parameters and --static-graph do not apply to --mesh")
+        pipelined = self.strategy in ("dp", "pipeline") or self.pipeline_layout() is not None
+        which = f"--strategy {self.strategy}" if self.strategy in ("dp", "pipeline") else "--mesh pp=N"
+        if self.compile and pipelined:
+            raise UsageError(f"--compile does not support {which} "
+                             + ("(nn.DataParallel): use --strategy ddp" if self.strategy == "dp" else
+                                "(its stages are scheduled by torch.distributed.pipelining): drop --compile"))
+        if self.cpu_offload and self.strategy not in ("fsdp", "mesh") and self.mesh is None:
+            raise UsageError(f"--cpu-offload moves FSDP's shards to host memory: use it with --strategy fsdp or --mesh "
+                             f"(not --strategy {self.strategy})")
+        if self.activation_checkpointing and pipelined:
+            raise UsageError(f"--activation-checkpointing is not offered with {which}; use single, "
+                             "ddp, allreduce, fsdp or --mesh without pp")
+        if self.sharded_checkpoints and self.pipeline_layout() is None and self.strategy not in ("fsdp", "mesh"):
+            raise UsageError(f"--sharded-checkpoints applies to pipelines (fsdp and --mesh always write sharded "
+                             f"checkpoints); with --strategy {self.strategy} every rank holds the whole model: drop it")
+        if self.elastic_nodes and (self.mesh is not None or self.strategy in ("pipeline", "mesh", "dp", "single")):
+            which = f"--mesh {self.mesh}" if self.mesh is not None else f"--strategy {self.strategy}"
+            raise UsageError(f"--nnodes {self.elastic_nodes}: {which} needs a fixed number of processes; "
+                             "an elastic job runs ddp, allreduce or fsdp")
+
+    def _check_mesh(self) -> int:
+        """The data-parallel ranks a step's batch is split over (all of them without --mesh)."""
+        if self.mesh is None:
+            if self.strategy == "mesh":
+                raise UsageError("--strategy mesh needs the layout: add --mesh, e.g. --mesh dp=2,tp=2")
+            return self.world_size
+        if self.strategy not in ("auto", "mesh"):
+            raise UsageError(f"--mesh lays out the ranks itself: drop --strategy {self.strategy} (or use --strategy mesh)")
+        from scaleloop.runtime.mesh import MeshSpec
+
+        spec = MeshSpec.parse(self.mesh).check(self.world_size)
+        if spec.pp > 1 and (spec.fsdp > 1 or spec.tp > 1):
+            raise UsageError(f"--mesh {spec}: pp composes with dp only (pipeline x data parallel); drop fsdp/tp, "
+                             "or drop pp")
+        return spec.data_parallel
+
+    def pipeline_layout(self) -> Optional[tuple[int, int]]:
+        """``(stage processes, replicas)`` when the run is a pipeline (``--strategy pipeline``:
+        every rank a stage; ``--mesh pp=S,dp=R``: S stages, each replicated R times), else None."""
+        if self.strategy == "pipeline":
+            return self.world_size, 1
+        if self.mesh is not None and self.strategy in ("auto", "mesh"):
+            from scaleloop.runtime.mesh import MeshSpec
+
+            spec = MeshSpec.parse(self.mesh)
+            if spec.pp > 1:
+                return spec.pp, spec.dp
+        return None
+
+    def _check_pipeline(self, stages: int, replicas: int) -> None:
+        """A pipeline needs stages to cut the model into, and data-parallel ranks for SyncBatchNorm."""
+        if self.world_size < 2:
+            raise UsageError("--strategy pipeline puts the model's layers on several processes, one stage each: "
+                             "add --nproc 2 (or more)")
+        if self.sync_batchnorm:
+            raise UsageError("--sync-batchnorm synchronises BatchNorm over data-parallel ranks; a pipeline has "
+                             "none (each BatchNorm lives on one stage): drop it")
+        check_pipeline_schedule(self.pipeline_schedule, stages, self.microbatches, self.stages_per_rank)
+
+    def _check_pipeline_batch(self, replicas: int) -> None:
+        """A pipeline's stages all see their replica's whole batch: it is split over replicas and
+        into micro-steps, not over stages."""
+        micro = check_batch_split(self.batch_size, replicas, self.accumulate)
+        if micro < self.microbatches:
+            raise UsageError(f"--batch-size {self.batch_size} with --accumulate {self.accumulate} gives micro-steps of "
+                             f"{micro} samples, fewer than --microbatches {self.microbatches}; raise --batch-size "
+                             f"or lower --microbatches")
+
+
+_ONE_PROCESS = {
+    "single": "--strategy single runs one process, but --nproc x --nnodes = {world}; use --strategy ddp or allreduce",
+    "dp": "--strategy dp (nn.DataParallel) runs ONE process that drives all GPUs; drop --nproc/--nnodes, "
+          "or use --strategy ddp for one process per GPU",
+}
+
+
+def _require(ok: bool, flag: str, what: str) -> None:
+    if not ok:
+        raise UsageError(f"{flag} must be {what}")
