@@ -30,6 +30,7 @@ from scaleloop.data.sampler import StepPlan
 from scaleloop.data.streaming import StreamingLoader, StreamPlan, declared_length
 from scaleloop.runtime.collectives import gather_object, shard_indices
 from scaleloop.runtime.dist import DistEnv
+from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.strategies.precision import Precision
 
 if TYPE_CHECKING:
@@ -90,29 +91,47 @@ class Strategy:
         model = _uncompiled(model)
         return _uncompiled(getattr(model, "module", model))
 
+    @property
+    def layout(self) -> MeshSpec:
+        """How this strategy lays the ranks out, as a mesh: every rank a data-parallel replica here.
+
+        The loader follows it: a step's batch is split over ``layout.data_parallel`` ranks, and this
+        rank trains on share ``layout.data_rank(rank)`` (tp and pp ranks of one group share theirs)."""
+        return MeshSpec(dp=self.env.world_size)
+
     def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                drop_last: bool = False, num_workers: int = 0,
                uneven: bool = False) -> Union[ShardedLoader, StreamingLoader]:
-        """Batches for this rank; ``batch_size`` is the GLOBAL batch of one optimizer step. A stream
-        (an ``IterableDataset``) is split by the rule of ``data.streaming``, in its own order.
+        """Batches for this rank; ``batch_size`` is the GLOBAL batch of one optimizer step, split over
+        the data-parallel ranks of :attr:`layout`. A stream (an ``IterableDataset``) is split by the
+        rule of ``data.streaming``, in its own order. The one loader of every strategy.
 
         ``uneven``: a batch that does not split evenly over the ranks is not refused; the ranks'
         shares then differ by one sample and each is weighted by its share (``StepPlan``), so a step
         is still the mean over the global batch (an elastic job on whatever world size it has).
         """
-        if not (uneven and not isinstance(dataset, IterableDataset)
-                and batch_size >= self.env.world_size * self.accumulate_steps):
-            check_batch_split(batch_size, self.env.world_size, self.accumulate_steps)
-        if isinstance(dataset, IterableDataset):
-            return StreamingLoader(dataset, StreamPlan(batch_size, world_size=self.env.world_size, rank=self.env.rank,
+        layout = self.layout
+        world, rank = layout.data_parallel, layout.data_rank(self.env.rank)
+        stream = isinstance(dataset, IterableDataset)
+        if not (uneven and not stream and batch_size >= world * self.accumulate_steps):
+            check_batch_split(batch_size, world, self.accumulate_steps)
+        pin, load = self.env.device.type == "cuda", self._loads()
+        if stream:
+            self._check_stream()
+            return StreamingLoader(dataset, StreamPlan(batch_size, world_size=world, rank=rank,
                                                        accumulate=self.accumulate_steps, seed=seed, drop_last=drop_last,
                                                        n=declared_length(dataset)),
-                                   self.env.device, num_workers=num_workers, env=self.env,
-                                   pin_memory=self.env.device.type == "cuda")
-        plan = StepPlan(len(dataset), batch_size, world_size=self.env.world_size, rank=self.env.rank,
+                                   self.env.device, num_workers=num_workers, env=self.env, pin_memory=pin, load=load)
+        plan = StepPlan(len(dataset), batch_size, world_size=world, rank=rank,
                         accumulate=self.accumulate_steps, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        return ShardedLoader(dataset, plan, self.env.device, num_workers=num_workers,
-                             pin_memory=self.env.device.type == "cuda")
+        return ShardedLoader(dataset, plan, self.env.device, num_workers=num_workers, pin_memory=pin, load=load)
+
+    def _loads(self) -> tuple[bool, bool]:
+        """Whether this rank loads the inputs and the targets (a pipeline's middle stages need neither)."""
+        return True, True
+
+    def _check_stream(self) -> None:
+        """Raise UsageError if this strategy cannot split a stream over its layout."""
 
     # --- one step -----------------------------------------------------------------------
     def forward_backward(self, model: nn.Module, batch: Batch, loss_fn: LossFn) -> Optional[torch.Tensor]:

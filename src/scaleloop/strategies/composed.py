@@ -16,12 +16,8 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 import torch.distributed as torch_dist
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset
 
-from scaleloop.data.batching import check_batch_split
-from scaleloop.data.loader import ShardedLoader
-from scaleloop.data.sampler import StepPlan, split_sizes
-from scaleloop.data.streaming import StreamingLoader
+from scaleloop.data.sampler import split_sizes
 from scaleloop.errors import UsageError
 from scaleloop.runtime.collectives import gather_object
 from scaleloop.runtime.dist import DistEnv
@@ -101,20 +97,14 @@ class MeshParallel(FSDP):
         self.units += 1
         return model
 
-    def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-               drop_last: bool = False, num_workers: int = 0,
-               uneven: bool = False) -> Union[ShardedLoader, StreamingLoader]:  # uneven: elastic jobs only, not offered here
-        """The batch is split over the data-parallel ranks only (``dp x fsdp``); ``tp`` ranks of
-        one group load the same samples."""
-        if isinstance(dataset, IterableDataset):
-            raise UsageError("--mesh reads map-style datasets (with __len__ and indexing); a stream is not "
-                             "split over mesh dimensions yet: use --strategy fsdp")
-        check_batch_split(batch_size, self.spec.data_parallel, self.accumulate_steps)
-        plan = StepPlan(len(dataset), batch_size, world_size=self.spec.data_parallel,
-                        rank=self.spec.data_rank(self.env.rank), accumulate=self.accumulate_steps,
-                        shuffle=shuffle, seed=seed, drop_last=drop_last)
-        return ShardedLoader(dataset, plan, self.env.device, num_workers=num_workers,
-                             pin_memory=self.env.device.type == "cuda")
+    @property
+    def layout(self) -> MeshSpec:
+        """The mesh itself: the batch is split over ``dp x fsdp``; a tp group's ranks load the same samples."""
+        return self.spec
+
+    def _check_stream(self) -> None:
+        raise UsageError("--mesh reads map-style datasets (with __len__ and indexing); a stream is not "
+                         "split over mesh dimensions yet: use --strategy fsdp")
 
     # --- one step -----------------------------------------------------------------------
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
@@ -147,7 +137,7 @@ class MeshParallel(FSDP):
         return out if self.coordinates["tp"] == 0 else None
 
     # --- what a run prints --------------------------------------------------------------
-    def layout(self) -> str:
+    def composition(self) -> str:
         """The composition in words: ``tp``, ``fsdp x tp``, ``hsdp``, ``hsdp x tp``, ..."""
         dp, fsdp, tp = self.spec.dp, self.spec.fsdp, self.spec.tp
         data = "hsdp" if dp > 1 and fsdp > 1 else "replicated" if dp > 1 else "fsdp" if fsdp > 1 else ""
@@ -155,7 +145,7 @@ class MeshParallel(FSDP):
 
     def describe(self) -> str:
         offload = ", cpu offload" if self.cpu_offload else ""
-        return f"mesh {self.spec} ({self.layout()}, {self.units} units, {self.tp_layers} tp layers{offload})"
+        return f"mesh {self.spec} ({self.composition()}, {self.units} units, {self.tp_layers} tp layers{offload})"
 
     def details(self) -> list[str]:
         return self.spec.draw()

@@ -26,6 +26,8 @@ from scaleloop.strategies.base import EvalShard, HandWrittenLoop, ProcessGroupSt
 from scaleloop.strategies.syncbn import convert_batchnorm
 
 if TYPE_CHECKING:
+    from scaleloop.runtime.dist import DistEnv
+    from scaleloop.strategies.precision import Precision
     from scaleloop.strategies.registry import ParallelSettings
 
 

@@ -17,14 +17,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 import torch
 import torch.distributed as torch_dist
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset
 
-from scaleloop.data.batching import check_batch_split
 from scaleloop.strategies.pieces import check_pipeline_schedule, pipeline_pieces
-from scaleloop.data.loader import Batch, ShardedLoader
-from scaleloop.data.sampler import StepPlan, split_sizes
-from scaleloop.data.streaming import StreamingLoader, StreamPlan, declared_length
+from scaleloop.data.loader import Batch
+from scaleloop.data.sampler import split_sizes
 from scaleloop.runtime.dist import DistEnv
+from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.errors import UsageError
 from scaleloop.strategies import distcp
 from scaleloop.strategies.precision import Precision
@@ -366,23 +364,15 @@ class PipelineParallel(ProcessGroupStrategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
 
-    def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-               drop_last: bool = False, num_workers: int = 0,
-               uneven: bool = False) -> Union[ShardedLoader, StreamingLoader]:  # uneven: elastic jobs only, not offered here
-        """Every stage walks the same batches; only the first stage loads the inputs and only the
-        last the targets (the others get None in their place)."""
-        check_batch_split(batch_size, self.replicas, self.accumulate_steps)
-        load = (self.is_first, self.is_last)
-        if isinstance(dataset, IterableDataset):   # a stream: every stage reads all of it
-            return StreamingLoader(dataset, StreamPlan(batch_size, world_size=self.replicas, rank=self.replica,
-                                                       accumulate=self.accumulate_steps, seed=seed,
-                                                       drop_last=drop_last, n=declared_length(dataset)),
-                                   self.env.device, num_workers=num_workers, env=self.env,
-                                   pin_memory=self.env.device.type == "cuda", load=load)
-        plan = StepPlan(len(dataset), batch_size, world_size=self.replicas, rank=self.replica,
-                        accumulate=self.accumulate_steps, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        return ShardedLoader(dataset, plan, self.env.device, num_workers=num_workers,
-                             pin_memory=self.env.device.type == "cuda", load=load)
+    @property
+    def layout(self) -> MeshSpec:
+        """``pp`` positions, each held by ``dp`` replicas (rank ``p*R + d``): every stage of a replica
+        walks the replica's share of the batch."""
+        return MeshSpec(pp=self.positions, dp=self.replicas)
+
+    def _loads(self) -> tuple[bool, bool]:
+        """Only the first stage loads the inputs and only the last the targets."""
+        return self.is_first, self.is_last
 
     def describe(self) -> str:
         name = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B"}[self.schedule]
@@ -398,9 +388,7 @@ class PipelineParallel(ProcessGroupStrategy):
             lines += [f"  position {p}: stages {', '.join(str(p + k * n) for k in range(self.stages_per_rank))}"
                       for p in range(n)]
         if self.replicas > 1:
-            from scaleloop.runtime.mesh import MeshSpec
-
-            lines += ["  " + line for line in MeshSpec(pp=self.positions, dp=self.replicas).draw()]
+            lines += ["  " + line for line in self.layout.draw()]
             lines.append(f"  each stage's {self.replicas} copies average their gradients after the step's last backward")
         return lines + self.notes
 
