@@ -130,9 +130,7 @@ def _bookkeeping_cost(run: Any) -> dict[str, float]:
     """The running loss sums per step, and a log row spread over the steps between rows."""
     from scaleloop.checkpoint.manager import Checkpointer
     from scaleloop.loop.running import RunningLoss
-    from scaleloop.loop.step import Step
-    from scaleloop.loop.training import _Ledger, _log_window
-    from scaleloop.output.metrics import MetricsLogger
+    from scaleloop.loop.training import Trainer
 
     loss = torch.zeros((), device=run.env.device)
     running = RunningLoss()
@@ -144,18 +142,23 @@ def _bookkeeping_cost(run: Any) -> dict[str, float]:
 
     pieces = {"loss sums": _best_us(add, 2000)}
     with tempfile.TemporaryDirectory(prefix="scaleloop-loopcost-") as tmp:
-        metrics = MetricsLogger(Path(tmp), tensorboard=False)
-        ledger = _Ledger(time.perf_counter())
-        step, checkpointer = Step(run), Checkpointer(run.strategy, run.cfg.checkpointing, {}, say=lambda _msg: None)
+        def silent(_msg: str) -> None:
+            pass
+
+        # The loop's own log row: the all-reduce, the metrics.csv row and the health checks (its hooks).
+        checkpointer = Checkpointer(run.strategy, run.cfg.checkpointing, {}, say=silent)
+        trainer = Trainer(run, checkpointer, silent, time.perf_counter(), run_dir=Path(tmp))
+        ledger, running = trainer.ledger, trainer.running
 
         def log_rows(n: int) -> None:
             for _ in range(n):
                 running.add(loss, 64)
                 ledger.step += 1
-                _log_window(run, step, running, metrics, None, ledger, 0, 64, time.perf_counter(), checkpointer)
+                trainer.log_row(0, 64, time.perf_counter())
 
         pieces[f"log row (every {run.cfg.log_every} steps)"] = _best_us(log_rows, 500) / run.cfg.log_every
-        metrics.close()
+        if trainer.metrics is not None:
+            trainer.metrics.close()
     return pieces
 
 

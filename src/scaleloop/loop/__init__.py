@@ -4,7 +4,8 @@
   schedule, loader, loss) in one fixed order; train, verify, bench and tune-batch share it.
 - ``step``: ``Step``, the one training step (forward, loss, weighted backward, clipping,
   optimizer and schedule step) with an observer for verify's recorder and bench's timers.
-- ``training``: ``train``, the loop behind ``scaleloop train``, and ``RunResult``.
+- ``training``: ``train``, the loop behind ``scaleloop train``; its ``Trainer``, the ``Hook``
+  events it calls (metrics rows, health checks, the stop vote, a recovery report); ``RunResult``.
 - ``evaluate``: exact evaluation over ranks. ``schedule``: learning-rate scaling and schedules.
 - ``running``: the running loss sums. ``tasks``: the loss for each task.
 - ``health``: what the log rows learn on their all-reduce: stragglers, a diverging loss,
@@ -23,6 +24,8 @@ from typing import Any
 _EXPORTS = {
     "train": "scaleloop.loop.training",
     "RunResult": "scaleloop.loop.training",
+    "Trainer": "scaleloop.loop.training",
+    "Hook": "scaleloop.loop.training",
     "Run": "scaleloop.loop.build",
     "build_run": "scaleloop.loop.build",
     "preflight": "scaleloop.loop.build",

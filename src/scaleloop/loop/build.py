@@ -112,14 +112,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     datasets, model = (data or build_data_and_model)(cfg)
     keep_target = keeps_target(model, datasets.train)
     parameters, model_bytes = count_parameters(model), parameter_bytes(model)
-    strategy = make_strategy(cfg.strategy, env, Precision(cfg.precision, env.device), cfg.accumulate,
-                             cfg.sync_batchnorm, microbatches=cfg.microbatches,
-                             pipeline_schedule=cfg.pipeline_schedule, stages_per_rank=cfg.stages_per_rank,
-                             find_unused_parameters=cfg.find_unused_parameters, static_graph=cfg.static_graph,
-                             # A config that names another strategy (verify's one-process reference,
-                             # a bench row) runs that one; the CLI rejects --mesh with another strategy.
-                             mesh=cfg.mesh if cfg.strategy in ("auto", "mesh") else None, cpu_offload=cfg.cpu_offload,
-                             sharded_checkpoints=cfg.sharded_checkpoints)
+    strategy = _make_strategy(cfg, env)
     lr = scaled_lr(cfg)
     notes = speed_up_model(model, cfg, env.device)
     if cfg.activation_checkpointing:   # before the strategy wraps the blocks (torchtitan's order: TP, AC, FSDP)
@@ -150,7 +143,29 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
         loader.keep_target = keep_target
     except ValueError as exc:
         raise UsageError(f"--data-on-device: {exc}" if cfg.data_on_device else str(exc)) from None
-    per_epoch = loader.plan.steps_per_epoch   # None: a stream of unknown length (docs/streaming.md)
+    total_steps = _total_steps(cfg, loader.plan.steps_per_epoch)
+    return Run(cfg=cfg, env=env, data=datasets, model=model, strategy=strategy, optimizer=optimizer,
+               scheduler=build_scheduler(optimizer, cfg, total_steps), loader=loader,
+               loss_fn=resolve_loss(cfg.loss, datasets.info), user_loss=cfg.loss is not None,
+               metrics=resolve_metrics(cfg.metrics), lr=lr, total_steps=total_steps,
+               parameters=parameters, model_bytes=model_bytes, notes=notes)
+
+
+def _make_strategy(cfg: TrainConfig, env: DistEnv) -> Strategy:
+    """The strategy ``cfg`` names, on ``env``, with its precision and options."""
+    return make_strategy(cfg.strategy, env, Precision(cfg.precision, env.device), cfg.accumulate,
+                         cfg.sync_batchnorm, microbatches=cfg.microbatches,
+                         pipeline_schedule=cfg.pipeline_schedule, stages_per_rank=cfg.stages_per_rank,
+                         find_unused_parameters=cfg.find_unused_parameters, static_graph=cfg.static_graph,
+                         # A config that names another strategy (verify's one-process reference,
+                         # a bench row) runs that one; the CLI rejects --mesh with another strategy.
+                         mesh=cfg.mesh if cfg.strategy in ("auto", "mesh") else None, cpu_offload=cfg.cpu_offload,
+                         sharded_checkpoints=cfg.sharded_checkpoints)
+
+
+def _total_steps(cfg: TrainConfig, per_epoch: Optional[int]) -> int:
+    """The optimizer steps the run takes (the schedule's length); ``per_epoch`` None: a stream of
+    unknown length (docs/streaming.md), which only ``--max-steps`` bounds."""
     if per_epoch is None and cfg.lr_schedule != "constant" and cfg.max_steps is None:
         raise UsageError(f"--lr-schedule {cfg.lr_schedule} spans the run's steps, and a stream's length is unknown "
                          "until a pass ends: add --max-steps N (the schedule spans N steps), or give the dataset "
@@ -158,11 +173,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     total_steps = per_epoch * cfg.epochs if per_epoch is not None else cfg.max_steps or 0
     if cfg.max_steps is not None:
         total_steps = min(total_steps, cfg.max_steps)
-    return Run(cfg=cfg, env=env, data=datasets, model=model, strategy=strategy, optimizer=optimizer,
-               scheduler=build_scheduler(optimizer, cfg, total_steps), loader=loader,
-               loss_fn=resolve_loss(cfg.loss, datasets.info), user_loss=cfg.loss is not None,
-               metrics=resolve_metrics(cfg.metrics), lr=lr, total_steps=total_steps,
-               parameters=parameters, model_bytes=model_bytes, notes=notes)
+    return total_steps
 
 
 def preflight(cfg: TrainConfig) -> None:

@@ -1,12 +1,20 @@
 """The training loop behind ``scaleloop train``.
 
-Read ``train`` top to bottom: build the run, restore a checkpoint if there is one, open the run
-directory, then for every micro-batch take ``Step.micro`` and after the last micro-batch of a
-step ``Step.update``; at each epoch's end reduce the loss, evaluate, log and checkpoint; at
-the end save the weights and report. Everything that differs between 1 and N workers is the
-strategy's (``scaleloop.strategies``); the step itself is ``scaleloop.loop.step``. The log rows
-and epoch ends also watch the run's health on the reductions they make anyway
-(``scaleloop.loop.health``): a straggling rank, fp16 steps the scaler skipped, a diverging loss.
+``train`` builds the run, restores a checkpoint if there is one, opens the run directory and
+hands them to a :class:`Trainer`. Read :meth:`Trainer.train_epoch` top to bottom: for every
+micro-batch ``Step.micro``, after the last micro-batch of a step ``Step.update``, a log row
+every ``--log-every`` steps, a checkpoint every ``--checkpoint-every``; at the epoch's end
+(:meth:`Trainer.end_epoch`) the loss reduced over ranks, the test set, the epoch's row and a
+checkpoint; at the end (:meth:`Trainer.finish`) the weights and the result. Everything that
+differs between 1 and N workers is the strategy's (``scaleloop.strategies``); the step itself
+is ``scaleloop.loop.step``.
+
+What else happens at a step's end or at a row is a :class:`Hook`, wired once per run and only
+where it has something to do: the rows of ``metrics.csv`` and the tracker (:class:`MetricsRows`,
+rank 0), the health checks on each log row's all-reduce (:class:`HealthChecks`: a straggling
+rank, a diverging loss; ``scaleloop.loop.health``), the preemption stop vote
+(:class:`StopOnSignal`, ``scaleloop.loop.preempt``) and, after a fault, the recovery report
+(:class:`RecoveryReport`).
 """
 from __future__ import annotations
 
@@ -29,7 +37,7 @@ from scaleloop.data.loader import Batch
 from scaleloop.data.streaming import declared_length
 from scaleloop.loop.build import Run, build_run
 from scaleloop.loop.evaluate import EvalResult, evaluate
-from scaleloop.loop.health import Stragglers, diverged, reduce_checked, reduce_window
+from scaleloop.loop.health import Stragglers, WindowTotals, diverged, reduce_checked, reduce_window
 from scaleloop.loop.preempt import StopVote
 from scaleloop.loop.running import RunningLoss
 from scaleloop.loop.schedule import describe_schedule
@@ -37,7 +45,7 @@ from scaleloop.loop.step import Step
 from scaleloop.output.memory import RankMemory, measure, reset_peak, write_json
 from scaleloop.output.metrics import MetricsLogger, plot_curves
 from scaleloop.output.rundir import LOGS_DIR, RunDirWriteError, lock_run_dir, prepare_run_dir, unwritable, write_atomic
-from scaleloop.runtime.collectives import gather_object, sum_over_ranks
+from scaleloop.runtime.collectives import gather_object
 from scaleloop.runtime.devices import describe_device, device_clock, to_cpu
 from scaleloop.runtime.dist import DistEnv, launched_by_torchrun, restart_count
 from scaleloop.runtime.frames import note_where
@@ -81,8 +89,8 @@ class RunResult:
 
 
 @dataclass
-class _Ledger:
-    """What the loop counts as it goes, and what ``finish`` reports."""
+class Ledger:
+    """What the loop counts as it goes, and what :meth:`Trainer.finish` reports."""
 
     started: float
     step: int = 0
@@ -97,6 +105,128 @@ class _Ledger:
     window_from: int = 0             # the global step the current log window started after
     out: Optional[Path] = None       # the run directory, as every rank knows it (for messages)
     stragglers: Stragglers = field(default_factory=Stragglers)
+
+
+# Not frozen (as WindowTotals): a frozen dataclass is slower to make, and one is made at every log row.
+@dataclass(slots=True)
+class Row:
+    """A row of ``metrics.csv`` (and of the tracker), as the loop hands it to the hooks. Read-only."""
+
+    kind: str                        # "step" (a log row), "epoch", "stop" (a run stopped inside an epoch), "recovery"
+    epoch: int                       # counted from 1, as in metrics.csv
+    step: int
+    samples: int
+    values: dict[str, Any]           # the other columns (keys of output.metrics.METRIC_COLUMNS; None: empty)
+    totals: Optional[WindowTotals] = None   # a log row's window, reduced over ranks
+    steps: int = 0                   # a log row's steps in the window
+    step_s: float = 0.0              # ... and their wall seconds per step
+
+
+class Hook:
+    """Something the loop does besides training, at a step's end or at a row.
+
+    Subclass it and override the events you need; the :class:`Trainer` calls a hook only at
+    the events its class overrides, and an event no hook overrides costs the loop nothing.
+    Each rank has its own list (the metrics rows and a recovery report are rank 0's); a hook
+    that every rank has is called at the same steps on all of them, so it may take a collective.
+    ``epoch`` counts from 0, as the loop does (a :class:`Row`'s from 1, as ``metrics.csv``).
+    """
+
+    def first_step(self, trainer: Trainer, epoch: int) -> None:
+        """Once, right after this process's first optimizer step (before its log row)."""
+
+    def after_step(self, trainer: Trainer, epoch: int) -> bool:
+        """After every optimizer step, once its log row is written and ``--max-steps`` checked.
+
+        True stops the run after this step, as ``--max-steps`` does (the epoch's ``stop`` row and
+        checkpoint follow); it must be True on every rank alike.
+        """
+        return False
+
+    def on_row(self, trainer: Trainer, row: Row) -> None:
+        """At each row: a log row every ``--log-every`` steps, an epoch's end, a recovery."""
+
+
+def _overrides(hook: Hook, event: str) -> bool:
+    return getattr(type(hook), event) is not getattr(Hook, event)
+
+
+def _chain(calls: list[Callable[..., Any]]) -> Optional[Callable[..., Any]]:
+    """One callable for an event's hooks, or None where there are none (the loop then skips the
+    event with one ``is not None``); with one hook, that hook's own bound method."""
+    if not calls:
+        return None
+    if len(calls) == 1:
+        return calls[0]
+
+    def every(*args: Any) -> bool:
+        stop = False
+        for call in calls:   # every one, whatever an earlier one returned: a stop vote is a collective
+            if call(*args):
+                stop = True
+        return stop
+    return every
+
+
+class MetricsRows(Hook):
+    """Writes the rows to ``metrics.csv`` and the tracker (rank 0: it owns the run directory)."""
+
+    def __init__(self, metrics: MetricsLogger) -> None:
+        self._write = {"step": metrics.log_step, "epoch": metrics.log_epoch, "stop": metrics.log_stop,
+                       "recovery": metrics.log_recovery}
+
+    def on_row(self, trainer: Trainer, row: Row) -> None:
+        self._write[row.kind](epoch=row.epoch, step=row.step, samples=row.samples, **row.values)
+
+
+class HealthChecks(Hook):
+    """At each log row, on its all-reduce: a straggling rank gets a line, and a non-finite loss
+    stops the run on every rank alike (after the metrics row that shows it, so come after
+    :class:`MetricsRows`)."""
+
+    def on_row(self, trainer: Trainer, row: Row) -> None:
+        totals = row.totals
+        if totals is None:
+            return
+        ledger, checkpointer = trainer.ledger, trainer.checkpointer
+        straggler = ledger.stragglers.window(totals.own_s, row.steps, row.step_s, row.step)
+        if straggler is not None:
+            checkpointer.say(straggler.describe())
+        if totals.samples > 0 and not math.isfinite(totals.loss):
+            raise diverged(f"the training loss became {totals.loss}", totals.first_bad or row.step, row.epoch,
+                           ledger.out, checkpointer.last_step)
+
+
+class StopOnSignal(Hook):
+    """The preemption stop vote (``scaleloop.loop.preempt``): every rank stops after the same step."""
+
+    def __init__(self, vote: StopVote) -> None:
+        self.vote = vote
+
+    def after_step(self, trainer: Trainer, epoch: int) -> bool:
+        return self.vote.after_step(trainer.ledger.step)
+
+
+class RecoveryReport(Hook):
+    """After a fault, at the first step (the recovery is complete there): a line, a ``recovery``
+    row and an entry of ``recovery.json``. Only a group that torchrun restarted has one."""
+
+    def __init__(self, recovery: Recovery) -> None:
+        self.recovery = recovery
+
+    def first_step(self, trainer: Trainer, epoch: int) -> None:
+        recovery, run_dir = self.recovery, trainer.run_dir
+        recovery.first_step = time.time()
+        trainer.say(f"scaleloop: {recovery.describe()}")
+        # Called before the step's samples are counted: the row's samples are those trained
+        # before the fault's restart, as metrics.csv has always recorded them.
+        trainer.emit(Row("recovery", epoch + 1, trainer.ledger.step, trainer.ledger.samples,
+                         dict(world_size=recovery.world_after, recovery_s=recovery.phases["total_s"])))
+        if run_dir is not None:
+            try:
+                recovery.write(run_dir)
+            except OSError as exc:
+                trainer.say(f"warning: {run_dir / RECOVERY_FILE} could not be written: {exc}")
 
 
 def _progress_bar(total: int, initial: int, desc: str, enabled: bool):  # -> tqdm | None
@@ -120,11 +250,287 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     run = build_run(cfg, env)
     checkpointer = Checkpointer(run.strategy, cfg.checkpointing, dataclasses.asdict(cfg), say=say)
     resumed = checkpointer.restore(run.model, run.optimizer, run.scheduler, restarting=restart_count() > 0)
-    at = resumed.progress if resumed is not None else Progress()
     run_dir, lock = _open_run_dir(run, checkpointer, resumed)
     recovery = _recovery(cfg, env, joined, resumed)
     with lock:  # released at the end, however the run ends
-        return _train(run, checkpointer, resumed, at, run_dir, say, started, on_batch, recovery)
+        trainer = Trainer(run, checkpointer, say, started, run_dir=run_dir, resumed=resumed, on_batch=on_batch)
+        return trainer.fit(recovery)
+
+
+class Trainer:
+    """One run's loop and what it carries from step to step: the run, its checkpointer, the
+    metrics logger (rank 0), the running loss, the ledger, the step and the hooks.
+
+    ``train`` makes one per run; ``bench`` makes one to time :meth:`log_row`. Making one opens
+    ``metrics.csv`` and the tracker (when ``run_dir`` is given) and nothing else: no line is said
+    and no signal handler installed until :meth:`fit`, which announces the run and adds the stop
+    vote, so the bench's process keeps its own signal handling.
+    """
+
+    def __init__(self, run: Run, checkpointer: Checkpointer, say: Log, started: float, *,
+                 run_dir: Optional[Path] = None, resumed: Optional[Resumed] = None,
+                 on_batch: Optional[Callable[[Batch], None]] = None) -> None:
+        cfg = self.cfg = run.cfg
+        self.run, self.env, self.checkpointer, self.say = run, run.env, checkpointer, say
+        self.run_dir, self.resumed, self.on_batch = run_dir, resumed, on_batch
+        at = self.at = resumed.progress if resumed is not None else Progress()
+        self.metrics: Optional[MetricsLogger] = (
+            MetricsLogger(run_dir, tensorboard=cfg.tensorboard, tracker=cfg.tracker, config=cfg,
+                          keep_until_step=at.global_step if resumed is not None or restart_count() > 0 else None)
+            if run_dir is not None else None)
+        self.ledger = Ledger(started, at.global_step, at.samples, at.train_s, at.epoch,
+                             lr=run.optimizer.param_groups[0]["lr"], skipped_before=at.skipped_steps,
+                             skipped=at.skipped_steps, window_from=at.global_step, out=run_dir or run_dir_for(cfg))
+        self.running = RunningLoss()  # loss x samples and samples, of the epoch and of the log window
+        if resumed is not None:
+            self.running.load(resumed.sums)
+        self.step = Step(run)
+        #: In call order (within an event, order counts: the metrics row before the health checks
+        #: that may stop the run on it). Add more with :meth:`add_hook`.
+        self.hooks: list[Hook] = ([MetricsRows(self.metrics)] if self.metrics is not None else []) + [HealthChecks()]
+        self._wire()
+
+    def add_hook(self, hook: Hook) -> None:
+        """Call ``hook`` too, after the hooks there are, at the events its class overrides."""
+        self.hooks.append(hook)
+        self._wire()
+
+    def _wire(self) -> None:
+        """Each event's hooks as one callable, or None (looked up once per epoch, not per step)."""
+        self._first_step = _chain([h.first_step for h in self.hooks if _overrides(h, "first_step")])
+        self._after_step = _chain([h.after_step for h in self.hooks if _overrides(h, "after_step")])
+        self._on_row = _chain([h.on_row for h in self.hooks if _overrides(h, "on_row")])
+
+    def emit(self, row: Row) -> None:
+        """Hand ``row`` to the hooks that take rows (metrics.csv, the tracker, the health checks)."""
+        if self._on_row is not None:
+            self._on_row(self, row)
+
+    def fit(self, recovery: Optional[Recovery] = None) -> RunResult:
+        """The epochs from the checkpoint's place on; then the final weights and the result.
+
+        ``recovery``: what the attempt before a fault left, reported after the first step.
+        """
+        cfg, ledger, at = self.cfg, self.ledger, self.at
+        _announce(self.run, self.resumed, self.say)
+        done = _nothing_left(cfg, at, self.say)
+        vote = StopVote(self.env, cfg.signal, torchrun_worker=launched_by_torchrun())  # preemption (loop/preempt.py)
+        if recovery is not None:
+            self.add_hook(RecoveryReport(recovery))
+        self.add_hook(StopOnSignal(vote))
+        self.run.model.train()
+        try:
+            for epoch in range(at.epoch, cfg.epochs):
+                if done:
+                    break
+                done = self.train_epoch(epoch, at.step_in_epoch if epoch == at.epoch else 0)
+            if vote.stopped_after is not None:  # the checkpoint is written: end with how to continue
+                raise vote.preempted(ledger.out, self.checkpointer.last_step, cfg)
+        except RunDirWriteError as exc:  # rank 0's own files (metrics.csv): add where the run can go on from
+            note_where(exc, epoch=ledger.epochs_run + 1, step=ledger.step + 1)
+            raise exc.with_hint(self.checkpointer.continue_hint(exc.once)) from None
+        except BaseException as exc:  # where the loop was, for the launcher's failure report
+            note_where(exc, epoch=ledger.epochs_run + 1, step=ledger.step + 1,
+                       last_progress=time.time() - (time.perf_counter() - self.step.last_progress))
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.close()
+        return self.finish()
+
+    def train_epoch(self, epoch: int, first_step: int) -> bool:
+        """Epoch ``epoch`` from its step ``first_step`` on, then its end; True when the run stops
+        in it (``--max-steps``, or a hook such as the stop vote)."""
+        cfg, env, ledger, step, loader = self.cfg, self.env, self.ledger, self.step, self.run.loader
+        plan = loader.plan
+        loader.set_epoch(epoch, first_step)
+        if first_step == 0:
+            self.running.new_epoch()
+        in_epoch, done = first_step, False
+        bar = _progress_bar(plan.steps_per_epoch, first_step, f"epoch {epoch + 1}/{cfg.epochs}",
+                            cfg.progress and env.is_main)
+        # The clock waits for the GPU (device_clock): it runs behind the loop, and a time read
+        # with steps still queued makes samples/s look better than it is. Free on the CPU.
+        epoch_start = window_start = device_clock(env.device)
+        window_samples = 0
+        step.restart_clock()
+        # Looked up once: the loop below runs once per micro-batch, and a small model's step takes
+        # well under a millisecond on a CPU, so every lookup and call in it shows.
+        micro, update, add, on_batch = step.micro, step.update, self.running.add, self.on_batch
+        first, after_step = self._first_step, self._after_step
+        log_every, max_steps, checkpoint_every = cfg.log_every, cfg.max_steps, cfg.checkpoint_every
+        for batch in loader:
+            if on_batch is not None:
+                on_batch(batch)
+            loss = micro(batch)
+            where = batch.plan
+            if loss is not None:  # None: this rank computes no loss (a pipeline's earlier stage)
+                add(loss, len(batch), ledger.step + 1)
+            if not where.last_micro:
+                continue
+            ledger.lr = update()
+            done_steps = ledger.step = ledger.step + 1
+            if first is not None:
+                first(self, epoch)
+                first = self._first_step = None
+            in_epoch = where.step + 1
+            ledger.samples += where.step_samples
+            window_samples += where.step_samples
+            if bar is not None:
+                bar.update(1)
+            if done_steps % log_every == 0:
+                window_start = self.log_row(epoch, window_samples, window_start, bar)
+                window_samples = 0
+            if max_steps is not None and done_steps >= max_steps:
+                done = True
+                break
+            if after_step is not None and after_step(self, epoch):  # every rank ends here, as --max-steps does
+                done = True
+                break
+            if checkpoint_every and done_steps % checkpoint_every == 0 and not _epoch_complete(plan, in_epoch):
+                paused = self.checkpoint(Progress(epoch, in_epoch), ledger.train_s + time.perf_counter() - epoch_start)
+                epoch_start += paused   # checkpoint time is reported on its own, not as training
+                window_start += paused
+                step.restart_clock()
+        ledger.train_s += device_clock(env.device) - epoch_start
+        if bar is not None:
+            bar.close()
+        self.end_epoch(epoch, in_epoch)
+        return done
+
+    def log_row(self, epoch: int, window_samples: int, window_start: float, bar: Any = None) -> float:
+        """The log row of the global loss since the last one (a collective), handed to the hooks;
+        returns the new window's start. ``window_samples`` trained since ``window_start``.
+
+        The same all-reduce gathers each rank's own time, first non-finite step and fp16 skipped
+        steps (``scaleloop.loop.health``), which :class:`HealthChecks` reads.
+        """
+        run, ledger, step, running = self.run, self.ledger, self.step, self.running
+        steps = ledger.step - ledger.window_from
+        skipped = run.strategy.precision.skipped
+        totals = reduce_window(run.env, running.window_values(), step.take_own_s(),
+                               running.first_nonfinite_step(), skipped)
+        now = device_clock(run.env.device)
+        rate = window_samples / max(now - window_start, 1e-9)
+        values: dict[str, Any] = dict(train_loss=totals.loss, lr=ledger.lr, samples_per_s=rate,
+                                      wall_s=now - ledger.started, **totals.skew(steps))
+        if skipped is not None:
+            ledger.skipped = values["skipped_steps"] = ledger.skipped_before + totals.skipped
+        if bar is not None:
+            bar.set_postfix(loss=f"{totals.loss:.4f}", samples_s=f"{rate:,.0f}")
+        running.new_window()
+        ledger.window_from = ledger.step
+        self.emit(Row("step", epoch + 1, ledger.step, ledger.samples, values, totals, steps,
+                      (now - window_start) / max(steps, 1)))
+        step.restart_clock()  # the wait in this all-reduce is no rank's own work
+        return time.perf_counter()
+
+    def check_finite(self, epoch: int, head: list[float]) -> list[float]:
+        """``head`` summed over ranks; raises :class:`~scaleloop.loop.health.Diverged` on every rank
+        alike if a loss so far or the weights are not finite, before a checkpoint could hold them."""
+        sums, first, bad_weights = reduce_checked(self.env, self.run.model, head, self.running.first_nonfinite_step())
+        if first is not None or bad_weights:
+            what = ("the training loss became non-finite" if first is not None
+                    else "the weights were no longer finite (inf or NaN) after")
+            raise diverged(what, first or self.ledger.step, epoch + 1, self.ledger.out, self.checkpointer.last_step)
+        return sums
+
+    def skipped(self) -> int:
+        """fp16 steps the scaler skipped, this process's and before it (reads the device)."""
+        return self.ledger.skipped_before + self.run.strategy.precision.skipped_steps()
+
+    def checkpoint(self, where: Progress, train_s: float) -> float:
+        """A checkpoint inside an epoch (``where``: epoch and step in it); returns the seconds it took."""
+        run, ledger = self.run, self.ledger
+        pause = device_clock(run.env.device)  # queued steps are training time, not the checkpoint's
+        if self.metrics is not None:
+            self.metrics.flush()   # the rows up to the checkpoint, on disk with it
+        if run.cfg.checkpoints:   # one small all-reduce per checkpoint: no checkpoint of a diverged run
+            self.check_finite(where.epoch, [])
+        self.checkpointer.save(run.model, run.optimizer, run.scheduler,
+                               Progress(where.epoch, where.step_in_epoch, ledger.step, ledger.samples, train_s,
+                                        self.skipped()),
+                               self.running.state(run.env.device))
+        return time.perf_counter() - pause
+
+    def end_epoch(self, epoch: int, in_epoch: int) -> None:
+        """The epoch's global loss, the test set, the epoch's row and line, and a checkpoint.
+
+        Where the run stopped inside the epoch (``--max-steps``, a stop vote), the row is a
+        ``stop`` row: the run that resumes it writes the epoch's row, once.
+        """
+        run, ledger = self.run, self.ledger
+        ledger.epochs_run = epoch + 1
+        total = self.check_finite(epoch, self.running.epoch_sums(torch.device("cpu")).tolist())
+        ledger.train_loss = total[0] / total[1] if total[1] > 0 else float("nan")
+        test = ledger.test = self.evaluate()
+        finished = _epoch_complete(run.loader.plan, in_epoch)
+        skipped = self.skipped()
+        self.emit(Row("epoch" if finished else "stop", epoch + 1, ledger.step, ledger.samples, dict(
+            train_loss=ledger.train_loss, test_loss=test.loss if test else None,
+            test_acc=test.accuracy if test else None, lr=ledger.lr,
+            samples_per_s=ledger.samples / max(ledger.train_s, 1e-9), wall_s=time.perf_counter() - ledger.started,
+            skipped_steps=skipped if run.strategy.precision.skipped is not None else None)))
+        self.say(f"epoch {epoch + 1}: train loss {ledger.train_loss:.4f}"
+                 + (f", {describe_test(test)}" if test else ""))
+        # At the epoch's end (or where the run stopped inside it): the next run starts after it.
+        self.checkpointer.save(run.model, run.optimizer, run.scheduler,
+                               Progress(epoch + 1 if finished else epoch, 0 if finished else in_epoch,
+                                        ledger.step, ledger.samples, ledger.train_s, skipped),
+                               self.running.state(run.env.device))
+
+    def evaluate(self) -> Optional[EvalResult]:
+        """The test set's loss, accuracy and the user's metrics (None without a test set)."""
+        run = self.run
+        test = run.data.test
+        if test is None or declared_length(test) == 0:
+            return None
+        return evaluate(run.model, test, run.data.info, run.strategy, loss_fn=run.loss_fn if run.user_loss else None,
+                        keep_target=run.loader.keep_target, metrics=run.metrics)
+
+    def finish(self) -> RunResult:
+        """Final weights (the user's own module, unsharded: a collective for a sharded strategy),
+        memory per rank, curves, and the result."""
+        run, ledger, checkpointer = self.run, self.ledger, self.checkpointer
+        env, strategy, plan = run.env, run.strategy, run.loader.plan
+        if ledger.test is None:
+            ledger.test = self.evaluate()  # nothing trained: the checkpoint's model
+        final_weights = strategy.full_state_dict(run.model)
+        memory = tuple(gather_object(measure(run.model, run.optimizer, env.rank, env.device, self.step.gradient_bytes,
+                                             run.model_bytes), env))
+        strategy.close()
+        skipped = self.skipped()
+        if self.run_dir is not None:
+            self._write_outputs(final_weights, memory)
+        return RunResult(
+            run_dir=self.run_dir, device=describe_device(env.device), strategy=strategy.describe(),
+            world_size=env.world_size, precision=run.cfg.precision, epochs=ledger.epochs_run, steps=ledger.step,
+            samples=ledger.samples, train_loss=ledger.train_loss, test=ledger.test,
+            samples_per_s=ledger.samples / max(ledger.train_s, 1e-9), train_s=ledger.train_s,
+            wall_s=time.perf_counter() - ledger.started, parameters=run.parameters,
+            dropped_per_epoch=plan.dropped_per_epoch, in_memory_data=run.loader.in_memory,
+            train_samples=plan.n or 0, steps_per_epoch=plan.steps_per_epoch or 0,
+            last_step_samples=len(plan.step_indices(0, plan.steps_per_epoch - 1)) if plan.steps_per_epoch else 0,
+            lr=describe_schedule(run.cfg, run.lr, run.total_steps), checkpoints_written=checkpointer.written,
+            checkpoint_s=checkpointer.seconds, last_checkpoint=checkpointer.last_path,
+            resumed_from=self.resumed.source if self.resumed is not None else None, memory=memory,
+            streamed=isinstance(run.data.train, IterableDataset), skipped_steps=skipped,
+            straggler=ledger.stragglers.worst.describe() if ledger.stragglers.worst is not None else "")
+
+    def _write_outputs(self, final_weights: dict[str, Any], memory: tuple[RankMemory, ...]) -> None:
+        """Rank 0: ``model.pt``, ``memory.json`` and ``curves.png`` in the run directory."""
+        run_dir, checkpointer = self.run_dir, self.checkpointer
+        assert run_dir is not None
+        buf = io.BytesIO()
+        torch.save(to_cpu(final_weights), buf)  # on CPU for every strategy: loads anywhere
+        try:
+            write_atomic(run_dir / "model.pt", buf.getvalue())
+            write_json(run_dir / "memory.json", memory, self.run.strategy.name)
+            plot_curves(run_dir / "metrics.csv", run_dir / "curves.png")
+        except RunDirWriteError as exc:
+            raise exc.with_hint(checkpointer.continue_hint(exc.once)) from None
+        except OSError as exc:   # memory.json, curves.png
+            raise unwritable(run_dir, exc).with_hint(checkpointer.continue_hint("the disk has space")) from None
 
 
 def _recovery(cfg: TrainConfig, env: DistEnv, joined: float, resumed: Optional[Resumed]) -> Optional[Recovery]:
@@ -140,118 +546,6 @@ def _recovery(cfg: TrainConfig, env: DistEnv, joined: float, resumed: Optional[R
     if found is not None and resumed is not None:
         found.resumed_step = resumed.progress.global_step
     return found
-
-
-def _train(run: Run, checkpointer: Checkpointer, resumed: Optional[Resumed], at: Progress,
-           run_dir: Optional[Path], say: Log, started: float, on_batch: Optional[Callable[[Batch], None]],
-           recovery: Optional[Recovery] = None) -> RunResult:
-    """The epochs and their steps, from ``at`` on; then the final weights and the result."""
-    cfg, env = run.cfg, run.env
-    metrics = (MetricsLogger(run_dir, tensorboard=cfg.tensorboard, tracker=cfg.tracker, config=cfg,
-                             keep_until_step=at.global_step if resumed is not None or restart_count() > 0 else None)
-               if run_dir is not None else None)
-    _announce(run, resumed, say)
-
-    ledger = _Ledger(started, at.global_step, at.samples, at.train_s, at.epoch,
-                     lr=run.optimizer.param_groups[0]["lr"], skipped_before=at.skipped_steps,
-                     skipped=at.skipped_steps, window_from=at.global_step, out=run_dir or run_dir_for(cfg))
-    running = RunningLoss()  # loss x samples and samples, of the epoch and of the log window
-    if resumed is not None:
-        running.load(resumed.sums)
-    step = Step(run)
-    plan, loader, model = run.loader.plan, run.loader, run.model
-    done = _nothing_left(cfg, at, say)
-    stop = StopVote(env, cfg.signal, torchrun_worker=launched_by_torchrun())  # preemption (loop/preempt.py)
-    model.train()
-    # Looked up once: the loop below runs once per micro-batch, and a small model's step takes
-    # well under a millisecond on a CPU, so every lookup and call in it shows.
-    micro, update, add, after_step = step.micro, step.update, running.add, stop.after_step
-    log_every, max_steps, checkpoint_every = cfg.log_every, cfg.max_steps, cfg.checkpoint_every
-    try:
-        for epoch in range(at.epoch, cfg.epochs):
-            if done:
-                break
-            first_step = at.step_in_epoch if epoch == at.epoch else 0
-            loader.set_epoch(epoch, first_step)
-            if first_step == 0:
-                running.new_epoch()
-            in_epoch = first_step
-            bar = _progress_bar(plan.steps_per_epoch, first_step, f"epoch {epoch + 1}/{cfg.epochs}",
-                                cfg.progress and env.is_main)
-            # The clock waits for the GPU (device_clock): it runs behind the loop, and a time read
-            # with steps still queued makes samples/s look better than it is. Free on the CPU.
-            epoch_start = window_start = device_clock(env.device)
-            window_samples = 0
-            step.restart_clock()
-            for batch in loader:
-                if on_batch is not None:
-                    on_batch(batch)
-                loss = micro(batch)
-                where = batch.plan
-                if loss is not None:  # None: this rank computes no loss (a pipeline's earlier stage)
-                    add(loss, len(batch), ledger.step + 1)
-                if not where.last_micro:
-                    continue
-                ledger.lr = update()
-                done_steps = ledger.step = ledger.step + 1
-                if recovery is not None:   # the first step after a fault: the recovery is complete
-                    _recovered(recovery, metrics, run_dir, ledger, epoch, say)
-                    recovery = None
-                in_epoch = where.step + 1
-                ledger.samples += where.step_samples
-                window_samples += where.step_samples
-                if bar is not None:
-                    bar.update(1)
-                if done_steps % log_every == 0:
-                    window_start = _log_window(run, step, running, metrics, bar, ledger, epoch, window_samples,
-                                               window_start, checkpointer)
-                    window_samples = 0
-                if max_steps is not None and done_steps >= max_steps:
-                    done = True
-                    break
-                if after_step(done_steps):  # a stop signal: every rank ends here, as --max-steps does
-                    done = True
-                    break
-                if (checkpoint_every and done_steps % checkpoint_every == 0
-                        and not _epoch_complete(plan, in_epoch)):
-                    paused = _checkpoint(run, checkpointer, metrics, running, ledger,
-                                         Progress(epoch, in_epoch), ledger.train_s + time.perf_counter() - epoch_start)
-                    epoch_start += paused   # checkpoint time is reported on its own, not as training
-                    window_start += paused
-                    step.restart_clock()
-            ledger.train_s += device_clock(env.device) - epoch_start
-            if bar is not None:
-                bar.close()
-            _end_epoch(run, checkpointer, metrics, running, ledger, epoch, in_epoch, say)
-        if stop.stopped_after is not None:  # the checkpoint is written: end with how to continue
-            raise stop.preempted(ledger.out, checkpointer.last_step, cfg)
-    except RunDirWriteError as exc:  # rank 0's own files (metrics.csv): add where the run can go on from
-        note_where(exc, epoch=ledger.epochs_run + 1, step=ledger.step + 1)
-        raise exc.with_hint(checkpointer.continue_hint(exc.once)) from None
-    except BaseException as exc:  # where the loop was, for the launcher's failure report
-        note_where(exc, epoch=ledger.epochs_run + 1, step=ledger.step + 1,
-                   last_progress=time.time() - (time.perf_counter() - step.last_progress))
-        raise
-    finally:
-        if metrics is not None:
-            metrics.close()
-    return _finish(run, run_dir, checkpointer, resumed, ledger, step.gradient_bytes)
-
-
-def _recovered(recovery: Recovery, metrics: Optional[MetricsLogger], run_dir: Optional[Path], ledger: _Ledger,
-               epoch: int, say: Log) -> None:
-    """Report a recovery: a line, a ``recovery`` row of metrics.csv and an entry of recovery.json."""
-    recovery.first_step = time.time()
-    say(f"scaleloop: {recovery.describe()}")
-    phases = recovery.phases
-    if metrics is not None:
-        metrics.log_recovery(epoch + 1, ledger.step, ledger.samples, world_size=recovery.world_after,
-                             recovery_s=phases["total_s"])
-    if run_dir is not None:
-        try:
-            recovery.write(run_dir)
-        except OSError as exc:
-            say(f"warning: {run_dir / RECOVERY_FILE} could not be written: {exc}")
 
 
 def _open_run_dir(run: Run, checkpointer: Checkpointer, resumed: Optional[Resumed]
@@ -335,109 +629,6 @@ def _nothing_left(cfg: TrainConfig, at: Progress, say: Log) -> bool:
     return True
 
 
-def _log_window(run: Run, step: Step, running: RunningLoss, metrics: Optional[MetricsLogger], bar, ledger: _Ledger,
-                epoch: int, window_samples: int, window_start: float, checkpointer: Checkpointer) -> float:
-    """A log row of the global loss since the last one (a collective); returns the new window's start.
-
-    The same all-reduce gathers each rank's own time, first non-finite step and fp16 skipped
-    steps (``scaleloop.loop.health``); a diverged loss stops the run here, on every rank alike.
-    """
-    steps = ledger.step - ledger.window_from
-    skipped = run.strategy.precision.skipped
-    totals = reduce_window(run.env, running.window_values(), step.take_own_s(),
-                           running.first_nonfinite_step(), skipped)
-    now = device_clock(run.env.device)
-    rate = window_samples / max(now - window_start, 1e-9)
-    loss = totals.loss
-    values: dict[str, Any] = dict(train_loss=loss, lr=ledger.lr, samples_per_s=rate, wall_s=now - ledger.started,
-                                  **totals.skew(steps))
-    straggler = ledger.stragglers.window(totals.own_s, steps, (now - window_start) / max(steps, 1), ledger.step)
-    if straggler is not None:
-        checkpointer.say(straggler.describe())
-    if skipped is not None:
-        ledger.skipped = values["skipped_steps"] = ledger.skipped_before + totals.skipped
-    if metrics is not None:
-        metrics.log_step(ledger.step, epoch + 1, ledger.samples, **values)
-    if bar is not None:
-        bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}")
-    running.new_window()
-    ledger.window_from = ledger.step
-    if totals.samples > 0 and not math.isfinite(loss):
-        raise diverged(f"the training loss became {loss}", totals.first_bad or ledger.step, epoch + 1,
-                       ledger.out, checkpointer.last_step)
-    step.restart_clock()  # the wait in this all-reduce is no rank's own work
-    return time.perf_counter()
-
-
-def _check_finite(run: Run, running: RunningLoss, ledger: _Ledger, checkpointer: Checkpointer, epoch: int,
-                  head: list[float]) -> list[float]:
-    """``head`` summed over ranks; raises :class:`~scaleloop.loop.health.Diverged` on every rank
-    alike if a loss so far or the weights are not finite, before a checkpoint could hold them."""
-    sums, first, bad_weights = reduce_checked(run.env, run.model, head, running.first_nonfinite_step())
-    if first is not None or bad_weights:
-        what = ("the training loss became non-finite" if first is not None
-                else "the weights were no longer finite (inf or NaN) after")
-        raise diverged(what, first or ledger.step, epoch + 1, ledger.out, checkpointer.last_step)
-    return sums
-
-
-def _skipped(run: Run, ledger: _Ledger) -> int:
-    """fp16 steps the scaler skipped, this process's and before it (reads the device)."""
-    return ledger.skipped_before + run.strategy.precision.skipped_steps()
-
-
-def _checkpoint(run: Run, checkpointer: Checkpointer, metrics: Optional[MetricsLogger], running: RunningLoss,
-                ledger: _Ledger, where: Progress, train_s: float) -> float:
-    """A checkpoint inside an epoch (``where``: epoch and step in it); returns the seconds it took."""
-    pause = device_clock(run.env.device)  # queued steps are training time, not the checkpoint's
-    if metrics is not None:
-        metrics.flush()   # the rows up to the checkpoint, on disk with it
-    if run.cfg.checkpoints:   # one small all-reduce per checkpoint: no checkpoint of a diverged run
-        _check_finite(run, running, ledger, checkpointer, where.epoch, [])
-    checkpointer.save(run.model, run.optimizer, run.scheduler,
-                      Progress(where.epoch, where.step_in_epoch, ledger.step, ledger.samples, train_s,
-                               _skipped(run, ledger)),
-                      running.state(run.env.device))
-    return time.perf_counter() - pause
-
-
-def _end_epoch(run: Run, checkpointer: Checkpointer, metrics: Optional[MetricsLogger], running: RunningLoss,
-               ledger: _Ledger, epoch: int, in_epoch: int, say: Log) -> None:
-    """The epoch's global loss, the test set, the epoch's log row and line, and a checkpoint.
-
-    Where ``--max-steps`` stopped inside the epoch, the row is a ``stop`` row: the run that
-    resumes it writes the epoch's row, once.
-    """
-    env = run.env
-    ledger.epochs_run = epoch + 1
-    total = _check_finite(run, running, ledger, checkpointer, epoch, running.epoch_sums(torch.device("cpu")).tolist())
-    ledger.train_loss = total[0] / total[1] if total[1] > 0 else float("nan")
-    test = ledger.test = _evaluate(run)
-    finished = _epoch_complete(run.loader.plan, in_epoch)
-    skipped = _skipped(run, ledger)
-    if metrics is not None:
-        (metrics.log_epoch if finished else metrics.log_stop)(
-            epoch + 1, ledger.step, ledger.samples, train_loss=ledger.train_loss,
-            test_loss=test.loss if test else None, test_acc=test.accuracy if test else None,
-            lr=ledger.lr, samples_per_s=ledger.samples / max(ledger.train_s, 1e-9),
-            wall_s=time.perf_counter() - ledger.started,
-            skipped_steps=skipped if run.strategy.precision.skipped is not None else None)
-    say(f"epoch {epoch + 1}: train loss {ledger.train_loss:.4f}" + (f", {describe_test(test)}" if test else ""))
-    # At the epoch's end (or where --max-steps stopped inside it): the next run starts after it.
-    checkpointer.save(run.model, run.optimizer, run.scheduler,
-                      Progress(epoch + 1 if finished else epoch, 0 if finished else in_epoch,
-                               ledger.step, ledger.samples, ledger.train_s, skipped), running.state(env.device))
-
-
-def _evaluate(run: Run) -> Optional[EvalResult]:
-    """The test set's loss, accuracy and the user's metrics (None without a test set)."""
-    test = run.data.test
-    if test is None or declared_length(test) == 0:
-        return None
-    return evaluate(run.model, test, run.data.info, run.strategy, loss_fn=run.loss_fn if run.user_loss else None,
-                    keep_target=run.loader.keep_target, metrics=run.metrics)
-
-
 def describe_test(test: EvalResult) -> str:
     """``test loss L, test accuracy A, <metric> V``: what the task has (no accuracy for a regression)."""
     parts = [f"test loss {test.loss:.4f}"]
@@ -445,42 +636,3 @@ def describe_test(test: EvalResult) -> str:
         parts.append(f"test accuracy {test.accuracy:.2%}")
     parts += [f"{name} {value:.4g}" for name, value in test.metrics.items()]
     return ", ".join(parts)
-
-
-def _finish(run: Run, run_dir: Optional[Path], checkpointer: Checkpointer, resumed: Optional[Resumed],
-            ledger: _Ledger, gradient_bytes: Optional[int]) -> RunResult:
-    """Final weights (the user's own module, unsharded: a collective for a sharded strategy),
-    memory per rank, curves, and the result."""
-    env, strategy, plan = run.env, run.strategy, run.loader.plan
-    if ledger.test is None:
-        ledger.test = _evaluate(run)  # nothing trained: the checkpoint's model
-    final_weights = strategy.full_state_dict(run.model)
-    memory = tuple(gather_object(measure(run.model, run.optimizer, env.rank, env.device, gradient_bytes,
-                                         run.model_bytes), env))
-    strategy.close()
-    skipped = _skipped(run, ledger)
-    if run_dir is not None:
-        buf = io.BytesIO()
-        torch.save(to_cpu(final_weights), buf)  # on CPU for every strategy: loads anywhere
-        try:
-            write_atomic(run_dir / "model.pt", buf.getvalue())
-            write_json(run_dir / "memory.json", memory, strategy.name)
-            plot_curves(run_dir / "metrics.csv", run_dir / "curves.png")
-        except RunDirWriteError as exc:
-            raise exc.with_hint(checkpointer.continue_hint(exc.once)) from None
-        except OSError as exc:   # memory.json, curves.png
-            raise unwritable(run_dir, exc).with_hint(checkpointer.continue_hint("the disk has space")) from None
-    return RunResult(
-        run_dir=run_dir, device=describe_device(env.device), strategy=strategy.describe(),
-        world_size=env.world_size, precision=run.cfg.precision, epochs=ledger.epochs_run, steps=ledger.step,
-        samples=ledger.samples, train_loss=ledger.train_loss, test=ledger.test,
-        samples_per_s=ledger.samples / max(ledger.train_s, 1e-9), train_s=ledger.train_s,
-        wall_s=time.perf_counter() - ledger.started, parameters=run.parameters,
-        dropped_per_epoch=plan.dropped_per_epoch, in_memory_data=run.loader.in_memory,
-        train_samples=plan.n or 0, steps_per_epoch=plan.steps_per_epoch or 0,
-        last_step_samples=len(plan.step_indices(0, plan.steps_per_epoch - 1)) if plan.steps_per_epoch else 0,
-        lr=describe_schedule(run.cfg, run.lr, run.total_steps), checkpoints_written=checkpointer.written,
-        checkpoint_s=checkpointer.seconds, last_checkpoint=checkpointer.last_path,
-        resumed_from=resumed.source if resumed is not None else None, memory=memory,
-        streamed=isinstance(run.data.train, IterableDataset), skipped_steps=skipped,
-        straggler=ledger.stragglers.worst.describe() if ledger.stragglers.worst is not None else "")
