@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from scaleloop.config import TrainConfig
+from scaleloop.data.batch import split
+from scaleloop.runtime.devices import device_clock
 
 DATA_PATHS = ("gather", "dataloader")
 
@@ -51,14 +53,51 @@ def raw_train(cfg: TrainConfig, device: torch.device, data_path: str = "gather")
     over such a model makes, so the comparison still measures only the loop around them.
     ``gather`` needs a dataset held in memory (``TensorDataset``, ``DictTensorDataset``).
     """
-    from torch.utils.data import DataLoader, RandomSampler
+    from scaleloop.data.batch import call_model, take
 
-    from scaleloop.data.batch import call_model, first_tensor, keeps_target, split, take, tensors_of
+    run = _build(cfg, device, data_path)
+    model, optimizer, loss_fn, to_device, keep = run.model, run.optimizer, run.loss_fn, run.to_device, run.keep
+    n, batch = len(run.train), cfg.batch_size
+    model.train()
+    if data_path == "dataloader":
+        return _tutorial_loop(cfg, device, run)
+    train_s, samples = 0.0, 0
+    epoch_loss = torch.zeros((), device=device)
+    for epoch in range(cfg.epochs):
+        epoch_loss.zero_()
+        start = time.perf_counter()   # drawing the epoch's order is timed, as in scaleloop's loader
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
+        for i in range(0, n, batch):
+            idx = order[i:i + batch]
+            x, y = split(to_device(take(run.columns, idx)), keep)
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(call_model(model, x), y)
+            loss.backward()
+            optimizer.step()
+            epoch_loss += loss.detach() * len(idx)
+        train_s += device_clock(device) - start   # the epoch's steps have run, not only been queued
+        samples += n
+    return RawResult(train_s, samples, float(epoch_loss) / n, _weights(model))
+
+
+class _RawRun(NamedTuple):
+    """What the hand-written loops train with, built as ``scaleloop train`` builds it."""
+
+    model: Any
+    optimizer: Any
+    loss_fn: Callable[[Any, Any], Any]
+    to_device: Callable[[Any], Any]
+    train: Any                 # the training set
+    columns: Any               # its tensors, for the gather path (None for a dataset read sample by sample)
+    keep: bool                 # the model takes the target among its inputs
+
+
+def _build(cfg: TrainConfig, device: torch.device, data_path: str) -> _RawRun:
+    from scaleloop.data.batch import keeps_target, tensors_of
     from scaleloop.data.datasets import build_datasets
     from scaleloop.errors import UsageError
     from scaleloop.loop.build import build_optimizer, seed_everything
     from scaleloop.loop.speed import speed_up_model
-    from scaleloop.runtime.devices import device_clock
     from scaleloop.loop.tasks import resolve_loss
     from scaleloop.models import build_model
 
@@ -82,48 +121,35 @@ def raw_train(cfg: TrainConfig, device: torch.device, data_path: str = "gather")
         raise UsageError(f"bench overhead's raw loop gathers batches from tensors held in memory, and --data "
                          f"{cfg.data!r} is a {type(data.train).__name__}; compare the DataLoader paths with "
                          "--mode datapath")
-    keep = keeps_target(model, data.train)
-    loss_fn = resolve_loss(cfg.loss, data.info)
-    n, batch = len(data.train), cfg.batch_size
+    return _RawRun(model, optimizer, resolve_loss(cfg.loss, data.info), to_device, data.train, columns,
+                   keeps_target(model, data.train))
 
-    model.train()
-    train_s, samples = 0.0, 0
-    if data_path == "dataloader":
-        # The tutorial's loop, as written there (with scaleloop's permutation, see above).
-        shuffle = torch.Generator()
-        loader = DataLoader(data.train, batch_size=batch, sampler=RandomSampler(data.train, generator=shuffle))
-        running_loss = 0.0
-        for epoch in range(cfg.epochs):
-            shuffle.manual_seed(cfg.seed + epoch)
-            running_loss = 0.0
-            start = time.perf_counter()
-            for sample in loader:
-                x, y = split(to_device(sample), keep)
-                optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(call_model(model, x), y)
-                loss.backward()
-                optimizer.step()
-                running_loss += loss.item() * first_tensor(sample).shape[0]
-            train_s += device_clock(device) - start
-            samples += n
-        return RawResult(train_s, samples, running_loss / n, _weights(model))
 
-    epoch_loss = torch.zeros((), device=device)
+def _tutorial_loop(cfg: TrainConfig, device: torch.device, run: _RawRun) -> RawResult:
+    """The tutorial's loop, as written there (with scaleloop's permutation, see above)."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from scaleloop.data.batch import call_model, first_tensor
+
+    model, optimizer, loss_fn, to_device, keep = run.model, run.optimizer, run.loss_fn, run.to_device, run.keep
+    n, train_s, samples = len(run.train), 0.0, 0
+    shuffle = torch.Generator()
+    loader = DataLoader(run.train, batch_size=cfg.batch_size, sampler=RandomSampler(run.train, generator=shuffle))
+    running_loss = 0.0
     for epoch in range(cfg.epochs):
-        epoch_loss.zero_()
-        start = time.perf_counter()   # drawing the epoch's order is timed, as in scaleloop's loader
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
-        for i in range(0, n, batch):
-            idx = order[i:i + batch]
-            x, y = split(to_device(take(columns, idx)), keep)
+        shuffle.manual_seed(cfg.seed + epoch)
+        running_loss = 0.0
+        start = time.perf_counter()
+        for sample in loader:
+            x, y = split(to_device(sample), keep)
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(call_model(model, x), y)
             loss.backward()
             optimizer.step()
-            epoch_loss += loss.detach() * len(idx)
-        train_s += device_clock(device) - start   # the epoch's steps have run, not only been queued
+            running_loss += loss.item() * first_tensor(sample).shape[0]
+        train_s += device_clock(device) - start
         samples += n
-    return RawResult(train_s, samples, float(epoch_loss) / n, _weights(model))
+    return RawResult(train_s, samples, running_loss / n, _weights(model))
 
 
 def _mover(device: torch.device, channels_last: bool) -> Callable[[Any], Any]:

@@ -72,6 +72,13 @@ def add_parser(subparsers: Any, parser_class: type[argparse.ArgumentParser]) -> 
                     "<date>_<hardware>_<what>.{json,md,png} into --out.")
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH", parser_class=parser_class, required=True)
 
+    for add in (_add_devices, _add_scaling, _add_strategies, _add_overhead, _add_mfu, _add_index):
+        add(sub)
+    return bench
+
+
+def _add_devices(sub: Any) -> None:
+    """``bench devices``: one training per device."""
     devices = sub.add_parser("devices", help="the same short training on CPU, CUDA and MPS (whatever exists)",
                              description="Time the same short training (scaleloop train, one process) on every "
                                          "device this machine has.")
@@ -80,6 +87,9 @@ def add_parser(subparsers: Any, parser_class: type[argparse.ArgumentParser]) -> 
     devices.add_argument("--repeats", type=int, help="timed runs per device (after one warm-up run)")
     devices.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: torch's)")
 
+
+def _add_scaling(sub: Any) -> None:
+    """``bench scaling``: the workload at 1, 2, 4 ... workers."""
     scaling = sub.add_parser("scaling", help="samples/s and efficiency at 1, 2, 4 ... workers; breakdown; projection",
                              description="Run the same workload at each worker count (processes on CPU, GPUs "
                                          "where present): throughput, scaling efficiency, step-time breakdown, "
@@ -109,6 +119,9 @@ def add_parser(subparsers: Any, parser_class: type[argparse.ArgumentParser]) -> 
                               "if not, what cost the most (default: 0.9)")
     _steps(scaling)
 
+
+def _add_strategies(sub: Any) -> None:
+    """``bench strategies``: every strategy on one workload."""
     strategies = sub.add_parser("strategies", help="single vs dp vs ddp vs allreduce vs fsdp, one table",
                                 description="Train the same workload with the same global batch under every "
                                             "strategy the hardware allows; the others are listed with the reason.")
@@ -116,6 +129,9 @@ def add_parser(subparsers: Any, parser_class: type[argparse.ArgumentParser]) -> 
     strategies.add_argument("--workers", type=int, help="processes for ddp/allreduce (default: GPUs, or CPU cores)")
     _steps(strategies)
 
+
+def _add_overhead(sub: Any) -> None:
+    """``bench overhead``: scaleloop's loop against a hand-written one."""
     overhead = sub.add_parser("overhead", help="scaleloop's loop vs a hand-written PyTorch loop, interleaved",
                               description="Train the same model, data, seed and batch with a raw PyTorch loop "
                                           "and with scaleloop's loop, in one process, repetitions interleaved; "
@@ -138,6 +154,9 @@ def add_parser(subparsers: Any, parser_class: type[argparse.ArgumentParser]) -> 
     overhead.add_argument("--compile", action="store_true",
                           help="both loops: the model compiled with torch.compile (train --compile)")
 
+
+def _add_mfu(sub: Any) -> None:
+    """``bench mfu``: model FLOPs utilisation."""
     mfu = sub.add_parser("mfu", help="model FLOPs utilisation of the built-in models",
                          description="FLOPs per sample counted with torch.utils.flop_counter, throughput measured, "
                                      "divided by the peak: datasheet for known GPUs, a measured matmul on CPU. "
@@ -148,11 +167,13 @@ def add_parser(subparsers: Any, parser_class: type[argparse.ArgumentParser]) -> 
                      help="torch.compile the model (train --compile); --warmup steps pay the compilation")
     _steps(mfu)
 
+
+def _add_index(sub: Any) -> None:
+    """``bench index``: a results directory's README.md."""
     index = sub.add_parser("index", help="rebuild <out>/README.md: an index of the results there",
                            description="Rebuild the README.md of a results directory from its JSON files "
                                        "(quick results are left out).")
     index.add_argument("--out", default="benchmarks", metavar="DIR", help="results directory (default: benchmarks)")
-    return bench
 
 
 def _common(parser: argparse.ArgumentParser, command: str, device: bool = True) -> None:
