@@ -109,11 +109,16 @@ class _Worker:
     def __init__(self, fn: Callable[..., Any], kwargs: Mapping[str, Any], threads: Optional[int],
                  logs: Optional[str] = None) -> None:
         self.fn, self.kwargs, self.threads, self.logs = fn, dict(kwargs), threads, logs
+        self.launcher = os.getpid()   # the caller, which runs the agent: no worker outlives it
         # The agent names the job after the entrypoint in its logs and errors.
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
     def __call__(self, *args: Any) -> Any:
+        from scaleloop.launching import lifeline
+
+        # A killed notebook kernel or script gives the agent no chance to stop its workers.
+        lifeline.hold(self.launcher)
         # A forked worker inherits the agent's handlers, which turn SIGTERM into a Python
         # exception that cannot interrupt a blocking C++ call (a rendezvous, a collective):
         # stopping it would wait out the agent's 30 s timeout. Start as a fresh process would.
