@@ -7,7 +7,12 @@ fails. scaleloop adds sane defaults, a start method that works in notebooks, ran
 value, and failures that explain themselves: the caller gets one ``WorkerError`` whose message
 is the short report of ``scaleloop.launching.failures`` (the rank that failed first, its
 exception, the user's file:line; or the rank that stalled and where it was stuck), not the
-agent's tracebacks.
+agent's tracebacks. Its workers hold their lifeline to the caller (``scaleloop.launching.lifeline``),
+as torchrun's do to the launcher: a killed script or notebook kernel takes them along.
+
+It is not started by ``scaleloop.launching.supervisor``: the agent runs in the caller's own process,
+so that ``fn`` may be a notebook's function (forked) and rank 0's return value comes back as a
+Python object; there is no command line to build and no child agent to watch.
 
 Inside ``fn`` the worker sets itself up exactly as under torchrun::
 
