@@ -182,12 +182,17 @@ def test_flight_recorder_variables_for_cuda_workers_only(tmp_path: Path) -> None
 
 
 def test_supervised_command_is_torchrun_with_logs(tmp_path: Path) -> None:
-    from scaleloop.launching.torchrun import supervised_command
+    from scaleloop.launching.torchrun import launch_for
 
-    cmd = supervised_command(TrainConfig(nproc=2), ["scaleloop.cli", "train"], tmp_path, "L1", python="py")
+    launch = launch_for(TrainConfig(nproc=2), "scaleloop", ["train"], logs=tmp_path, launch_id="L1",
+                        entry="scaleloop.cli", python="py")
+    cmd = launch.supervised_command()
     assert cmd[:4] == ["py", "-m", "scaleloop.launching.agent", str(tmp_path / "torchrun.log")]
     assert "--nproc-per-node=2" in cmd and "--standalone" in cmd and f"--log-dir={tmp_path}/torchrun/L1" in cmd
     assert cmd[-5:] == ["-m", "scaleloop.launching.worker", str(tmp_path), "scaleloop.cli", "train"]
+    # The plain command shown to the user has the same torchrun flags, and the user-facing module.
+    plain = launch.plain_command()
+    assert plain == ["py", "-m", "torch.distributed.run", *launch.torchrun_flags(), "-m", "scaleloop", "train"]
 
 
 def test_timeout_flag_and_default() -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from scaleloop.errors import UsageError
 from scaleloop.output import rundir
-from scaleloop.output.lock import LOCK_FILE, RunDirLocked
+from scaleloop.output.lock import LOCK_FILE, WRITERS_VAR, RunDirLocked
 from scaleloop.output.rundir import RunDirWriteError, is_run_dir, lock_run_dir, prepare_run_dir, write_atomic
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -93,6 +93,29 @@ def test_a_stale_lock_is_taken_over_and_a_remote_one_is_not(tmp_path: Path) -> N
     with pytest.raises(RunDirLocked, match=rf"pid 12 on elsewhere.*; if that run is gone, delete "
                                            rf"'{tmp_path / LOCK_FILE}'"):
         lock_run_dir(tmp_path)
+
+
+def test_a_stale_lock_is_not_taken_over_while_its_writers_live(tmp_path: Path) -> None:
+    # A launcher killed outright: its lock names a dead pid, but a worker it started still holds
+    # the lock file as a writer (join_writers). A second run is refused until that worker ends.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "since": 1.0}))
+    code = ("import sys; from scaleloop.output.lock import join_writers\n"
+            "print(join_writers(), flush=True); sys.stdin.read()")
+    writer = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(SRC), WRITERS_VAR: str(tmp_path / LOCK_FILE)})
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "True"
+        with pytest.raises(RunDirLocked, match=rf"--out '{tmp_path}' is still being written by the processes of "
+                                               rf"another scaleloop run \(its launcher, pid {dead.pid} on "):
+            lock_run_dir(tmp_path)
+        with pytest.raises(RunDirLocked, match="still being written"):
+            prepare(tmp_path, continuing=True)
+    finally:
+        writer.communicate("", timeout=30)
+    with lock_run_dir(tmp_path) as lock:    # its last writer gone: stale, taken over
+        assert lock.owned and lock.writers_env() == {WRITERS_VAR: str(tmp_path / LOCK_FILE)}
 
 
 def test_a_lock_held_by_an_ancestor_is_shared_not_released(tmp_path: Path) -> None:

@@ -1,7 +1,10 @@
 """Starting workers and reading how they ended: the floor between the commands and the trainer.
 
 - ``launcher``: ``scaleloop train`` behind its flags: train here, or start the workers under torchrun.
-- ``torchrun``: ``scaleloop train --nproc/--nnodes`` re-launched under ``torch.distributed.run``.
+- ``torchrun``: the workers' launch as settings (``WorkerLaunch``), and the torchrun commands made from them.
+- ``supervisor``: the one way train, verify and bench start workers: torchrun watched, stop signals
+  passed on, the exit code and the failure report.
+- ``lifeline``: a started process ends with the process that started it (Linux), even on ``kill -9``.
 - ``agent``: torchrun as the launcher runs it, its own messages in ``logs/torchrun.log``.
 - ``worker``: each worker's entry: its log, torchrun's ``record`` with scaleloop's extras, stack dumps.
 - ``spawn``: ``scaleloop.launch(fn, nproc=N)`` from a script or a notebook.

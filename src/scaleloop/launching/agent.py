@@ -6,6 +6,10 @@ where the agent's own messages go differs: its log lines, its failure summary ("
 reads the workers' error files and prints a short report instead. The workers still inherit
 the console (rank 0 shows its progress there).
 
+It holds its lifeline to the launcher (``scaleloop.launching.lifeline``) before anything else,
+and so do its workers to it: a launcher killed outright takes torchrun and the workers along.
+While it lives it counts as a writer of the launcher's run directory (``join_writers``).
+
 Exit codes: 0 when every worker succeeded, 1 when one failed, 128 + N on signal N (Ctrl-C: 130).
 """
 from __future__ import annotations
@@ -51,6 +55,12 @@ def logs_in(path: str) -> Iterator[None]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from scaleloop.launching import lifeline
+    from scaleloop.output.lock import join_writers
+
+    # First, before torch's slow import: a launcher that died meanwhile ends this process here.
+    lifeline.hold()
+    join_writers()
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         print("usage: python -m scaleloop.launching.agent LOG_FILE TORCHRUN_ARGS... (started by scaleloop's launcher)",

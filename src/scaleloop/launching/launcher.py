@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import signal
 import socket
 import sys
 import time
@@ -19,7 +20,10 @@ from typing import TYPE_CHECKING, Optional
 
 from scaleloop.config import TrainConfig, to_toml
 from scaleloop.errors import EXIT_INTERRUPTED, UsageError
-from scaleloop.launching.failures import ELASTIC_DIR, LOGS_DIR, Failure, analyse
+from scaleloop.launching.failures import LOGS_DIR, Failure
+from scaleloop.launching.supervisor import Ended, supervise
+from scaleloop.launching.torchrun import WorkerLaunch, launch_for, workers_env
+from scaleloop.runtime import preempt
 from scaleloop.runtime.recovery import clear_faults
 
 if TYPE_CHECKING:
@@ -92,7 +96,6 @@ def launch_train(cfg: TrainConfig) -> Optional["RunResult"]:
 
 def _launch_workers(cfg: TrainConfig) -> None:
     """Start ``cfg.world_size`` workers under torchrun and wait for them."""
-    from scaleloop.launching.torchrun import run_under_torchrun
     from scaleloop.loop.build import preflight
     from scaleloop.checkpoint.resume import continues_run, run_dir_for
     from scaleloop.output.rundir import default_run_dir, lock_run_dir, prepare_run_dir, write_atomic
@@ -113,25 +116,56 @@ def _launch_workers(cfg: TrainConfig) -> None:
     logs = run_dir / LOGS_DIR
     clear_faults(logs)   # an earlier launch's: this launch reports only the faults it recovers from
     launch_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
-    started = time.time()
+    # torchrun and every worker count as writers of the run directory while they live, so that
+    # its lock is not taken over while one of them still writes (scaleloop.output.lock).
+    launch = launch_for(cfg, "scaleloop", ["train", "--config", str(resolved)], logs=logs, launch_id=launch_id,
+                        entry="scaleloop.cli", env={**workers_env(cfg, logs), **lock.writers_env()})
     try:
-        code = run_under_torchrun(cfg, ["train", "--config", str(resolved)], logs, launch_id)
+        ended = _run_workers(cfg, launch)
     except KeyboardInterrupt:
         raise _interrupted(run_dir) from None
     finally:
         lock.release()
+    code = ended.code
     if code == EXIT_INTERRUPTED or code < 0:
         raise _interrupted(run_dir)
     if code != 0:
-        ranks = _ranks_logged(logs, started)
+        ranks = ended.ranks_logged()
         said = _take_usage_error(run_dir, ranks)
         if said is not None:  # a worker found bad input (the user's model or data): said in one line, once
             error = UsageError(said[0])
             error.shown = said[1]
             raise error
-        failure = analyse(run_dir, logs / ELASTIC_DIR / launch_id, ranks, cfg.timeout, code, _continue_line(run_dir))
+        failure = ended.failure(run_dir, continue_line=_continue_line(run_dir), timeout_s=cfg.timeout, ranks=ranks)
         failure.write(run_dir)
         raise WorkersFailed(code, failure)
+
+
+def _run_workers(cfg: TrainConfig, launch: WorkerLaunch) -> Ended:
+    """Print the plain torchrun command, run the workers supervised and wait for them.
+
+    A stop signal (SIGTERM, SIGUSR1, --signal) is passed on: the workers checkpoint and end, and
+    :class:`Preempted` says where the run stopped and how to continue.
+    """
+    print(f"scaleloop: launching {cfg.nproc} process(es) x {cfg.nnodes} node(s) with torchrun:\n  "
+          + " ".join(shlex.quote(c) for c in launch.plain_command()), flush=True)
+    ended = supervise(launch, forward=preempt.stop_signals(cfg.signal, torchrun_worker=False, slurm=False))
+    if preempt.requested() is not None and ended.code != 0:  # 0: the run ended before the signal
+        raise preempt.Preempted(_stopped_line(cfg, launch.logs.parent))
+    return ended
+
+
+def _stopped_line(cfg: TrainConfig, run_dir: Path) -> str:
+    """What the launcher says after a stop signal: the newest checkpoint and how to continue."""
+    from scaleloop.checkpoint.store import CHECKPOINTS_DIR, newest_valid
+
+    received = preempt.signal_name(preempt.requested() or signal.SIGTERM)
+    found = newest_valid(run_dir / CHECKPOINTS_DIR, warn=lambda _msg: None)
+    if found is None:
+        return f"stopped by {received}; no checkpoint was written: a new run starts over"
+    where = " (on every machine, with its own --node-rank)" if cfg.nnodes > 1 else ""
+    return (f"stopped by {received} after step {found.step}; checkpoint {found.path} written; "
+            f"continue with: {preempt.continue_command(str(run_dir))}{where}")
 
 
 def _interrupted(run_dir: Path) -> Interrupted:
@@ -139,18 +173,6 @@ def _interrupted(run_dir: Path) -> Interrupted:
     exc = Interrupted(run_dir)
     Failure("interrupted", message="Ctrl-C (SIGINT) or SIGTERM", report=[f"scaleloop: {exc}"]).write(run_dir)
     return exc
-
-
-def _ranks_logged(logs: Path, since: float) -> list[int]:
-    """The ranks of this machine that wrote their log in this launch."""
-    ranks = []
-    for path in logs.glob("rank-*.log"):
-        try:
-            if path.stat().st_mtime >= since - 1:
-                ranks.append(int(path.stem.partition("-")[2]))
-        except (OSError, ValueError):
-            continue
-    return sorted(ranks)
 
 
 def _continue_line(run_dir: Path) -> str:

@@ -7,7 +7,12 @@ fails. scaleloop adds sane defaults, a start method that works in notebooks, ran
 value, and failures that explain themselves: the caller gets one ``WorkerError`` whose message
 is the short report of ``scaleloop.launching.failures`` (the rank that failed first, its
 exception, the user's file:line; or the rank that stalled and where it was stuck), not the
-agent's tracebacks.
+agent's tracebacks. Its workers hold their lifeline to the caller (``scaleloop.launching.lifeline``),
+as torchrun's do to the launcher: a killed script or notebook kernel takes them along.
+
+It is not started by ``scaleloop.launching.supervisor``: the agent runs in the caller's own process,
+so that ``fn`` may be a notebook's function (forked) and rank 0's return value comes back as a
+Python object; there is no command line to build and no child agent to watch.
 
 Inside ``fn`` the worker sets itself up exactly as under torchrun::
 
@@ -109,11 +114,16 @@ class _Worker:
     def __init__(self, fn: Callable[..., Any], kwargs: Mapping[str, Any], threads: Optional[int],
                  logs: Optional[str] = None) -> None:
         self.fn, self.kwargs, self.threads, self.logs = fn, dict(kwargs), threads, logs
+        self.launcher = os.getpid()   # the caller, which runs the agent: no worker outlives it
         # The agent names the job after the entrypoint in its logs and errors.
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
     def __call__(self, *args: Any) -> Any:
+        from scaleloop.launching import lifeline
+
+        # A killed notebook kernel or script gives the agent no chance to stop its workers.
+        lifeline.hold(self.launcher)
         # A forked worker inherits the agent's handlers, which turn SIGTERM into a Python
         # exception that cannot interrupt a blocking C++ call (a rendezvous, a collective):
         # stopping it would wait out the agent's 30 s timeout. Start as a fresh process would.

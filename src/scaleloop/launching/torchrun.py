@@ -1,23 +1,22 @@
-"""Re-launch ``scaleloop train`` under PyTorch's own launcher (``torch.distributed.run``).
+"""The torchrun command, built once from structured settings (:class:`WorkerLaunch`).
 
 ``scaleloop train --nproc 4`` is exactly ``torchrun --nproc-per-node 4 -m scaleloop train ...``:
 torchrun starts the workers, sets RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT, runs the
 rendezvous, and (with ``--max-restarts``) restarts the whole group when a worker dies.
-scaleloop adds no launcher of its own; it writes the torchrun command for you and prints it, and
-runs it so that a failure is reported in a few lines (``supervised_command``).
+scaleloop adds no launcher of its own; it writes the torchrun command for you and prints it
+(:meth:`WorkerLaunch.plain_command`), and runs the same settings supervised
+(:meth:`WorkerLaunch.supervised_command`, started by ``scaleloop.launching.supervisor``) so that
+a failure is reported in a few lines. Train, verify and bench all describe their workers here.
 """
 from __future__ import annotations
 
 import os
-import shlex
-import signal
-import subprocess
 import sys
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, Union
 
 from scaleloop.config import TrainConfig
-from scaleloop.runtime import preempt
 from scaleloop.launching.failures import AGENT_LOG, ELASTIC_DIR
 from scaleloop.runtime.preempt import signal_number
 from scaleloop.launching.rendezvous import rdzv_conf, route_address, split_endpoint
@@ -26,44 +25,138 @@ from scaleloop.launching.rendezvous import rdzv_conf, route_address, split_endpo
 # a step and a checkpoint. A scheduler's own SIGKILL at the end of its grace period comes first.
 SHUTDOWN_TIMEOUT_S = 600
 
+AGENT_MODULE = "scaleloop.launching.agent"
+WORKER_MODULE = "scaleloop.launching.worker"
+
+
+@dataclass(frozen=True)
+class Standalone:
+    """One machine: torchrun picks a free port on localhost itself (``--standalone``)."""
+
+
+@dataclass(frozen=True)
+class StaticMaster:
+    """A fixed set of machines meeting at node 0's address (``--master-addr/--master-port``)."""
+
+    addr: str
+    port: int
+    node_rank: int
+
+
+@dataclass(frozen=True)
+class C10dRendezvous:
+    """An elastic job's c10d rendezvous, its settings resolved for this machine."""
+
+    endpoint: str
+    run_id: str
+    conf: str = ""                      # --rdzv-conf, with is_host already decided
+    local_addr: Optional[str] = None    # the address the other machines reach this one at
+
+
+Meeting = Union[Standalone, StaticMaster, C10dRendezvous]
+
+
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """Everything that says how a group of workers starts: the one source of its commands.
+
+    ``module`` is what ``python -m`` runs in the plain torchrun command shown to the user;
+    ``entry`` (default: ``module``) is the module whose ``main(argv)`` the supervised worker
+    (``scaleloop.launching.worker``) calls. ``direct``: one worker, started without torchrun
+    (a benchmark's baseline). ``env``: the workers' environment (None: this process's).
+    """
+
+    nproc: int
+    module: str
+    argv: tuple[str, ...] = ()
+    logs: Path = Path("logs")
+    launch_id: str = "launch"
+    nnodes: int = 1
+    min_nnodes: Optional[int] = None    # set: an elastic job of min_nnodes..nnodes machines
+    max_restarts: int = 0
+    meeting: Meeting = field(default_factory=Standalone)
+    entry: Optional[str] = None
+    direct: bool = False
+    env: Optional[Mapping[str, str]] = None
+    python: str = sys.executable
+
+    @property
+    def error_dir(self) -> Path:
+        """torchrun's ``--log-dir`` for this launch, where the workers' error files are."""
+        return self.logs / ELASTIC_DIR / self.launch_id
+
+    @property
+    def agent_log(self) -> Path:
+        """Where torchrun's own messages go."""
+        return self.logs / AGENT_LOG
+
+    def with_env(self, env: Mapping[str, str]) -> "WorkerLaunch":
+        """The same launch with ``env`` added to its environment."""
+        return replace(self, env={**(os.environ if self.env is None else self.env), **env})
+
+    def torchrun_flags(self) -> list[str]:
+        """torchrun's own flags: the processes, the machines, the restarts, where they meet."""
+        nnodes = f"{self.min_nnodes}:{self.nnodes}" if self.min_nnodes is not None else str(self.nnodes)
+        flags = [f"--nproc-per-node={self.nproc}", f"--nnodes={nnodes}", f"--max-restarts={self.max_restarts}"]
+        meeting = self.meeting
+        if isinstance(meeting, C10dRendezvous):
+            flags += ["--rdzv-backend=c10d", f"--rdzv-endpoint={meeting.endpoint}", f"--rdzv-id={meeting.run_id}"]
+            if meeting.conf:
+                flags.append(f"--rdzv-conf={meeting.conf}")
+            if meeting.local_addr:
+                flags.append(f"--local-addr={meeting.local_addr}")
+        elif isinstance(meeting, StaticMaster):
+            flags += [f"--node-rank={meeting.node_rank}", f"--master-addr={meeting.addr}",
+                      f"--master-port={meeting.port}"]
+        else:
+            flags.append("--standalone")
+        return flags
+
+    def plain_command(self) -> list[str]:
+        """The command this launch amounts to, as a user would type it (what is printed)."""
+        if self.direct:
+            return [self.python, "-m", self.module, *self.argv]
+        return [self.python, "-m", "torch.distributed.run", *self.torchrun_flags(), "-m", self.module, *self.argv]
+
+    def supervised_command(self) -> list[str]:
+        """What runs: the same torchrun, quiet, with error files and per-rank logs in ``logs``.
+
+        torchrun's own messages go to ``logs/torchrun.log`` (``scaleloop.launching.agent``), its
+        error files under ``logs/torchrun/<launch_id>/`` (``--log-dir``), and each worker, started
+        through ``scaleloop.launching.worker``, runs ``<entry>.main(argv)`` with its output in
+        ``logs/rank-<R>.log``. ``scaleloop.launching.failures`` reads them when a worker fails.
+        """
+        worker = ["-m", WORKER_MODULE, str(self.logs), self.entry or self.module, *self.argv]
+        if self.direct:
+            return [self.python, *worker]
+        return [self.python, "-m", AGENT_MODULE, str(self.agent_log), *self.torchrun_flags(),
+                f"--log-dir={self.error_dir}", *worker]
+
+
+def meeting_of(cfg: TrainConfig) -> Meeting:
+    """Where ``cfg``'s machines meet: its rendezvous, its master address, or this machine alone."""
+    if cfg.rdzv_endpoint:
+        host, port = split_endpoint(cfg.rdzv_endpoint)
+        return C10dRendezvous(cfg.rdzv_endpoint, cfg.rdzv_id, rdzv_conf(cfg.rdzv_conf, host),
+                              cfg.local_addr or route_address(host, port))
+    if cfg.master_addr:
+        return StaticMaster(cfg.master_addr, cfg.master_port, cfg.node_rank)
+    return Standalone()
+
+
+def launch_for(cfg: TrainConfig, module: str, argv: Sequence[str] = (), *, logs: Path = Path("logs"),
+               launch_id: str = "launch", entry: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
+               python: str = sys.executable) -> WorkerLaunch:
+    """The launch of ``cfg``'s workers per node, each running ``module`` with ``argv``."""
+    return WorkerLaunch(nproc=cfg.nproc, module=module, argv=tuple(argv), logs=logs, launch_id=launch_id,
+                        nnodes=cfg.nnodes, min_nnodes=cfg.min_nnodes if cfg.elastic else None,
+                        max_restarts=cfg.max_restarts, meeting=meeting_of(cfg), entry=entry, env=env,
+                        python=python)
+
 
 def torchrun_command(cfg: TrainConfig, argv: Sequence[str], python: str = sys.executable) -> list[str]:
     """The torchrun command line that runs ``scaleloop <argv>`` in ``cfg.nproc`` workers per node."""
-    nnodes = f"{cfg.min_nnodes}:{cfg.nnodes}" if cfg.elastic else str(cfg.nnodes)
-    cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.nproc}",
-           f"--nnodes={nnodes}", f"--max-restarts={cfg.max_restarts}"]
-    if cfg.rdzv_endpoint:
-        host, port = split_endpoint(cfg.rdzv_endpoint)
-        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={cfg.rdzv_endpoint}", f"--rdzv-id={cfg.rdzv_id}"]
-        conf = rdzv_conf(cfg.rdzv_conf, host)
-        if conf:
-            cmd.append(f"--rdzv-conf={conf}")
-        local = cfg.local_addr or route_address(host, port)
-        if local:   # the address the other machines reach this one at (torchrun: its host name)
-            cmd.append(f"--local-addr={local}")
-    elif cfg.master_addr:
-        cmd += [f"--node-rank={cfg.node_rank}", f"--master-addr={cfg.master_addr}",
-                f"--master-port={cfg.master_port}"]
-    else:
-        # One machine: torchrun picks a free port on localhost itself.
-        cmd += ["--standalone"]
-    return cmd + ["-m", "scaleloop", *argv]
-
-
-def supervised_command(cfg: TrainConfig, worker: Sequence[str], logs: Path, launch_id: str,
-                       python: str = sys.executable) -> list[str]:
-    """What the launcher runs: the same torchrun, quiet, with error files and per-rank logs in ``logs``.
-
-    torchrun's own messages go to ``logs/torchrun.log`` (``scaleloop.launching.agent``), its error
-    files under ``logs/torchrun/<launch_id>/`` (``--log-dir``), and each worker, started through
-    ``scaleloop.launching.worker``, runs ``python -m <worker...>`` with its output in
-    ``logs/rank-<R>.log``. ``scaleloop.launching.failures`` reads them when a worker fails.
-    """
-    plain = torchrun_command(cfg, [], python)
-    torchrun_args = plain[3:-2]  # between "python -m torch.distributed.run" and "-m scaleloop"
-    return [python, "-m", "scaleloop.launching.agent", str(logs / AGENT_LOG), *torchrun_args,
-            f"--log-dir={logs / ELASTIC_DIR / launch_id}",
-            "-m", "scaleloop.launching.worker", str(logs), *worker]
+    return launch_for(cfg, "scaleloop", argv, python=python).plain_command()
 
 
 # NCCL's flight recorder: on a collective's timeout each rank dumps its last collectives (which
@@ -95,8 +188,8 @@ def workers_env(cfg: TrainConfig, logs: Path, environ: Optional[Mapping[str, str
     variables where the user has not set them."""
     env = dict(os.environ if environ is None else environ)
     # torchrun forwards these to its workers (SIGUSR1: the launcher's stop request, see
-    # run_under_torchrun), and waits this long for them to write their checkpoint and end
-    # before SIGKILL. Set as torchrun's own variables: the flags are not in every torch >= 2.11.
+    # scaleloop.launching.supervisor), and waits this long for them to write their checkpoint and
+    # end before SIGKILL. Set as torchrun's own variables: the flags are not in every torch >= 2.11.
     signals = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1",
                                       signal_number(cfg.signal).name]))
     for key in ("PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
@@ -111,49 +204,3 @@ def workers_env(cfg: TrainConfig, logs: Path, environ: Optional[Mapping[str, str
         for key, value in flight_recorder_env(logs).items():
             env.setdefault(key, value)
     return env
-
-
-def run_under_torchrun(cfg: TrainConfig, argv: Sequence[str], logs: Path, launch_id: str) -> int:
-    """Run the workers and wait; returns torchrun's exit code (0 when every worker succeeded).
-
-    Prints the plain torchrun command this amounts to; runs it supervised (:func:`supervised_command`).
-    """
-    print(f"scaleloop: launching {cfg.nproc} process(es) x {cfg.nnodes} node(s) with torchrun:\n  "
-          + " ".join(shlex.quote(c) for c in torchrun_command(cfg, argv)), flush=True)
-    logs.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(supervised_command(cfg, ["scaleloop.cli", *argv], logs, launch_id),
-                            env=workers_env(cfg, logs))
-    # A stop signal (SIGTERM, SIGUSR1, --signal) is not this process's end: torchrun passes it
-    # on as SIGUSR1, the workers finish their step and checkpoint, and the run ends in one line.
-    preempt.listen(preempt.stop_signals(cfg.signal, torchrun_worker=False, slurm=False),
-                   on_signal=lambda _sig: _forward(proc, signal.SIGUSR1))
-    try:
-        code = proc.wait()
-    except KeyboardInterrupt:
-        # The terminal sent SIGINT to torchrun too; let it stop its workers, then report the
-        # interruption (not a worker failure).
-        proc.wait()
-        raise
-    if preempt.requested() is not None and code != 0:  # 0: the run ended before the signal
-        raise preempt.Preempted(_stopped_line(cfg, logs.parent))
-    return code
-
-
-def _forward(proc: subprocess.Popen, sig: signal.Signals) -> None:
-    try:
-        proc.send_signal(sig)
-    except ProcessLookupError:  # torchrun has ended already
-        pass
-
-
-def _stopped_line(cfg: TrainConfig, run_dir: Path) -> str:
-    """What the launcher says after a stop signal: the newest checkpoint and how to continue."""
-    from scaleloop.checkpoint.store import CHECKPOINTS_DIR, newest_valid
-
-    received = preempt.signal_name(preempt.requested() or signal.SIGTERM)
-    found = newest_valid(run_dir / CHECKPOINTS_DIR, warn=lambda _msg: None)
-    if found is None:
-        return f"stopped by {received}; no checkpoint was written: a new run starts over"
-    where = " (on every machine, with its own --node-rank)" if cfg.nnodes > 1 else ""
-    return (f"stopped by {received} after step {found.step}; checkpoint {found.path} written; "
-            f"continue with: {preempt.continue_command(str(run_dir))}{where}")

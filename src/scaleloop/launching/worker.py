@@ -13,7 +13,10 @@
   stack into the log with ``faulthandler``, which works even while the rank is blocked inside
   a C++ call: it is how the launcher finds where a stuck rank was.
 - a stop signal (SIGUSR1 from the launcher through torchrun; also SIGTERM under SLURM) is
-  noted, not fatal: the loop stops after its step with a checkpoint (``scaleloop.runtime.preempt``).
+  noted, not fatal: the loop stops after its step with a checkpoint (``scaleloop.runtime.preempt``);
+- it holds its lifeline to torchrun (``scaleloop.launching.lifeline``): a killed torchrun (or a
+  killed launcher, which takes torchrun along) ends it, so it never writes on alone; and it
+  counts as a writer of the run directory while it lives (``scaleloop.output.lock.join_writers``).
 """
 from __future__ import annotations
 
@@ -267,6 +270,11 @@ def run(log_dir: Path, main: Callable[[list[str]], Optional[int]], argv: list[st
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from scaleloop.launching import lifeline
+    from scaleloop.output.lock import join_writers
+
+    lifeline.hold()
+    join_writers()
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 2:
         print("usage: python -m scaleloop.launching.worker LOG_DIR MODULE [ARGS...] (started by scaleloop's launcher)",

@@ -10,22 +10,32 @@ checked from here and is reported with the way to remove it.
 restarts of its workers; rank 0 of those workers then finds a lock held by its own ancestor
 and shares it (it neither takes nor releases it). A single-process run takes it itself.
 A job over several machines takes none (see :func:`lock_run_dir`).
+
+A dead holder is not enough to call a lock stale: its workers may still be writing (they are
+killed with it, but not in the same instant). So every writer holds a shared ``flock`` on the
+lock file while it lives: the holder itself, and each process started with
+:meth:`RunDirLock.writers_env` that calls :func:`join_writers` (torchrun's agent and each
+worker). The kernel drops a process's ``flock`` when the process ends, however it ends, so a
+lock is taken over only when its holder is gone and no process holds the file any more.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
 import socket
 import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Optional
+from typing import Mapping, Optional
 
 from scaleloop.errors import UsageError
 
 LOCK_FILE = "scaleloop.lock"
+# Set by a launcher that holds a lock for the processes it starts: the lock file they hold too.
+WRITERS_VAR = "SCALELOOP_RUN_LOCK"
 _READ_TRIES = 5        # a lock read while its holder is still writing it looks empty for a moment
 
 
@@ -114,6 +124,65 @@ def _read(path: Path) -> tuple[Optional[Holder], Optional[str]]:
     return None, text
 
 
+def _hold_shared(path: Path) -> Optional[int]:
+    """A descriptor holding a shared ``flock`` on ``path`` (None: no such file, or no flock here)."""
+    if sys.platform == "win32":   # no flock: a dead holder's lock is stale at once, as before
+        return None
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)   # waits only while another run checks the file (below)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _writers_alive(path: Path) -> bool:
+    """Whether a process still holds ``path`` as a writer (see the module doc)."""
+    if sys.platform == "win32":
+        return False
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False    # a file system without flock: nothing to tell
+    finally:
+        os.close(fd)    # also drops the probe's own flock
+    return False
+
+
+# This process's shared flocks as a writer: kept open until it ends (the kernel then drops them).
+_JOINED: list[int] = []
+
+
+def join_writers(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Count this process as one of the writers of the lock named in :data:`WRITERS_VAR`, until
+    it ends; a process started for a run (torchrun's agent, each worker) calls it first thing.
+
+    Returns whether it joined (False when no lock is named, or the file is gone).
+    """
+    named = (os.environ if environ is None else environ).get(WRITERS_VAR)
+    if not named:
+        return False
+    fd = _hold_shared(Path(named))
+    if fd is None:
+        return False
+    _JOINED.append(fd)
+    return True
+
+
 def _refusal(run_dir: Path, holder: Holder) -> RunDirLocked:
     text = (f"--out {str(run_dir)!r} is in use by another scaleloop run ({holder.describe()}); wait for it "
             "to end, or choose another --out")
@@ -122,11 +191,23 @@ def _refusal(run_dir: Path, holder: Holder) -> RunDirLocked:
     return RunDirLocked(text)
 
 
+def _writers_refusal(run_dir: Path, holder: Optional[Holder]) -> RunDirLocked:
+    whose = f" (its launcher, {holder.describe()}, has ended)" if holder is not None else ""
+    return RunDirLocked(f"--out {str(run_dir)!r} is still being written by the processes of another scaleloop "
+                        f"run{whose}; wait for them to end, or choose another --out")
+
+
 def refuse_if_locked(run_dir: Path) -> None:
-    """Raise :class:`RunDirLocked` if a live run other than this one (or its launcher) holds ``run_dir``."""
-    holder, _ = _read(run_dir / LOCK_FILE)
-    if holder is not None and not _is_ours(holder) and _alive(holder):
+    """Raise :class:`RunDirLocked` if a live run other than this one (or its launcher) holds ``run_dir``,
+    or the processes of a run whose holder has ended still write there."""
+    path = run_dir / LOCK_FILE
+    holder, text = _read(path)
+    if holder is not None and _is_ours(holder):
+        return
+    if holder is not None and _alive(holder):
         raise _refusal(run_dir, holder)
+    if text is not None and _writers_alive(path):
+        raise _writers_refusal(run_dir, holder)
 
 
 class RunDirLock:
@@ -141,12 +222,14 @@ class RunDirLock:
         self.path = self.run_dir / LOCK_FILE
         self.owned = False
         self.held = False
+        self._fd: Optional[int] = None   # this process's shared flock on the file, while it owns it
 
     def acquire(self) -> "RunDirLock":
         """Take the lock, share an ancestor's, or take over a stale one; else raise :class:`RunDirLocked`."""
         for _ in range(3):
             if self._create():
                 self.owned = self.held = True
+                self._fd = _hold_shared(self.path)   # a new file: no other process holds it yet
                 return self
             holder, text = _read(self.path)
             if text is None:
@@ -156,6 +239,8 @@ class RunDirLock:
                 return self
             if holder is not None and _alive(holder):
                 raise _refusal(self.run_dir, holder)
+            if _writers_alive(self.path):   # the holder is gone, but not all of its processes
+                raise _writers_refusal(self.run_dir, holder)
             self._take_over(text)   # its holder is gone (or it was never written whole)
         holder, _ = _read(self.path)
         raise _refusal(self.run_dir, holder or Holder("?", -1, time.time()))
@@ -186,8 +271,16 @@ class RunDirLock:
             pass
         aside.unlink(missing_ok=True)
 
+    def writers_env(self) -> dict[str, str]:
+        """The environment entry by which processes this one starts count as writers of the run
+        (:func:`join_writers`); empty when this process does not own the lock."""
+        return {WRITERS_VAR: str(self.path)} if self.owned else {}
+
     def release(self) -> None:
         """Free the lock if this process took it (safe to call twice)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self.owned:
             holder, _ = _read(self.path)
             if holder is not None and holder.pid == os.getpid() and holder.host == socket.gethostname():

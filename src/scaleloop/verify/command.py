@@ -186,11 +186,11 @@ def _run_both(s: Session) -> tuple[Optional[dict[str, Any]], int]:
         ref = reference()
         if s.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the reference's cached memory back before rank 0 needs it
-        with start_workers(s.cfg, s.root, indent) as proc:
-            return ref, proc.wait()
-    with start_workers(s.cfg, s.root, indent) as proc:
+        with start_workers(s.cfg, s.root, indent) as workers:
+            return ref, workers.wait().code
+    with start_workers(s.cfg, s.root, indent) as workers:
         ref = reference()
-        return ref, proc.wait()
+        return ref, workers.wait().code
 
 
 def _run_reference(s: Session) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Start the N verify workers under torchrun and wait for them; what to say when they fail.
 
-The command is the one ``scaleloop train --nproc N`` runs (``scaleloop.launching.torchrun``), with
-the hidden worker program in place of the CLI: torchrun's own messages go to
+The launch is the one ``scaleloop train --nproc N`` makes (``scaleloop.launching.torchrun``), with
+the hidden worker program in place of the CLI, started and watched the same way
+(``scaleloop.launching.supervisor``): torchrun's own messages go to
 ``logs/torchrun.log`` in the report directory, each rank's output to ``logs/rank-<R>.log``,
 and a worker that raises leaves torchrun's error file (``scaleloop.launching.worker``). When the
 workers fail, :func:`failure_report` reads those files (``scaleloop.launching.failures``): the
@@ -20,8 +21,9 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from scaleloop.config import TrainConfig
-from scaleloop.launching.failures import ELASTIC_DIR, FAILURE_FILE, LOGS_DIR, Failure, analyse
-from scaleloop.launching.torchrun import supervised_command, torchrun_command, workers_env
+from scaleloop.launching.failures import FAILURE_FILE, LOGS_DIR, Failure
+from scaleloop.launching.supervisor import Ended, Workers, start
+from scaleloop.launching.torchrun import WorkerLaunch, launch_for, workers_env
 from scaleloop.verify.layout import LOG_FILE
 
 WORKER_MODULE = "scaleloop.verify.worker"
@@ -29,38 +31,34 @@ WORKER_MODULE = "scaleloop.verify.worker"
 LAUNCH_ID = "verify"
 
 
+def verify_launch(cfg: TrainConfig, root: Path) -> WorkerLaunch:
+    """The verify workers' launch: ``cfg``'s processes, never restarted (a restarted worker would
+    record the steps twice), each running the verify worker on ``root``."""
+    cfg = cfg.replace(max_restarts=0)
+    logs = root / LOGS_DIR
+    return launch_for(cfg, WORKER_MODULE, [str(root)], logs=logs, launch_id=LAUNCH_ID, env=workers_env(cfg, logs))
+
+
 def worker_command(cfg: TrainConfig, root: Path) -> list[str]:
     """``python -m torch.distributed.run ... -m scaleloop.verify.worker ROOT``."""
-    cmd = torchrun_command(cfg.replace(max_restarts=0), [])
-    if cmd[-2:] != ["-m", "scaleloop"]:
-        raise RuntimeError(f"unexpected torchrun command shape: {cmd}")
-    return cmd[:-1] + [WORKER_MODULE, str(root)]
+    return verify_launch(cfg, root).plain_command()
 
 
 @contextlib.contextmanager
-def start_workers(cfg: TrainConfig, root: Path, say: Callable[[str], None]) -> Iterator[subprocess.Popen]:
+def start_workers(cfg: TrainConfig, root: Path, say: Callable[[str], None]) -> Iterator[Workers]:
     """Start torchrun and its workers in the background; stopped on leaving early (an exception).
 
-    ``proc.wait()`` gives torchrun's exit code: 0 when every worker succeeded.
+    ``workers.wait()`` gives how they ended: code 0 when every worker succeeded.
     """
-    cfg = cfg.replace(max_restarts=0)   # a restarted worker would record the steps twice
-    say(f"launching {cfg.nproc} processes with torchrun: "
-        + " ".join(shlex.quote(c) for c in worker_command(cfg, root)))
-    logs = root / LOGS_DIR
-    shutil.rmtree(logs, ignore_errors=True)  # a previous report's logs and error files
+    launch = verify_launch(cfg, root)
+    say(f"launching {cfg.nproc} processes with torchrun: " + " ".join(shlex.quote(c) for c in launch.plain_command()))
+    shutil.rmtree(launch.logs, ignore_errors=True)  # a previous report's logs and error files
     (root / FAILURE_FILE).unlink(missing_ok=True)
-    logs.mkdir(parents=True)
-    cmd = supervised_command(cfg, [WORKER_MODULE, str(root)], logs, LAUNCH_ID)
+    launch.logs.mkdir(parents=True)
     with open(root / LOG_FILE, "wb") as log:
-        # Same process group as this one: Ctrl-C reaches torchrun, which stops its workers.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=workers_env(cfg, logs))
-        try:
-            yield proc
-        except BaseException:
-            proc.terminate()  # torchrun passes it on to its workers
-            proc.wait()
-            raise
-        proc.wait()
+        with start(launch, stdout=log, stderr=subprocess.STDOUT) as workers:
+            yield workers
+            workers.wait()   # the caller has waited already, unless it returned early
 
 
 def failure_report(root: Path, cfg: TrainConfig, code: int) -> Optional[Failure]:
@@ -70,11 +68,11 @@ def failure_report(root: Path, cfg: TrainConfig, code: int) -> Optional[Failure]
     launcher). The report's lines are ``Failure.report``; it is also written to
     ``ROOT/failure.json``.
     """
-    logs = root / LOGS_DIR
-    if not logs.is_dir():
+    if not (root / LOGS_DIR).is_dir():
         return None
-    failure = analyse(root, logs / ELASTIC_DIR / LAUNCH_ID, list(range(cfg.world_size)), cfg.timeout, code,
-                      "once fixed, run the same scaleloop verify command again", doctor=False)
+    ended = Ended(verify_launch(cfg, root), code, started=0.0)
+    failure = ended.failure(root, continue_line="once fixed, run the same scaleloop verify command again",
+                            timeout_s=cfg.timeout, ranks=range(cfg.world_size), doctor=False)
     failure.write(root)
     return failure
 

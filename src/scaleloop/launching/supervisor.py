@@ -1,0 +1,145 @@
+"""The one way scaleloop starts workers: torchrun (through ``scaleloop.launching.agent``), watched.
+
+Train, verify and bench describe their workers as a ``WorkerLaunch``
+(``scaleloop.launching.torchrun``) and start them here:
+
+- :func:`start` starts torchrun (or, for a ``direct`` launch, the one worker) as a child of
+  this process that holds its lifeline to it (``scaleloop.launching.lifeline``): however this
+  process ends, even by ``kill -9``, torchrun and then its workers end with it;
+- :func:`supervise` starts, passes this process's stop signals on as SIGUSR1 (the workers then
+  finish their step and checkpoint), and waits;
+- :class:`Ended` is the exit code, and after a failure :meth:`Ended.failure` reads the workers'
+  error files and logs into the short report (``scaleloop.launching.failures``).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Optional, Sequence, Union
+
+from scaleloop.launching import lifeline
+from scaleloop.launching.failures import Failure, analyse
+from scaleloop.launching.torchrun import WorkerLaunch
+from scaleloop.runtime import preempt
+
+# After SIGTERM, how long torchrun gets to stop its workers before it is killed (its workers
+# then die with it, see lifeline).
+STOP_GRACE_S = 15.0
+
+_Output = Union[None, int, IO[Any]]
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How a launch ended: torchrun's exit code (0: every worker succeeded; the worker's own for a
+    ``direct`` launch; negative: killed by that signal)."""
+
+    launch: WorkerLaunch
+    code: int
+    started: float          # time.time() at the start, to tell this launch's logs from older ones
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0
+
+    def ranks_logged(self) -> list[int]:
+        """The ranks of this machine that wrote their log in this launch."""
+        ranks = []
+        for path in self.launch.logs.glob("rank-*.log"):
+            try:
+                if path.stat().st_mtime >= self.started - 1:
+                    ranks.append(int(path.stem.partition("-")[2]))
+            except (OSError, ValueError):
+                continue
+        return sorted(ranks)
+
+    def failure(self, run_dir: Path, *, continue_line: Optional[str], timeout_s: Optional[float] = None,
+                ranks: Optional[Sequence[int]] = None, doctor: bool = True) -> Failure:
+        """Which rank failed first (or stalled) and where, from the workers' error files and logs in
+        ``run_dir`` (see ``scaleloop.launching.failures.analyse``); ``ranks`` default to those that
+        logged in this launch. Not written: ``Failure.write`` puts it in ``failure.json``."""
+        ranks = self.ranks_logged() if ranks is None else list(ranks)
+        return analyse(run_dir, self.launch.error_dir, ranks, timeout_s, self.code, continue_line, doctor=doctor)
+
+
+class Workers:
+    """A started launch: torchrun (or the direct worker) as this process's child.
+
+    As a context manager: on leaving with an exception the workers are stopped (:meth:`stop`),
+    so none outlives a failed caller.
+    """
+
+    def __init__(self, launch: WorkerLaunch, proc: subprocess.Popen, started: float) -> None:
+        self.launch, self.proc, self.started = launch, proc, started
+
+    def wait(self, timeout: Optional[float] = None) -> Ended:
+        """Wait for the end (``subprocess.TimeoutExpired`` after ``timeout`` seconds)."""
+        return Ended(self.launch, self.proc.wait(timeout=timeout), self.started)
+
+    def send(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to torchrun, which passes it on to its workers; nothing once it has ended."""
+        try:
+            self.proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM lets torchrun stop its workers; SIGKILL after ``grace_s`` (the workers follow it)."""
+        if self.proc.poll() is not None:
+            return
+        self.send(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> "Workers":
+        return self
+
+    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        if exc_type is not None:
+            self.stop()
+
+
+def start(launch: WorkerLaunch, *, stdout: _Output = None, stderr: _Output = None, text: bool = False) -> Workers:
+    """Start ``launch``'s supervised command; its output goes to ``stdout``/``stderr`` (default: this
+    process's console). Same process group as this one: Ctrl-C in a terminal reaches torchrun too."""
+    launch.logs.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ if launch.env is None else launch.env)
+    if launch.direct:
+        # Where torchrun would put rank 0's error file, read by the worker's record() and analyse().
+        error_file = launch.error_dir / "single" / "attempt_0" / "0" / "error.json"
+        error_file.parent.mkdir(parents=True, exist_ok=True)
+        env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
+    started = time.time()
+    proc = subprocess.Popen(launch.supervised_command(), env=lifeline.child_env(env), stdout=stdout,
+                            stderr=stderr, text=text, bufsize=1 if text else -1)
+    return Workers(launch, proc, started)
+
+
+def supervise(launch: WorkerLaunch, *, forward: Sequence[signal.Signals] = ()) -> Ended:
+    """Start ``launch`` on this console and wait for it.
+
+    The signals in ``forward`` (a scheduler's or the user's stop request) are not this process's
+    end: torchrun passes them on as SIGUSR1, the workers finish their step and checkpoint, and
+    the run ends; ``scaleloop.runtime.preempt.requested()`` then says which came. Ctrl-C reaches
+    torchrun from the terminal: it stops its workers, and KeyboardInterrupt is raised here after.
+    """
+    workers = start(launch)
+    if forward:
+        preempt.listen(list(forward), on_signal=lambda _sig: workers.send(signal.SIGUSR1))
+    try:
+        return workers.wait()
+    except KeyboardInterrupt:
+        workers.proc.wait()
+        raise
+    except BaseException:
+        workers.stop()
+        raise
