@@ -22,7 +22,7 @@ from procs import child_env, kill_group, owned_pids, scaleloop
 
 pytestmark = pytest.mark.distributed
 
-FLAGS = ["--nproc", "2", "--data", "digits", "--epochs", "8", "--batch-size", "32", "--checkpoint-every", "5",
+FLAGS = ["--nproc", "2", "--data", "digits", "--epochs", "3", "--batch-size", "32", "--checkpoint-every", "5",
          "--device", "cpu", "--no-progress", "--no-tensorboard"]
 START_TIMEOUT_S = 180     # torch's imports on a busy machine, the rendezvous, the first steps
 GONE_WITHIN_S = 10

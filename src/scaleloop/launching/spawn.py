@@ -219,13 +219,7 @@ def launch(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
         UsageError: bad arguments, said in one line.
     """
     kwargs = dict(kwargs or {})
-    min_nodes, max_nodes = _parse_nnodes(nnodes)
-    if not isinstance(nproc, int) or nproc < 1:
-        raise UsageError(f"launch: nproc must be a positive whole number, not {nproc!r}")
-    if max_restarts < 0:
-        raise UsageError(f"launch: max_restarts must be zero or positive, not {max_restarts}")
-    if max_nodes > 1 and not rdzv_endpoint:
-        raise UsageError(f"launch: nnodes={nnodes!r} needs rdzv_endpoint='HOST:PORT', where the machines meet")
+    min_nodes, max_nodes = _check_args(nproc, nnodes, rdzv_endpoint, max_restarts)
     method = resolve_start_method(start_method, fn)
     if threads is None and nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         threads = 1
@@ -267,6 +261,19 @@ def launch(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
                 raise KeyboardInterrupt from None
             raise
     return dict(results) if all_ranks else results.get(0)
+
+
+def _check_args(nproc: Any, nnodes: Union[int, str], rdzv_endpoint: Optional[str],
+                max_restarts: int) -> tuple[int, int]:
+    """``launch``'s arguments checked, each refusal one line; the job's fewest and most machines."""
+    min_nodes, max_nodes = _parse_nnodes(nnodes)
+    if not isinstance(nproc, int) or nproc < 1:
+        raise UsageError(f"launch: nproc must be a positive whole number, not {nproc!r}")
+    if max_restarts < 0:
+        raise UsageError(f"launch: max_restarts must be zero or positive, not {max_restarts}")
+    if max_nodes > 1 and not rdzv_endpoint:
+        raise UsageError(f"launch: nnodes={nnodes!r} needs rdzv_endpoint='HOST:PORT', where the machines meet")
+    return min_nodes, max_nodes
 
 
 def resolve_start_method(requested: str, fn: Callable[..., Any]) -> str:
