@@ -104,7 +104,7 @@ def _step_cost(run: Any) -> dict[str, float]:
     batch = next(iter(run.loader))
     small = type(batch)(x, y, batch.plan)
     run.model, run.optimizer, run.loss_fn = tiny, opt, mse
-    run.scheduler = build_scheduler(opt, run.cfg, run.total_steps)   # the run's schedule, on this optimizer
+    run.scheduler = build_scheduler(opt, run.cfg.optim, run.total_steps)   # the run's schedule, on this optimizer
     step = Step(run)
 
     def ours(n: int) -> None:

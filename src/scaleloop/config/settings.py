@@ -203,6 +203,11 @@ class TrainConfig:
         return self.section(CheckpointSettings)
 
     @property
+    def optim(self) -> OptimSettings:
+        """The optimizer-and-schedule section (``scaleloop.config.sections``)."""
+        return self.section(OptimSettings)
+
+    @property
     def parallel(self) -> ParallelSettings:
         """The parallel section (``scaleloop.strategies.registry``)."""
         return self.section(ParallelSettings)

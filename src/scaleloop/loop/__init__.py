@@ -13,6 +13,8 @@
 - ``speed``: ``--compile``/``--channels-last`` set-up. ``tune``: the largest batch that fits (``scaleloop tune-batch``).
 - ``preempt``: ``StopVote``, every rank agreeing to stop after the same step on a stop signal.
 - ``summary``: the end-of-run summary ``scaleloop train`` prints.
+- ``hooks``: what the trainer does at a step's end or a row besides training (metrics rows,
+  health checks, the stop vote, the recovery report), each a ``Hook``.
 
 Names are imported lazily: ``import scaleloop.loop`` does not import torch.
 """

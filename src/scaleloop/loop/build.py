@@ -113,7 +113,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     keep_target = keeps_target(model, datasets.train)
     parameters, model_bytes = count_parameters(model), parameter_bytes(model)
     strategy = _make_strategy(cfg, env)
-    lr = scaled_lr(cfg)
+    lr = scaled_lr(cfg.optim)
     notes = speed_up_model(model, cfg, env.device)
     if cfg.activation_checkpointing:   # before the strategy wraps the blocks (torchtitan's order: TP, AC, FSDP)
         from scaleloop.strategies.recompute import checkpoint_blocks
@@ -145,7 +145,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
         raise UsageError(f"--data-on-device: {exc}" if cfg.data_on_device else str(exc)) from None
     total_steps = _total_steps(cfg, loader.plan.steps_per_epoch)
     return Run(cfg=cfg, env=env, data=datasets, model=model, strategy=strategy, optimizer=optimizer,
-               scheduler=build_scheduler(optimizer, cfg, total_steps), loader=loader,
+               scheduler=build_scheduler(optimizer, cfg.optim, total_steps), loader=loader,
                loss_fn=resolve_loss(cfg.loss, datasets.info), user_loss=cfg.loss is not None,
                metrics=resolve_metrics(cfg.metrics), lr=lr, total_steps=total_steps,
                parameters=parameters, model_bytes=model_bytes, notes=notes)

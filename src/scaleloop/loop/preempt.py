@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from scaleloop.checkpoint.store import CHECKPOINTS_DIR, step_dir_name
-from scaleloop.config import TrainConfig
 from scaleloop.runtime import preempt
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.runtime.slurm import in_slurm_job, requeue
@@ -83,19 +82,21 @@ class StopVote:
         self._since = time.perf_counter()
         return stop > 0
 
-    def preempted(self, run_dir: Optional[Path], checkpoint_step: Optional[int], cfg: TrainConfig) -> preempt.Preempted:
+    def preempted(self, run_dir: Optional[Path], checkpoint_step: Optional[int], *, checkpoints: bool = True,
+                  machines: int = 1, requeue_job: bool = False) -> preempt.Preempted:
         """The exception that ends the run, with its one line; rank 0 first asks SLURM to requeue
-        the job if ``--requeue`` says so (the checkpoint is complete by now: saving is collective)."""
+        the job if ``requeue_job`` (``--requeue``) says so (the checkpoint is complete by now: saving is
+        collective). ``checkpoints``: whether the run writes any; ``machines``: ``--nnodes``."""
         received = preempt.requested()
         why = f"stopped by {preempt.signal_name(received)}" if received is not None else "stopped on request"
-        if not cfg.checkpoints or checkpoint_step is None:
+        if not checkpoints or checkpoint_step is None:
             text = (f"{why} after step {self.stopped_after}; no checkpoint was written (--no-checkpoints): "
                     "a new run starts over")
         else:
             checkpoint = Path(run_dir or ".") / CHECKPOINTS_DIR / step_dir_name(checkpoint_step)
-            where = " (on every machine, with its own --node-rank)" if cfg.nnodes > 1 else ""
+            where = " (on every machine, with its own --node-rank)" if machines > 1 else ""
             text = (f"{why} after step {self.stopped_after}; checkpoint {checkpoint} written; "
                     f"continue with: {preempt.continue_command(str(run_dir))}{where}")
-        if cfg.requeue and self.env.is_main:
+        if requeue_job and self.env.is_main:
             text += "; " + requeue(os.environ)
         return preempt.Preempted(text)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from scaleloop.config import TrainConfig
+from scaleloop.config.sections import OptimSettings
 
 
 @dataclass(frozen=True)
@@ -22,20 +22,20 @@ class LearningRate:
     why: str
 
 
-def scaled_lr(cfg: TrainConfig) -> LearningRate:
+def scaled_lr(optim: OptimSettings) -> LearningRate:
     """``--lr`` scaled from ``--base-batch-size`` to the global ``--batch-size``.
 
     Linear scaling keeps the size of an epoch's total update when the batch grows (k times the
     batch, k times fewer steps, so k times the step); sqrt scaling keeps the gradient noise
     scale instead and is the usual choice for Adam-like optimizers at large batches.
     """
-    if cfg.lr_scaling == "none" or cfg.base_batch_size is None:
-        return LearningRate(cfg.lr, "--lr as given")
-    ratio = cfg.batch_size / cfg.base_batch_size
-    factor = ratio if cfg.lr_scaling == "linear" else math.sqrt(ratio)
-    rule = f"{cfg.batch_size}/{cfg.base_batch_size}" if cfg.lr_scaling == "linear" else f"sqrt({cfg.batch_size}/{cfg.base_batch_size})"
-    return LearningRate(cfg.lr * factor, f"{cfg.lr:g} x {rule}: {cfg.lr_scaling} scaling from "
-                                         f"--base-batch-size {cfg.base_batch_size} to the global batch {cfg.batch_size}")
+    if optim.lr_scaling == "none" or optim.base_batch_size is None:
+        return LearningRate(optim.lr, "--lr as given")
+    ratio = optim.batch_size / optim.base_batch_size
+    factor = ratio if optim.lr_scaling == "linear" else math.sqrt(ratio)
+    rule = f"{optim.batch_size}/{optim.base_batch_size}" if optim.lr_scaling == "linear" else f"sqrt({optim.batch_size}/{optim.base_batch_size})"
+    return LearningRate(optim.lr * factor, f"{optim.lr:g} x {rule}: {optim.lr_scaling} scaling from "
+                                         f"--base-batch-size {optim.base_batch_size} to the global batch {optim.batch_size}")
 
 
 def lr_factor(step: int, *, schedule: str, total_steps: int, warmup_steps: int) -> float:
@@ -51,17 +51,17 @@ def lr_factor(step: int, *, schedule: str, total_steps: int, warmup_steps: int) 
     return 1.0
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig,
+def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimSettings,
                     total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR over ``total_steps`` optimizer steps for ``cfg.lr_schedule`` and ``cfg.warmup_steps``.
+    """A LambdaLR over ``total_steps`` optimizer steps for ``optim.lr_schedule`` and ``optim.warmup_steps``.
 
     The optimizer's learning rate must already be the peak (see :func:`scaled_lr`).
     """
     def factor(step: int) -> float:
-        return lr_factor(step, schedule=cfg.lr_schedule, total_steps=total_steps,
-                         warmup_steps=cfg.warmup_steps)
+        return lr_factor(step, schedule=optim.lr_schedule, total_steps=total_steps,
+                         warmup_steps=optim.warmup_steps)
 
-    return _Schedule(optimizer, factor, constant=cfg.lr_schedule == "constant" and not cfg.warmup_steps)
+    return _Schedule(optimizer, factor, constant=optim.lr_schedule == "constant" and not optim.warmup_steps)
 
 
 class _Schedule(torch.optim.lr_scheduler.LambdaLR):
@@ -93,11 +93,11 @@ class _Schedule(torch.optim.lr_scheduler.LambdaLR):
         self.constant = constant
 
 
-def describe_schedule(cfg: TrainConfig, lr: LearningRate, total_steps: int) -> str:
+def describe_schedule(optim: OptimSettings, lr: LearningRate, total_steps: int) -> str:
     """One line for the run's log and summary."""
     parts = [f"{lr.peak:g} ({lr.why})"]
-    if cfg.warmup_steps:
-        parts.append(f"{cfg.warmup_steps} warm-up steps")
-    if cfg.lr_schedule != "constant":
-        parts.append(f"{cfg.lr_schedule} schedule over {total_steps} steps")
+    if optim.warmup_steps:
+        parts.append(f"{optim.warmup_steps} warm-up steps")
+    if optim.lr_schedule != "constant":
+        parts.append(f"{optim.lr_schedule} schedule over {total_steps} steps")
     return ", ".join(parts)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,8 @@ from scaleloop.data.loader import Batch
 from scaleloop.data.streaming import declared_length
 from scaleloop.loop.build import Run, build_run
 from scaleloop.loop.evaluate import EvalResult, evaluate
-from scaleloop.loop.health import Stragglers, WindowTotals, diverged, reduce_checked, reduce_window
+from scaleloop.loop.hooks import HealthChecks, Hook, MetricsRows, RecoveryReport, Row, StopOnSignal, chain, overrides
+from scaleloop.loop.health import Stragglers, diverged, reduce_checked, reduce_window
 from scaleloop.loop.preempt import StopVote
 from scaleloop.loop.running import RunningLoss
 from scaleloop.loop.schedule import describe_schedule
@@ -49,7 +49,7 @@ from scaleloop.runtime.collectives import gather_object
 from scaleloop.runtime.devices import describe_device, device_clock, to_cpu
 from scaleloop.runtime.dist import DistEnv, launched_by_torchrun, restart_count
 from scaleloop.runtime.frames import note_where
-from scaleloop.runtime.recovery import RECOVERY_FILE, Recovery, take_faults
+from scaleloop.runtime.recovery import Recovery, take_faults
 
 Log = Callable[[str], None]
 
@@ -105,128 +105,6 @@ class Ledger:
     window_from: int = 0             # the global step the current log window started after
     out: Optional[Path] = None       # the run directory, as every rank knows it (for messages)
     stragglers: Stragglers = field(default_factory=Stragglers)
-
-
-# Not frozen (as WindowTotals): a frozen dataclass is slower to make, and one is made at every log row.
-@dataclass(slots=True)
-class Row:
-    """A row of ``metrics.csv`` (and of the tracker), as the loop hands it to the hooks. Read-only."""
-
-    kind: str                        # "step" (a log row), "epoch", "stop" (a run stopped inside an epoch), "recovery"
-    epoch: int                       # counted from 1, as in metrics.csv
-    step: int
-    samples: int
-    values: dict[str, Any]           # the other columns (keys of output.metrics.METRIC_COLUMNS; None: empty)
-    totals: Optional[WindowTotals] = None   # a log row's window, reduced over ranks
-    steps: int = 0                   # a log row's steps in the window
-    step_s: float = 0.0              # ... and their wall seconds per step
-
-
-class Hook:
-    """Something the loop does besides training, at a step's end or at a row.
-
-    Subclass it and override the events you need; the :class:`Trainer` calls a hook only at
-    the events its class overrides, and an event no hook overrides costs the loop nothing.
-    Each rank has its own list (the metrics rows and a recovery report are rank 0's); a hook
-    that every rank has is called at the same steps on all of them, so it may take a collective.
-    ``epoch`` counts from 0, as the loop does (a :class:`Row`'s from 1, as ``metrics.csv``).
-    """
-
-    def first_step(self, trainer: Trainer, epoch: int) -> None:
-        """Once, right after this process's first optimizer step (before its log row)."""
-
-    def after_step(self, trainer: Trainer, epoch: int) -> bool:
-        """After every optimizer step, once its log row is written and ``--max-steps`` checked.
-
-        True stops the run after this step, as ``--max-steps`` does (the epoch's ``stop`` row and
-        checkpoint follow); it must be True on every rank alike.
-        """
-        return False
-
-    def on_row(self, trainer: Trainer, row: Row) -> None:
-        """At each row: a log row every ``--log-every`` steps, an epoch's end, a recovery."""
-
-
-def _overrides(hook: Hook, event: str) -> bool:
-    return getattr(type(hook), event) is not getattr(Hook, event)
-
-
-def _chain(calls: list[Callable[..., Any]]) -> Optional[Callable[..., Any]]:
-    """One callable for an event's hooks, or None where there are none (the loop then skips the
-    event with one ``is not None``); with one hook, that hook's own bound method."""
-    if not calls:
-        return None
-    if len(calls) == 1:
-        return calls[0]
-
-    def every(*args: Any) -> bool:
-        stop = False
-        for call in calls:   # every one, whatever an earlier one returned: a stop vote is a collective
-            if call(*args):
-                stop = True
-        return stop
-    return every
-
-
-class MetricsRows(Hook):
-    """Writes the rows to ``metrics.csv`` and the tracker (rank 0: it owns the run directory)."""
-
-    def __init__(self, metrics: MetricsLogger) -> None:
-        self._write = {"step": metrics.log_step, "epoch": metrics.log_epoch, "stop": metrics.log_stop,
-                       "recovery": metrics.log_recovery}
-
-    def on_row(self, trainer: Trainer, row: Row) -> None:
-        self._write[row.kind](epoch=row.epoch, step=row.step, samples=row.samples, **row.values)
-
-
-class HealthChecks(Hook):
-    """At each log row, on its all-reduce: a straggling rank gets a line, and a non-finite loss
-    stops the run on every rank alike (after the metrics row that shows it, so come after
-    :class:`MetricsRows`)."""
-
-    def on_row(self, trainer: Trainer, row: Row) -> None:
-        totals = row.totals
-        if totals is None:
-            return
-        ledger, checkpointer = trainer.ledger, trainer.checkpointer
-        straggler = ledger.stragglers.window(totals.own_s, row.steps, row.step_s, row.step)
-        if straggler is not None:
-            checkpointer.say(straggler.describe())
-        if totals.samples > 0 and not math.isfinite(totals.loss):
-            raise diverged(f"the training loss became {totals.loss}", totals.first_bad or row.step, row.epoch,
-                           ledger.out, checkpointer.last_step)
-
-
-class StopOnSignal(Hook):
-    """The preemption stop vote (``scaleloop.loop.preempt``): every rank stops after the same step."""
-
-    def __init__(self, vote: StopVote) -> None:
-        self.vote = vote
-
-    def after_step(self, trainer: Trainer, epoch: int) -> bool:
-        return self.vote.after_step(trainer.ledger.step)
-
-
-class RecoveryReport(Hook):
-    """After a fault, at the first step (the recovery is complete there): a line, a ``recovery``
-    row and an entry of ``recovery.json``. Only a group that torchrun restarted has one."""
-
-    def __init__(self, recovery: Recovery) -> None:
-        self.recovery = recovery
-
-    def first_step(self, trainer: Trainer, epoch: int) -> None:
-        recovery, run_dir = self.recovery, trainer.run_dir
-        recovery.first_step = time.time()
-        trainer.say(f"scaleloop: {recovery.describe()}")
-        # Called before the step's samples are counted: the row's samples are those trained
-        # before the fault's restart, as metrics.csv has always recorded them.
-        trainer.emit(Row("recovery", epoch + 1, trainer.ledger.step, trainer.ledger.samples,
-                         dict(world_size=recovery.world_after, recovery_s=recovery.phases["total_s"])))
-        if run_dir is not None:
-            try:
-                recovery.write(run_dir)
-            except OSError as exc:
-                trainer.say(f"warning: {run_dir / RECOVERY_FILE} could not be written: {exc}")
 
 
 def _progress_bar(total: int, initial: int, desc: str, enabled: bool):  # -> tqdm | None
@@ -297,9 +175,9 @@ class Trainer:
 
     def _wire(self) -> None:
         """Each event's hooks as one callable, or None (looked up once per epoch, not per step)."""
-        self._first_step = _chain([h.first_step for h in self.hooks if _overrides(h, "first_step")])
-        self._after_step = _chain([h.after_step for h in self.hooks if _overrides(h, "after_step")])
-        self._on_row = _chain([h.on_row for h in self.hooks if _overrides(h, "on_row")])
+        self._first_step = chain([h.first_step for h in self.hooks if overrides(h, "first_step")])
+        self._after_step = chain([h.after_step for h in self.hooks if overrides(h, "after_step")])
+        self._on_row = chain([h.on_row for h in self.hooks if overrides(h, "on_row")])
 
     def emit(self, row: Row) -> None:
         """Hand ``row`` to the hooks that take rows (metrics.csv, the tracker, the health checks)."""
@@ -325,7 +203,8 @@ class Trainer:
                     break
                 done = self.train_epoch(epoch, at.step_in_epoch if epoch == at.epoch else 0)
             if vote.stopped_after is not None:  # the checkpoint is written: end with how to continue
-                raise vote.preempted(ledger.out, self.checkpointer.last_step, cfg)
+                raise vote.preempted(ledger.out, self.checkpointer.last_step, checkpoints=cfg.checkpoints,
+                                    machines=cfg.nnodes, requeue_job=cfg.requeue)
         except RunDirWriteError as exc:  # rank 0's own files (metrics.csv): add where the run can go on from
             note_where(exc, epoch=ledger.epochs_run + 1, step=ledger.step + 1)
             raise exc.with_hint(self.checkpointer.continue_hint(exc.once)) from None
@@ -511,7 +390,7 @@ class Trainer:
             dropped_per_epoch=plan.dropped_per_epoch, in_memory_data=run.loader.in_memory,
             train_samples=plan.n or 0, steps_per_epoch=plan.steps_per_epoch or 0,
             last_step_samples=len(plan.step_indices(0, plan.steps_per_epoch - 1)) if plan.steps_per_epoch else 0,
-            lr=describe_schedule(run.cfg, run.lr, run.total_steps), checkpoints_written=checkpointer.written,
+            lr=describe_schedule(run.cfg.optim, run.lr, run.total_steps), checkpoints_written=checkpointer.written,
             checkpoint_s=checkpointer.seconds, last_checkpoint=checkpointer.last_path,
             resumed_from=self.resumed.source if self.resumed is not None else None, memory=memory,
             streamed=isinstance(run.data.train, IterableDataset), skipped_steps=skipped,
@@ -588,7 +467,7 @@ def _announce(run: Run, resumed: Optional[Resumed], say: Log) -> None:
     for line in run.strategy.details() + run.notes:
         say(line)
     if cfg.lr_scaling != "none" or cfg.lr_schedule != "constant" or cfg.warmup_steps:
-        say(f"learning rate {describe_schedule(cfg, run.lr, run.total_steps)}")
+        say(f"learning rate {describe_schedule(cfg.optim, run.lr, run.total_steps)}")
     if plan.dropped_per_epoch:
         say(f"note: the last {plan.dropped_per_epoch} sample(s) of each shuffled epoch are dropped "
             f"({'--drop-last' if cfg.drop_last else 'too few to give every worker and micro-step one'})")
