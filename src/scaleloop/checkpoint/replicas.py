@@ -50,19 +50,19 @@ class Replicas:
         return bool(self.holders)
 
     @classmethod
-    def arrange(cls, env: DistEnv, cfg: CheckpointSettings, run_dir: Optional[Path], *, sharded: bool,
+    def arrange(cls, env: DistEnv, settings: CheckpointSettings, run_dir: Optional[Path], *, sharded: bool,
                 say: Say) -> "Replicas":
         """Decide, together (a collective on a job of several machines), who keeps copies.
 
         ``run_dir``: rank 0's run directory (None elsewhere). ``sharded``: the strategy writes
         its checkpoints from every rank into one directory, which needs a shared file system.
         """
-        none = cls(env, cfg.keep_checkpoints)
-        if machines(env) == 1 or cfg.shared_fs == "yes" or not cfg.checkpoints:
+        none = cls(env, settings.keep_checkpoints)
+        if machines(env) == 1 or settings.shared_fs == "yes" or not settings.checkpoints:
             return none
-        own = Path(cfg.out) if cfg.out else None
+        own = Path(settings.out) if settings.out else None
         leader = env.local_rank == 0
-        if cfg.shared_fs == "no":
+        if settings.shared_fs == "no":
             sees = [False] * env.world_size
             seen = gather_object(leader and own is not None, env)
         else:
@@ -77,19 +77,19 @@ class Replicas:
                 (run_dir / probe).unlink(missing_ok=True)
         holders = tuple(r for r in range(1, env.world_size) if seen[r] and not sees[r])
         if not holders:
-            if cfg.shared_fs == "auto" and any(sees):
+            if settings.shared_fs == "auto" and any(sees):
                 say("checkpoints: every machine sees the run directory (a shared file system): one copy, "
                     "written by rank 0")
             return none
         if sharded:
             raise UsageError("this job's machines do not share the run directory (--shared-fs "
-                             f"{cfg.shared_fs}), and its strategy writes each checkpoint from every rank into one "
+                             f"{settings.shared_fs}), and its strategy writes each checkpoint from every rank into one "
                              "directory: put --out on a file system every machine shares (and pass --shared-fs yes), "
                              "or use --strategy ddp, whose checkpoints are copied to every machine")
         say(f"checkpoints: the machines do not share the run directory; each keeps a verified copy of every "
             f"checkpoint ({len(holders)} cop{'y' if len(holders) == 1 else 'ies'} besides rank 0's)")
         root = own / CHECKPOINTS_DIR if env.rank in holders and own is not None else None
-        return cls(env, cfg.keep_checkpoints, holders, root)
+        return cls(env, settings.keep_checkpoints, holders, root)
 
     def copy(self, written: Optional[Path], say: Say) -> None:
         """After rank 0 wrote ``written`` (None elsewhere, or if it could not): every holder writes

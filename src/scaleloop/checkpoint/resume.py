@@ -34,12 +34,12 @@ FIXED_ON_RESUME = ("model", "data", "data_dir", "hidden_dim", "n_samples", "inpu
                    "lr_scaling", "base_batch_size")
 
 
-def run_dir_for(cfg: CheckpointSettings) -> Optional[Path]:
+def run_dir_for(settings: CheckpointSettings) -> Optional[Path]:
     """The run directory a resuming run writes to: ``--out``, else the checkpoint's own run."""
-    if cfg.out:
-        return Path(cfg.out)
-    if cfg.resume not in ("auto", "never"):
-        return run_dir_of(locate(Path(cfg.resume)))
+    if settings.out:
+        return Path(settings.out)
+    if settings.resume not in ("auto", "never"):
+        return run_dir_of(locate(Path(settings.resume)))
     return None
 
 
@@ -50,25 +50,25 @@ def continues_run(out: Optional[Path], checkpoint: Path) -> bool:
     return out is not None and source_run is not None and source_run.resolve() == Path(out).resolve()
 
 
-def find_checkpoint(cfg: CheckpointSettings, *, restarting: bool, warn: Callable[[str], None]) -> Optional[CheckpointInfo]:
+def find_checkpoint(settings: CheckpointSettings, *, restarting: bool, warn: Callable[[str], None]) -> Optional[CheckpointInfo]:
     """The verified checkpoint to continue from, or None for a fresh start (rules in the module doc)."""
-    if restarting and cfg.out:
-        found = newest_valid(Path(cfg.out) / CHECKPOINTS_DIR, warn)
+    if restarting and settings.out:
+        found = newest_valid(Path(settings.out) / CHECKPOINTS_DIR, warn)
         if found is not None:
             return found
-    if cfg.resume == "never":
+    if settings.resume == "never":
         return None
-    if cfg.resume == "auto":
-        if not cfg.out:
+    if settings.resume == "auto":
+        if not settings.out:
             return None
-        root = Path(cfg.out) / CHECKPOINTS_DIR
+        root = Path(settings.out) / CHECKPOINTS_DIR
         found = newest_valid(root, warn)
         if found is None and list_checkpoints(root) and not restarting:
             raise CheckpointError(f"every checkpoint in {str(root)!r} failed verification (see the warnings); "
                                   "nothing is deleted — resume one explicitly with --resume PATH, or start "
                                   "over in a new --out")
         return found
-    return verify_checkpoint(locate(Path(cfg.resume)))
+    return verify_checkpoint(locate(Path(settings.resume)))
 
 
 def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], source: str) -> None:

@@ -115,12 +115,11 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     strategy = _make_strategy(cfg, env)
     lr = scaled_lr(cfg.optim)
     notes = speed_up_model(model, cfg, env.device)
-    if cfg.activation_checkpointing:   # before the strategy wraps the blocks (torchtitan's order: TP, AC, FSDP)
-        from scaleloop.strategies.recompute import checkpoint_blocks
-
-        notes.append(f"activation checkpointing: {checkpoint_blocks(model)} blocks keep only their input and "
-                     "recompute their activations in the backward")
+    # The strategy makes the model parallel in torchtitan's order: TP, activation checkpointing, FSDP/DDP.
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(cfg, params, lr.peak))
+    if strategy.recompute:
+        notes.append(f"activation checkpointing: {strategy.recomputed_blocks} blocks keep only their input and "
+                     "recompute their activations in the backward")
     if cfg.compile:
         # In place (nn.Module.compile): the module, its wrappers' isinstance checks and its
         # state_dict keys stay what they were (no ``_orig_mod.`` prefix in checkpoints).
@@ -160,7 +159,7 @@ def _make_strategy(cfg: TrainConfig, env: DistEnv) -> Strategy:
                          # A config that names another strategy (verify's one-process reference,
                          # a bench row) runs that one; the CLI rejects --mesh with another strategy.
                          mesh=cfg.mesh if cfg.strategy in ("auto", "mesh") else None, cpu_offload=cfg.cpu_offload,
-                         sharded_checkpoints=cfg.sharded_checkpoints)
+                         sharded_checkpoints=cfg.sharded_checkpoints, activation_checkpointing=cfg.activation_checkpointing)
 
 
 def _total_steps(cfg: TrainConfig, per_epoch: Optional[int]) -> int:

@@ -11,7 +11,8 @@
   with FSDP or HSDP (``tensor``: a model's TP plan; the mesh itself is ``scaleloop.runtime.mesh``).
 - ``precision``: autocast and the fp16 GradScaler; ``syncbn``: BatchNorm over all ranks on any
   device; ``distcp``: sharded state through ``torch.distributed.checkpoint``; ``recompute``:
-  ``--activation-checkpointing``, each block's activations recomputed in the backward.
+  ``--activation-checkpointing``, each block's activations recomputed in the backward; ``blocks``:
+  which modules are a model's blocks (FSDP's units, the recomputed ones).
 
 Names are imported lazily: the config reads ``registry`` without importing torch.
 """

@@ -54,6 +54,10 @@ class Strategy:
     name = "base"
     #: How a step's global batch reaches the ranks, in words for summaries and notes.
     batch_split = "split evenly over workers"
+    #: ``--activation-checkpointing``: each block keeps only its input and recomputes its activations
+    #: in the backward (set from the settings by ``make_strategy``); ``setup`` counts the blocks.
+    recompute = False
+    recomputed_blocks = 0
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
                  sync_batchnorm: bool = False) -> None:
@@ -72,14 +76,28 @@ class Strategy:
     def _check(self) -> None:
         """Raise UsageError if this strategy cannot run in ``env`` (and say what to do instead)."""
 
+    def _tensor_parallel(self, model: nn.Module) -> None:
+        """Split the layers the model's TP plan names, in place (the mesh strategy's; none elsewhere)."""
+
     def _wrap(self, model: nn.Module) -> nn.Module:
-        """Wrap the (already moved) model for this strategy."""
+        """Wrap the (already moved) model for this strategy: data parallelism, or the pipeline split."""
         return model
 
     # --- set-up -------------------------------------------------------------------------
+    def _parallelize(self, model: nn.Module) -> nn.Module:
+        """The model made parallel in one fixed order (torchtitan's): tensor parallelism, then
+        activation checkpointing, then data parallelism (DDP, FSDP) or the pipeline split."""
+        self._tensor_parallel(model)
+        if self.recompute:
+            from scaleloop.strategies.recompute import checkpoint_blocks
+
+            self.recomputed_blocks = checkpoint_blocks(model)
+        return self._wrap(model)
+
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Move/wrap the model; ``optimizer`` is an optimizer or a ``params -> optimizer`` factory."""
-        model = self._wrap(model.to(self.env.device))
+        """Move the model and make it parallel (:meth:`_parallelize`); ``optimizer`` is an optimizer or
+        a ``params -> optimizer`` factory."""
+        model = self._parallelize(model.to(self.env.device))
         if not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(model.parameters())
         return model, optimizer

@@ -22,7 +22,8 @@ from scaleloop.errors import UsageError
 from scaleloop.runtime.collectives import gather_object
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.strategies.base import EvalShard
-from scaleloop.strategies.fsdp import FSDP, _has_params, fsdp_blocks, untied_units
+from scaleloop.strategies.blocks import _has_params, fsdp_blocks, untied_units
+from scaleloop.strategies.fsdp import FSDP
 from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.tensor import apply_tensor_parallel, fsdp_placement
@@ -52,6 +53,7 @@ class MeshParallel(FSDP):
         self.spec = mesh
         self.mesh: Any = None          # the DeviceMesh, once setup() built it
         self.tp_layers = 0
+        self._blocks: list[nn.Module] = []   # FSDP's units, found before TP replaces parameters
         super().__init__(env, precision, accumulate, sync_batchnorm, cpu_offload=cpu_offload)
 
     def _check(self) -> None:
@@ -69,9 +71,8 @@ class MeshParallel(FSDP):
         return self.spec.coordinates(self.env.rank)
 
     # --- set-up -------------------------------------------------------------------------
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import fully_shard
-
+    def _tensor_parallel(self, model: nn.Module) -> None:
+        """Every rank from rank 0's weights, then the TP plan's layers split over the mesh's ``tp``."""
         if not _has_params(model):
             raise UsageError(f"--mesh shards and splits a model's parameters, and {type(model).__name__} has none; "
                              "use --strategy ddp or single")
@@ -80,10 +81,15 @@ class MeshParallel(FSDP):
             with torch.no_grad():
                 for tensor in list(model.parameters()) + list(model.buffers()):
                     torch_dist.broadcast(tensor, src=0)
-        blocks = untied_units(model, fsdp_blocks(model))   # found before TP replaces parameters
+        self._blocks = untied_units(model, fsdp_blocks(model))   # found before TP replaces parameters
         self.mesh = self.spec.build(self.env.device.type)
         self.tp_layers = apply_tensor_parallel(model, self.mesh["tp"])
-        # torchtitan's order: TP first, then data parallelism over what is left of the mesh.
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        """FSDP2 over the data dimensions of the mesh (what TP left of it), innermost units first."""
+        from torch.distributed.fsdp import fully_shard
+
+        blocks = self._blocks
         data_mesh = self.mesh["dp", "fsdp"] if self.spec.dp > 1 else self.mesh["fsdp"]
         block_ids = {id(b) for b in blocks}
         self.units = 0

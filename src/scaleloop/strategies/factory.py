@@ -38,23 +38,27 @@ def make_strategy(name: str, env: DistEnv, precision: Optional[Precision | str] 
                   find_unused_parameters: bool = False, static_graph: bool = False,
                   mesh: Optional[MeshSpec | str] = None, cpu_offload: bool = False,
                   pipeline_schedule: str = "gpipe", stages_per_rank: int = 0,
-                  sharded_checkpoints: bool = False) -> Strategy:
+                  sharded_checkpoints: bool = False, activation_checkpointing: bool = False) -> Strategy:
     """Build a strategy by name (``auto`` picks one for ``env``); ``microbatches``,
     ``pipeline_schedule`` (gpipe, 1f1b, interleaved), ``stages_per_rank`` and ``sharded_checkpoints``
     (each stage writes its own part) are the pipeline's,
     ``find_unused_parameters`` and ``static_graph`` are DDP's; ``mesh`` (``"dp=2,tp=2"`` or a
     ``MeshSpec``) builds the ``mesh`` strategy, which ``auto`` then means; ``cpu_offload`` is
-    FSDP2's (fsdp and mesh)."""
+    FSDP2's (fsdp and mesh); ``activation_checkpointing`` recomputes each block's activations in
+    the backward (applied by ``setup`` after tensor parallelism, before data parallelism)."""
     if isinstance(precision, str) or precision is None:
         precision = Precision(precision or "fp32", env.device)
     settings = ParallelSettings(
         strategy=name, world_size=env.world_size, mesh=None if mesh is None else str(mesh), accumulate=accumulate,
         microbatches=microbatches, pipeline_schedule=pipeline_schedule, stages_per_rank=stages_per_rank,
         sync_batchnorm=sync_batchnorm, find_unused_parameters=find_unused_parameters, static_graph=static_graph,
-        cpu_offload=cpu_offload, sharded_checkpoints=sharded_checkpoints)
+        cpu_offload=cpu_offload, sharded_checkpoints=sharded_checkpoints,
+        activation_checkpointing=activation_checkpointing)
     settings.check_layout()
     concrete = "mesh" if mesh is not None else resolve_strategy_name(name, env.is_distributed)
-    return strategy_class(concrete).build(env, precision, settings)
+    strategy = strategy_class(concrete).build(env, precision, settings)
+    strategy.recompute = activation_checkpointing
+    return strategy
 
 
 def __getattr__(name: str) -> Any:

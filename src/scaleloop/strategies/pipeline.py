@@ -302,7 +302,7 @@ class PipelineParallel(ProcessGroupStrategy):
     # --- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Cut ``model`` into stages and keep this rank's (moved to its device) with its optimizer."""
-        stage = self._wrap(model)
+        stage = self._parallelize(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(stage.parameters())
         if len(optimizer.param_groups) != 1:

@@ -31,7 +31,7 @@ def checkpoint_blocks(model: nn.Module) -> int:
     place; returns how many. UsageError when the model has no blocks to checkpoint."""
     from torch.distributed._composable import checkpoint
 
-    from scaleloop.strategies.fsdp import fsdp_blocks
+    from scaleloop.strategies.blocks import fsdp_blocks
 
     blocks = [b for b in fsdp_blocks(model) if b is not model]
     if not blocks:
