@@ -244,3 +244,22 @@ def test_the_readme_lists_every_doc() -> None:
     listed = set(re.findall(r"^- \[docs/([\w.-]+\.md)\]", text.split("## Documentation", 1)[1], re.M))
     docs = {p.name for p in (ROOT.parent / "docs").glob("*.md")}
     assert not docs - listed, f"docs the README's Documentation list leaves out: {sorted(docs - listed)}"
+
+
+def private_imports() -> list[str]:
+    """``from scaleloop.<part>... import _name`` in a module of another part: a private name
+    reached across a package's wall."""
+    found = []
+    for name, path in all_modules().items():
+        mine = part_of(name) or name
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGE + "."):
+                theirs = part_of(node.module) or node.module
+                found += [f"{name} imports {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and theirs != mine]
+    return found
+
+
+def test_no_part_imports_another_parts_private_names() -> None:
+    found = private_imports()
+    assert not found, "private names imported from another part:\n" + "\n".join("  " + f for f in found)

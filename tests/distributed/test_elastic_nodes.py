@@ -54,8 +54,11 @@ RESUMED = re.compile(r"resuming from \S*step-(\d+)")
 
 def env_for(records: Path, host: Host | None = None, delay: str = "0.003") -> dict[str, str]:
     records.mkdir(parents=True, exist_ok=True)
+    # One thread everywhere: torchrun gives each of several workers on a machine one thread, and a
+    # machine's only worker all its cores; a different thread count can round a reduction
+    # differently, and the runs compared here (2-3 loopback workers, 1 per "machine") must not.
     extra = {"PYTHONPATH": os.pathsep.join([str(SRC), str(SCRIPTS)]), "RECORD_DIR": str(records),
-             "RECORD_DELAY": delay}
+             "RECORD_DELAY": delay, "OMP_NUM_THREADS": "1"}
     if host is not None:
         extra["GLOO_SOCKET_IFNAME"] = host.interface
     return child_env(extra)
