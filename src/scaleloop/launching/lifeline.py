@@ -17,11 +17,10 @@ killed launcher's workers end only when their next collective or rendezvous fail
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import signal
 import sys
-from typing import Mapping, MutableMapping, Optional
+from typing import Callable, Mapping, MutableMapping, Optional
 
 # The pid of the process a child must not outlive; set by the parent in the child's environment.
 PARENT_VAR = "SCALELOOP_LIFELINE_PARENT"
@@ -60,12 +59,23 @@ def hold(parent: Optional[int] = None, environ: Optional[MutableMapping[str, str
     return held
 
 
-def _request_parent_death_signal() -> bool:
+def _load_prctl() -> Optional[Callable[..., int]]:
+    """libc's ``prctl``, found once when this module is imported: a worker forked from a process
+    with many threads (``scaleloop.launch`` inside a test run or a notebook) must not go looking
+    for libraries (``find_library`` runs a subprocess) between the fork and its first step."""
+    if not supported():
+        return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
-    except (OSError, AttributeError):  # no libc or no prctl: nothing to hold
-        return False
+        return ctypes.CDLL(None, use_errno=True).prctl   # the running program's symbols: libc's among them
+    except (OSError, AttributeError):  # no prctl: nothing to hold
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+def _request_parent_death_signal() -> bool:
+    return _PRCTL is not None and _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
 
 
 def _still_there(parent: int) -> bool:

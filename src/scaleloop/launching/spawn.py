@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 from scaleloop.errors import UsageError
+from scaleloop.launching import lifeline
 from scaleloop.launching.failures import ELASTIC_DIR, LOGS_DIR, analyse
 
 START_METHODS = ("auto", "fork", "spawn", "forkserver")
@@ -120,8 +121,6 @@ class _Worker:
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
     def __call__(self, *args: Any) -> Any:
-        from scaleloop.launching import lifeline
-
         # A killed notebook kernel or script gives the agent no chance to stop its workers.
         lifeline.hold(self.launcher)
         # A forked worker inherits the agent's handlers, which turn SIGTERM into a Python
