@@ -14,7 +14,6 @@ import socket
 from typing import Any, Callable, Optional, TypeVar
 
 from scaleloop.config import conf_pairs, split_endpoint  # noqa: F401 (split_endpoint re-exported; both parsed with the config)
-from scaleloop.errors import UsageError
 
 T = TypeVar("T")
 
