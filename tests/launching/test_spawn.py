@@ -58,7 +58,7 @@ def whoami(tag: str, *, suffix: str = "") -> dict[str, Any]:
     env = sl.DistEnv.from_env(device="cpu")
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     return {"rank": env.rank, "world_size": env.world_size, "tag": tag + suffix, "pid": os.getpid(),
-            "threads": torch.get_num_threads(), "vars": {k: os.environ.get(k) for k in keys}}
+            "threads": torch.get_num_threads(), "collecting": __import__("gc").isenabled(), "vars": {k: os.environ.get(k) for k in keys}}
 
 
 def fail_on_rank_1() -> None:
@@ -67,6 +67,32 @@ def fail_on_rank_1() -> None:
         raise ValueError("bad batch shape on this rank")  # RAISED-HERE
     # Rank 0 waits for rank 1 in the rendezvous, which never comes: the launcher must stop it.
     sl.init_process_group(env, timeout_s=TIME_LIMIT_S)
+    torch.distributed.barrier()
+
+
+class _Litter:
+    """Garbage in a reference cycle whose finaliser notes the process that collected it."""
+
+    def __init__(self, notes: Path) -> None:
+        self.notes, self.me = notes, self
+
+    def __del__(self) -> None:
+        (self.notes / str(os.getpid())).touch()
+
+
+def collect_and_report() -> bool:
+    import gc
+
+    gc.collect()
+    return gc.isenabled()
+
+
+def crash_on_rank_1() -> None:
+    env = sl.DistEnv.from_env(device="cpu")
+    sl.init_process_group(env, timeout_s=TIME_LIMIT_S)
+    torch.distributed.barrier()
+    if env.rank == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)  # CRASHED-HERE: as a crash in C++ would
     torch.distributed.barrier()
 
 
@@ -153,6 +179,7 @@ def test_the_result_is_rank_0s_and_workers_see_torchrun_variables() -> None:
     result = launch(whoami, 2, args=("run",), kwargs={"suffix": "!"})
     assert result["rank"] == 0 and result["world_size"] == 2 and result["tag"] == "run!"
     assert result["pid"] != os.getpid()
+    assert result["collecting"]   # the garbage collector runs in workers, as it did here
     assert result["vars"]["MASTER_ADDR"] and result["vars"]["MASTER_PORT"] not in (None, "0")
     every = launch(whoami, 2, args=("run",), all_ranks=True)
     assert sorted(every) == [0, 1]
@@ -206,6 +233,32 @@ def test_a_stalled_worker_is_named_with_where_it_is_stuck(capfd: pytest.CaptureF
     assert any(line.startswith("  rank 0 waited in: barrier in stall_on_rank_1") for line in lines)
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err and "Terminating process" not in out + err  # the agent's noise: not shown
+
+
+@pytest.mark.distributed
+def test_forked_workers_never_collect_the_callers_garbage(tmp_path: Path) -> None:
+    import gc
+
+    gc.disable()   # so that the litter is still here when the workers are forked
+    try:
+        _Litter(tmp_path)   # unreachable at once, but only the collector can free it
+        results = launch(collect_and_report, 2, start_method="fork", all_ranks=True)
+        assert results == {0: False, 1: False}               # the caller's choice holds in the workers
+        assert not gc.isenabled()                            # and here, after the launch
+    finally:
+        gc.enable()
+    gc.collect()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [str(os.getpid())]  # freed here, and only here
+
+
+@pytest.mark.distributed
+def test_a_worker_that_crashes_is_named_with_where_it_was() -> None:
+    with pytest.raises(WorkerError) as info:
+        launch(crash_on_rank_1, 2)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "rank 1 crashed: Segmentation fault", str(info.value)
+    assert lines[1] == f"  at: {Path(__file__).resolve()}:{line_of('CRASHED-HERE')} in crash_on_rank_1", str(info.value)
+    assert lines[2].startswith("  then: rank 0 lost its peer "), str(info.value)
 
 
 @pytest.mark.distributed

@@ -287,7 +287,8 @@ def _died(errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]], e
         lines += [f"    {line}" for line in _tail(run_dir / LOGS_DIR / AGENT_LOG, 4)]
     if errors:
         first = min(errors.values(), key=lambda e: e.time)
-        lines.append(f"  then: {_ranks(errors)} lost their peer ({first.error_type}: {_short(first.message, 60)})")
+        their = "its" if len(errors) == 1 else "their"
+        lines.append(f"  then: {_ranks(errors)} lost {their} peer ({first.error_type}: {_short(first.message, 60)})")
     return Failure("failed", rank, message=lines[0].partition(": error: ")[2],
                    frame=str(frame) if frame is not None else None, report=lines)
 

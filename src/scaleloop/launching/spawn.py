@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import json
 import multiprocessing
 import os
@@ -42,7 +43,7 @@ from typing import IO, Any, Callable, Iterator, Mapping, Optional, Sequence, Uni
 
 from scaleloop.errors import UsageError
 from scaleloop.launching import lifeline
-from scaleloop.launching.failures import ELASTIC_DIR, LOGS_DIR, analyse
+from scaleloop.launching.failures import ELASTIC_DIR, LOGS_DIR, analyse, read_stack_dump
 
 START_METHODS = ("auto", "fork", "spawn", "forkserver")
 
@@ -116,11 +117,20 @@ class _Worker:
                  logs: Optional[str] = None) -> None:
         self.fn, self.kwargs, self.threads, self.logs = fn, dict(kwargs), threads, logs
         self.launcher = os.getpid()   # the caller, which runs the agent: no worker outlives it
+        self.collect = gc.isenabled()  # the caller's choice, before launch pauses collection there
         # The agent names the job after the entrypoint in its logs and errors.
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
     def __call__(self, *args: Any) -> Any:
+        # A forked worker holds a copy of the caller's objects, garbage among them (an earlier
+        # launch's store, a process group in a reference cycle): collected here, their destructors
+        # would join threads and close sockets that exist only in the caller, and crash
+        # (SIGSEGV while "Garbage-collecting"). launch pauses collection in the caller, so none
+        # runs in the worker before this line; from here on the copies are never collected.
+        gc.freeze()
+        if self.collect:
+            gc.enable()
         # A killed notebook kernel or script gives the agent no chance to stop its workers.
         lifeline.hold(self.launcher)
         # A forked worker inherits the agent's handlers, which turn SIGTERM into a Python
@@ -147,18 +157,22 @@ class _Worker:
             raise SystemExit(1) from None
         finally:
             faulthandler.unregister(signal.SIGTERM)
+            faulthandler.disable()  # its file closes next; the caller's own faulthandler stays the parent's
             dumps.close()
 
 
 def _stack_dumps(logs: Path, rank: int) -> IO[str]:
     """``logs/rank-<R>.log``, where SIGTERM (the agent stopping the survivors of a failure) first
-    dumps every thread's Python stack: how the report finds where a stuck rank was."""
+    dumps every thread's Python stack: how the report finds where a stuck rank was. A crash
+    (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) dumps it there too: how the report says where
+    a rank that died without a Python exception was."""
     from scaleloop.launching.failures import ATTEMPT_MARK
 
     logs.mkdir(parents=True, exist_ok=True)
     log = open(logs / f"rank-{rank}.log", "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - closed by the caller
     log.write(f"{ATTEMPT_MARK} rank {rank}, attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}, "
               f"pid {os.getpid()} ====\n")
+    faulthandler.enable(file=log, all_threads=True)
     faulthandler.register(signal.SIGTERM, file=log, all_threads=True, chain=True)  # then ends as it would have
     return log
 
@@ -232,7 +246,9 @@ def launch(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
     # Workers' error files and stack dumps go to a directory of our own, removed afterwards:
     # the elastic default is a fresh /tmp/torchelastic_* per call, left behind. The agent's
     # own messages go there too (see logs_in).
+    worker = _Worker(fn, kwargs, threads)
     with tempfile.TemporaryDirectory(prefix="scaleloop-launch-") as tmp, _keep_process_state():
+        worker.logs = str(Path(tmp) / LOGS_DIR)
         run_dir = Path(tmp)
         logs = run_dir / LOGS_DIR
         logs.mkdir()
@@ -248,7 +264,7 @@ def launch(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
         )
         try:
             with logs_in(str(logs / "agent.log")):
-                results = elastic_launch(config, _Worker(fn, kwargs, threads, str(logs)))(*args)
+                results = elastic_launch(config, worker)(*args)
         except ChildFailedError as exc:
             failures = {rank: _failure(rank, pf) for rank, pf in exc.failures.items()}
             error = WorkerError(failures, _report(run_dir, failures))
@@ -371,7 +387,11 @@ def _parse_nnodes(nnodes: Union[int, str]) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def _keep_process_state() -> Iterator[None]:
-    """Put back the signal handlers and the environment variable the elastic agent changes."""
+    """Put back the signal handlers and the environment variable the elastic agent changes;
+    keep the garbage collector paused meanwhile (see ``_Worker.__call__``: forked workers must
+    not collect the caller's objects)."""
+    collecting = gc.isenabled()
+    gc.disable()
     names = [n for n in _AGENT_SIGNALS if hasattr(signal, n)]
     main_thread = threading.current_thread() is threading.main_thread()
     handlers = {n: signal.getsignal(getattr(signal, n)) for n in names} if main_thread else {}
@@ -379,6 +399,8 @@ def _keep_process_state() -> Iterator[None]:
     try:
         yield
     finally:
+        if collecting:
+            gc.enable()
         for name, handler in handlers.items():
             if handler is not None:  # None: installed outside Python, cannot be restored
                 signal.signal(getattr(signal, name), handler)
@@ -391,11 +413,14 @@ def _keep_process_state() -> Iterator[None]:
 def _report(run_dir: Path, failures: Mapping[int, WorkerFailure]) -> list[str]:
     """The short report on this machine's workers (the first line without the CLI's prefix).
 
-    None (an empty list) when no worker raised: their exit codes or signals say it better.
+    None (an empty list) when no worker raised and none left a crash dump in its log: their
+    exit codes or signals say it as well.
     """
-    if not any(f.error_type for f in failures.values()):
-        return []
     logs = run_dir / LOGS_DIR
+    if not any(f.error_type for f in failures.values()):
+        dumps = (read_stack_dump(logs / f"rank-{rank}.log") for rank in failures)
+        if not any(dump is not None and dump.fatal for dump in dumps):
+            return []
     ranks = sorted(set(failures) | {int(p.stem.partition("-")[2]) for p in logs.glob("rank-*.log")})
     failure = analyse(run_dir, logs / ELASTIC_DIR, ranks, None, 1, None, doctor=False, log_lines=False,
                       timeout_name="init_process_group's timeout_s")
