@@ -35,10 +35,17 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _is_worker(cmdline: str) -> bool:
-    """A worker torchrun started (``python -u -m scaleloop.launching.worker ...``), not torchrun itself
-    (whose command line holds the worker's command too)."""
-    return "-m scaleloop.launching.worker" in cmdline and "scaleloop.launching.agent" not in cmdline
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _is_worker(pid: int) -> bool:
+    """A worker torchrun started: a child of torchrun (``scaleloop.launching.agent``), started fresh
+    (``python -u -m scaleloop.launching.worker ...``) or forked from it (the agent's command line)."""
+    return "-m scaleloop.launching.agent" in _cmdline(_parent(pid))
 
 
 def _state(pid: int) -> str:
@@ -92,7 +99,7 @@ def test_kill_9_of_the_launcher_leaves_no_worker_and_the_retry_resumes_bitwise(t
     try:
         _wait_for(lambda: any((run_dir / "checkpoints").glob("step-*/manifest.json")), START_TIMEOUT_S,
                   "checkpoint", launcher)
-        workers = [pid for pid in _writers_of(run_dir) if _is_worker(_cmdline(pid))]
+        workers = [pid for pid in _writers_of(run_dir) if _is_worker(pid)]
         assert len(workers) == 2, f"expected 2 workers running, found {workers}"
         os.killpg(launcher.pid, signal.SIGKILL)   # the launcher, torchrun: its whole process group
         launcher.wait(timeout=30)

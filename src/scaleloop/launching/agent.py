@@ -10,17 +10,31 @@ It holds its lifeline to the launcher (``scaleloop.launching.lifeline``) before 
 and so do its workers to it: a launcher killed outright takes torchrun and the workers along.
 While it lives it counts as a writer of the launcher's run directory (``join_writers``).
 
+Where the machine has no GPU, the workers are forked from this process, which has imported
+torch and the training loop once for all of them (``scaleloop.launching.worker.forked``):
+each worker would otherwise spend seconds importing them itself (a fresh Python's ``import torch``
+and torch.optim's first use of ``torch._dynamo``). They still run
+``scaleloop.launching.worker``'s ``main`` exactly, each in its own session, as torchrun's own
+workers do. With a GPU they are started as torchrun starts them, fresh: a fork cannot use CUDA
+once the driver is started, and it must not be started here for them.
+``SCALELOOP_FORK_WORKERS=0`` starts them fresh everywhere.
+
 Exit codes: 0 when every worker succeeded, 1 when one failed, 128 + N on signal N (Ctrl-C: 130).
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
+import gc
 import logging
+import os
 import sys
+import uuid
 from typing import Iterator, Optional, Sequence
 
 # torchrun's loggers (the launcher, the elastic agent) and Python warnings raised in it.
 _LOGGERS = ("torch.distributed", "py.warnings")
+FORK_VAR = "SCALELOOP_FORK_WORKERS"
 
 
 def _log_to(path: str) -> None:
@@ -73,7 +87,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _log_to(args[0])  # after the imports: importing torch sets up its own handlers
     log = logging.getLogger("torch.distributed.run")
     try:
-        torchrun.run(torchrun.parse_args(args[1:]))
+        parsed = torchrun.parse_args(args[1:])
+        if forks_workers(parsed):
+            _run_forked(parsed)
+        else:
+            torchrun.run(parsed)
     except ChildFailedError as exc:
         log.error("%s", exc.format_msg())
         return 1
@@ -84,6 +102,48 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log.exception("torchrun failed")
         return 1
     return 0
+
+
+def forks_workers(parsed: argparse.Namespace, environ: Optional[dict[str, str]] = None) -> bool:
+    """Whether the workers of torchrun's ``parsed`` arguments are forked from this process:
+    scaleloop's own worker module, on a Linux machine without a GPU, unless turned off."""
+    from scaleloop.launching.torchrun import WORKER_MODULE
+    from scaleloop.runtime.devices import gpus_present
+
+    environ = dict(os.environ) if environ is None else environ
+    if environ.get(FORK_VAR, "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    ours = parsed.module and not parsed.no_python and not parsed.run_path and parsed.training_script == WORKER_MODULE
+    return bool(ours) and not gpus_present()
+
+
+def _run_forked(parsed: argparse.Namespace) -> None:
+    """``torch.distributed.run.run(parsed)``, with the workers forked from here (see the module doc)."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.launcher.api import elastic_launch
+
+    from scaleloop.launching import worker
+
+    worker.preload(parsed.training_script_args[1])   # LOG_DIR MODULE ARGS...: the worker's entry
+    # As torchrun's run() before it builds its launch config: --standalone is a c10d rendezvous
+    # on a free port of this machine.
+    one_machine = torchrun.parse_min_max_nnodes(parsed.nnodes)[1] == 1
+    if parsed.standalone or (parsed.rdzv_backend == "static" and not parsed.rdzv_endpoint
+                             and parsed.master_port is None and one_machine):
+        parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if parsed.master_port is None:
+        parsed.master_port = 29500
+    config, _, _ = torchrun.config_from_args(parsed)
+    config.start_method = "fork"
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()   # nothing buffered here may be written again by a worker
+    collecting = gc.isenabled()
+    gc.disable()   # until every worker is forked and has frozen its copy (worker.forked)
+    try:
+        elastic_launch(config, worker.forked)(*parsed.training_script_args)
+    finally:
+        if collecting:
+            gc.enable()
 
 
 if __name__ == "__main__":

@@ -301,8 +301,10 @@ def resolve_start_method(requested: str, fn: Callable[..., Any]) -> str:
         raise UsageError(f"launch: unknown start_method {requested!r}; choose one of: {', '.join(START_METHODS)}")
     import torch
 
+    from scaleloop.runtime.devices import gpus_present
+
     return choose_start_method(requested, platform=sys.platform, available=multiprocessing.get_all_start_methods(),
-                               gpus=_gpus_present(), cuda_initialised=torch.cuda.is_initialized(),
+                               gpus=gpus_present(), cuda_initialised=torch.cuda.is_initialized(),
                                not_importable=_not_importable(fn))
 
 
@@ -338,23 +340,6 @@ def choose_start_method(requested: str, *, platform: str, available: Sequence[st
         raise UsageError(f"launch: start_method={method!r} needs fn importable by a fresh Python, but "
                          f"{not_importable}; move it to a module, or use start_method='fork'")
     return method
-
-
-def _gpus_present() -> bool:
-    """Whether this machine has an NVIDIA GPU, found without starting the CUDA driver here.
-
-    NVML counts the devices without touching CUDA (torch uses it for the same reason); where
-    NVML cannot be asked, the driver's device node says whether there is a GPU at all.
-    """
-    import torch
-
-    if not torch.backends.cuda.is_built():
-        return False
-    try:
-        count = torch.cuda._device_count_nvml()  # -1 when NVML is not available
-    except Exception:  # a private helper: any failure means "ask another way"
-        count = -1
-    return count > 0 if count >= 0 else os.path.exists("/dev/nvidiactl")
 
 
 def _defined_in_main(fn: Callable[..., Any]) -> bool:

@@ -20,8 +20,12 @@
 """
 from __future__ import annotations
 
+import atexit
 import faulthandler
+import gc
 import importlib
+import io
+import logging
 import json
 import os
 import signal
@@ -283,6 +287,58 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log_dir, module, rest = Path(args[0]), args[1], args[2:]
     entry = importlib.import_module(module).main
     return run(log_dir, entry, rest)
+
+
+# What every worker imports whatever it runs (the rest, the user's model and data, comes later):
+# the agent imports them once before it forks its workers (see ``forked``).
+_PRELOAD = ("torch._dynamo",   # torch.optim's first optimizer imports it: 1-2 s in each fresh worker
+            "scaleloop.loop.training", "scaleloop.loop.build", "scaleloop.strategies.factory",
+            "scaleloop.strategies.ddp", "torch.nn.parallel")
+
+
+def preload(entry: str) -> None:
+    """Import, in the agent, what its forked workers would each import: ``entry`` and the loop."""
+    for name in (*_PRELOAD, __name__, entry):
+        importlib.import_module(name)
+
+
+def forked(*argv: str) -> None:
+    """A worker forked by the agent (``scaleloop.launching.agent``): starts as the fresh
+    ``python -u -m scaleloop.launching.worker ARGV`` it stands for, then runs it.
+
+    Only what a fork carries over from the agent is undone: its session (torchrun's workers have
+    their own: Ctrl-C reaches them through torchrun only), its signal handlers, its loggers, its
+    exit handlers, its buffered output, its thread count (a fresh torch reads OMP_NUM_THREADS,
+    which torchrun sets for several workers), and its garbage (the agent pauses collection
+    while it forks: the copies of its objects are never collected here, where their
+    destructors would join threads that exist only in the agent).
+    """
+    os.setsid()
+    gc.freeze()
+    gc.enable()
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    logging.captureWarnings(False)
+    for logger in (logging.getLogger(name) for name in ("torch.distributed", "py.warnings")):
+        logger.handlers, logger.propagate = [], True
+    atexit._clear()  # the agent's; this worker's own run at its end, as at a fresh interpreter's
+    sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), write_through=True,
+                                  encoding=sys.stdout.encoding, errors=sys.stdout.errors)
+    sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), write_through=True,
+                                  encoding=sys.stderr.encoding, errors="backslashreplace")
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    try:
+        code = main(list(argv))
+    finally:
+        atexit._run_exitfuncs()
+    if code:
+        sys.exit(code)   # the exit status torchrun reads, as from a worker process of its own
 
 
 if __name__ == "__main__":

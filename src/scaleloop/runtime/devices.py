@@ -79,6 +79,22 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def gpus_present() -> bool:
+    """Whether this machine has an NVIDIA GPU, found without starting the CUDA driver here
+    (a process that starts it can no longer fork workers that use CUDA).
+
+    NVML counts the devices without touching CUDA (torch uses it for the same reason); where
+    NVML cannot be asked, the driver's device node says whether there is a GPU at all.
+    """
+    if not torch.backends.cuda.is_built():
+        return False
+    try:
+        count = torch.cuda._device_count_nvml()  # -1 when NVML is not available
+    except Exception:  # a private helper: any failure means "ask another way"
+        count = -1
+    return count > 0 if count >= 0 else os.path.exists("/dev/nvidiactl")
+
+
 def mps_available() -> bool:
     """True where Apple's MPS can be used."""
     return torch.backends.mps.is_available()
