@@ -30,11 +30,12 @@ import logging
 import os
 import sys
 import uuid
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 # torchrun's loggers (the launcher, the elastic agent) and Python warnings raised in it.
 _LOGGERS = ("torch.distributed", "py.warnings")
 FORK_VAR = "SCALELOOP_FORK_WORKERS"
+PROCESS_NAME = "sl-torchrun"   # as ps and top show it (the workers: sl-rank-<R>)
 
 
 def _log_to(path: str) -> None:
@@ -74,6 +75,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # First, before torch's slow import: a launcher that died meanwhile ends this process here.
     lifeline.hold()
+    lifeline.set_name(PROCESS_NAME)
     join_writers()
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
@@ -104,17 +106,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def forks_workers(parsed: argparse.Namespace, environ: Optional[dict[str, str]] = None) -> bool:
-    """Whether the workers of torchrun's ``parsed`` arguments are forked from this process:
-    scaleloop's own worker module, on a Linux machine without a GPU, unless turned off."""
-    from scaleloop.launching.torchrun import WORKER_MODULE
+def forks_workers_here(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether scaleloop's workers are forked on this machine: Linux without a GPU, unless turned off."""
     from scaleloop.runtime.devices import gpus_present
 
-    environ = dict(os.environ) if environ is None else environ
-    if environ.get(FORK_VAR, "1") == "0" or not sys.platform.startswith("linux"):
-        return False
+    environ = os.environ if environ is None else environ
+    return environ.get(FORK_VAR, "1") != "0" and sys.platform.startswith("linux") and not gpus_present()
+
+
+def forks_workers(parsed: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether the workers of torchrun's ``parsed`` arguments are forked from this process:
+    scaleloop's own worker module, where :func:`forks_workers_here`."""
+    from scaleloop.launching.torchrun import WORKER_MODULE
+
     ours = parsed.module and not parsed.no_python and not parsed.run_path and parsed.training_script == WORKER_MODULE
-    return bool(ours) and not gpus_present()
+    return bool(ours) and forks_workers_here(environ)
 
 
 def _run_forked(parsed: argparse.Namespace) -> None:

@@ -5,7 +5,10 @@ Train, verify and bench describe their workers as a ``WorkerLaunch``
 
 - :func:`start` starts torchrun (or, for a ``direct`` launch, the one worker) as a child of
   this process that holds its lifeline to it (``scaleloop.launching.lifeline``): however this
-  process ends, even by ``kill -9``, torchrun and then its workers end with it;
+  process ends, even by ``kill -9``, torchrun and then its workers end with it. Where the agent
+  forks its workers (no GPU, see ``scaleloop.launching.agent``) and torch is imported here
+  already, torchrun is a fork of this process too, which spares it importing torch again;
+  either way it runs ``scaleloop.launching.agent``'s ``main`` with the same arguments;
 - :func:`supervise` starts, passes this process's stop signals on as SIGUSR1 (the workers then
   finish their step and checkpoint), and waits;
 - :class:`Ended` is the exit code, and after a failure :meth:`Ended.failure` reads the workers'
@@ -13,10 +16,15 @@ Train, verify and bench describe their workers as a ``WorkerLaunch``
 """
 from __future__ import annotations
 
+import atexit
+import gc
+import logging
 import os
 import signal
 import subprocess
+import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -111,6 +119,8 @@ class Workers:
 def start(launch: WorkerLaunch, *, stdout: _Output = None, stderr: _Output = None, text: bool = False) -> Workers:
     """Start ``launch``'s supervised command; its output goes to ``stdout``/``stderr`` (default: this
     process's console). Same process group as this one: Ctrl-C in a terminal reaches torchrun too."""
+    from scaleloop.launching.agent import forks_workers_here
+
     launch.logs.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ if launch.env is None else launch.env)
     if launch.direct:
@@ -119,9 +129,88 @@ def start(launch: WorkerLaunch, *, stdout: _Output = None, stderr: _Output = Non
         error_file.parent.mkdir(parents=True, exist_ok=True)
         env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
     started = time.time()
-    proc = subprocess.Popen(launch.supervised_command(), env=lifeline.child_env(env), stdout=stdout,
+    env = lifeline.child_env(env)
+    if not launch.direct and stdout is None and stderr is None and "torch" in sys.modules and forks_workers_here(env):
+        return Workers(launch, _fork_agent(launch.agent_args(), env), started)  # type: ignore[arg-type]
+    proc = subprocess.Popen(launch.supervised_command(), env=env, stdout=stdout,
                             stderr=stderr, text=text, bufsize=1 if text else -1)
     return Workers(launch, proc, started)
+
+
+class _ForkedAgent:
+    """torchrun as a fork of this process: the part of ``subprocess.Popen`` that ``Workers`` uses."""
+
+    def __init__(self, pid: int, args: Sequence[str]) -> None:
+        self.pid, self.args, self.returncode = pid, list(args), None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if timeout is None:
+            while self.returncode is None:
+                _, status = os.waitpid(self.pid, 0)
+                self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _fork_agent(args: Sequence[str], env: dict[str, str]) -> _ForkedAgent:
+    """Run ``scaleloop.launching.agent``'s ``main(args)`` in a fork of this process with ``env``,
+    started as ``python -m scaleloop.launching.agent ARGS`` would be (handlers, exit handlers and
+    this process's objects are not its own: none runs or is collected there)."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    collecting = gc.isenabled()
+    gc.disable()
+    pid = os.fork()
+    if pid:
+        if collecting:
+            gc.enable()
+        return _ForkedAgent(pid, args)
+    code = 1
+    try:
+        gc.freeze()
+        gc.enable()
+        atexit._clear()
+        for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
+            if hasattr(signal, name):
+                signal.signal(getattr(signal, name), signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()
+        os.environ.update(env)
+        from scaleloop.launching import agent
+
+        sys.argv = [agent.__file__, *args]
+        code = agent.main(list(args))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # the agent's own failure: as a fresh agent would print it
+        traceback.print_exc()
+    finally:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
 
 
 def supervise(launch: WorkerLaunch, *, forward: Sequence[signal.Signals] = ()) -> Ended:

@@ -126,11 +126,16 @@ class WorkerLaunch:
         through ``scaleloop.launching.worker``, runs ``<entry>.main(argv)`` with its output in
         ``logs/rank-<R>.log``. ``scaleloop.launching.failures`` reads them when a worker fails.
         """
-        worker = ["-m", WORKER_MODULE, str(self.logs), self.entry or self.module, *self.argv]
         if self.direct:
-            return [self.python, *worker]
-        return [self.python, "-m", AGENT_MODULE, str(self.agent_log), *self.torchrun_flags(),
-                f"--log-dir={self.error_dir}", *worker]
+            return [self.python, *self._worker()]
+        return [self.python, "-m", AGENT_MODULE, *self.agent_args()]
+
+    def agent_args(self) -> list[str]:
+        """The arguments of ``scaleloop.launching.agent`` (its ``main(argv)``) for this launch."""
+        return [str(self.agent_log), *self.torchrun_flags(), f"--log-dir={self.error_dir}", *self._worker()]
+
+    def _worker(self) -> list[str]:
+        return ["-m", WORKER_MODULE, str(self.logs), self.entry or self.module, *self.argv]
 
 
 def meeting_of(cfg: TrainConfig) -> Meeting:

@@ -38,6 +38,7 @@ from typing import IO, Any, Callable, Optional, Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
+from scaleloop.launching import lifeline
 from scaleloop.runtime import preempt
 from scaleloop.errors import EXIT_INTERRUPTED
 from scaleloop.runtime.frames import Frame, FrameKinds, where_of
@@ -239,6 +240,7 @@ def run(log_dir: Path, main: Callable[[list[str]], Optional[int]], argv: list[st
     from scaleloop.runtime.dist import global_rank
 
     rank = global_rank()
+    lifeline.set_name(f"sl-rank-{rank}")
     log = _open_log(log_dir, rank)
     tees = _route_output(rank, log)
 
@@ -274,7 +276,6 @@ def run(log_dir: Path, main: Callable[[list[str]], Optional[int]], argv: list[st
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from scaleloop.launching import lifeline
     from scaleloop.output.lock import join_writers
 
     lifeline.hold()
