@@ -237,3 +237,54 @@ def test_flags_override_the_config_file(capsys: pytest.CaptureFixture[str], tmp_
     assert saved["log_every"] == 10       # default where neither said anything
     assert "epoch 1: train loss" in out and "epoch 2:" not in out
     assert "epochs = 1\n" in (out_dir / "config.toml").read_text()
+
+
+# --- the run directory: the lock is said first, and a failed start can be retried --------
+
+BAD_MODEL = '''
+import torch
+
+class Stringly(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(20, 1)
+
+    def forward(self, x):
+        return "not a tensor"
+
+def build():
+    return Stringly()
+'''
+
+
+def test_a_retry_after_a_failed_start_is_not_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "badmodel.py").write_text(BAD_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out_dir = tmp_path / "run"
+    common = ["--data", "random", "--n-samples", "64", "--epochs", "1", "--batch-size", "32", "--out", str(out_dir),
+              "--no-progress", "--device", "cpu"]
+    code, out, err = run_cli(capsys, "train", "--model", "badmodel:build", *common)
+    assert code != 0 and (out_dir / "metrics.csv").exists(), err     # stopped at its first step
+    code, out, err = run_cli(capsys, "train", "--model", "simplenet", *common)   # the corrected command
+    assert code == 0, err
+    assert f"note: --out {str(out_dir)!r} held a run that stopped before its first step; this run starts over" in err
+    assert "model = \"simplenet\"" in (out_dir / "config.toml").read_text()
+    assert len((out_dir / "metrics.csv").read_text().splitlines()) > 1
+
+
+def test_a_directory_in_use_is_refused_as_in_use_before_its_checkpoints_are_read(
+        capsys: pytest.CaptureFixture[str], finished_run: tuple[Path, str]) -> None:
+    out_dir, _ = finished_run
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from scaleloop.output.rundir import lock_run_dir\n"
+         f"lock = lock_run_dir(Path({str(out_dir)!r})); print('held', flush=True); sys.stdin.read(); lock.release()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        # Other settings than its checkpoints': the reason to give is still that the run is in use.
+        code, out, err = run_cli(capsys, "train", "--data", "random", "--n-samples", "512", "--epochs", "3",
+                                 "--batch-size", "32", "--out", str(out_dir), "--no-progress", "--device", "cpu")
+        assert_usage_error(code, out, err, f"--out {str(out_dir)!r} is in use by another scaleloop run (pid {holder.pid}")
+    finally:
+        holder.communicate("", timeout=30)

@@ -48,10 +48,39 @@ def test_an_empty_or_scaleloop_directory_is_accepted(tmp_path: Path) -> None:
 
 
 def test_a_finished_run_is_refused_unless_continued(tmp_path: Path) -> None:
-    (tmp_path / "metrics.csv").write_text("kind,epoch,step,samples\n")
+    (tmp_path / "metrics.csv").write_text("kind,epoch,step,samples\nstep,1,1,64\n")
     with pytest.raises(UsageError, match="already holds a run"):
         prepare(tmp_path)
+    assert (tmp_path / "metrics.csv").read_text().count("\n") == 2      # left as it was
     assert prepare(tmp_path, continuing=True) == tmp_path
+
+
+@pytest.mark.parametrize("kept", ["checkpoint", "weights", "row"])
+def test_a_run_that_trained_a_step_is_kept_whatever_shows_it(tmp_path: Path, kept: str) -> None:
+    (tmp_path / "metrics.csv").write_text("kind,epoch,step,samples\n" + ("step,1,1,64\n" if kept == "row" else ""))
+    if kept == "checkpoint":
+        (tmp_path / "checkpoints" / "step-00000001").mkdir(parents=True)
+    if kept == "weights":
+        (tmp_path / "model.pt").write_bytes(b"weights")
+    assert not rundir.never_stepped(tmp_path)
+    with pytest.raises(UsageError, match="already holds a run"):
+        prepare(tmp_path)
+
+
+def test_a_run_that_stopped_before_its_first_step_is_started_over(tmp_path: Path) -> None:
+    """The obvious retry (the corrected command, the same --out) is not refused: said in one line."""
+    (tmp_path / "config.toml").write_text("# scaleloop resolved configuration; rerun with: ...\nmodel = \"x\"\n")
+    (tmp_path / "metrics.csv").write_text("kind,epoch,step,samples\n")
+    (tmp_path / "failure.json").write_text("{}")
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "rank-0.log").write_text("the failed start's output\n")
+    said: list[str] = []
+    assert rundir.never_stepped(tmp_path)
+    assert prepare_run_dir(str(tmp_path), "m", "d", say=said.append) == tmp_path
+    assert said == [f"note: --out {str(tmp_path)!r} held a run that stopped before its first step; this run "
+                    "starts over in it (that run's logs are kept, in logs/)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]
+    assert (tmp_path / "logs" / "rank-0.log").read_text() == "the failed start's output\n"
 
 
 def _hold_in_child(path: Path) -> subprocess.Popen:

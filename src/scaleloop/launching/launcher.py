@@ -63,10 +63,11 @@ def launch_train(cfg: TrainConfig) -> Optional["RunResult"]:
     from scaleloop.runtime import dist
     from scaleloop.loop.training import train
     from scaleloop.checkpoint.resume import run_dir_for
-    from scaleloop.output.rundir import default_run_dir
+    from scaleloop.output.rundir import default_run_dir, refuse_if_in_use
 
     # Started by torchrun or srun: this process is one worker. Otherwise it is the launcher.
     if not (dist.launched_by_torchrun() or dist.launched_by_slurm()):
+        refuse_if_in_use(run_dir_for(cfg))   # the first thing to say about a directory in use
         cfg = auto_processes(cfg)
         if cfg.world_size > 1:
             _launch_workers(cfg)

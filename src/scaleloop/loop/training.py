@@ -44,7 +44,8 @@ from scaleloop.loop.schedule import describe_schedule
 from scaleloop.loop.step import Step
 from scaleloop.output.memory import RankMemory, measure, reset_peak, write_json
 from scaleloop.output.metrics import MetricsLogger, plot_curves
-from scaleloop.output.rundir import LOGS_DIR, RunDirWriteError, lock_run_dir, prepare_run_dir, unwritable, write_atomic
+from scaleloop.output.rundir import (LOGS_DIR, RunDirWriteError, lock_run_dir, prepare_run_dir, refuse_if_in_use,
+                                     unwritable, write_atomic)
 from scaleloop.runtime.collectives import gather_object
 from scaleloop.runtime.devices import describe_device, device_clock, to_cpu
 from scaleloop.runtime.dist import DistEnv, launched_by_torchrun, restart_count
@@ -125,6 +126,8 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     started, joined = time.perf_counter(), time.time()   # (called once the process group is formed)
     say: Log = (log or print) if env.is_main else (lambda _msg: None)
     reset_peak(env.device)  # this run's peak CUDA memory, not an earlier run's in this process
+    if env.is_main:
+        refuse_if_in_use(run_dir_for(cfg))   # before its checkpoints are read: "in use" is the reason
     run = build_run(cfg, env)
     checkpointer = Checkpointer(run.strategy, cfg.checkpointing, dataclasses.asdict(cfg), say=say)
     resumed = checkpointer.restore(run.model, run.optimizer, run.scheduler, restarting=restart_count() > 0)

@@ -9,15 +9,16 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from scaleloop.errors import UsageError
 from scaleloop.output.lock import LOCK_FILE, RunDirLock, lock_run_dir, refuse_if_locked
 
 __all__ = ["LOCK_FILE", "RunDirLock", "RunDirWriteError", "default_run_dir", "is_run_dir", "lock_run_dir",
-           "prepare_run_dir", "unwritable", "write_atomic"]
+           "prepare_run_dir", "refuse_if_in_use", "unwritable", "write_atomic"]
 
 # First bytes of the files only scaleloop writes this way: they mark a directory as a run.
 LOGS_DIR = "logs"   # each rank's log, torchrun's messages, fault records (scaleloop.launching.failures)
@@ -71,23 +72,61 @@ def is_run_dir(path: Path) -> bool:
             or (path / LOCK_FILE).exists() or any((path / "checkpoints").glob("step-*/manifest.json")))
 
 
-def prepare_run_dir(out: Optional[str], model: str, data: str, *, continuing: bool = False) -> Path:
+def refuse_if_in_use(out: Optional[Path]) -> None:
+    """Refuse ``out`` while another run writes there: said first, before this run reads anything
+    of it (its checkpoints, its config), so that the reason given is the real one."""
+    if out is not None and Path(out).is_dir():
+        refuse_if_locked(Path(out))
+
+
+# What a run that stopped before its first step leaves, besides its logs: removed when the
+# corrected command starts over in the same directory (its config is written anew).
+_FAILED_START_FILES = ("metrics.csv", "failure.json", "config.toml")
+
+
+def never_stepped(path: Path) -> bool:
+    """Whether the run in ``path`` stopped before it finished a step: no metrics row, no
+    checkpoint, no final weights (a model or data that failed at start-up, a bad setting)."""
+    metrics = path / "metrics.csv"
+    try:
+        rows = metrics.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        rows = []
+    return (len(rows) <= 1 and not (path / "model.pt").exists()
+            and not any((path / "checkpoints").glob("step-*")))
+
+
+def _note(message: str) -> None:
+    print(f"scaleloop: {message}", file=sys.stderr, flush=True)
+
+
+def prepare_run_dir(out: Optional[str], model: str, data: str, *, continuing: bool = False,
+                    say: Callable[[str], None] = _note) -> Path:
     """Create the run directory; refuse one that already holds a run, a run that is still
     writing there, or a directory of other files, so nothing is overwritten.
 
     ``continuing``: this run resumes the run in that directory (or is its restarted worker
-    group), so an existing run there is expected.
+    group), so an existing run there is expected. A run there that stopped before its first
+    step (:func:`never_stepped`) is not one to keep: the retry starts over in the directory,
+    and ``say`` says so in one line.
     """
     path = Path(out) if out else default_run_dir(model, data)
     if path.exists() and not path.is_dir():
         raise UsageError(f"--out {str(path)!r} is a file, not a directory; choose another --out")
     if path.is_dir():
         refuse_if_locked(path)   # before anything else: a live run there is the first thing to say
+        started_over = False
         if not continuing and (path / "metrics.csv").exists():
-            raise UsageError(f"--out {str(path)!r} already holds a run (metrics.csv) and this run does not resume "
-                             "it; choose a new --out so that its results are not overwritten")
+            if not never_stepped(path):
+                raise UsageError(f"--out {str(path)!r} already holds a run (metrics.csv) and this run does not "
+                                 "resume it; choose a new --out so that its results are not overwritten")
+            for name in _FAILED_START_FILES:
+                (path / name).unlink(missing_ok=True)
+            started_over = True
+            say(f"note: --out {str(path)!r} held a run that stopped before its first step; this run starts "
+                "over in it (that run's logs are kept, in logs/)")
         entries = sorted(p.name for p in path.iterdir())
-        if entries and not is_run_dir(path):
+        if entries and not started_over and not is_run_dir(path):
             shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
             raise UsageError(f"--out {str(path)!r} holds files that scaleloop did not write ({shown}); a run "
                              "never overwrites them: choose a new or empty --out")
