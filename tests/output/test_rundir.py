@@ -176,3 +176,14 @@ def test_a_job_over_several_machines_takes_no_lock(tmp_path: Path) -> None:
     lock = lock_run_dir(tmp_path, single_node=False)
     assert not (tmp_path / LOCK_FILE).exists() and not lock.owned
     lock.release()
+
+
+def test_another_machines_write_in_progress_is_not_a_foreign_file(tmp_path: Path) -> None:
+    """Machines sharing one --out: one may be halfway through write_atomic when another looks."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / ".config.toml.tmp-4242").write_text("# scaleloop resolved config")   # the other machine's
+    assert prepare(shared) == shared
+    (shared / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match=r"holds files that scaleloop did not write \(notes.txt\)"):
+        prepare(shared)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import sys
 import time
@@ -23,6 +24,7 @@ __all__ = ["LOCK_FILE", "RunDirLock", "RunDirWriteError", "default_run_dir", "is
 # First bytes of the files only scaleloop writes this way: they mark a directory as a run.
 LOGS_DIR = "logs"   # each rank's log, torchrun's messages, fault records (scaleloop.launching.failures)
 _CONFIG_HEAD = "# scaleloop "
+_TEMPORARY = re.compile(r"^\.[^/]+\.tmp-\d+$")   # write_atomic's: .<name>.tmp-<pid>
 _METRICS_HEAD = "kind,epoch,step"
 
 
@@ -125,7 +127,9 @@ def prepare_run_dir(out: Optional[str], model: str, data: str, *, continuing: bo
             started_over = True
             say(f"note: --out {str(path)!r} held a run that stopped before its first step; this run starts "
                 "over in it (that run's logs are kept, in logs/)")
-        entries = sorted(p.name for p in path.iterdir())
+        # Another machine of the job, writing into the same (shared) directory, may be halfway
+        # through one of scaleloop's atomic writes: its temporary file is not a foreign file.
+        entries = sorted(p.name for p in path.iterdir() if not _TEMPORARY.match(p.name))
         if entries and not started_over and not is_run_dir(path):
             shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
             raise UsageError(f"--out {str(path)!r} holds files that scaleloop did not write ({shown}); a run "
