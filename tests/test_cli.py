@@ -288,3 +288,16 @@ def test_a_directory_in_use_is_refused_as_in_use_before_its_checkpoints_are_read
         assert_usage_error(code, out, err, f"--out {str(out_dir)!r} is in use by another scaleloop run (pid {holder.pid}")
     finally:
         holder.communicate("", timeout=30)
+
+
+def test_a_batch_larger_than_the_dataset_is_said_or_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    common = ["train", "--data", "random", "--n-samples", "80", "--epochs", "1", "--batch-size", "1000",
+              "--no-progress", "--device", "cpu"]
+    code, out, err = run_cli(capsys, *common, "--out", str(tmp_path / "a"))
+    assert code == 0, err
+    assert ("note: --batch-size 1,000 is larger than the 80 training samples: each epoch is one step of all 80"
+            in out), out
+    assert "1 steps, 80 samples" in out
+    code, out, err = run_cli(capsys, *common, "--drop-last", "--out", str(tmp_path / "b"))
+    assert_usage_error(code, out, err, "--batch-size 1,000 with --drop-last leaves no step",
+                       "use --batch-size 80 or less")

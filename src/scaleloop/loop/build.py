@@ -17,7 +17,7 @@ from scaleloop.data.datasets import build_datasets, infer_info
 from scaleloop.data.info import Datasets
 from scaleloop.data.batch import keeps_target
 from scaleloop.data.loader import ShardedLoader
-from scaleloop.data.streaming import StreamingLoader
+from scaleloop.data.streaming import StreamingLoader, declared_length
 from scaleloop.errors import UsageError
 from scaleloop.loop.schedule import LearningRate, build_scheduler, scaled_lr
 from scaleloop.loop.speed import speed_up_model
@@ -101,6 +101,17 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def _batch_beyond_the_data(cfg: TrainConfig, samples: Optional[int], steps: Optional[int]) -> list[str]:
+    """A batch larger than the training set: what it becomes, said (or refused, when no step is left)."""
+    if samples is None or cfg.batch_size <= samples:
+        return []
+    if steps == 0:
+        raise UsageError(f"--batch-size {cfg.batch_size:,} with --drop-last leaves no step: the training set holds "
+                         f"{samples:,} samples; use --batch-size {samples:,} or less, or leave out --drop-last")
+    return [f"note: --batch-size {cfg.batch_size:,} is larger than the {samples:,} training samples: each epoch is "
+            f"one step of all {samples:,}"]
+
+
 def build_run(cfg: TrainConfig, env: DistEnv, *,
               data: Optional[Callable[[TrainConfig], tuple[Datasets, nn.Module]]] = None) -> Run:
     """Build the run ``cfg`` describes on this rank of ``env``.
@@ -129,6 +140,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     torch.manual_seed(cfg.seed + env.rank)
     loader = strategy.loader(datasets.train, cfg.batch_size, shuffle=True, seed=cfg.seed,
                              drop_last=cfg.drop_last, num_workers=cfg.num_workers, uneven=cfg.elastic)
+    notes += _batch_beyond_the_data(cfg, declared_length(datasets.train), loader.plan.steps_per_epoch)
     pieces = env.world_size * cfg.accumulate
     if cfg.elastic and cfg.batch_size % pieces:
         low = cfg.batch_size // pieces
