@@ -324,3 +324,42 @@ def test_factory_spec_still_validates_options(factories: str) -> None:
 def test_bad_factory_module_is_a_usage_error() -> None:
     with pytest.raises(UsageError, match="cannot import module"):
         build_datasets("scaleloop_no_such_module_xyz:make")
+
+
+class _NumpySamples(torch.utils.data.Dataset):
+    """Samples as numpy arrays and numpy integers, as many users' datasets hold them."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        self.x = rng.normal(size=(n, 8)).astype(np.float32)
+        self.y = (self.x.sum(1) > 0).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+def test_numpy_samples_are_accepted_as_tensors_are() -> None:
+    from scaleloop.data.datasets import infer_info
+
+    info = infer_info("numpy", _NumpySamples(64, 0), _NumpySamples(16, 1))
+    assert (info.task, info.input_shape, info.num_classes) == ("classification", (8,), 2)
+
+
+def test_a_run_trains_on_numpy_samples(tmp_path, monkeypatch) -> None:
+    from scaleloop.config import TrainConfig
+    from scaleloop.loop.training import train
+    from scaleloop.runtime.dist import DistEnv
+
+    monkeypatch.setitem(sys.modules, "tests_numpy", sys.modules[__name__])
+    (tmp_path / "numpy_data.py").write_text(
+        "import sys\n\ndef build():\n    S = sys.modules['tests_numpy']._NumpySamples\n    return S(128, 0), S(32, 1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = TrainConfig(data="numpy_data:build", epochs=2, batch_size=32, out=str(tmp_path / "run"), progress=False,
+                      device="cpu", tensorboard=False)
+    result = train(cfg, DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")), log=lambda _m: None)
+    assert result.test is not None and result.test.accuracy > 0.8

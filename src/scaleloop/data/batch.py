@@ -157,15 +157,22 @@ def move(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
 
 
 def first_tensor(obj: Any) -> Optional[torch.Tensor]:
-    """The first tensor in ``obj`` (itself, or nested in tuples, lists and mappings)."""
+    """The first tensor in ``obj`` (itself, or nested in tuples, lists and mappings); a numpy
+    array counts, as a tensor (the DataLoader's collation turns it into one too)."""
     if isinstance(obj, torch.Tensor):
         return obj
+    if _is_numpy_array(obj):
+        return torch.as_tensor(obj)
     values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (tuple, list)) else ()
     for value in values:
         found = first_tensor(value)
         if found is not None:
             return found
     return None
+
+
+def _is_numpy_array(obj: Any) -> bool:
+    return type(obj).__module__ == "numpy" and hasattr(obj, "shape") and hasattr(obj, "__array__")
 
 
 def describe(obj: Any) -> str:
