@@ -198,15 +198,38 @@ def test_directory_as_file_cannot_be_read(tmp_path: Path) -> None:
 
 
 def test_unreadable_file(tmp_path: Path) -> None:
-    if os.geteuid() == 0:
-        pytest.skip("running as root: chmod 000 does not stop root from reading the file")
+    """chmod 000. Root reads any file: as root (CI), the read is made in a child without the
+    capabilities that let root pass file permissions (setpriv, from util-linux)."""
+    import shutil
+    import subprocess
+    import sys
+
     path = _write(tmp_path, "epochs = 3\n")
     path.chmod(0)
     try:
-        with pytest.raises(UsageError, match="cannot be read"):
-            load_toml(path)
+        if os.geteuid() != 0:
+            with pytest.raises(UsageError, match="cannot be read"):
+                load_toml(path)
+            return
+        setpriv = shutil.which("setpriv")
+        assert setpriv, "setpriv (util-linux) is needed to drop root's file-permission override"
+        code = ("import sys\nfrom scaleloop.config import load_toml\nfrom scaleloop.errors import UsageError\n"
+                f"try:\n    load_toml({str(path)!r})\nexcept UsageError as exc:\n    print(exc)\n    sys.exit(3)\n")
+        src = Path(__file__).resolve().parents[1] / "src"
+        res = subprocess.run([setpriv, "--bounding-set=-dac_override,-dac_read_search", sys.executable, "-c", code],
+                             capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(src)})
+        assert res.returncode == 3 and "cannot be read" in res.stdout, res.stdout + res.stderr
     finally:
         path.chmod(0o644)
+
+
+def test_a_file_whose_read_fails_even_for_root() -> None:
+    """chmod 000 does not stop root (CI runs as root): a file that exists and cannot be read by anyone."""
+    path = Path("/proc/self/mem")   # reading it at offset 0 fails with EIO
+    if not path.exists():
+        pytest.skip("no /proc/self/mem on this platform")
+    with pytest.raises(UsageError, match="cannot be read"):
+        load_toml(path)
 
 
 def test_non_utf8_file_cannot_be_read(tmp_path: Path) -> None:

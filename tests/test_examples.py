@@ -30,11 +30,11 @@ def run_example(name: str, *args: str, cwd: Path) -> str:
 
 
 def _has(module: str) -> bool:
-    try:
-        __import__(module)
-    except Exception:  # noqa: BLE001 - missing, or installed but broken
-        return False
-    return True
+    """Whether ``module`` is installed. An installed one that fails to import fails its tests
+    (a broken install must not pass as a skip)."""
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:

@@ -201,8 +201,8 @@ def assert_recovery_reported(run_dir: Path, output: str, world_before: int, worl
                      rf".*resumed from step {step}, first step done", output), output
     entries = json.loads((run_dir / "recovery.json").read_text())
     assert len(entries) == 1 and entries[0]["world_after"] == world_after
-    for phase in ("noticed_s", "new_group_s", "first_step_s", "total_s"):
-        assert 0 <= entries[0][phase] < 120, entries[0]
+    phases = [entries[0][phase] for phase in ("noticed_s", "new_group_s", "first_step_s")]
+    assert all(t >= 0 for t in phases) and entries[0]["total_s"] >= max(phases), entries[0]
     rows = [line.split(",") for line in (run_dir / "metrics.csv").read_text().splitlines() if line.startswith("recovery,")]
     assert len(rows) == 1, "one recovery row in metrics.csv"
     doctor = run([sys.executable, "-m", "scaleloop", "doctor", str(run_dir)], cwd=run_dir, timeout=60)

@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -78,12 +77,11 @@ def test_a_raising_rank_is_reported_in_a_few_lines(tmp_path: Path) -> None:
 
 def test_a_stalled_rank_is_named_with_where_it_is_stuck(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    started = time.monotonic()
+    # Bounded by run()'s own timeout (180 s, far under the 30-minute default a lost --timeout would
+    # leave): no measured time is asserted, which a slow machine could break.
     res = run([*TRAIN, "--model", "failing_models:stalls", "--timeout", "5", "--out", str(out)],
               cwd=SCRIPTS, timeout=180, env=env())
-    elapsed = time.monotonic() - started
     assert res.returncode == 1, res.stderr
-    assert elapsed < 60, f"took {elapsed:.0f} s with --timeout 5"
     report = report_of(res.stderr)
     assert len(report) <= 15, res.stderr
     assert report[0].startswith("scaleloop: error: the run stalled at epoch 1, step 3: rank 1 stopped taking part; "
@@ -165,12 +163,9 @@ def test_verify_names_a_raising_rank_in_a_few_lines(tmp_path: Path) -> None:
 
 def test_verify_names_a_stalled_rank_and_where_it_is_stuck(tmp_path: Path) -> None:
     report_dir = tmp_path / "report"
-    started = time.monotonic()
     res = run([*VERIFY, "--model", "failing_models:stalls", "--timeout", "5", "--report", str(report_dir)],
-              cwd=SCRIPTS, timeout=180, env=env())
-    elapsed = time.monotonic() - started
+              cwd=SCRIPTS, timeout=180, env=env())   # bounded by run()'s timeout, as above
     assert res.returncode == 1, res.stdout + res.stderr
-    assert elapsed < 90, f"took {elapsed:.0f} s with --timeout 5"
     report = verify_report(res.stdout)
     assert len(report) <= 15, res.stdout
     assert report[0] == ("scaleloop: error: the run stalled at step 3: rank 1 stopped taking part; "

@@ -63,9 +63,10 @@ def test_per_rank_step_times_are_in_the_metrics(straggler) -> None:
     steps = [r for r in rows(out) if r["kind"] == "step"]
     assert [r["step"] for r in steps] == ["4", "8", "12", "16"]
     for r in steps:
-        # Rank 1 sleeps 30 ms per step; rank 0 does a few milliseconds of work at most.
+        # Rank 1 sleeps 30 ms per step on top of the same work as rank 0: its step cannot be
+        # shorter than that on any machine, and it is the slower one however loaded the machine is.
         assert r["slowest_rank"] == "1"
-        assert float(r["rank_step_s_max"]) >= 0.025 > float(r["rank_step_s_min"])
+        assert float(r["rank_step_s_max"]) >= 0.030 and float(r["rank_step_s_max"]) > float(r["rank_step_s_min"])
 
 
 def test_a_diverging_run_stops_at_the_first_nonfinite_loss(tmp_path: Path) -> None:
