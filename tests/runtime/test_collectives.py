@@ -50,7 +50,12 @@ class FakeDist:
         self.barrier.wait()  # nobody overwrites a slot before everyone has read it
         return values
 
+    # What Gloo's all_gather refuses (torch 2.13): the fake refuses it too, as a real group would.
+    REFUSED = (torch.int16, torch.uint16, torch.uint32, torch.uint64)
+
     def all_gather(self, out: list[torch.Tensor], t: torch.Tensor) -> None:
+        if t.dtype in self.REFUSED:
+            raise RuntimeError("Invalid scalar type")
         for o, v in zip(out, self._exchange(t.clone())):
             assert o.shape == v.shape and o.dtype == v.dtype, "real all_gather needs equal shapes"
             o.copy_(v)

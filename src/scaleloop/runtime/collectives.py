@@ -152,11 +152,31 @@ def _gather_parts(rows: torch.Tensor, env: DistEnv) -> list[torch.Tensor]:
     if longest == 0:  # all ranks know it, so all skip the collective
         return [rows.to(device)] * env.world_size
     # all_gather needs equal shapes: pad every rank to the longest, then cut the padding off.
-    padded = torch.zeros((longest, *rows.shape[1:]), dtype=rows.dtype, device=device)
-    padded[: rows.shape[0]] = rows.to(device)
+    wire = _on_the_wire(rows.to(device))
+    padded = torch.zeros((longest, *wire.shape[1:]), dtype=wire.dtype, device=device)
+    padded[: rows.shape[0]] = wire
     parts = [torch.empty_like(padded) for _ in range(env.world_size)]
     torch_dist.all_gather(parts, padded)
-    return [p[:k] for p, k in zip(parts, sizes)]
+    return [_off_the_wire(p[:k], rows.dtype) for p, k in zip(parts, sizes)]
+
+
+# Integer types that Gloo's collectives refuse ("Invalid scalar type"), and what they travel as:
+# wider signed integers that hold every value exactly, or (uint64) the same bits as int64.
+_WIDENED = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+
+
+def _on_the_wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in a dtype every backend gathers (a metric may return any integer type)."""
+    if t.dtype == torch.uint64:
+        return t.view(torch.int64)
+    wider = _WIDENED.get(t.dtype)
+    return t if wider is None else t.to(wider)
+
+
+def _off_the_wire(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if t.dtype == dtype:
+        return t
+    return t.view(dtype) if dtype == torch.uint64 else t.to(dtype)
 
 
 def _code(text: str) -> int:
