@@ -100,6 +100,25 @@ def test_a_stalled_rank_is_named_with_where_it_is_stuck(tmp_path: Path) -> None:
     assert "the other ranks waited in gradient all-reduce in backward (DDP)" in told.details
 
 
+@pytest.mark.parametrize("model,said", [
+    ("exits", "rank 1 of 2 exited with code 3 and no Python error"),
+    ("killed", "rank 1 of 2 was killed by SIGKILL: most often the kernel's out-of-memory killer"),
+])
+def test_a_rank_that_dies_without_a_python_error_is_named(tmp_path: Path, model: str, said: str) -> None:
+    out = tmp_path / "run"
+    res = run([*TRAIN, "--model", f"failing_models:{model}", "--out", str(out)], cwd=SCRIPTS, timeout=180, env=env())
+    assert res.returncode == 1, res.stderr
+    report = report_of(res.stderr)
+    assert report[0].startswith(f"scaleloop: error: {said}"), res.stderr
+    if model == "exits":
+        assert "  its log ends with: rank 1: about to leave" in report, res.stderr
+    assert "Traceback" not in res.stderr and "pair.cc" not in res.stderr    # C++ frames stay in the logs
+    record = json.loads((out / "failure.json").read_text())
+    assert record["rank"] == 1, record
+    told = diagnose(out)
+    assert "rank 1" in told.what and "rank-1.log" in "\n".join(told.lines()), told.lines()
+
+
 def test_ctrl_c_prints_one_line(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = subprocess.Popen([*TRAIN, "--epochs", "500", "--out", str(out)], cwd=SCRIPTS, env=env(),

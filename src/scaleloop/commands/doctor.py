@@ -212,7 +212,9 @@ def _from_failure(failure: dict[str, Any], run_dir: Path, config: dict[str, Any]
         what = f"interrupted{_where(failure)}" + (f" ({error})" if error else "")
     else:
         kind = "failed"
-        what = f"failed on {who}{_where(failure)}" + (f" with {error}" if error else "")
+        # "with ValueError: ..." for an exception; ": was killed by SIGKILL" for a rank that raised nothing.
+        joint = " with " if failure.get("error_type") else ": "
+        what = f"failed on {who}{_where(failure)}" + (f"{joint}{error}" if error else "")
         if failure.get("frame"):
             details.append(f"raised at {failure['frame']}")
     logs = failure.get("logs")

@@ -29,13 +29,18 @@ import gc
 import logging
 import os
 import sys
+import threading
 import uuid
+from pathlib import Path
 from typing import Iterator, Mapping, Optional, Sequence
 
+from scaleloop.launching.failures import EXIT_FILE_PREFIX
+
 # torchrun's loggers (the launcher, the elastic agent) and Python warnings raised in it.
-_LOGGERS = ("torch.distributed", "py.warnings")
+_LOGGERS = ("torch.distributed", "torch.multiprocessing", "py.warnings")
 FORK_VAR = "SCALELOOP_FORK_WORKERS"
 PROCESS_NAME = "sl-torchrun"   # as ps and top show it (the workers: sl-rank-<R>)
+RANK_NAME = "sl-rank-"
 
 
 def _log_to(path: str) -> None:
@@ -145,11 +150,63 @@ def _run_forked(parsed: argparse.Namespace) -> None:
         stream.flush()   # nothing buffered here may be written again by a worker
     collecting = gc.isenabled()
     gc.disable()   # until every worker is forked and has frozen its copy (worker.forked)
+    watch = ExitWatch(Path(parsed.training_script_args[0]))
+    watch.start()
     try:
         elastic_launch(config, worker.forked)(*parsed.training_script_args)
     finally:
+        watch.stop()
         if collecting:
             gc.enable()
+
+
+class ExitWatch:
+    """How each forked worker ended, written where the failure report reads it.
+
+    torchrun's summary of forked workers names only the first that it found ended (often a rank
+    that only lost its peer), not the one that died: ``os._exit``, SIGKILL from the out-of-memory
+    killer. This watches this process's children and, as each ends, notes its exit status
+    (``waitid`` with WNOWAIT: seen, but left for torchrun to collect) in
+    ``LOG_DIR/exit-rank-<R>.txt``; the rank is the name each worker gives itself (``sl-rank-<R>``).
+    """
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir, self.seen, self.done = log_dir, set(), threading.Event()
+        self.thread = threading.Thread(target=self._scan, name="scaleloop-exit-watch", daemon=True)
+
+    def start(self) -> None:
+        for old in self.log_dir.glob(f"{EXIT_FILE_PREFIX}*.txt"):   # an earlier launch's
+            old.unlink(missing_ok=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.done.set()
+
+    def _scan(self) -> None:
+        children = Path(f"/proc/self/task/{os.getpid()}/children")
+        while not self.done.wait(0.1):
+            try:
+                pids = [int(p) for p in children.read_text().split()]
+            except (OSError, ValueError):
+                return   # no /proc here: the report names what torchrun names
+            for pid in pids:
+                if pid not in self.seen:
+                    self.seen.add(pid)
+                    threading.Thread(target=self._wait, args=(pid,), daemon=True).start()
+
+    def _wait(self, pid: int) -> None:
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            name = Path(f"/proc/{pid}/comm").read_text().strip()   # readable until it is collected
+        except (OSError, ChildProcessError):
+            return
+        if info is None or not name.startswith(RANK_NAME):
+            return
+        code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        try:
+            (self.log_dir / f"{EXIT_FILE_PREFIX}{name[len(RANK_NAME):]}.txt").write_text(f"{code}\n")
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":

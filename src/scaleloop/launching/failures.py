@@ -20,6 +20,7 @@ import json
 import linecache
 import os
 import re
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -160,6 +161,68 @@ def read_stack_dump(log: Path) -> Optional[StackDump]:
     return StackDump(tuple(reversed(mains[-1])), fatal)
 
 
+_SUMMARY = "Failures:"      # torchrun's summary of a failed launch: every failed worker, then the first
+_ROOT_CAUSE = "Root Cause (first observed failure):"
+_ENTRY_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+_ENTRY_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+
+
+EXIT_FILE_PREFIX = "exit-rank-"   # in the workers' log directory, written by scaleloop.launching.agent
+
+
+def exit_codes(logs: Path) -> dict[int, int]:
+    """Each failed worker's exit code (negative: killed by that signal): as the agent saw each
+    forked worker end (``logs/exit-rank-<R>.txt``), else from torchrun's own summary in
+    ``logs/torchrun.log``, the first observed failure first; empty when neither says."""
+    found: dict[int, int] = {}
+    for path in logs.glob(f"{EXIT_FILE_PREFIX}*.txt"):
+        try:
+            code = int(path.read_text().strip())
+            if code:
+                found[int(path.stem[len(EXIT_FILE_PREFIX):])] = code
+        except (OSError, ValueError):
+            continue
+    for rank, code in _summary_codes(logs / AGENT_LOG).items():
+        found.setdefault(rank, code)
+    return found
+
+
+def _summary_codes(agent_log: Path) -> dict[int, int]:
+    try:
+        text = agent_log.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return {}
+    if _ROOT_CAUSE not in text:
+        return {}
+    summary = text[text.rfind(_SUMMARY, 0, text.rindex(_ROOT_CAUSE)):] if _SUMMARY in text else text
+    root = summary[summary.index(_ROOT_CAUSE):]
+    found: dict[int, int] = {}
+    for block in (root, summary):   # the root cause's entry first
+        rank = None
+        for line in block.splitlines():
+            if m := _ENTRY_RANK.match(line):
+                rank = int(m[1])
+            elif rank is not None and (m := _ENTRY_EXIT.match(line)):
+                found.setdefault(rank, int(m[1]))
+                rank = None
+    return found
+
+
+def _ended(code: int) -> str:
+    """How a process that raised nothing ended, with the likely reason."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        if -code == signal.SIGKILL:
+            return (f"was killed by {name}: most often the kernel's out-of-memory killer (see `dmesg`), "
+                    "or a kill -9")
+        return f"was killed by {name}"
+    return (f"exited with code {code} and no Python error (os._exit, or a library that ended the "
+            "process itself)")
+
+
 def analyse(run_dir: Path, elastic_dir: Path, ranks: list[int], timeout_s: Optional[float],
             exit_code: int, continue_line: Optional[str], *, doctor: bool = True, log_lines: bool = True,
             timeout_name: str = "--timeout") -> Failure:
@@ -181,7 +244,7 @@ def analyse(run_dir: Path, elastic_dir: Path, ranks: list[int], timeout_s: Optio
     elif any(e.timed_out for e in errors.values()):
         failure = _stalled(errors, dumps, timeout_s, timeout_name)
     else:
-        failure = _died(errors, dumps, exit_code, run_dir)
+        failure = _died(errors, dumps, exit_code, run_dir, len(ranks))
     failure.logs = logs
     if log_lines:
         failure.report += _log_lines(run_dir, failure.rank, ranks)
@@ -264,11 +327,17 @@ def _stalled(errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]]
 
 
 def _died(errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]], exit_code: int,
-          run_dir: Path) -> Failure:
+          run_dir: Path, n_ranks: int = 0) -> Failure:
     """No rank raised an error of its own: one crashed or was killed (or torchrun itself failed)."""
     crashed = [r for r, d in sorted(dumps.items()) if d is not None and d.fatal]
     silent = [r for r, d in sorted(dumps.items()) if d is None]
-    rank = crashed[0] if crashed else (silent[0] if silent and errors else None)
+    # The rank that died is one that left neither an error nor a stack dump (torchrun's own stop
+    # leaves a dump; a peer's lost connection, an error), with its exit code in torchrun's summary.
+    codes = {} if crashed else exit_codes(run_dir / LOGS_DIR)
+    dead = [r for r in codes if r in silent] or [r for r in codes if r not in errors and r not in dumps]
+    cause = (dead[0], codes[dead[0]]) if dead else None
+    rank = crashed[0] if crashed else (cause[0] if cause else (silent[0] if silent and errors else None))
+    of = f" of {n_ranks}" if n_ranks > 1 else ""
     lines: list[str] = []
     frame = None
     if crashed:
@@ -278,6 +347,11 @@ def _died(errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]], e
         lines.append(f"scaleloop: error: rank {rank} crashed: {dump.fatal}")
         if frame is not None:
             lines.append(f"  at: {frame}")
+    elif cause is not None:
+        lines.append(f"scaleloop: error: rank {rank}{of} {_ended(cause[1])}")
+        last = _last_words(run_dir / LOGS_DIR / f"rank-{rank}.log")
+        if last:
+            lines.append(f"  its log ends with: {last}")
     elif rank is not None:
         lines.append(f"scaleloop: error: rank {rank} ended without a Python error (killed by a signal, out of memory, "
                      "or a crash in C++); the other ranks then lost their peer")
@@ -285,12 +359,26 @@ def _died(errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]], e
         lines.append(f"scaleloop: error: the workers failed (torchrun exit code {exit_code}) and recorded no "
                      "Python error; torchrun's own messages end with:")
         lines += [f"    {line}" for line in _tail(run_dir / LOGS_DIR / AGENT_LOG, 4)]
-    if errors:
-        first = min(errors.values(), key=lambda e: e.time)
-        their = "its" if len(errors) == 1 else "their"
-        lines.append(f"  then: {_ranks(errors)} lost {their} peer ({first.error_type}: {_short(first.message, 60)})")
-    return Failure("failed", rank, message=lines[0].partition(": error: ")[2],
-                   frame=str(frame) if frame is not None else None, report=lines)
+    others = {r: e for r, e in errors.items() if r != rank}
+    if others:
+        first = min(others.values(), key=lambda e: e.time)
+        their = "its" if len(others) == 1 else "their"
+        lines.append(f"  then: {_ranks(others)} lost {their} peer ({first.error_type}: {_short(first.message, 60)})")
+    # What doctor says after "failed on rank R: ".
+    message = (f"crashed: {dumps[crashed[0]].fatal}" if crashed  # type: ignore[union-attr]
+               else _ended(cause[1]) if cause is not None else lines[0].partition(": error: ")[2])
+    return Failure("failed", rank, message=message, frame=str(frame) if frame is not None else None, report=lines)
+
+
+def _last_words(log: Path) -> Optional[str]:
+    """The last line a rank wrote to its log this attempt (its last progress), cut short."""
+    try:
+        text = log.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    text = text[text.rfind(ATTEMPT_MARK):] if ATTEMPT_MARK in text else text
+    lines = [line for line in text.splitlines()[1 if ATTEMPT_MARK in text else 0:] if line.strip()]
+    return _short(lines[-1], 120) if lines else None
 
 
 def _source(frame: Optional[str]) -> list[str]:

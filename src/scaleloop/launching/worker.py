@@ -315,6 +315,7 @@ def forked(*argv: str) -> None:
     destructors would join threads that exist only in the agent).
     """
     os.setsid()
+    lifeline.set_name(f"sl-rank-{os.environ.get('RANK', '')}")   # first: how the agent tells the ranks apart
     gc.freeze()
     gc.enable()
     for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
@@ -322,7 +323,7 @@ def forked(*argv: str) -> None:
             signal.signal(getattr(signal, name), signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     logging.captureWarnings(False)
-    for logger in (logging.getLogger(name) for name in ("torch.distributed", "py.warnings")):
+    for logger in (logging.getLogger(name) for name in ("torch.distributed", "torch.multiprocessing", "py.warnings")):
         logger.handlers, logger.propagate = [], True
     atexit._clear()  # the agent's; this worker's own run at its end, as at a fresh interpreter's
     sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), write_through=True,

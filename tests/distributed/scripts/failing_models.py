@@ -2,11 +2,15 @@
 
 ``--model failing_models:raises``: rank 1 raises ValueError at its third forward.
 ``--model failing_models:stalls``: rank 1 sleeps for a long time at its third forward.
+``--model failing_models:exits`` / ``:killed``: rank 1 ends at its third forward without a Python
+error: ``os._exit(3)``, or SIGKILL (as from the out-of-memory killer).
 ``--model failing_models:bad_output``: every rank's forward returns a string (bad input: a usage error).
 The rank is read as a user would, from torch.distributed.
 """
 from __future__ import annotations
 
+import os
+import signal
 import time
 from typing import Any
 
@@ -27,6 +31,11 @@ class _Misbehaving(nn.Module):
         if self.training and dist.is_initialized() and dist.get_rank() == 1 and self.calls == 3:
             if self.how == "raise":
                 raise ValueError("bad batch on rank 1")  # RAISE-LINE
+            if self.how == "exit":
+                print("rank 1: about to leave", flush=True)
+                os._exit(3)
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(600)  # SLEEP-LINE
         return self.net(x.flatten(1))
 
@@ -37,6 +46,14 @@ def raises(info: Any = None) -> nn.Module:
 
 def stalls(info: Any = None) -> nn.Module:
     return _Misbehaving("sleep")
+
+
+def exits(info: Any = None) -> nn.Module:
+    return _Misbehaving("exit")
+
+
+def killed(info: Any = None) -> nn.Module:
+    return _Misbehaving("kill")
 
 
 class _SaysHello(nn.Module):
