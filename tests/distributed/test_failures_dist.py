@@ -119,7 +119,10 @@ def test_a_rank_that_dies_without_a_python_error_is_named(tmp_path: Path, model:
     assert "rank 1" in told.what and "rank-1.log" in "\n".join(told.lines()), told.lines()
 
 
-def test_ctrl_c_prints_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("to", ["group", "launcher"])
+def test_ctrl_c_prints_one_line(tmp_path: Path, to: str) -> None:
+    """SIGINT to the group (a terminal's Ctrl-C), or to the launcher's pid alone (kill -INT PID,
+    from a script or a scheduler): the run stops the same way."""
     out = tmp_path / "run"
     proc = subprocess.Popen([*TRAIN, "--epochs", "500", "--out", str(out)], cwd=SCRIPTS, env=env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -137,7 +140,10 @@ def test_ctrl_c_prints_one_line(tmp_path: Path) -> None:
     reader.start()
     try:
         assert seen.wait(timeout=120), "".join(lines)
-        os.killpg(proc.pid, signal.SIGINT)  # as the terminal does: the whole foreground group
+        if to == "group":
+            os.killpg(proc.pid, signal.SIGINT)  # as the terminal does: the whole foreground group
+        else:
+            os.kill(proc.pid, signal.SIGINT)
         assert proc.stderr is not None
         err = proc.stderr.read()
         proc.wait(timeout=60)
@@ -148,6 +154,8 @@ def test_ctrl_c_prints_one_line(tmp_path: Path) -> None:
     assert said == [f"scaleloop: interrupted; everything written so far is kept; continue from the last "
                     f"checkpoint with: scaleloop train --out {out}"], err
     assert proc.returncode == 130
+    epochs = [line for line in (out / "metrics.csv").read_text().splitlines() if line.startswith("epoch,")]
+    assert len(epochs) < 500, "the run went on to its end after the interrupt"
     assert json.loads((out / "failure.json").read_text())["kind"] == "interrupted"
     told = diagnose(out)
     assert told.state == "interrupted" and told.checkpoint is not None

@@ -38,6 +38,8 @@ from scaleloop.runtime import preempt
 # After SIGTERM, how long torchrun gets to stop its workers before it is killed (its workers
 # then die with it, see lifeline).
 STOP_GRACE_S = 15.0
+# After SIGINT here, how long torchrun gets to end on its own before it is sent SIGINT itself.
+INTERRUPT_GRACE_S = 5.0
 
 _Output = Union[None, int, IO[Any]]
 
@@ -227,6 +229,14 @@ def supervise(launch: WorkerLaunch, *, forward: Sequence[signal.Signals] = ()) -
     try:
         return workers.wait()
     except KeyboardInterrupt:
+        # Ctrl-C in a terminal (or a signal to the whole process group) reached torchrun too, and
+        # it is stopping its workers; `kill -INT <this pid>` reached only this process. torchrun
+        # that is still running after a while did not hear it: it is told (told twice, it would
+        # cut its own orderly stop short).
+        try:
+            workers.proc.wait(timeout=INTERRUPT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            workers.send(signal.SIGINT)
         workers.proc.wait()
         raise
     except BaseException:
