@@ -100,6 +100,22 @@ def test_a_stalled_rank_is_named_with_where_it_is_stuck(tmp_path: Path) -> None:
     assert "the other ranks waited in gradient all-reduce in backward (DDP)" in told.details
 
 
+@pytest.mark.parametrize("model,place", [
+    ("fails_in_evaluation", "in the evaluation after epoch 1: ValueError: bad test batch on rank 1"),
+    ("fails_at_start", "while starting up (reading the data, building the model, its strategy and its optimizer): "
+                       "ValueError: cannot build this model on rank 1"),
+])
+def test_a_failures_place_is_exact(tmp_path: Path, model: str, place: str) -> None:
+    out = tmp_path / "run"
+    res = run([*TRAIN, "--model", f"failing_models:{model}", "--max-steps", "3", "--out", str(out)], cwd=SCRIPTS,
+              timeout=180, env=env())
+    assert res.returncode == 1, res.stderr
+    report = report_of(res.stderr)
+    assert report[0] == f"scaleloop: error: rank 1 of 2 failed {place}", res.stderr
+    told = diagnose(out)
+    assert told.what.startswith(f"failed on rank 1 {place.partition(':')[0]}"), told.what
+
+
 @pytest.mark.parametrize("model,said", [
     ("exits", "rank 1 of 2 exited with code 3 and no Python error"),
     ("killed", "rank 1 of 2 was killed by SIGKILL: most often the kernel's out-of-memory killer"),

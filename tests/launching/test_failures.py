@@ -166,8 +166,11 @@ def test_where_is_found_through_chained_exceptions() -> None:
     note_where(inner, epoch=9, step=9)          # the first note wins
     outer = RuntimeError("y")
     outer.__cause__ = inner
-    assert where_of(outer) == {"epoch": 2, "step": 7, "last_progress": 1234.5}
-    assert where_of(KeyError()) == {"epoch": None, "step": None, "last_progress": None}
+    assert where_of(outer) == {"epoch": 2, "step": 7, "last_progress": 1234.5, "during": None}
+    assert where_of(KeyError()) == {"epoch": None, "step": None, "last_progress": None, "during": None}
+    evaluating = ValueError("z")
+    note_where(evaluating, epoch=2, step=15, during="the evaluation after epoch 1")
+    assert where_of(evaluating)["during"] == "the evaluation after epoch 1"
 
 
 def test_flight_recorder_variables_for_cuda_workers_only(tmp_path: Path) -> None:

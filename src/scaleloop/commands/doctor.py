@@ -185,6 +185,9 @@ def _finished(rows: list[dict[str, str]], config: dict[str, Any]) -> str:
 
 
 def _where(failure: dict[str, Any]) -> str:
+    during = failure.get("during")
+    if isinstance(during, str) and during:   # not a training step (as the launcher's report says it)
+        return f" in {during}" if during.startswith("the ") else f" while {during}"
     parts = []
     if failure.get("epoch") is not None:
         parts.append(f"epoch {failure['epoch']}")

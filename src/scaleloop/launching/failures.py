@@ -52,6 +52,7 @@ class RankError:
     timed_out: bool = False
     waiting_in: Optional[str] = None
     time: float = 0.0
+    during: Optional[str] = None      # not a training step: "the evaluation after epoch 1", ...
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class Failure:
     message: str = ""
     frame: Optional[str] = None      # the user's innermost frame, or where the stuck rank was
     waiting_in: Optional[str] = None
+    during: Optional[str] = None     # what the loop did, when not a training step
     logs: dict[str, str] = field(default_factory=dict)
     time: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     report: list[str] = field(default_factory=list)
@@ -265,14 +267,17 @@ def _short(message: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
 
 
-def _at(epoch: Optional[int], step: Optional[int]) -> str:
+def _at(epoch: Optional[int], step: Optional[int], during: Optional[str] = None) -> str:
+    """Where a failure happened: " in the evaluation after epoch 1", " at epoch 2, step 14"."""
+    if during:
+        return f" in {during}" if during.startswith("the ") else f" while {during}"
     parts = ([f"epoch {epoch}"] if epoch is not None else []) + ([f"step {step}"] if step is not None else [])
     return f" at {', '.join(parts)}" if parts else ""
 
 
 def _failed(first: RankError, errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]],
             n_ranks: int) -> Failure:
-    lines = [f"scaleloop: error: rank {first.rank} of {n_ranks} failed{_at(first.epoch, first.step)}: "
+    lines = [f"scaleloop: error: rank {first.rank} of {n_ranks} failed{_at(first.epoch, first.step, first.during)}: "
              f"{first.error_type}: {_short(first.message)}"]
     if first.frame:
         lines += [f"  raised at: {first.frame}"] + _source(first.frame)
@@ -292,7 +297,7 @@ def _failed(first: RankError, errors: dict[int, RankError], dumps: dict[int, Opt
             parts.append(f"{_ranks(stopped)} {'was' if len(stopped) == 1 else 'were'} stopped by torchrun")
         lines.append("  then: " + "; ".join(parts) + " (consequences, not causes)")
     return Failure("failed", first.rank, first.epoch, first.step, first.error_type, first.message, first.frame,
-                   report=lines)
+                   during=first.during, report=lines)
 
 
 def _stalled(errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]],

@@ -117,6 +117,9 @@ def _progress_bar(total: int, initial: int, desc: str, enabled: bool):  # -> tqd
     return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, leave=True, disable=None)
 
 
+STARTING_UP = "starting up (reading the data, building the model, its strategy and its optimizer)"
+
+
 def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
           on_batch: Optional[Callable[[Batch], None]] = None) -> RunResult:
     """Run the training that ``cfg`` describes on ``env``; rank 0 writes the run directory.
@@ -128,9 +131,13 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     reset_peak(env.device)  # this run's peak CUDA memory, not an earlier run's in this process
     if env.is_main:
         refuse_if_in_use(run_dir_for(cfg))   # before its checkpoints are read: "in use" is the reason
-    run = build_run(cfg, env)
-    checkpointer = Checkpointer(run.strategy, cfg.checkpointing, dataclasses.asdict(cfg), say=say)
-    resumed = checkpointer.restore(run.model, run.optimizer, run.scheduler, restarting=restart_count() > 0)
+    try:
+        run = build_run(cfg, env)
+        checkpointer = Checkpointer(run.strategy, cfg.checkpointing, dataclasses.asdict(cfg), say=say)
+        resumed = checkpointer.restore(run.model, run.optimizer, run.scheduler, restarting=restart_count() > 0)
+    except BaseException as exc:   # for the launcher's report: before any step
+        note_where(exc, epoch=None, step=0, during=STARTING_UP)
+        raise
     run_dir, lock = _open_run_dir(run, checkpointer, resumed)
     recovery = _recovery(cfg, env, joined, resumed)
     with lock:  # released at the end, however the run ends
@@ -166,6 +173,8 @@ class Trainer:
         if resumed is not None:
             self.running.load(resumed.sums)
         self.step = Step(run)
+        #: What the loop does when not a training step (an evaluation, a checkpoint), for the report.
+        self.doing: Optional[str] = None
         #: In call order (within an event, order counts: the metrics row before the health checks
         #: that may stop the run on it). Add more with :meth:`add_hook`.
         self.hooks: list[Hook] = ([MetricsRows(self.metrics)] if self.metrics is not None else []) + [HealthChecks()]
@@ -209,11 +218,11 @@ class Trainer:
                 raise vote.preempted(ledger.out, self.checkpointer.last_step, checkpoints=cfg.checkpoints,
                                     machines=cfg.nnodes, requeue_job=cfg.requeue)
         except RunDirWriteError as exc:  # rank 0's own files (metrics.csv): add where the run can go on from
-            note_where(exc, epoch=ledger.epochs_run + 1, step=ledger.step + 1)
+            note_where(exc, epoch=ledger.epochs_run + 1, step=ledger.step + 1, during=self.doing)
             raise exc.with_hint(self.checkpointer.continue_hint(exc.once)) from None
         except BaseException as exc:  # where the loop was, for the launcher's failure report
             note_where(exc, epoch=ledger.epochs_run + 1, step=ledger.step + 1,
-                       last_progress=time.time() - (time.perf_counter() - self.step.last_progress))
+                       last_progress=time.time() - (time.perf_counter() - self.step.last_progress), during=self.doing)
             raise
         finally:
             if self.metrics is not None:
@@ -329,10 +338,12 @@ class Trainer:
             self.metrics.flush()   # the rows up to the checkpoint, on disk with it
         if run.cfg.checkpoints:   # one small all-reduce per checkpoint: no checkpoint of a diverged run
             self.check_finite(where.epoch, [])
+        self.doing = f"writing the checkpoint of step {ledger.step}"
         self.checkpointer.save(run.model, run.optimizer, run.scheduler,
                                Progress(where.epoch, where.step_in_epoch, ledger.step, ledger.samples, train_s,
                                         self.skipped()),
                                self.running.state(run.env.device))
+        self.doing = None
         return time.perf_counter() - pause
 
     def end_epoch(self, epoch: int, in_epoch: int) -> None:
@@ -345,7 +356,9 @@ class Trainer:
         ledger.epochs_run = epoch + 1
         total = self.check_finite(epoch, self.running.epoch_sums(torch.device("cpu")).tolist())
         ledger.train_loss = total[0] / total[1] if total[1] > 0 else float("nan")
+        self.doing = f"the evaluation after epoch {epoch + 1}"
         test = ledger.test = self.evaluate()
+        self.doing = None
         finished = _epoch_complete(run.loader.plan, in_epoch)
         skipped = self.skipped()
         self.emit(Row("epoch" if finished else "stop", epoch + 1, ledger.step, ledger.samples, dict(
@@ -356,10 +369,12 @@ class Trainer:
         self.say(f"epoch {epoch + 1}: train loss {ledger.train_loss:.4f}"
                  + (f", {describe_test(test)}" if test else ""))
         # At the epoch's end (or where the run stopped inside it): the next run starts after it.
+        self.doing = f"writing the checkpoint of step {ledger.step}"
         self.checkpointer.save(run.model, run.optimizer, run.scheduler,
                                Progress(epoch + 1 if finished else epoch, 0 if finished else in_epoch,
                                         ledger.step, ledger.samples, ledger.train_s, skipped),
                                self.running.state(run.env.device))
+        self.doing = None
 
     def evaluate(self) -> Optional[EvalResult]:
         """The test set's loss, accuracy and the user's metrics (None without a test set)."""

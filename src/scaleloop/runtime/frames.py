@@ -17,17 +17,20 @@ from typing import Iterable, Optional
 WHERE_ATTR = "scaleloop_where"
 
 
-def note_where(exc: BaseException, epoch: Optional[int], step: int, last_progress: Optional[float] = None) -> None:
+def note_where(exc: BaseException, epoch: Optional[int], step: int, last_progress: Optional[float] = None,
+               during: Optional[str] = None) -> None:
     """Attach where the loop was (1-based epoch, global step in progress) to ``exc``.
 
     ``epoch`` None: a loop that counts steps only (``scaleloop verify``). ``last_progress``: the
-    wall-clock time the loop last moved on (its last step's end), for recovery times. The first
+    wall-clock time the loop last moved on (its last step's end), for recovery times. ``during``:
+    what the loop was doing when not a training step ("the evaluation after epoch 1", "writing
+    the checkpoint of step 12", "start-up: reading the data and building the model"). The first
     note wins: an exception re-raised through an outer loop keeps the inner place.
     """
     if getattr(exc, WHERE_ATTR, None) is None:
         try:
             setattr(exc, WHERE_ATTR, {"epoch": None if epoch is None else int(epoch), "step": int(step),
-                                      "last_progress": last_progress})
+                                      "last_progress": last_progress, "during": during})
         except (AttributeError, TypeError):  # an exception type that takes no attributes
             pass
 
@@ -40,9 +43,10 @@ def where_of(exc: BaseException) -> dict[str, Optional[int]]:
         seen.add(id(current))
         where = getattr(current, WHERE_ATTR, None)
         if isinstance(where, dict):
-            return {"epoch": where.get("epoch"), "step": where.get("step"), "last_progress": where.get("last_progress")}
+            return {"epoch": where.get("epoch"), "step": where.get("step"), "last_progress": where.get("last_progress"),
+                    "during": where.get("during")}
         current = current.__cause__ or current.__context__
-    return {"epoch": None, "step": None, "last_progress": None}
+    return {"epoch": None, "step": None, "last_progress": None, "during": None}
 
 
 @dataclass(frozen=True)

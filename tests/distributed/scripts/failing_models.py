@@ -28,7 +28,10 @@ class _Misbehaving(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        if self.training and dist.is_initialized() and dist.get_rank() == 1 and self.calls == 3:
+        if self.how == "evaluate" and not self.training and dist.is_initialized() and dist.get_rank() == 1:
+            raise ValueError("bad test batch on rank 1")  # EVAL-LINE
+        in_training = self.how in ("raise", "sleep", "exit", "kill")
+        if in_training and self.training and dist.is_initialized() and dist.get_rank() == 1 and self.calls == 3:
             if self.how == "raise":
                 raise ValueError("bad batch on rank 1")  # RAISE-LINE
             if self.how == "exit":
@@ -46,6 +49,16 @@ def raises(info: Any = None) -> nn.Module:
 
 def stalls(info: Any = None) -> nn.Module:
     return _Misbehaving("sleep")
+
+
+def fails_in_evaluation(info: Any = None) -> nn.Module:
+    return _Misbehaving("evaluate")
+
+
+def fails_at_start(info: Any = None) -> nn.Module:
+    if dist.is_initialized() and dist.get_rank() == 1:
+        raise ValueError("cannot build this model on rank 1")  # BUILD-LINE
+    return _Misbehaving("none")
 
 
 def exits(info: Any = None) -> nn.Module:
