@@ -104,9 +104,11 @@ def test_a_second_run_into_a_running_run_is_refused_and_a_stale_lock_taken_over(
             time.sleep(0.2)
         holder = (out / "scaleloop.lock").read_text()
         assert f'"pid": {first.pid}' in holder, holder     # the launcher holds it
+        assert first.poll() is None, "the first run ended before the second was tried"
+        # (run() ends every process this test started once the second run is over, the first
+        # among them: the refusal below, naming the first run's pid, says it was alive then.)
         second = run([*TRAIN, "--model", "slow_models:everyone", "--epochs", "1", "--out", str(out)],
                      cwd=SCRIPTS, timeout=120, env=env())
-        assert first.poll() is None, "the first run ended before the second was tried"
     finally:
         kill_group(first)
     assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
