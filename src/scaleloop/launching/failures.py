@@ -138,13 +138,20 @@ def _read_error_file(path: Path) -> Optional[RankError]:
     return RankError(rank, error_type, text, time=when)
 
 
-def read_stack_dump(log: Path) -> Optional[StackDump]:
-    """The main thread's stack from the last faulthandler dump of the last attempt in ``log``."""
+def _last_attempt(log: Path) -> Optional[str]:
+    """What ``log`` holds from its last attempt's mark on (all of it without a mark; None if unreadable)."""
     try:
         text = log.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return None
-    text = text[text.rfind(ATTEMPT_MARK):] if ATTEMPT_MARK in text else text
+    return text[text.rfind(ATTEMPT_MARK):] if ATTEMPT_MARK in text else text
+
+
+def read_stack_dump(log: Path) -> Optional[StackDump]:
+    """The main thread's stack from the last faulthandler dump of the last attempt in ``log``."""
+    text = _last_attempt(log)
+    if text is None:
+        return None
     lines = text.splitlines()
     blocks: list[list[Frame]] = []
     fatal: Optional[str] = None
@@ -377,11 +384,7 @@ def _died(errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]], e
 
 def _last_words(log: Path) -> Optional[str]:
     """The last line a rank wrote to its log this attempt (its last progress), cut short."""
-    try:
-        text = log.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-    text = text[text.rfind(ATTEMPT_MARK):] if ATTEMPT_MARK in text else text
+    text = _last_attempt(log) or ""
     lines = [line for line in text.splitlines()[1 if ATTEMPT_MARK in text else 0:] if line.strip()]
     return _short(lines[-1], 120) if lines else None
 

@@ -231,7 +231,6 @@ def launch(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
         WorkerError: a worker raised or died; the message names the rank(s) and the error.
         UsageError: bad arguments, said in one line.
     """
-    kwargs = dict(kwargs or {})
     min_nodes, max_nodes = _check_args(nproc, nnodes, rdzv_endpoint, max_restarts)
     method = resolve_start_method(start_method, fn)
     if threads is None and nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
@@ -246,13 +245,12 @@ def launch(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
     # Workers' error files and stack dumps go to a directory of our own, removed afterwards:
     # the elastic default is a fresh /tmp/torchelastic_* per call, left behind. The agent's
     # own messages go there too (see logs_in).
-    worker = _Worker(fn, kwargs, threads)
+    worker = _Worker(fn, kwargs or {}, threads)   # made before collection is paused: it notes the caller's choice
     with tempfile.TemporaryDirectory(prefix="scaleloop-launch-") as tmp, _keep_process_state():
-        worker.logs = str(Path(tmp) / LOGS_DIR)
         run_dir = Path(tmp)
         logs = run_dir / LOGS_DIR
         logs.mkdir()
-        log_dir = str(logs / ELASTIC_DIR)
+        worker.logs = str(logs)
         config = LaunchConfig(
             min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
             rdzv_backend="c10d",
@@ -260,7 +258,7 @@ def launch(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
             rdzv_endpoint=rdzv_endpoint or "localhost:0",
             run_id=rdzv_id if rdzv_endpoint else uuid.uuid4().hex,
             max_restarts=max_restarts, start_method=method,
-            logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+            logs_specs=DefaultLogsSpecs(log_dir=str(logs / ELASTIC_DIR)),
         )
         try:
             with logs_in(str(logs / "agent.log")):
