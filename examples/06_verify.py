@@ -18,7 +18,6 @@ difference left is float rounding from adding the gradients in another order), 1
 and names the cause when they differ (docs/verification.md).
 """
 import argparse
-import gc
 import sys
 
 import torch
@@ -68,13 +67,7 @@ def train(strategy_name: str) -> dict:                                  # new: t
             break
 
     weights = {k: v.detach().cpu().clone() for k, v in strategy.full_state_dict(model).items()}
-    # DDP's wrapper sits in a reference cycle and holds the process group: free it while the
-    # group is still alive. If the garbage collector freed it later, after the group was
-    # destroyed, the group's Gloo threads would be torn down from inside the collector, which
-    # can deadlock (torch 2.13); a function that returns to a launcher must not leave that behind.
-    del model, optimizer
-    gc.collect()
-    strategy.close()
+    strategy.close()                                                    # releases what the strategy set up
     sl.destroy_process_group()
     return {"losses": losses, "weights": weights}                       # new: returned, not saved
 

@@ -48,10 +48,14 @@ def train(steps: int = 6, lr: float = 0.1) -> dict[str, Any]:
         y_all = torch.stack([data[i][1] for i in range(len(data))])
         with torch.no_grad():
             loss = criterion(net(x_all), y_all).item()
-        return {"world_size": env.world_size, "loss": loss,
-                "state": {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}}
+        result = {"world_size": env.world_size, "loss": loss,
+                  "state": {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}}
     finally:
         sl.destroy_process_group()
+    # The wrapper is still held here (and by the strategy): a Reducer left in it would free the
+    # group on return, which can hang the worker (runtime.dist.release_reducer).
+    result["reducer_left"] = "reducer" in model.__dict__
+    return result
 
 
 def whoami(tag: str, *, suffix: str = "") -> dict[str, Any]:
@@ -168,6 +172,7 @@ def test_two_workers_train_the_same_model_as_one() -> None:
 
     two = launch(train, 2, kwargs={"steps": 6})            # "auto": fork on Linux
     assert one["world_size"] == 1 and two["world_size"] == 2
+    assert not two["reducer_left"], "destroy_process_group left a live DDP wrapper its Reducer"
     assert two["loss"] == pytest.approx(one["loss"], abs=1e-5)
     assert one["state"].keys() == two["state"].keys()
     for name in one["state"]:

@@ -175,10 +175,30 @@ def _per_attempt_store(environ: Mapping[str, str], env: DistEnv, timeout_s: floa
 def destroy_process_group() -> None:
     """Leave the process group if one was joined.
 
-    Garbage is collected first: a DDP model sits in a reference cycle, so it is freed only by
-    the collector, and if that runs after the group is gone, its teardown can wait forever on
-    a Gloo thread that needs the interpreter lock (seen with torch 2.13, about 1 run in 3).
+    DDP wrappers still alive lose their Reducer first (``release_reducer``): held by a strategy
+    or by the caller's frame, a wrapper otherwise frees the group later, from a state where the
+    group's teardown can wait forever (seen with torch 2.13, about 1 run in 4 on a busy machine).
+    A wrapper cannot synchronise once the group is gone; its ``.module`` stays usable.
     """
     if torch_dist.is_available() and torch_dist.is_initialized():
         gc.collect()
+        from torch.nn.parallel import DistributedDataParallel
+
+        for obj in gc.get_objects():
+            if issubclass(type(obj), DistributedDataParallel):  # type(): never a proxy's __class__
+                release_reducer(obj)
         torch_dist.destroy_process_group()
+
+
+def release_reducer(replica: "torch.nn.parallel.DistributedDataParallel") -> None:
+    """Free a DDP wrapper's Reducer now, while its process group is still registered.
+
+    Why: a Reducer that holds the group's last reference destroys the group inside its own
+    destructor with the interpreter lock held (torch 2.13), and that joins a Gloo thread which
+    may be waiting for the same lock to free a finished collective's tensors: a hang. Released
+    while the group is registered, the Reducer never holds the last reference; the group's own
+    Python object frees it later, releasing the lock first.
+    """
+    for name in ("logger", "reducer"):  # the logger holds the Reducer too
+        if name in replica.__dict__:
+            delattr(replica, name)

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 from scaleloop.data.loader import Batch
 from scaleloop.errors import UsageError
 from scaleloop.runtime.collectives import gather_object
-from scaleloop.runtime.dist import DistEnv
+from scaleloop.runtime.dist import DistEnv, release_reducer
 from scaleloop.strategies.base import HandWrittenLoop, ProcessGroupStrategy
 from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.syncbn import convert_batchnorm
@@ -53,6 +53,13 @@ class DDP(HandWrittenLoop, ProcessGroupStrategy):
                                                 find_unused_parameters=self.find_unused_parameters,
                                                 static_graph=self.static_graph)
         return self._replica
+
+    def close(self) -> None:
+        """Release the wrapper's Reducer (``runtime.dist.release_reducer``): the end of training.
+        ``.module`` stays usable; the wrapper no longer synchronises."""
+        replica, self._replica = self._replica, None
+        if replica is not None:
+            release_reducer(replica)
 
     def describe(self) -> str:
         options = [o for o, on in (("find unused parameters", self.find_unused_parameters),
