@@ -139,7 +139,12 @@ def test_no_checkpoint_says_to_start_over(tmp_path: Path) -> None:
     (run / "config.toml").write_text('model = "simplenet"\n')
     d = diagnose(run)
     assert d.state == "not started"
+    # nothing kept: the corrected command may reuse the directory (output.rundir.prepare_run_dir)
+    assert d.continue_with == "nothing was kept (no checkpoint, no logged step): run the same command again, once fixed"
+    (run / "metrics.csv").write_text("kind,epoch,step,samples\nstep,1,1,64\n")   # a step trained, no checkpoint
+    d = diagnose(run)
     assert d.continue_with.startswith("no checkpoint to continue from; start over: scaleloop train --config ")
+    assert d.continue_with.endswith(f"--out {run}-2")
 
 
 def test_not_a_run_directory_is_one_line(tmp_path: Path, capsys) -> None:

@@ -57,7 +57,7 @@ def test_a_raising_rank_is_reported_in_a_few_lines(tmp_path: Path) -> None:
     assert report[0] == "scaleloop: error: rank 1 of 2 failed at epoch 1, step 3: ValueError: bad batch on rank 1"
     assert report[1] == f"  raised at: {MODELS}:{line_of('RAISE-LINE')} in forward"
     assert "rank 0 lost its peer" in res.stderr or "rank 0 was stopped by torchrun" in res.stderr
-    assert "start over with: scaleloop train --config" in report[-1]
+    assert report[-1] == f"  nothing was kept (no checkpoint, no logged step); once fixed, run the same command again: it starts over in {out}"
     for noise in ("Traceback", "Root Cause", "ChildFailedError", "[rank1]"):
         assert noise not in res.stdout + res.stderr
     assert f"logs: {out}/logs/rank-1.log" in res.stderr
@@ -73,6 +73,37 @@ def test_a_raising_rank_is_reported_in_a_few_lines(tmp_path: Path) -> None:
     assert told.state == "failed"
     assert told.what == "failed on rank 1 at epoch 1, step 3 with ValueError: bad batch on rank 1"
     assert f"raised at {MODELS}:{line_of('RAISE-LINE')} in forward" in told.details
+
+
+def test_one_process_gets_the_same_short_report_and_the_retry_reuses_the_directory(tmp_path: Path) -> None:
+    """At --nproc 1 the run trains in the launcher's own process: the same short report as N
+    workers give (not a raw traceback), the traceback in logs/rank-0.log, failure.json for doctor;
+    and the corrected command with the same --out is not refused."""
+    out = tmp_path / "run"
+    one = [sys.executable, "-m", "scaleloop", "train", "--nproc", "1", "--epochs", "1", "--no-progress",
+           "--out", str(out)]
+    res = run([*one, "--model", "failing_models:wrong_width"], cwd=SCRIPTS, timeout=180, env=env())
+    assert res.returncode == 1, res.stderr
+    report = report_of(res.stderr)
+    assert len(report) <= 10, res.stderr
+    assert report[0].startswith("scaleloop: error: the run failed at epoch 1, step 1: RuntimeError: mat1 and mat2 "
+                                "shapes cannot be multiplied"), res.stderr
+    assert report[1] == f"  raised at: {MODELS}:{line_of('WIDTH-LINE')} in forward"
+    assert report[2].strip() == "return self.net(x.flatten(1))  # WIDTH-LINE"
+    assert f"  traceback: {out}/logs/rank-0.log" in report
+    assert report[-1] == (f"  nothing was kept (no checkpoint, no logged step); once fixed, run the same command "
+                          f"again: it starts over in {out}")
+    assert "Traceback" not in res.stderr
+    assert "Traceback (most recent call last)" in (out / "logs" / "rank-0.log").read_text()
+    saved = json.loads((out / "failure.json").read_text())
+    assert (saved["kind"], saved["rank"], saved["step"], saved["error_type"]) == ("failed", 0, 1, "RuntimeError")
+    assert saved["report"] == report
+    told = diagnose(out)
+    assert told.state == "failed" and "RuntimeError: mat1 and mat2" in told.what
+    fixed = run([*one, "--model", "failing_models:raises", "--max-steps", "1"], cwd=SCRIPTS, timeout=180, env=env())
+    assert fixed.returncode == 0, fixed.stderr
+    assert "held a run that stopped before its first step; this run starts over in it" in fixed.stderr
+    assert not (out / "failure.json").exists() and (out / "model.pt").is_file()
 
 
 def test_a_stalled_rank_is_named_with_where_it_is_stuck(tmp_path: Path) -> None:

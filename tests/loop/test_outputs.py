@@ -78,6 +78,15 @@ def test_a_model_s_own_loss_is_used_unless_the_user_gives_one(tmp_path: Path, mo
         resolve_loss("mylosses:per_sample", INFO)(t, target)
 
 
+def test_a_loss_class_means_an_instance_with_its_defaults() -> None:
+    """``--loss torch.nn:SmoothL1Loss`` (a class where an instance is expected): called with the
+    prediction and the target, the class would take them as its settings and fail obscurely."""
+    pred, target = torch.randn(4, 3), torch.randn(4, 3)
+    assert torch.equal(resolve_loss("torch.nn:SmoothL1Loss", INFO)(pred, target), F.smooth_l1_loss(pred, target))
+    with pytest.raises(UsageError, match="is a class that cannot be made without arguments"):
+        resolve_loss("torch.nn:Bilinear", INFO)
+
+
 class Returning(nn.Module):
     """The same network, returning its prediction the way ``kind`` says."""
 

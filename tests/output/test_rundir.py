@@ -67,10 +67,13 @@ def test_a_run_that_trained_a_step_is_kept_whatever_shows_it(tmp_path: Path, kep
         prepare(tmp_path)
 
 
-def test_a_run_that_stopped_before_its_first_step_is_started_over(tmp_path: Path) -> None:
-    """The obvious retry (the corrected command, the same --out) is not refused: said in one line."""
+@pytest.mark.parametrize("metrics", [True, False], ids=["metrics-header", "no-metrics"])
+def test_a_run_that_stopped_before_its_first_step_is_started_over(tmp_path: Path, metrics: bool) -> None:
+    """The obvious retry (the corrected command, the same --out) is not refused, and the failed
+    start's record goes (a start under torchrun that fails before the loop leaves no metrics.csv)."""
     (tmp_path / "config.toml").write_text("# scaleloop resolved configuration; rerun with: ...\nmodel = \"x\"\n")
-    (tmp_path / "metrics.csv").write_text("kind,epoch,step,samples\n")
+    if metrics:
+        (tmp_path / "metrics.csv").write_text("kind,epoch,step,samples\n")
     (tmp_path / "failure.json").write_text("{}")
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "rank-0.log").write_text("the failed start's output\n")

@@ -243,7 +243,11 @@ def _continue_command(run_dir: Path, checkpoint: Optional[CheckpointInfo], confi
 
 def _restart_command(run_dir: Path) -> str:
     """No checkpoint: the run starts over, with its settings, in a new directory."""
+    from scaleloop.output.rundir import never_stepped
+
     config = run_dir / CONFIG_FILE
+    if never_stepped(run_dir):  # the corrected command may reuse the directory
+        return "nothing was kept (no checkpoint, no logged step): run the same command again, once fixed"
     new = shlex.quote(str(run_dir) + "-2")
     if config.is_file():
         return f"no checkpoint to continue from; start over: scaleloop train --config {shlex.quote(str(config))} --out {new}"

@@ -282,9 +282,26 @@ def _at(epoch: Optional[int], step: Optional[int], during: Optional[str] = None)
     return f" at {', '.join(parts)}" if parts else ""
 
 
+def one_process(run_dir: Optional[Path], described: dict[str, Any], continue_line: Optional[str]) -> Failure:
+    """The report of a run that failed in one process (no torchrun): the same short report as a
+    worker's failure under ``--nproc N``. ``described`` is ``worker.describe_exception``'s; the
+    full traceback is in ``run_dir/logs/rank-0.log`` (no log and record lines without ``run_dir``)."""
+    error = RankError(**{k: described[k] for k in RankError.__dataclass_fields__ if k in described})
+    failure = _failed(error, {error.rank: error}, {}, 1)
+    if run_dir is not None:
+        log = run_dir / LOGS_DIR / f"rank-{error.rank}.log"
+        failure.logs = {str(error.rank): f"{LOGS_DIR}/{log.name}"}
+        failure.report += [f"  traceback: {log}",
+                           f"  record: {run_dir / FAILURE_FILE} (read it again with: scaleloop doctor {run_dir})"]
+    if continue_line:
+        failure.report.append(f"  {continue_line}")
+    return failure
+
+
 def _failed(first: RankError, errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]],
             n_ranks: int) -> Failure:
-    lines = [f"scaleloop: error: rank {first.rank} of {n_ranks} failed{_at(first.epoch, first.step, first.during)}: "
+    who = f"rank {first.rank} of {n_ranks} failed" if n_ranks > 1 else "the run failed"
+    lines = [f"scaleloop: error: {who}{_at(first.epoch, first.step, first.during)}: "
              f"{first.error_type}: {_short(first.message)}"]
     if first.frame:
         lines += [f"  raised at: {first.frame}"] + _source(first.frame)

@@ -66,7 +66,8 @@ def launch_train(cfg: TrainConfig) -> Optional["RunResult"]:
     from scaleloop.output.rundir import default_run_dir, refuse_if_in_use
 
     # Started by torchrun or srun: this process is one worker. Otherwise it is the launcher.
-    if not (dist.launched_by_torchrun() or dist.launched_by_slurm()):
+    here = not (dist.launched_by_torchrun() or dist.launched_by_slurm())
+    if here:
         refuse_if_in_use(run_dir_for(cfg))   # the first thing to say about a directory in use
         cfg = auto_processes(cfg)
         if cfg.world_size > 1:
@@ -90,9 +91,42 @@ def launch_train(cfg: TrainConfig) -> Optional["RunResult"]:
         raise
     except KeyboardInterrupt:
         raise Interrupted(Path(cfg.out) if cfg.out and env.is_main else None) from None
+    except preempt.Preempted:
+        raise
+    except Exception as exc:
+        if here and cfg.out:  # one process: the same short report as N workers give, not a traceback
+            raise _failed_here(Path(cfg.out), cfg, exc) from exc
+        raise
     finally:
         dist.destroy_process_group()
     return result if env.is_main else None
+
+
+def _failed_here(run_dir: Path, cfg: TrainConfig, exc: BaseException) -> Exception:
+    """A run in this one process failed: its traceback goes to ``logs/rank-0.log`` and its record to
+    ``failure.json``, as a worker's would, and the console gets the short report. Where the run
+    directory cannot take them (not a run's, unwritable), the exception itself, traceback and all."""
+    import traceback
+
+    from scaleloop.launching.failures import ATTEMPT_MARK, one_process
+    from scaleloop.launching.worker import describe_exception
+    from scaleloop.output.rundir import is_run_dir, write_atomic
+
+    if run_dir.exists() and not is_run_dir(run_dir):
+        return exc   # a failure before the directory was checked: it may hold the user's own files
+    try:
+        logs = run_dir / LOGS_DIR
+        logs.mkdir(parents=True, exist_ok=True)
+        with open(logs / "rank-0.log", "a", encoding="utf-8") as log:
+            log.write(f"{ATTEMPT_MARK} one process, pid {os.getpid()} ====\n"
+                      + "".join(traceback.format_exception(exc)))
+        if not (run_dir / "config.toml").exists():  # a failure at start-up: the retry reuses the directory
+            write_atomic(run_dir / "config.toml", to_toml(cfg).encode())
+    except OSError:
+        return exc
+    failure = one_process(run_dir, describe_exception(exc, 0), _continue_line(run_dir))
+    failure.write(run_dir)
+    return WorkersFailed(1, failure)
 
 
 def _launch_workers(cfg: TrainConfig) -> None:
@@ -180,8 +214,13 @@ def _continue_line(run_dir: Path) -> str:
     """The report's last line: how to go on once the cause is fixed."""
     from scaleloop.checkpoint.store import CHECKPOINTS_DIR, list_checkpoints
 
+    from scaleloop.output.rundir import never_stepped
+
     if list_checkpoints(run_dir / CHECKPOINTS_DIR):
         return f"once fixed, continue from the last checkpoint with: scaleloop train --out {shlex.quote(str(run_dir))}"
+    if never_stepped(run_dir):  # the retry may reuse the directory (output.rundir.prepare_run_dir)
+        return (f"nothing was kept (no checkpoint, no logged step); once fixed, run the same command again: "
+                f"it starts over in {run_dir}")
     config = shlex.quote(str(run_dir / "config.toml"))
     return (f"no checkpoint was written; once fixed, start over with: scaleloop train --config {config} "
             f"--out {shlex.quote(str(run_dir) + '-2')}")

@@ -74,6 +74,8 @@ def resolve_loss(spec: Optional[str], info: DataInfo) -> LossFn:
     from scaleloop.plugins import resolve_factory
 
     fn = resolve_factory(spec, "loss")
+    if isinstance(fn, type):
+        fn = _loss_instance(spec, fn)
 
     def loss_fn(output: Any, target: Any) -> torch.Tensor:
         loss = fn(prediction_of(output), target)
@@ -84,6 +86,16 @@ def resolve_loss(spec: Optional[str], info: DataInfo) -> LossFn:
         return loss.reshape(())
 
     return loss_fn
+
+
+def _loss_instance(spec: str, cls: type) -> Callable[..., Any]:
+    """``--loss torch.nn:SmoothL1Loss`` names a class: what is meant is an instance with its defaults
+    (called with the prediction and the target, the class itself would take them as settings)."""
+    try:
+        return cls()
+    except TypeError as exc:
+        raise UsageError(f"--loss {spec!r} is a class that cannot be made without arguments ({exc}); "
+                         "give a function, or a module:name of a function that returns the loss") from None
 
 
 #: ``metric(prediction, target) -> tensor``: one value per sample, or the batch's mean.

@@ -118,7 +118,7 @@ def prepare_run_dir(out: Optional[str], model: str, data: str, *, continuing: bo
     if path.is_dir():
         refuse_if_locked(path)   # before anything else: a live run there is the first thing to say
         started_over = False
-        if not continuing and (path / "metrics.csv").exists():
+        if not continuing and any((path / name).exists() for name in ("metrics.csv", "failure.json")):
             if not never_stepped(path):
                 raise UsageError(f"--out {str(path)!r} already holds a run (metrics.csv) and this run does not "
                                  "resume it; choose a new --out so that its results are not overwritten")

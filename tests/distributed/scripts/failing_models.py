@@ -80,3 +80,17 @@ class _SaysHello(nn.Module):
 
 def bad_output(info: Any = None) -> nn.Module:
     return _SaysHello()
+
+
+class _WrongWidth(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(32, 10)   # the data has 64 features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.flatten(1))  # WIDTH-LINE
+
+
+def wrong_width(info: Any = None) -> nn.Module:
+    """A shape mismatch in the user's own forward, on every rank (also at one process)."""
+    return _WrongWidth()
