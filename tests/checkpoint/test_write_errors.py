@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from scaleloop.checkpoint import store
+from scaleloop.commands.doctor import diagnose
 from scaleloop.config import TrainConfig
 from scaleloop.loop.training import train
 from scaleloop.output.rundir import RunDirWriteError
@@ -48,6 +49,10 @@ def test_a_full_disk_ends_in_one_line_and_keeps_the_last_good_checkpoint(tmp_pat
         rf"with: scaleloop train --out {cfg.out}", str(caught.value)), str(caught.value)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000002"]   # no .tmp-step-... left
     assert (root / "latest").read_text().strip() == "step-00000002"
+    told = diagnose(Path(cfg.out))   # the loop's record of the ending, read from the directory alone
+    assert told.state == "unwritable"
+    assert told.what == f"stopped while writing the checkpoint of step 4: {caught.value}"
+    assert told.checkpoint is not None and told.checkpoint.step == 2
 
 
 def test_a_read_only_run_directory_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from procs import SRC, child_env, kill_group, run
+from scaleloop.commands.doctor import diagnose
 
 from scaleloop.data.sampler import StepPlan
 
@@ -145,6 +146,9 @@ def test_sigterm_stops_after_a_step_with_a_checkpoint_and_continues_exactly(tmp_
     assert 4 <= step < total, output
     assert checkpoint == tmp_path / "run" / "checkpoints" / f"step-{step:08d}" and checkpoint.is_dir()
     assert not (tmp_path / "run" / "model.pt").exists()
+    told = diagnose(tmp_path / "run")   # rank 0's record of the stop, read from the directory alone
+    assert (told.state, told.what) == ("stopped", STOP_LINE.search(output).group(0)[len("scaleloop: "):])
+    assert told.checkpoint is not None and told.checkpoint.step == step and told.continue_with == command
     # Every rank stopped after the same step, and loaded no sample after it.
     for rank in (0, 1):
         done = len(planned(rank)) - len(planned(rank, step))

@@ -106,6 +106,21 @@ def test_one_process_gets_the_same_short_report_and_the_retry_reuses_the_directo
     assert not (out / "failure.json").exists() and (out / "model.pt").is_file()
 
 
+def test_a_nonfinite_loss_on_one_rank_names_it_and_doctor_reads_the_record(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    res = run([*TRAIN, "--model", "failing_models:nan_on_rank_1", "--log-every", "1", "--out", str(out)],
+              cwd=SCRIPTS, timeout=180, env=env())
+    assert res.returncode == 2, res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("scaleloop: error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "scaleloop: error: the run diverged: the training loss became nan at step 3 (epoch 1) on rank 1; "), res.stderr
+    saved = json.loads((out / "failure.json").read_text())
+    assert (saved["kind"], saved["rank"], saved["step"]) == ("diverged", 1, 3)
+    told = diagnose(out)
+    assert told.state == "diverged"
+    assert told.what == "diverged: the training loss became nan at step 3 (epoch 1) on rank 1"
+
+
 def test_a_stalled_rank_is_named_with_where_it_is_stuck(tmp_path: Path) -> None:
     out = tmp_path / "run"
     # Bounded by run()'s own timeout (180 s, far under the 30-minute default a lost --timeout would

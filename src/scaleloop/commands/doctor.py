@@ -4,8 +4,9 @@ It reads only what a run leaves behind, so it works after any ending, on any mac
 the directory, without torch:
 
 - ``model.pt``: written last, when a run finishes (after its final checkpoint);
-- ``failure.json``: written by the launcher when workers fail, stall or are interrupted
-  (``docs/troubleshooting.md`` lists its keys);
+- ``failure.json``: every ending but a finished run's (``scaleloop.output.endings``): workers
+  that failed, stalled or were interrupted, a non-finite loss, a stop signal, a full disk, bad
+  input (``docs/troubleshooting.md`` lists its keys);
 - ``metrics.csv``: the steps and epochs that were logged;
 - ``checkpoints/``: the newest checkpoint whose manifest and checksums verify;
 - ``config.toml``: the run's settings, which ``scaleloop train --out RUN_DIR`` resumes with;
@@ -43,7 +44,7 @@ class Diagnosis:
     """What a run directory says about its run."""
 
     run_dir: Path
-    state: str                      # finished | failed | stalled | interrupted | stopped | not started
+    state: str                      # finished | failed | stalled | interrupted | stopped | diverged | unwritable | not started
     what: str                       # one line: what happened
     details: tuple[str, ...] = ()   # a few more lines: where, logs, hints
     checkpoint: Optional[CheckpointInfo] = None
@@ -212,7 +213,17 @@ def _from_failure(failure: dict[str, Any], run_dir: Path, config: dict[str, Any]
         details.append("if that rank was only slow (a long first compile, a big checkpoint), raise --timeout "
                        f"(this run: {config.get('timeout', 'the default')} s)")
     elif kind == "interrupted":
-        what = f"interrupted{_where(failure)}" + (f" ({error})" if error else "")
+        what = f"interrupted{_where(failure)}" + (f" ({failure.get('message')})" if failure.get("message") else "")
+    elif kind == "diverged":   # the loop's own record: the first non-finite loss, its step and rank
+        what = f"diverged: {failure.get('message') or 'the loss stopped being finite'}"
+        details.append("continue from the newest checkpoint with --clip-grad 1.0, or start over with a lower --lr")
+    elif kind == "stopped":    # a stop signal: the loop checkpointed and ended as asked
+        what = str(failure.get("message") or "stopped by a signal")
+    elif kind == "unwritable":
+        what = f"stopped{_where(failure)}: {failure.get('message')}"
+    elif kind == "usage":
+        what = f"stopped on bad input{_where(failure)}: {failure.get('message')}"
+        kind = "failed"
     else:
         kind = "failed"
         # "with ValueError: ..." for an exception; ": was killed by SIGKILL" for a rank that raised nothing.

@@ -21,17 +21,16 @@ import linecache
 import os
 import re
 import signal
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from scaleloop.output.endings import FAILURE_FILE, Failure  # (re-exported: the launch side names them from here)
 from scaleloop.output.rundir import LOGS_DIR  # (re-exported: the launch side names it from here)
 from scaleloop.runtime.frames import Frame, FrameKinds
 
 ELASTIC_DIR = "torchrun"           # under LOGS_DIR: torchrun's --log-dir, one folder per launch
 AGENT_LOG = "torchrun.log"         # under LOGS_DIR: torchrun's own messages
-FAILURE_FILE = "failure.json"
 ATTEMPT_MARK = "==== scaleloop worker"  # = scaleloop.launching.worker.ATTEMPT_MARK (no torch here)
 
 _THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+.*\(most recent call first\):\s*$|^Stack \(most recent call first\):\s*$")
@@ -66,34 +65,6 @@ class StackDump:
         """Blocked in a collective (torch.distributed or the backward pass), not in its own code."""
         inner = self.frames[-1].path.replace(os.sep, "/") if self.frames else ""
         return "torch/distributed/" in inner or "torch/autograd/" in inner
-
-
-@dataclass
-class Failure:
-    """What went wrong, as written to ``failure.json`` (``docs/troubleshooting.md`` lists the keys)."""
-
-    kind: str                        # failed | stalled | interrupted
-    rank: Optional[int] = None       # the first failed rank, or the rank behind
-    epoch: Optional[int] = None
-    step: Optional[int] = None
-    error_type: Optional[str] = None
-    message: str = ""
-    frame: Optional[str] = None      # the user's innermost frame, or where the stuck rank was
-    waiting_in: Optional[str] = None
-    during: Optional[str] = None     # what the loop did, when not a training step
-    logs: dict[str, str] = field(default_factory=dict)
-    time: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    report: list[str] = field(default_factory=list)
-
-    def write(self, run_dir: Path) -> None:
-        """``run_dir/failure.json``, replaced atomically (a reader never sees half of it)."""
-        path = run_dir / FAILURE_FILE
-        tmp = path.with_name(f".{FAILURE_FILE}.tmp-{os.getpid()}")
-        try:
-            tmp.write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
-            os.replace(tmp, path)
-        except OSError:
-            pass  # the report was printed; a full or read-only disk must not hide it
 
 
 def read_error_files(elastic_dir: Path) -> dict[int, RankError]:
@@ -309,7 +280,7 @@ def _failed(first: RankError, errors: dict[int, RankError], dumps: dict[int, Opt
     own = [e for e in others if not e.communication]
     follow = [e for e in others if e.communication]
     if own:
-        lines.append(f"  also raised: " + "; ".join(f"rank {e.rank}: {e.error_type}: {_short(e.message, 60)}"
+        lines.append("  also raised: " + "; ".join(f"rank {e.rank}: {e.error_type}: {_short(e.message, 60)}"
                                                      for e in sorted(own, key=lambda e: e.time)[:3]))
     stopped = sorted(r for r in dumps)
     if follow or stopped:

@@ -186,7 +186,11 @@ def _run_workers(cfg: TrainConfig, launch: WorkerLaunch) -> Ended:
           + " ".join(shlex.quote(c) for c in launch.plain_command()), flush=True)
     ended = supervise(launch, forward=preempt.stop_signals(cfg.signal, torchrun_worker=False, slurm=False))
     if preempt.requested() is not None and ended.code != 0:  # 0: the run ended before the signal
-        raise preempt.Preempted(_stopped_line(cfg, launch.logs.parent))
+        line = _stopped_line(cfg, launch.logs.parent)
+        # Rank 0 recorded the stop already, but names the signal torchrun passed on (SIGUSR1):
+        # the record says what the launcher received.
+        Failure("stopped", message=line, report=[f"scaleloop: {line}"]).write(launch.logs.parent)
+        raise preempt.Preempted(line)
     return ended
 
 

@@ -11,6 +11,7 @@
 - ``health``: what the log rows learn on their all-reduce: stragglers, a diverging loss,
   fp16 skipped steps.
 - ``speed``: ``--compile``/``--channels-last`` set-up. ``tune``: the largest batch that fits (``scaleloop tune-batch``).
+- ``ending``: the record of an ending the loop decides (a non-finite loss, a stop signal, ...).
 - ``preempt``: ``StopVote``, every rank agreeing to stop after the same step on a stop signal.
 - ``summary``: the end-of-run summary ``scaleloop train`` prints.
 - ``hooks``: what the trainer does at a step's end or a row besides training (metrics rows,

@@ -32,7 +32,16 @@ from scaleloop.runtime.dist import DistEnv
 
 
 class Diverged(UsageError):
-    """The global loss (or the weights) stopped being finite: the run stops, writing no checkpoint of it."""
+    """The global loss (or the weights) stopped being finite: the run stops, writing no checkpoint of it.
+
+    ``what`` is the first clause of the message ("the training loss became nan at step 12 (epoch
+    1) on rank 1"): the run directory's record (``failure.json``) keeps it for ``scaleloop doctor``.
+    """
+
+    def __init__(self, message: str, what: str = "", step: Optional[int] = None, epoch: Optional[int] = None,
+                 ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.what, self.step, self.epoch, self.ranks = what or message, step, epoch, tuple(ranks)
 
 
 def per_rank_vector(head: Sequence[float], mine: Sequence[float], env: DistEnv) -> torch.Tensor:
@@ -63,6 +72,7 @@ class WindowTotals:
     own_s: list[float]              # each rank's own seconds in the window
     first_bad: Optional[int]        # the first step with a non-finite loss on any rank
     skipped: int                    # fp16 steps skipped (the most any rank counts; 0 without a scaler)
+    bad_ranks: tuple[int, ...] = ()  # the ranks whose loss stopped being finite at first_bad
 
     @property
     def loss(self) -> float:
@@ -87,24 +97,27 @@ def reduce_window(env: DistEnv, loss_sums: Sequence[float], own_s: float, first_
         # Nothing to reduce: the same numbers as the vector below would give, without building
         # it (a log row of a small model's run comes every few milliseconds).
         return WindowTotals(float(loss_sums[0]), float(loss_sums[1]), [float(own_s)],
-                            first_bad([first_nonfinite or 0]), int(skipped) if skipped is not None else 0)
+                            first_bad([first_nonfinite or 0]), int(skipped) if skipped is not None else 0,
+                            (0,) if first_nonfinite else ())
     vector = per_rank_vector(loss_sums, [own_s, first_nonfinite or 0, 0.0], env)
     if skipped is not None:
         vector[len(loss_sums) + 2 * world + env.rank] = skipped
     total = sum_over_ranks(vector, env).tolist()
     own, bad, skipped_by_rank = blocks(total, len(loss_sums), world)
-    return WindowTotals(total[0], total[1], own, first_bad(bad), int(max(skipped_by_rank)))
+    return WindowTotals(total[0], total[1], own, first_bad(bad), int(max(skipped_by_rank)), first_ranks(bad))
 
 
 def reduce_checked(env: DistEnv, model: nn.Module, head: Sequence[float], first_nonfinite: Optional[int]
-                   ) -> tuple[list[float], Optional[int], bool]:
+                   ) -> tuple[list[float], Optional[int], tuple[int, ...]]:
     """``head`` summed over ranks, in one all-reduce with each rank's first non-finite step and
-    whether its weights are finite: (sums, first bad step, any weights not finite)."""
+    whether its weights are finite: (sums, first bad step, the ranks it was first seen on: those
+    of the first bad step, else those whose weights are not finite)."""
     vector = per_rank_vector(head, [first_nonfinite or 0, 0.0], env)
     vector[len(head) + env.world_size + env.rank] = nonfinite_weights(model)
     total = sum_over_ranks(vector, env).tolist()
     bad, weights = blocks(total, len(head), env.world_size)
-    return total[:len(head)], first_bad(bad), any(weights)
+    ranks = first_ranks(bad) or tuple(r for r, w in enumerate(weights) if w > 0)
+    return total[:len(head)], first_bad(bad), ranks
 
 
 def nonfinite_weights(model: nn.Module) -> torch.Tensor:
@@ -121,6 +134,22 @@ def first_bad(slots: Sequence[float]) -> Optional[int]:
     return min(steps) if steps else None
 
 
+def first_ranks(slots: Sequence[float]) -> tuple[int, ...]:
+    """The ranks whose first non-finite step is the earliest (slot r: rank r's step, 0: none)."""
+    first = first_bad(slots)
+    return tuple(r for r, s in enumerate(slots) if first is not None and int(s) == first)
+
+
+def on_ranks(ranks: Sequence[int], world: int) -> str:
+    """" on rank 1", " on ranks 0 and 3", " on every rank"; nothing for one process."""
+    if world <= 1 or not ranks:
+        return ""
+    if len(ranks) == world:
+        return " on every rank"
+    listed = [str(r) for r in sorted(ranks)]
+    return f" on rank {listed[0]}" if len(listed) == 1 else f" on ranks {', '.join(listed[:-1])} and {listed[-1]}"
+
+
 def continue_line(run_dir: Optional[Path], checkpoint_step: Optional[int]) -> str:
     """Names the newest checkpoint this run wrote or resumed from, and how to go on from it."""
     if run_dir is None or checkpoint_step is None:
@@ -129,17 +158,20 @@ def continue_line(run_dir: Optional[Path], checkpoint_step: Optional[int]) -> st
     return f"the newest valid checkpoint is {str(ckpt)!r} (step {checkpoint_step})"
 
 
-def diverged(what: str, step: int, epoch: int, run_dir: Optional[Path], checkpoint_step: Optional[int]) -> Diverged:
-    """The one line for a run that stopped on a non-finite loss or weights."""
+def diverged(what: str, step: int, epoch: int, run_dir: Optional[Path], checkpoint_step: Optional[int],
+             ranks: Sequence[int] = (), world: int = 1) -> Diverged:
+    """The one line for a run that stopped on a non-finite loss or weights, naming the rank(s)
+    it began on."""
     where = f"step {step}" if what.endswith(" after") else f"at step {step}"
-    text = (f"the run diverged: {what} {where} (epoch {epoch}); stopped there and wrote no checkpoint "
+    first = f"{what} {where} (epoch {epoch}){on_ranks(ranks, world)}"
+    text = (f"the run diverged: {first}; stopped there and wrote no checkpoint "
             f"of it; {continue_line(run_dir, checkpoint_step)}")
     if run_dir is not None and checkpoint_step is not None:
         text += (f"; continue from it with gradient clipping: scaleloop train --out {shlex.quote(str(run_dir))} "
                  "--clip-grad 1.0, or start over with a lower --lr")
     else:
         text += "; start over with a lower --lr or with --clip-grad 1.0"
-    return Diverged(text)
+    return Diverged(text, first, step, epoch, ranks)
 
 
 @dataclass

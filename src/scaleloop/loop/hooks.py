@@ -117,7 +117,7 @@ class HealthChecks(Hook):
             checkpointer.say(straggler.describe())
         if totals.samples > 0 and not math.isfinite(totals.loss):
             raise diverged(f"the training loss became {totals.loss}", totals.first_bad or row.step, row.epoch,
-                           ledger.out, checkpointer.last_step)
+                           ledger.out, checkpointer.last_step, totals.bad_ranks, len(totals.own_s))
 
 
 class StopOnSignal(Hook):

@@ -35,6 +35,7 @@ from scaleloop.config import TrainConfig, to_toml
 from scaleloop.data.loader import Batch
 from scaleloop.data.streaming import declared_length
 from scaleloop.loop.build import Run, build_run
+from scaleloop.loop.ending import record_ending
 from scaleloop.loop.evaluate import EvalResult, evaluate
 from scaleloop.loop.hooks import HealthChecks, Hook, MetricsRows, RecoveryReport, Row, StopOnSignal, chain, overrides
 from scaleloop.loop.health import Stragglers, diverged, reduce_checked, reduce_window
@@ -142,7 +143,11 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     recovery = _recovery(cfg, env, joined, resumed)
     with lock:  # released at the end, however the run ends
         trainer = Trainer(run, checkpointer, say, started, run_dir=run_dir, resumed=resumed, on_batch=on_batch)
-        return trainer.fit(recovery)
+        try:
+            return trainer.fit(recovery)
+        except BaseException as exc:
+            record_ending(run_dir, exc, trainer.ledger.step)  # for scaleloop doctor, while the lock is held
+            raise
 
 
 class Trainer:
@@ -319,11 +324,12 @@ class Trainer:
     def check_finite(self, epoch: int, head: list[float]) -> list[float]:
         """``head`` summed over ranks; raises :class:`~scaleloop.loop.health.Diverged` on every rank
         alike if a loss so far or the weights are not finite, before a checkpoint could hold them."""
-        sums, first, bad_weights = reduce_checked(self.env, self.run.model, head, self.running.first_nonfinite_step())
-        if first is not None or bad_weights:
+        sums, first, ranks = reduce_checked(self.env, self.run.model, head, self.running.first_nonfinite_step())
+        if first is not None or ranks:
             what = ("the training loss became non-finite" if first is not None
                     else "the weights were no longer finite (inf or NaN) after")
-            raise diverged(what, first or self.ledger.step, epoch + 1, self.ledger.out, self.checkpointer.last_step)
+            raise diverged(what, first or self.ledger.step, epoch + 1, self.ledger.out, self.checkpointer.last_step,
+                           ranks, self.env.world_size)
         return sums
 
     def skipped(self) -> int:

@@ -3,6 +3,7 @@
 - ``settings``: ``OutputSettings``, the config's output section, and its checks.
 - ``rundir``: the run directory (what ``--out`` accepts) and atomic file writes.
 - ``lock``: the lock a run holds on its run directory (host, pid; stale ones taken over).
+- ``endings``: ``failure.json``, the record of how a run ended when it did not finish.
 - ``metrics``: ``metrics.csv``, ``curves.png``, number formatting.
 - ``trackers``: where metrics go besides ``metrics.csv`` (``--tracker``): TensorBoard, W&B, MLflow.
 - ``memory``: parameter, gradient and optimizer-state bytes per rank (``memory.json``).

@@ -94,3 +94,22 @@ class _WrongWidth(nn.Module):
 def wrong_width(info: Any = None) -> nn.Module:
     """A shape mismatch in the user's own forward, on every rank (also at one process)."""
     return _WrongWidth()
+
+
+class _NaNOnRank1(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(64, 10)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        out = self.net(x.flatten(1))
+        if self.training and self.calls >= 3 and dist.is_initialized() and dist.get_rank() == 1:
+            return out * float("nan")
+        return out
+
+
+def nan_on_rank_1(info: Any = None) -> nn.Module:
+    """Rank 1's loss becomes NaN at its third forward (a bad batch of its own); rank 0's stays finite."""
+    return _NaNOnRank1()
