@@ -115,13 +115,17 @@ class Cluster:
         self.procs: dict[int, subprocess.Popen] = {}
         self.endpoint = f"{machines[2].address}:29400"
 
-    def start(self, i: int) -> None:
+    def start(self, i: int, *, delay: str | None = None, hold: str | None = None) -> None:
+        """Machine ``i``'s launcher. ``delay``: RECORD_DELAY (s per sample); ``hold``: RECORD_HOLD
+        (``W:K``, see scripts/recording_data.py)."""
         host = self.machines[i]
+        extra = {"RECORD_HOLD": hold} if hold else {}
         out = open(self.base / f"out{i}-{len(self.procs)}.txt", "w")
         self.procs[i] = subprocess.Popen(
             ["ip", "netns", "exec", host.namespace, sys.executable, "-m", "scaleloop", *TRAIN, *ELASTIC,
              "--rdzv-endpoint", self.endpoint, "--out", str(self.run_dir(i))],
-            cwd=self.base, env=env_for(self.records(i), host), stdout=out, stderr=subprocess.STDOUT,
+            cwd=self.base, env={**env_for(self.records(i), host, **({"delay": delay} if delay else {})), **extra},
+            stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True)
         out.close()
 
@@ -260,10 +264,12 @@ def test_machine_cut_off_and_the_others_finish(cluster: Cluster, references: dic
 
 @pytest.mark.skipif(reason is not None, reason=reason or "")
 def test_a_machine_comes_back_and_joins_at_the_next_restart(cluster: Cluster, references: dict[int, Path]) -> None:
-    cluster.start(1)
-    cluster.start(2)
-    cluster.wait_for_checkpoint(1, 8)       # a run of 2 machines (the minimum) is under way
-    cluster.start(0)                        # machine 0 comes (back): the group restarts with 3
+    # A run of 2 machines (the minimum) trains 9 steps (33 samples a step each) and waits there,
+    # with its step-8 checkpoint written, until machine 0 joins and the group restarts with 3.
+    for i in (1, 2):
+        cluster.start(i, delay="0", hold=f"2:{9 * BATCH // 2}")
+    cluster.wait_for_checkpoint(1, 8)
+    cluster.start(0, delay="0")             # machine 0 comes (back): the group restarts with 3
     assert cluster.wait(0) == 0, cluster.output(0)
     assert cluster.wait(1) == 0, cluster.output(1)
     assert cluster.wait(2) == 0, cluster.output(2)

@@ -5,6 +5,10 @@ Every ``__getitem__`` of the training set appends the index to
 holds the worker's process id, so a test can kill one worker and later check, attempt by
 attempt, exactly which samples were trained on. A short sleep per sample keeps the run long
 enough to be interrupted.
+
+``RECORD_HOLD=W:K``: a worker of a group of world size W waits before loading more than K
+samples, until its group is stopped (a machine joins) or ``$RECORD_DIR/release`` appears: a
+test then knows the run is still going when it acts, on any machine's speed.
 """
 from __future__ import annotations
 
@@ -28,11 +32,22 @@ class Recording(Dataset):
         self.y = (self.x[:, :3].sum(1) > 0).long()
         self.delay = float(os.environ.get("RECORD_DELAY", "0.002"))
         self.log = open(record_to, "a") if record_to is not None else None
+        world, _, after = os.environ.get("RECORD_HOLD", "").partition(":")
+        held = record_to is not None and world and int(world) == int(os.environ.get("WORLD_SIZE", "1"))
+        self.hold_after = int(after) if held else None
+        self.release = record_to.parent / "release" if record_to is not None else None
+        self.loaded = 0
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int):
+        if self.hold_after is not None and self.loaded >= self.hold_after:
+            deadline = time.monotonic() + 600   # a bound for a test that failed without stopping it
+            while not self.release.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.hold_after = None
+        self.loaded += 1
         if self.log is not None:
             self.log.write(f"{i}\n")
             self.log.flush()
