@@ -74,6 +74,14 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     (["--batch-size", "10", "--accumulate", "4"], ["--batch-size 10", "8 or 12"]),
     (["--data", "mnist"], ["--data-dir"]),
     (["--model", "convnet", "--data", "random"], ["convnet", "image"]),
+    (["--betas", "0.9"], ["--betas '0.9'", "e.g. --betas 0.9,0.95"]),
+    (["--betas", "a,b"], ["--betas 'a,b'"]),
+    (["--optimizer", "sgd", "--betas", "0.9,0.95"], ["--betas is for --optimizer adam and adamw"]),
+    (["--eps", "x"], ["eps must be float", "'x'"]),
+    (["--min-lr", "-1", "--lr-schedule", "cosine"], ["--min-lr must be zero or positive"]),
+    (["--min-lr", "0.001"], ["--lr-schedule constant does not decay"]),
+    (["--decay-params", "weights"], ["invalid choice: 'weights'"]),
+    (["--strategy", "pipeline", "--nproc", "2", "--weight-decay", "0.1"], ["add --decay-params all"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                           argv: list[str], needles: list[str]) -> None:

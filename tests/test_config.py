@@ -282,3 +282,87 @@ def test_to_toml_marks_unset_fields() -> None:
     assert "# max_steps = (not set)" in text
     assert "progress = true" in text
     assert 'model = "simplenet"' in text
+
+
+# --- optimizer settings of language-model training (betas, eps, min-lr, decay-params) ----------
+
+def test_new_optimizer_settings_default_to_what_runs_did_before() -> None:
+    cfg = TrainConfig().validate()
+    assert (cfg.betas, cfg.eps, cfg.min_lr, cfg.weight_decay) == (None, None, 0.0, 0.0)
+    assert cfg.decay_params == "ndim2"
+    assert cfg.optim.adam_betas is None
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_betas_parse_for_the_adam_family(optimizer: str) -> None:
+    cfg = TrainConfig(optimizer=optimizer, betas="0.9,0.95", eps=1e-6).validate()
+    assert cfg.optim.adam_betas == (0.9, 0.95) and cfg.eps == 1e-6
+
+
+@pytest.mark.parametrize("betas", ["0.9", "a,b", "0.9,1.0", "0.9,0.95,0.99", "-0.1,0.9", ""])
+def test_malformed_betas_say_what_is_expected(betas: str) -> None:
+    with pytest.raises(UsageError) as exc:
+        TrainConfig(optimizer="adamw", betas=betas).validate()
+    msg = str(exc.value)
+    assert "\n" not in msg and msg.startswith(f"--betas {betas!r}") and "e.g. --betas 0.9,0.95" in msg
+
+
+@pytest.mark.parametrize("given,flags", [({"betas": "0.9,0.95"}, "--betas"), ({"eps": 1e-6}, "--eps"),
+                                         ({"betas": "0.9,0.95", "eps": 1e-6}, "--betas and --eps")])
+def test_betas_and_eps_with_sgd_are_refused(given: dict, flags: str) -> None:
+    with pytest.raises(UsageError) as exc:
+        TrainConfig(optimizer="sgd", **given).validate()
+    msg = str(exc.value)
+    assert "\n" not in msg and msg.startswith(flags) and "--optimizer sgd has no such setting" in msg
+
+
+@pytest.mark.parametrize("eps", [0.0, -1e-8])
+def test_eps_must_be_positive(eps: float) -> None:
+    with pytest.raises(UsageError, match="--eps must be a positive number"):
+        TrainConfig(eps=eps).validate()
+
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"min_lr": -1.0, "lr_schedule": "cosine"}, "--min-lr must be zero or positive"),
+    ({"min_lr": 1e-4}, "--lr-schedule constant does not decay"),
+    ({"min_lr": 1e-4, "warmup_steps": 5}, "--lr-schedule constant does not decay"),
+    ({"min_lr": 0.01, "lr_schedule": "cosine"}, "must be below the peak learning rate 0.01"),
+    # the peak is --lr scaled to the batch: sqrt(64/256) x 0.01 = 0.005
+    ({"min_lr": 0.006, "lr_schedule": "step", "lr_scaling": "sqrt", "base_batch_size": 256},
+     "must be below the peak learning rate 0.005"),
+])
+def test_bad_min_lr_says_why(changes: dict, needle: str) -> None:
+    with pytest.raises(UsageError) as exc:
+        TrainConfig(**changes).validate()
+    assert needle in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_min_lr_below_the_scaled_peak_is_allowed() -> None:
+    cfg = TrainConfig(lr=0.01, min_lr=0.015, lr_schedule="cosine", lr_scaling="linear", base_batch_size=32)
+    assert cfg.validate().peak_lr == pytest.approx(0.02)
+
+
+def test_decay_params_choices_are_checked() -> None:
+    with pytest.raises(UsageError, match="--decay-params 'weights' is not one of: ndim2, ndim2-no-embeddings, all"):
+        TrainConfig(decay_params="weights").validate()
+
+
+def test_betas_as_a_toml_list(tmp_path: Path) -> None:
+    path = _write(tmp_path, "optimizer = 'adamw'\nbetas = [0.9, 0.95]\neps = 1e-6\nmin-lr = 1e-4\n"
+                            "lr_schedule = 'cosine'\ndecay-params = 'all'\n")
+    cfg = resolve(load_toml(path), {})
+    assert cfg.betas == "0.9,0.95" and cfg.optim.adam_betas == (0.9, 0.95)
+    assert (cfg.eps, cfg.min_lr, cfg.decay_params) == (1e-6, 1e-4, "all")
+
+
+def test_a_config_saved_before_these_settings_existed_still_loads(tmp_path: Path) -> None:
+    old = "\n".join(line for line in to_toml(TrainConfig(optimizer="adamw", weight_decay=0.1)).splitlines()
+                    if not line.lstrip("# ").startswith(("betas", "eps", "min_lr", "decay_params")))
+    cfg = resolve(load_toml(_write(tmp_path, old)), {})
+    assert cfg == TrainConfig(optimizer="adamw", weight_decay=0.1)
+
+
+def test_new_optimizer_settings_round_trip_through_toml(tmp_path: Path) -> None:
+    cfg = TrainConfig(optimizer="adamw", betas="0.9,0.95", eps=1e-6, min_lr=1e-4, lr_schedule="cosine",
+                      weight_decay=0.1, decay_params="ndim2-no-embeddings").validate()
+    assert resolve(load_toml(_write(tmp_path, to_toml(cfg))), {}) == cfg

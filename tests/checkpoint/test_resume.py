@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 
-from scaleloop.checkpoint.resume import FIXED_ON_RESUME
+from scaleloop.checkpoint.resume import FIXED_ON_RESUME, check_compatible
 from scaleloop.config import config_for_resume
 from scaleloop.checkpoint.store import (MANIFEST_FILE, STATE_FILE, CheckpointError, list_checkpoints,
                                         verify_checkpoint)
@@ -277,6 +277,8 @@ def test_resume_auto_with_every_checkpoint_corrupted_is_an_error(tmp_path: Path)
     ({"seed": 1}, "--seed 0"),
     ({"hidden_dim": 64}, "--hidden-dim 128"),
     ({"lr_schedule": "cosine"}, "--lr-schedule constant"),
+    ({"betas": "0.9,0.95"}, "--betas (not set)"),
+    ({"weight_decay": 0.1}, "--weight-decay 0.0"),
 ])
 def test_changing_a_fixed_setting_is_refused(tmp_path: Path, change: dict, needle: str) -> None:
     cfg = small(tmp_path)
@@ -403,3 +405,44 @@ def test_a_restart_after_rewinding_continues_where_the_failed_attempt_left_off(
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     result = train(rewound, CPU, log=quiet)
     assert result.resumed_from == Path(cfg.out) / "checkpoints" / "step-00000006"
+
+
+# --- runs saved before --betas, --eps, --min-lr and --decay-params existed ------------------------
+
+def old_saved(cfg: TrainConfig) -> dict:
+    """``cfg``'s fields as a run saved before these settings existed (its checkpoint's config)."""
+    return {k: v for k, v in cfg.__dict__.items() if k not in ("betas", "eps", "min_lr", "decay_params")}
+
+
+def test_an_old_runs_config_resumes_with_weight_decay_on_every_tensor(tmp_path: Path) -> None:
+    # It trained with weight decay on all tensors in one parameter group: the default (ndim2)
+    # would make two groups, which its optimizer state cannot be loaded into.
+    run = tmp_path / "run"
+    fake_run(run, optimizer="adamw", weight_decay=0.1, lr_schedule="cosine")
+    text = (run / "config.toml").read_text()
+    old = "\n".join(line for line in text.splitlines()
+                    if not line.lstrip("# ").startswith(("betas", "eps", "min_lr", "decay_params")))
+    (run / "config.toml").write_text(old)
+    cfg = config_for_resume({}, {"out": str(run), "epochs": 30})
+    assert (cfg.decay_params, cfg.betas, cfg.eps, cfg.min_lr) == ("all", None, None, 0.0)
+    assert cfg.weight_decay == 0.1 and cfg.epochs == 30
+    check_compatible(old_saved(cfg), cfg.__dict__, "old")   # not refused for the settings it lacks
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"decay_params": "ndim2"}, "--decay-params all"),
+    ({"betas": "0.9,0.95"}, "--betas (not set)"),
+    ({"min_lr": 1e-4, "lr_schedule": "cosine"}, "--min-lr 0.0"),
+])
+def test_an_old_checkpoint_refuses_a_setting_it_did_not_train_with(change: dict, needle: str) -> None:
+    saved = old_saved(TrainConfig(optimizer="adamw", weight_decay=0.1, lr_schedule="cosine", decay_params="all"))
+    current = {**saved, "betas": None, "eps": None, "min_lr": 0.0, "decay_params": "all", **change}
+    with pytest.raises(CheckpointError) as exc:
+        check_compatible(saved, current, "old")
+    assert needle in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_without_weight_decay_an_old_checkpoint_resumes_under_any_decay_params() -> None:
+    saved = old_saved(TrainConfig())
+    for rule in ("ndim2", "ndim2-no-embeddings", "all"):
+        check_compatible(saved, {**TrainConfig(decay_params=rule).__dict__}, "old")

@@ -220,7 +220,7 @@ def test_a_run_resumed_mid_pass_equals_the_uninterrupted_run(tmp_path: Path) -> 
 
 def test_a_stream_with_a_len_gives_the_schedule_its_length(tmp_path: Path) -> None:
     result = run(tmp_path, "sized", data="stream_data:sized", lr_schedule="cosine", epochs=1)
-    assert result.lr.endswith("cosine schedule over 13 steps"), result.lr
+    assert result.lr.endswith("cosine schedule over 13 steps, down to 0"), result.lr
 
 
 def test_settings_a_stream_cannot_run_with_say_what_to_do(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from scaleloop.config import TrainConfig
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
 from scaleloop.loop.training import train
-from scaleloop.loop.schedule import build_scheduler, describe_schedule, lr_factor, scaled_lr
+from scaleloop.loop.schedule import LearningRate, build_scheduler, describe_schedule, lr_factor, scaled_lr
 
 
 def factor(step: int, schedule: str, total: int = 10, warmup: int = 0) -> float:
@@ -67,6 +67,53 @@ def test_warmup_longer_than_the_run() -> None:
     assert factor(10, "cosine", total=4, warmup=10) == 1.0  # span clamps to 1: no division by zero
 
 
+# --- --min-lr: the floor of the decaying schedules --------------------------------------------
+
+def test_cosine_without_a_floor_is_the_plain_cosine_bit_for_bit() -> None:
+    # floor 0 (the default) must give exactly the rates runs had before --min-lr existed
+    for total, warmup in ((10, 0), (46, 5), (7, 10)):
+        for s in range(total + 2):
+            after, span = s - warmup, max(1, total - warmup)
+            old = (s + 1) / warmup if warmup and s < warmup else \
+                0.5 * (1.0 + math.cos(math.pi * min(1.0, after / span)))
+            assert lr_factor(s, schedule="cosine", total_steps=total, warmup_steps=warmup, floor=0.0) == old
+
+
+def test_cosine_decays_to_the_floor() -> None:
+    got = [lr_factor(s, schedule="cosine", total_steps=10, warmup_steps=2, floor=0.1) for s in range(14)]
+    assert got[:3] == [0.5, 1.0, 1.0]                                   # warm-up untouched
+    assert got[6] == pytest.approx(0.1 + 0.9 * 0.5)                    # halfway: midway to the floor
+    assert got[10:] == [pytest.approx(0.1)] * 4                         # at the end and past it: the floor
+    assert got[2:] == sorted(got[2:], reverse=True) and min(got) == pytest.approx(0.1)
+
+
+def test_step_drops_stop_at_the_floor() -> None:
+    got = [lr_factor(s, schedule="step", total_steps=8, warmup_steps=0, floor=0.05) for s in range(8)]
+    assert got == [1.0] * 4 + [pytest.approx(0.1)] * 2 + [0.05] * 2   # x0.01 would be below the floor
+
+
+def test_scheduler_ends_at_min_lr() -> None:
+    cfg = TrainConfig(lr=0.4, lr_schedule="cosine", min_lr=0.04, warmup_steps=2).validate()
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=0.4)
+    scheduler = build_scheduler(optimizer, cfg, 12)
+    used = []
+    for _ in range(13):   # one past the schedule's end: it stays at the floor
+        used.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert used[:3] == [pytest.approx(0.2), pytest.approx(0.4), pytest.approx(0.4)]
+    assert used[11] > 0.04 and used[12] == pytest.approx(0.04)
+
+
+def test_describe_schedule_names_where_it_ends() -> None:
+    lr = LearningRate(0.1, "--lr as given")
+    floor = TrainConfig(lr=0.1, lr_schedule="cosine", min_lr=1e-3).validate()
+    assert describe_schedule(floor, lr, 50).endswith("cosine schedule over 50 steps, down to --min-lr 0.001")
+    step = TrainConfig(lr=0.1, lr_schedule="step").validate()
+    assert describe_schedule(step, lr, 50).endswith("step schedule over 50 steps")
+
+
 # --- scaled_lr ---------------------------------------------------------------------------------
 
 def test_no_scaling() -> None:
@@ -101,7 +148,7 @@ def test_describe_schedule() -> None:
                       lr_schedule="cosine", warmup_steps=5).validate()
     text = describe_schedule(cfg, scaled_lr(cfg), 100)
     assert text == ("0.4 (0.1 x 256/64: linear scaling from --base-batch-size 64 to the global batch 256), "
-                    "5 warm-up steps, cosine schedule over 100 steps")
+                    "5 warm-up steps, cosine schedule over 100 steps, down to 0")
     assert describe_schedule(TrainConfig(lr=0.1), scaled_lr(TrainConfig(lr=0.1)), 10) == "0.1 (--lr as given)"
 
 

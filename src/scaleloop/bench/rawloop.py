@@ -111,7 +111,7 @@ def _build(cfg: TrainConfig, device: torch.device, data_path: str) -> _RawRun:
                           seed=cfg.seed)
     model = build_model(cfg.model, data.info, hidden_dim=cfg.hidden_dim).to(device)
     speed_up_model(model, cfg, device)   # --channels-last on the weights; checks that --compile can work
-    optimizer = build_optimizer(cfg, model.parameters())
+    optimizer = build_optimizer(cfg, model.parameters(), model=model)
     if cfg.compile:
         model.compile()   # in place, as scaleloop's run does: same graph, same kernels
     to_device = _mover(device, cfg.channels_last)

@@ -31,7 +31,11 @@ from scaleloop.checkpoint.settings import CheckpointSettings
 FIXED_ON_RESUME = ("model", "data", "data_dir", "hidden_dim", "n_samples", "input_dim", "image_size",
                    "seq_len", "vocab_size", "test_fraction", "seed", "batch_size", "drop_last",
                    "optimizer", "lr", "weight_decay", "momentum", "lr_schedule", "warmup_steps",
-                   "lr_scaling", "base_batch_size")
+                   "lr_scaling", "base_batch_size", "betas", "eps", "min_lr", "decay_params")
+
+# What a run saved before a setting existed trained with: the value its checkpoints imply.
+# (Weight decay then applied to every tensor, whatever the default is now.)
+LEGACY_VALUES: dict[str, Any] = {"betas": None, "eps": None, "min_lr": 0.0, "decay_params": "all"}
 
 
 def run_dir_for(settings: CheckpointSettings) -> Optional[Path]:
@@ -74,12 +78,15 @@ def find_checkpoint(settings: CheckpointSettings, *, restarting: bool, warn: Cal
 def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], source: str) -> None:
     """CheckpointError listing the data-order/model settings in which the ``current`` config (its
     fields as a mapping) differs from the ``saved`` one."""
+    saved = {**LEGACY_VALUES, **saved}
+    # Without weight decay, which tensors it would apply to changes nothing (one parameter group).
+    moot = {"decay_params"} if not saved.get("weight_decay") and not current.get("weight_decay") else set()
     diffs = [(name, saved[name], current[name]) for name in FIXED_ON_RESUME
-             if name in saved and name in current and saved[name] != current[name]]
+             if name in saved and name in current and name not in moot and saved[name] != current[name]]
     if not diffs:
         return
-    was = " ".join(f"{_flag(n)} {old}" for n, old, _ in diffs)
-    now = " ".join(f"{_flag(n)} {new}" for n, _, new in diffs)
+    was = " ".join(f"{_flag(n)} {_shown(old)}" for n, old, _ in diffs)
+    now = " ".join(f"{_flag(n)} {_shown(new)}" for n, _, new in diffs)
     raise CheckpointError(f"cannot resume {source}: it was trained with {was}, this run asks for {now}; "
                           "these fix the data order, the model or the optimizer, so resume with the checkpoint's values "
                           "or start a new run (--resume never --out NEW_DIR)")
@@ -87,3 +94,7 @@ def check_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], sourc
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _shown(value: Any) -> str:
+    return "(not set)" if value is None else str(value)

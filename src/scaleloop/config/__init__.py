@@ -12,10 +12,10 @@ No torch here: ``scaleloop --help`` answers at once.
 """
 from scaleloop.config.resume import config_for_resume
 from scaleloop.config.sections import LaunchSettings, OptimSettings, conf_pairs, split_endpoint
-from scaleloop.config.settings import (BACKENDS, LR_SCALINGS, LR_SCHEDULES, OPTIMIZERS, PIPELINE_SCHEDULES, PRECISIONS,
-                                       SECTIONS, STRATEGIES, TASKS, TrainConfig, coerce, field_types, flag, load_toml,
-                                       resolve, to_toml)
+from scaleloop.config.settings import (BACKENDS, DECAY_PARAMS, LR_SCALINGS, LR_SCHEDULES, OPTIMIZERS,
+                                       PIPELINE_SCHEDULES, PRECISIONS, SECTIONS, STRATEGIES, TASKS, TrainConfig, coerce,
+                                       field_types, flag, load_toml, resolve, to_toml)
 
 __all__ = ["TrainConfig", "OptimSettings", "LaunchSettings", "SECTIONS", "config_for_resume", "coerce", "field_types",
            "flag", "load_toml", "resolve", "to_toml", "conf_pairs", "split_endpoint", "STRATEGIES", "BACKENDS",
-           "PRECISIONS", "OPTIMIZERS", "LR_SCHEDULES", "LR_SCALINGS", "TASKS", "PIPELINE_SCHEDULES"]
+           "PRECISIONS", "OPTIMIZERS", "LR_SCHEDULES", "DECAY_PARAMS", "LR_SCALINGS", "TASKS", "PIPELINE_SCHEDULES"]

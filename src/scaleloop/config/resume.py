@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+from scaleloop.checkpoint.resume import LEGACY_VALUES
 from scaleloop.checkpoint.store import CHECKPOINTS_DIR, list_checkpoints, locate, run_dir_of
 from scaleloop.config.settings import TrainConfig, load_toml, resolve
 
@@ -19,7 +20,8 @@ def config_for_resume(file_values: Mapping[str, Any], flag_values: Mapping[str, 
         source = run_dir_of(locate(Path(cfg.resume)))
     if source is None or not (source / "config.toml").is_file() or not list_checkpoints(source / CHECKPOINTS_DIR):
         return cfg
-    saved = load_toml(source / "config.toml")
+    # A run saved before a setting existed continues as it trained (weight decay on every tensor).
+    saved = {**LEGACY_VALUES, **load_toml(source / "config.toml")}
     # Which checkpoint to take is this invocation's choice, never an old run's.
     saved.pop("resume", None)
     # Without --out the run goes on in the directory it came from.

@@ -7,6 +7,7 @@ with its own ``check``. No torch here.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,10 +26,14 @@ class OptimSettings:
     lr: float = 0.01
     lr_schedule: str = "constant"
     warmup_steps: int = 0
+    min_lr: float = 0.0
     lr_scaling: str = "none"
     base_batch_size: Optional[int] = None
     optimizer: str = "adam"
+    betas: Optional[str] = None
+    eps: Optional[float] = None
     weight_decay: float = 0.0
+    decay_params: str = "ndim2"
     momentum: float = 0.9
     clip_grad: Optional[float] = None
     drop_last: bool = False
@@ -47,6 +52,55 @@ class OptimSettings:
         if self.lr_scaling != "none" and self.base_batch_size is None:
             raise UsageError(f"--lr-scaling {self.lr_scaling} scales --lr from the batch it was tuned for: "
                              "add --base-batch-size N")
+        self._check_min_lr()
+        self._check_adam_options()
+
+    @property
+    def peak_lr(self) -> float:
+        """``--lr`` scaled from ``--base-batch-size`` to the global ``--batch-size`` (``--lr-scaling``).
+
+        Linear scaling keeps the size of an epoch's total update when the batch grows (k times the
+        batch, k times fewer steps, so k times the step); sqrt scaling keeps the gradient noise
+        scale instead and is the usual choice for Adam-like optimizers at large batches.
+        """
+        if self.lr_scaling == "none" or self.base_batch_size is None:
+            return self.lr
+        ratio = self.batch_size / self.base_batch_size
+        return self.lr * (ratio if self.lr_scaling == "linear" else math.sqrt(ratio))
+
+    @property
+    def adam_betas(self) -> Optional[tuple[float, float]]:
+        """``--betas`` as two numbers (None: the optimizer's default); UsageError if malformed."""
+        if self.betas is None:
+            return None
+        parts = self.betas.split(",")
+        try:
+            b1, b2 = (float(part) for part in parts)
+        except ValueError:
+            b1 = b2 = math.nan   # wrong count or not numbers: refused below, as out of range
+        if not (0 <= b1 < 1 and 0 <= b2 < 1):
+            raise UsageError(f"--betas {self.betas!r}: expected two numbers in [0, 1) separated by a comma, "
+                             "e.g. --betas 0.9,0.95")
+        return b1, b2
+
+    def _check_min_lr(self) -> None:
+        _require(self.min_lr >= 0, "min_lr", "zero or positive")
+        if self.min_lr and self.lr_schedule == "constant":
+            raise UsageError(f"--min-lr {self.min_lr:g} is the floor of a decaying schedule, and --lr-schedule "
+                             "constant does not decay: add --lr-schedule cosine (or step), or leave out --min-lr")
+        if self.min_lr >= self.peak_lr:
+            raise UsageError(f"--min-lr {self.min_lr:g} must be below the peak learning rate {self.peak_lr:g} "
+                             "(--lr, scaled by --lr-scaling): the schedule decays from the peak to it")
+
+    def _check_adam_options(self) -> None:
+        given = [name for name in ("betas", "eps") if getattr(self, name) is not None]
+        if given and self.optimizer not in ("adam", "adamw"):
+            flags = " and ".join(f"--{name}" for name in given)
+            raise UsageError(f"{flags} {'are' if len(given) > 1 else 'is'} for --optimizer adam and adamw; "
+                             f"--optimizer {self.optimizer} has no such setting: use --optimizer adamw (or adam), "
+                             f"or leave out {flags}")
+        self.adam_betas   # (raises for a malformed value)
+        _require(self.eps is None or self.eps > 0, "eps", "a positive number, e.g. 1e-8")
 
 
 @dataclass(frozen=True)

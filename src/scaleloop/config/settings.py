@@ -34,6 +34,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "step")
 LR_SCALINGS = ("none", "linear", "sqrt")
+DECAY_PARAMS = ("ndim2", "ndim2-no-embeddings", "all")
 TASKS = ("auto", "classification", "binary", "regression", "lm")
 
 
@@ -74,11 +75,19 @@ class TrainConfig:
     lr_schedule: str = _opt("constant", "learning-rate schedule over the run's optimizer steps "
                             "(step: x0.1 at half and at three quarters of them)", LR_SCHEDULES)
     warmup_steps: int = _opt(0, "optimizer steps of linear learning-rate warm-up from lr/N to lr")
+    min_lr: float = _opt(0.0, "the learning rate a decaying --lr-schedule ends at: cosine decays from the peak to "
+                         "it, step's drops stop at it")
     lr_scaling: str = _opt("none", "scale --lr with the global batch: linear (x B/base) or sqrt "
                            "(x sqrt(B/base)); needs --base-batch-size", LR_SCALINGS)
     base_batch_size: Optional[int] = _opt(None, "the global batch that --lr was tuned for (for --lr-scaling)")
     optimizer: str = _opt("adam", "optimizer", OPTIMIZERS)
-    weight_decay: float = _opt(0.0, "weight decay")
+    betas: Optional[str] = _opt(None, "adam and adamw: the moment decay rates B1,B2, e.g. 0.9,0.95 (default: "
+                                "torch's 0.9,0.999)")
+    eps: Optional[float] = _opt(None, "adam and adamw: the term added to the denominator (default: torch's 1e-08)")
+    weight_decay: float = _opt(0.0, "weight decay (on the tensors --decay-params names)")
+    decay_params: str = _opt("ndim2", "which tensors --weight-decay applies to: ndim2 (those of 2 or more dimensions: "
+                             "linear and conv weights, embeddings; not biases or norms), ndim2-no-embeddings (not "
+                             "embeddings either) or all", DECAY_PARAMS)
     momentum: float = _opt(0.9, "momentum (sgd only)")
     clip_grad: Optional[float] = _opt(None, "clip the global gradient norm to this value (default: off)")
     drop_last: bool = _opt(False, "drop the last, smaller step of each epoch instead of training on it")
@@ -208,6 +217,11 @@ class TrainConfig:
         return self.section(OptimSettings)
 
     @property
+    def peak_lr(self) -> float:
+        """``--lr`` scaled to the global batch by ``--lr-scaling`` (``OptimSettings.peak_lr``)."""
+        return self.optim.peak_lr
+
+    @property
     def parallel(self) -> ParallelSettings:
         """The parallel section (``scaleloop.strategies.registry``)."""
         return self.section(ParallelSettings)
@@ -263,6 +277,8 @@ def coerce(name: str, value: Any, source: str) -> Any:
     tp = field_types()[name]
     if name == "nnodes" and isinstance(value, str) and ":" in value:
         return _min_max(value, source)
+    if name == "betas" and isinstance(value, list):   # a config file's betas = [0.9, 0.95]
+        value = ",".join(str(v) for v in value)
     if value is None or (isinstance(value, str) and value.lower() == "none"
                          and TrainConfig.__dataclass_fields__[name].default is None):
         return None

@@ -19,6 +19,7 @@ from scaleloop.data.batch import keeps_target
 from scaleloop.data.loader import ShardedLoader
 from scaleloop.data.streaming import StreamingLoader, declared_length
 from scaleloop.errors import UsageError
+from scaleloop.loop.decay import describe_decay, param_groups
 from scaleloop.loop.schedule import LearningRate, build_scheduler, scaled_lr
 from scaleloop.loop.speed import speed_up_model
 from scaleloop.loop.tasks import LossFn, MetricFn, resolve_loss, resolve_metrics
@@ -50,6 +51,7 @@ class Run:
     parameters: int                  # of the whole model, before a strategy shards or cuts it
     model_bytes: int
     notes: list[str] = field(default_factory=list)   # what --compile/--channels-last did
+    weight_decay: str = ""           # which tensors --weight-decay applies to ("" without weight decay)
 
 
 def seed_everything(seed: int) -> None:
@@ -70,27 +72,52 @@ def build_data_and_model(cfg: TrainConfig) -> tuple[Datasets, nn.Module]:
     return data, build_model(cfg.model, data.info, hidden_dim=cfg.hidden_dim)
 
 
-def build_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter],
-                    lr: Optional[float] = None) -> torch.optim.Optimizer:
-    """The optimizer named by ``cfg.optimizer`` with its hyperparameters (``lr`` overrides ``cfg.lr``)."""
+def build_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter], lr: Optional[float] = None, *,
+                    model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
+    """The optimizer named by ``cfg.optimizer`` with its hyperparameters (``lr`` overrides ``cfg.lr``).
+
+    ``model``: the module ``params`` belong to, as placed, for ``--decay-params`` (which tensors
+    are embeddings or norms); needed when ``--weight-decay`` is set and the rule is not ``all``.
+    """
     lr = cfg.lr if lr is None else lr
+    params = list(params)
+    groups = param_groups(params, cfg.weight_decay, cfg.decay_params, model)
     if cfg.optimizer == "sgd":
         kind, options = torch.optim.SGD, dict(lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     else:
         kind = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-        options = dict(lr=lr, weight_decay=cfg.weight_decay)
+        options = dict(lr=lr, weight_decay=cfg.weight_decay, **_adam_options(cfg))
     if not cfg.fused_optimizer:
-        return kind(params, **options)  # PyTorch's default implementation for the parameters' device
-    params = list(params)
+        return kind(groups, **options)  # PyTorch's default implementation for the parameters' device
     if kind is torch.optim.SGD and any(_is_dtensor(p) for p in params):
         # FSDP2's sharded parameters: DTensor has no sharding rule for the fused SGD kernel (it
         # raises at the first step, torch 2.11-2.13); the multi-tensor loop works on shards.
-        return kind(params, foreach=True, **options)
+        return kind(groups, foreach=True, **options)
     try:
         # One kernel over all parameters (CUDA and the CPU have them; torch checks the device).
-        return kind(params, fused=True, **options)
+        return kind(groups, fused=True, **options)
     except RuntimeError:
-        return kind(params, foreach=True, **options)  # the multi-tensor loop: a few kernels per step
+        return kind(groups, foreach=True, **options)  # the multi-tensor loop: a few kernels per step
+
+
+def _adam_options(cfg: TrainConfig) -> dict[str, Any]:
+    """``--betas`` and ``--eps`` where given; left out, torch's own defaults apply (as before they existed)."""
+    options: dict[str, Any] = {}
+    betas = cfg.optim.adam_betas
+    if betas is not None:
+        options["betas"] = betas
+    if cfg.eps is not None:
+        options["eps"] = cfg.eps
+    return options
+
+
+def check_decay_with_pipeline(cfg: TrainConfig) -> None:
+    """A pipeline keeps its optimizer in one parameter group, so it cannot leave tensors out of
+    weight decay: refused in one line, before any worker starts, rather than decayed differently."""
+    if cfg.weight_decay and cfg.decay_params != "all" and cfg.pipeline_layout() is not None:
+        raise UsageError(f"a pipeline (--strategy pipeline, --mesh pp=N) applies --weight-decay to every tensor: "
+                         f"add --decay-params all (--decay-params {cfg.decay_params} leaves biases and norms out, "
+                         "which needs a second parameter group the pipeline does not have)")
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -123,11 +150,15 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     datasets, model = (data or build_data_and_model)(cfg)
     keep_target = keeps_target(model, datasets.train)
     parameters, model_bytes = count_parameters(model), parameter_bytes(model)
+    check_decay_with_pipeline(cfg)
+    decay = describe_decay(model, cfg.weight_decay, cfg.decay_params)   # of the whole model, before any cut
     strategy = _make_strategy(cfg, env)
     lr = scaled_lr(cfg.optim)
     notes = speed_up_model(model, cfg, env.device)
     # The strategy makes the model parallel in torchtitan's order: TP, activation checkpointing, FSDP/DDP.
-    model, optimizer = strategy.setup(model, lambda params: build_optimizer(cfg, params, lr.peak))
+    # The optimizer is made after that, from ``placed``'s modules as they then are.
+    placed = model
+    model, optimizer = strategy.setup(model, lambda params: build_optimizer(cfg, params, lr.peak, model=placed))
     if strategy.recompute:
         notes.append(f"activation checkpointing: {strategy.recomputed_blocks} blocks keep only their input and "
                      "recompute their activations in the backward")
@@ -159,7 +190,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
                scheduler=build_scheduler(optimizer, cfg.optim, total_steps), loader=loader,
                loss_fn=resolve_loss(cfg.loss, datasets.info), user_loss=cfg.loss is not None,
                metrics=resolve_metrics(cfg.metrics), lr=lr, total_steps=total_steps,
-               parameters=parameters, model_bytes=model_bytes, notes=notes)
+               parameters=parameters, model_bytes=model_bytes, notes=notes, weight_decay=decay)
 
 
 def _make_strategy(cfg: TrainConfig, env: DistEnv) -> Strategy:
@@ -208,6 +239,7 @@ def preflight(cfg: TrainConfig) -> None:
     from scaleloop.runtime.devices import check_processes_fit
 
     check_processes_fit(cfg.device, cfg.nproc)
+    check_decay_with_pipeline(cfg)
     layout = cfg.pipeline_layout()
     if layout is not None:
         # The cut into stages is known before any worker starts: a model too shallow for

@@ -23,43 +23,45 @@ class LearningRate:
 
 
 def scaled_lr(optim: OptimSettings) -> LearningRate:
-    """``--lr`` scaled from ``--base-batch-size`` to the global ``--batch-size``.
-
-    Linear scaling keeps the size of an epoch's total update when the batch grows (k times the
-    batch, k times fewer steps, so k times the step); sqrt scaling keeps the gradient noise
-    scale instead and is the usual choice for Adam-like optimizers at large batches.
-    """
+    """``--lr`` scaled from ``--base-batch-size`` to the global ``--batch-size``
+    (:attr:`OptimSettings.peak_lr`), with a sentence saying how."""
     if optim.lr_scaling == "none" or optim.base_batch_size is None:
         return LearningRate(optim.lr, "--lr as given")
-    ratio = optim.batch_size / optim.base_batch_size
-    factor = ratio if optim.lr_scaling == "linear" else math.sqrt(ratio)
     rule = f"{optim.batch_size}/{optim.base_batch_size}" if optim.lr_scaling == "linear" else f"sqrt({optim.batch_size}/{optim.base_batch_size})"
-    return LearningRate(optim.lr * factor, f"{optim.lr:g} x {rule}: {optim.lr_scaling} scaling from "
-                                         f"--base-batch-size {optim.base_batch_size} to the global batch {optim.batch_size}")
+    return LearningRate(optim.peak_lr, f"{optim.lr:g} x {rule}: {optim.lr_scaling} scaling from "
+                                       f"--base-batch-size {optim.base_batch_size} to the global batch {optim.batch_size}")
 
 
-def lr_factor(step: int, *, schedule: str, total_steps: int, warmup_steps: int) -> float:
-    """Multiplier of the peak learning rate for optimizer step ``step`` (0-based)."""
+def lr_factor(step: int, *, schedule: str, total_steps: int, warmup_steps: int, floor: float = 0.0) -> float:
+    """Multiplier of the peak learning rate for optimizer step ``step`` (0-based).
+
+    ``floor``: ``--min-lr`` as a share of the peak; cosine decays from 1 to it (0: to zero, as
+    before the floor existed, bit for bit), step's drops stop at it.
+    """
     if warmup_steps and step < warmup_steps:
         return (step + 1) / warmup_steps
     after = step - warmup_steps
     span = max(1, total_steps - warmup_steps)
     if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, after / span)))
+        return floor + (1.0 - floor) * (0.5 * (1.0 + math.cos(math.pi * min(1.0, after / span))))
     if schedule == "step":
-        return 0.1 ** sum(after >= span * frac for frac in (0.5, 0.75))
+        return max(floor, 0.1 ** sum(after >= span * frac for frac in (0.5, 0.75)))
     return 1.0
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimSettings,
                     total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR over ``total_steps`` optimizer steps for ``optim.lr_schedule`` and ``optim.warmup_steps``.
+    """A LambdaLR over ``total_steps`` optimizer steps for ``optim.lr_schedule``, ``optim.warmup_steps``
+    and ``optim.min_lr``.
 
-    The optimizer's learning rate must already be the peak (see :func:`scaled_lr`).
+    The optimizer's learning rate must already be the peak (see :func:`scaled_lr`); ``--min-lr``
+    is a share of it.
     """
+    floor = optim.min_lr / optimizer.param_groups[0]["lr"]
+
     def factor(step: int) -> float:
         return lr_factor(step, schedule=optim.lr_schedule, total_steps=total_steps,
-                         warmup_steps=optim.warmup_steps)
+                         warmup_steps=optim.warmup_steps, floor=floor)
 
     return _Schedule(optimizer, factor, constant=optim.lr_schedule == "constant" and not optim.warmup_steps)
 
@@ -100,4 +102,8 @@ def describe_schedule(optim: OptimSettings, lr: LearningRate, total_steps: int) 
         parts.append(f"{optim.warmup_steps} warm-up steps")
     if optim.lr_schedule != "constant":
         parts.append(f"{optim.lr_schedule} schedule over {total_steps} steps")
+        if optim.min_lr:
+            parts.append(f"down to --min-lr {optim.min_lr:g}")
+        elif optim.lr_schedule == "cosine":
+            parts.append("down to 0")
     return ", ".join(parts)

@@ -32,6 +32,8 @@ def format_result(result: RunResult) -> str:
     rows.append(("data per epoch", describe_epoch(result)))
     if result.lr:
         rows.append(("learning rate", result.lr))
+    if result.weight_decay:
+        rows.append(("weight decay", result.weight_decay))
     rows.append(("checkpoints", describe_checkpoints(result)))
     if result.memory:
         rows.append(("memory per rank", summary_line(result.memory)))

@@ -80,6 +80,7 @@ class RunResult:
     steps_per_epoch: int = 0
     last_step_samples: int = 0
     lr: str = ""
+    weight_decay: str = ""           # which tensors weight decay applied to ("" without it)
     checkpoints_written: int = 0
     checkpoint_s: float = 0.0
     last_checkpoint: Optional[Path] = None
@@ -414,7 +415,8 @@ class Trainer:
             dropped_per_epoch=plan.dropped_per_epoch, in_memory_data=run.loader.in_memory,
             train_samples=plan.n or 0, steps_per_epoch=plan.steps_per_epoch or 0,
             last_step_samples=len(plan.step_indices(0, plan.steps_per_epoch - 1)) if plan.steps_per_epoch else 0,
-            lr=describe_schedule(run.cfg.optim, run.lr, run.total_steps), checkpoints_written=checkpointer.written,
+            lr=describe_schedule(run.cfg.optim, run.lr, run.total_steps), weight_decay=run.weight_decay,
+            checkpoints_written=checkpointer.written,
             checkpoint_s=checkpointer.seconds, last_checkpoint=checkpointer.last_path,
             resumed_from=self.resumed.source if self.resumed is not None else None, memory=memory,
             streamed=isinstance(run.data.train, IterableDataset), skipped_steps=skipped,
@@ -492,6 +494,8 @@ def _announce(run: Run, resumed: Optional[Resumed], say: Log) -> None:
         say(line)
     if cfg.lr_scaling != "none" or cfg.lr_schedule != "constant" or cfg.warmup_steps:
         say(f"learning rate {describe_schedule(cfg.optim, run.lr, run.total_steps)}")
+    if run.weight_decay:
+        say(f"weight decay {run.weight_decay}")
     if plan.dropped_per_epoch:
         say(f"note: the last {plan.dropped_per_epoch} sample(s) of each shuffled epoch are dropped "
             f"({'--drop-last' if cfg.drop_last else 'too few to give every worker and micro-step one'})")

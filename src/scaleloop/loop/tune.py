@@ -316,8 +316,8 @@ def tune_batch(cfg: Any) -> TuneReport:
     cap = max(1, -(-len(data.train) // (workers * cfg.accumulate)))
     sample = sample_from(data.train, keeps_target(model, data.train))
     search = find_max_batch(lambda: model, sample, device, loss=resolve_loss(cfg.loss, info),
-                            optimizer=lambda params: build_optimizer(cfg, params), precision=cfg.precision,
-                            max_batch=cap)
+                            optimizer=lambda params: build_optimizer(cfg, params, model=model),
+                            precision=cfg.precision, max_batch=cap)
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     return TuneReport(search=search, device=describe_device(device), workers=workers,
                       accumulate=cfg.accumulate, train_samples=len(data.train), total_bytes=total)
