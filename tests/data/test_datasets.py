@@ -19,7 +19,7 @@ FACTORY_MODULE = "scaleloop_test_user_data"
 
 @pytest.fixture(scope="module")
 def digits() -> Datasets:
-    # Loading digits costs about a second (sklearn import), so once per module.
+    # Once per module: every test reads the same split.
     return build_datasets("digits")
 
 
@@ -42,6 +42,24 @@ def test_digits_shapes_dtypes_and_info(digits: Datasets) -> None:
         assert float(x.min()) >= 0.0 and float(x.max()) <= 1.0
     assert float(digits.train.tensors[0].max()) == 1.0  # 16/16: really scaled, not clipped
     assert set(digits.train.tensors[1].tolist()) == set(range(10))
+
+
+def test_digits_are_read_from_scikit_learns_file_as_load_digits_gives_them() -> None:
+    """Read without importing sklearn (2 s of scipy at every start-up), with the same values."""
+    import subprocess
+
+    code = ("import sys; from scaleloop.data.datasets import build_datasets; build_datasets('digits'); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+    from sklearn.datasets import load_digits
+
+    from scaleloop.data.datasets import _digits_arrays
+
+    pixels, labels = _digits_arrays()
+    bunch = load_digits()
+    assert pixels.dtype == bunch.data.dtype and (pixels == bunch.data).all()
+    assert (labels == bunch.target).all()
 
 
 def test_digits_split_is_a_stratified_partition(digits: Datasets) -> None:

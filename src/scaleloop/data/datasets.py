@@ -5,6 +5,7 @@ gathers whole batches from ``.tensors`` with an index tensor instead of per-samp
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -97,11 +98,9 @@ def build_datasets(name: str, *, data_dir: str | None = None, n_samples: int = 1
 
 def _digits(test_fraction: float, seed: int) -> Datasets:
     """scikit-learn's bundled 8x8 digits with a stratified, seeded held-out split."""
-    from sklearn.datasets import load_digits  # slow import: only pay for it when used
-
-    bunch = load_digits()
-    x = torch.from_numpy((bunch.data / 16.0).astype(np.float32)).reshape(-1, 1, 8, 8)
-    labels = np.asarray(bunch.target, dtype=np.int64)
+    pixels, target = _digits_arrays()
+    x = torch.from_numpy((pixels / 16.0).astype(np.float32)).reshape(-1, 1, 8, 8)
+    labels = np.asarray(target, dtype=np.int64)
     y = torch.from_numpy(labels)
     info = DataInfo("digits", "classification", (1, 8, 8), 10)
     if test_fraction == 0:
@@ -119,6 +118,27 @@ def _digits(test_fraction: float, seed: int) -> Datasets:
     test_idx = torch.from_numpy(np.flatnonzero(is_test))
     return Datasets(TensorDataset(x[train_idx], y[train_idx]),
                     TensorDataset(x[test_idx], y[test_idx]), info)
+
+
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """The digits' pixels (float64, 1797 x 64) and labels, read from the file scikit-learn ships.
+
+    Read directly: importing ``sklearn.datasets`` (scipy and all) takes about 2 s, as long as a
+    short run's training, for one 1797-row CSV file. The values are those ``load_digits`` gives.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")   # finds the package without importing it
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for root in locations:
+        path = Path(root) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            table = np.loadtxt(path, delimiter=",")
+            return table[:, :-1], table[:, -1].astype(int)
+    from sklearn.datasets import load_digits  # a scikit-learn that keeps the file elsewhere
+
+    bunch = load_digits()
+    return bunch.data, bunch.target
 
 
 def _images(n_train: int, n_test: int, size: int, num_classes: int, seed: int) -> Datasets:
