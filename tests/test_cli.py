@@ -146,6 +146,22 @@ def test_subprocess_unknown_flag(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
+def test_a_reader_that_went_away_is_not_an_error(tmp_path: Path) -> None:
+    """`scaleloop doctor RUN | head -1`: once the reader closed the pipe, no BrokenPipeError traceback."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text('model = "simplenet"\n')
+    read, write = os.pipe()
+    os.close(read)   # closed before the command writes: its first write fails, every time
+    try:
+        proc = subprocess.run([sys.executable, "-m", "scaleloop", "doctor", str(run)], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    finally:
+        os.close(write)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
 # --- help, no command, env ----------------------------------------------------------------
 
 def test_train_help_lists_every_field(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,6 +6,7 @@ does the work. Torch is imported only inside ``run``, so ``scaleloop --help`` an
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -60,6 +61,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("\nscaleloop: interrupted; everything written so far is kept", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader of our output went away (`scaleloop doctor RUN | head`): not an error of
+        # ours. Later writes (Python's own flush at exit) go nowhere instead of raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
