@@ -1,24 +1,34 @@
 # Two entry points for a fresh machine (see README): `make train` and `make test`.
 # Both create .venv and install scaleloop into it, with the tested versions from constraints.txt
 # (pyproject.toml gives torch a range; the constraints pin the release the suite runs on).
+# `make train` installs only what training needs (-e .); `make test` adds the dev extras (pytest,
+# the trackers, transformers). Each install has its own stamp in .venv, so `make test` after
+# `make train` in the same clone still installs the dev extras (and `make train` after `make test`
+# installs nothing more).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+TRAIN_STAMP := $(VENV)/.installed-train
+DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup train test clean gpu-check
+.PHONY: train test clean gpu-check
 
-$(BIN)/scaleloop: pyproject.toml constraints.txt
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+
+$(TRAIN_STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e .
 	touch $@
 
-setup: $(BIN)/scaleloop
+$(DEV_STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $@ $(TRAIN_STAMP)
 
-train: setup
+train: $(TRAIN_STAMP)
 	$(BIN)/scaleloop train
 
-test: setup
+test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q
 
 # On a GPU machine (its own torch, no package index): install over that torch, run every CUDA

@@ -1,9 +1,10 @@
-"""docs/tutorial.md is runnable: every code block in it is executed, and shown output is checked.
+"""docs/tutorial.md and docs/from-the-post.md are runnable: every code block in them is executed,
+and shown output is checked.
 
 The rules, so that the tutorial cannot drift from the code without a test failing:
 
 - ```` ```python ```` blocks run, in order, with this Python (the venv's), in one scratch
-  directory shared by the whole tutorial (as a reader following along would have).
+  directory shared by the whole page (as a reader following along would have).
 - ```` ```python file=NAME ```` blocks are written to NAME in that directory instead; a later
   command must run them (checked).
 - ```` ```console ```` / ```` ```bash ```` blocks: each line starting with ``$ `` is a command, run
@@ -21,8 +22,11 @@ time, a difference) matches any number, since those differ in the last digits be
 whole numbers (steps, ranks, sizes) and all words must be exactly as shown. A line that is just
 ``...`` stands for lines left out.
 
-The scratch directory starts with a copy of examples/, since the tutorial is written to be
-followed from the repository root.
+The tutorial's scratch directory starts with a copy of examples/, since it is written to be
+followed from the repository root; from-the-post.md's starts empty.
+
+Also checked here: the examples the README and the tutorial list are the files in examples/, and
+every ``make`` target the README and the docs name is one the Makefile has.
 """
 from __future__ import annotations
 
@@ -43,7 +47,9 @@ from procs import child_env, kill_group, kill_owned, owned_pids  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIAL = ROOT / "docs" / "tutorial.md"
+FROM_THE_POST = ROOT / "docs" / "from-the-post.md"
 README = ROOT / "README.md"
+MAKEFILE = ROOT / "Makefile"
 VENV_BIN = Path(sys.executable).parent
 COMMAND_TIMEOUT = 180
 
@@ -225,12 +231,14 @@ def inventory_problems(blocks: list[Block]) -> list[str]:
 
 # --- the tests ------------------------------------------------------------------------------
 TUTORIAL_BLOCKS = parse_blocks(TUTORIAL)
+FROM_THE_POST_BLOCKS = parse_blocks(FROM_THE_POST)
 
 
-def test_tutorial_blocks_are_all_executed_or_checked() -> None:
-    assert TUTORIAL_BLOCKS, "docs/tutorial.md has no code blocks"
-    assert inventory_problems(TUTORIAL_BLOCKS) == []
-    kinds = {b.kind for b in TUTORIAL_BLOCKS}
+@pytest.mark.parametrize("blocks", [TUTORIAL_BLOCKS, FROM_THE_POST_BLOCKS], ids=["tutorial", "from-the-post"])
+def test_doc_blocks_are_all_executed_or_checked(blocks: list[Block]) -> None:
+    assert blocks, "the page has no code blocks"
+    assert inventory_problems(blocks) == []
+    kinds = {b.kind for b in blocks}
     assert {"python", "console"} <= kinds
 
 
@@ -249,6 +257,11 @@ def tutorial(tmp_path_factory: pytest.TempPathFactory) -> Session:
     workdir = tmp_path_factory.mktemp("tutorial")
     shutil.copytree(ROOT / "examples", workdir / "examples")
     return Session(TUTORIAL_BLOCKS, workdir)
+
+
+@pytest.fixture(scope="module")
+def from_the_post(tmp_path_factory: pytest.TempPathFactory) -> Session:
+    return Session(FROM_THE_POST_BLOCKS, tmp_path_factory.mktemp("from-the-post"))
 
 
 @pytest.fixture(autouse=True)
@@ -270,6 +283,67 @@ def test_tutorial_block(tutorial: Session, index: int) -> None:
     failure, _ = tutorial.results[index]
     if failure is not None:
         pytest.fail(failure, pytrace=False)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("index", range(len(FROM_THE_POST_BLOCKS)),
+                         ids=[b.label.replace(" ", "-") for b in FROM_THE_POST_BLOCKS])
+def test_from_the_post_block(from_the_post: Session, index: int) -> None:
+    from_the_post.run_through(index)
+    failure, _ = from_the_post.results[index]
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)
+
+
+# --- what the pages say about the repository ------------------------------------------------
+EXAMPLE_NAME = re.compile(r"\b(\d\d_\w+\.py)\b")
+
+
+def examples_listed(text: str, opening: str) -> list[str]:
+    """The example scripts named, in order, in the paragraph of ``text`` that contains ``opening``."""
+    paragraph = next((p for p in re.split(r"\n\s*\n", text) if opening in p), None)
+    assert paragraph is not None, f"no paragraph says {opening!r}"
+    return list(dict.fromkeys(EXAMPLE_NAME.findall(paragraph)))
+
+
+def example_files() -> list[str]:
+    return sorted(p.name for p in (ROOT / "examples").glob("[0-9][0-9]_*.py"))
+
+
+def test_examples_listed_finds_a_missing_example() -> None:
+    text = "Intro.\n\nThe scripts: `00_a.py` to `01_b.py`, and\n`02_c.py`.\n\nOther `03_d.py`."
+    assert examples_listed(text, "The scripts") == ["00_a.py", "01_b.py", "02_c.py"]
+
+
+@pytest.mark.parametrize("page, opening", [(TUTORIAL, "The scripts are in"), (README, "grows such a loop")],
+                         ids=["tutorial", "readme"])
+def test_the_examples_list_is_the_examples_directory(page: Path, opening: str) -> None:
+    listed = examples_listed(page.read_text(encoding="utf-8"), opening)
+    assert listed == example_files(), (f"{page.name} lists the examples {listed}, but examples/ holds "
+                                       f"{example_files()}")
+
+
+def make_targets_named(text: str) -> set[str]:
+    return set(re.findall(r"`make ([\w-]+)", text))
+
+
+def test_every_make_target_the_docs_name_exists() -> None:
+    makefile = MAKEFILE.read_text(encoding="utf-8")
+    targets = set(re.findall(r"^([\w-]+):", makefile, re.M))
+    assert make_targets_named("run `make train`, then `make gpu-check GPU_CHECK_FLAGS=--cpu`") == {"train", "gpu-check"}
+    pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    missing = {f"{page.name}: make {t}" for page in pages for t in make_targets_named(page.read_text(encoding="utf-8"))
+               if t not in targets}
+    assert not missing, f"make targets the docs name but the Makefile lacks: {sorted(missing)}"
+
+
+def test_the_readme_first_screen_starts_a_newcomer() -> None:
+    """What scaleloop is, where to start reading, how to install, the two commands: in the first 40 lines."""
+    first = "\n".join(README.read_text(encoding="utf-8").splitlines()[:40])
+    for needed in ("docs/from-the-post.md", "docs/tutorial.md", "pip install", "make train", "make test"):
+        assert needed in first, f"the README's first 40 lines do not mention {needed}"
+    assert "Tested versions" not in first, "the tested versions belong further down the README"
 
 
 @pytest.mark.slow

@@ -1,11 +1,12 @@
 """The cost model against a published scaling result, with its error stated.
 
-The reference is seed 002's table ("Scaling Deep Learning with PyTorch", Results and Benchmarks):
-images/s and scaling efficiency of data-parallel training on 1, 4, 8 and 16 GPUs at 32 images
-per GPU. The table does not name its model or hardware, so the check states what it assumes:
-a ResNet-50 (25.6 M parameters: 102 MB of fp32 gradients, DDP's 25 MiB buckets), 8 GPUs per
-node, and two fabrics - NVLink inside a node with InfiniBand NDR between nodes, and 100 GbE
-everywhere. The 1-GPU step time is the table's own (32 images at 100 images/s).
+The reference is the "Results and Benchmarks" table of the guide "Scaling Deep Learning with
+PyTorch" (one of the sources this project was written from): images/s and scaling efficiency
+of data-parallel training on 1, 4, 8 and 16 GPUs at 32 images per GPU. The table does not name
+its model or hardware, so the check states what it assumes: a ResNet-50 (25.6 M parameters:
+102 MB of fp32 gradients, DDP's 25 MiB buckets), 8 GPUs per node, and two fabrics - NVLink
+inside a node with InfiniBand NDR between nodes, and 100 GbE everywhere. The 1-GPU step time is
+the table's own (32 images at 100 images/s).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class PublishedScaling:
 
 
 SEED_002 = PublishedScaling(
-    source="seed 002, 'Scaling Deep Learning with PyTorch', Results and Benchmarks",
+    source="the guide 'Scaling Deep Learning with PyTorch', its Results and Benchmarks table",
     per_gpu_batch=32,
     rows=((1, 100.0, 1.00), (4, 380.0, 0.95), (8, 750.0, 0.94), (16, 1450.0, 0.91)),
     parameters=25_557_032,
