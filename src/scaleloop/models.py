@@ -298,13 +298,13 @@ def build_model(name: str, info: DataInfo, hidden_dim: int = 128) -> nn.Module:
             "use --model tinygpt"
         )
 
-    if info.num_classes is None and info.task in ("classification", "lm"):
-        raise UsageError(f"model {key!r} is sized by the {_count_of(info)}, which dataset {info.name!r} does not "
-                         f"say and one sample cannot tell: {_DECLARE.format(attr=_attr_of(info))}, or use a model "
-                         "factory (--model package.module:factory) that sizes its own output")
     if info.task == "none":
         raise UsageError(f"model {key!r} needs a target to learn from, and dataset {info.name!r} has none (its samples "
                          "have no 'labels' entry); give the samples labels, or use a model that returns its own loss")
+    if info.num_classes is None:  # a classification whose classes one sample cannot tell
+        raise UsageError(f"model {key!r} is sized by the number of classes, which dataset {info.name!r} does not "
+                         f"say and one sample cannot tell: {_DECLARE.format(attr='num_classes')}, or use a model "
+                         "factory (--model package.module:factory) that sizes its own output")
     output_dim = info.num_classes  # binary: one output per label (several: multi-label)
     if key == "convnet":
         shape = info.input_shape
