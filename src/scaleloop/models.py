@@ -8,6 +8,7 @@ strategy can wrap one block at a time.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -267,7 +268,7 @@ def build_model(name: str, info: DataInfo, hidden_dim: int = 128) -> nn.Module:
     must return an ``nn.Module``. Raises ``UsageError`` when the model cannot fit the data.
     """
     if is_factory_spec(name):
-        model = call_factory(resolve_factory(name, "model"), info)
+        model = _call_model_factory(name, info)
         if not isinstance(model, nn.Module):
             raise UsageError(
                 f"--model {name!r} returned {type(model).__name__} ({model!r:.60}), "
@@ -287,6 +288,9 @@ def build_model(name: str, info: DataInfo, hidden_dim: int = 128) -> nn.Module:
                 f"model 'tinygpt' needs token data (task 'lm'); dataset {info.name!r} is a "
                 f"{info.task} task; use --data tokens or a {info.task} model such as simplenet"
             )
+        if info.num_classes is None:
+            raise UsageError(f"model 'tinygpt' is sized by the vocabulary size, which dataset {info.name!r} does not "
+                             f"say and one sample cannot tell: {_DECLARE.format(attr='vocab_size')}")
         return TinyGPT(vocab_size=info.num_classes, seq_len=info.input_shape[0])
     if info.task == "lm":
         raise UsageError(
@@ -297,7 +301,11 @@ def build_model(name: str, info: DataInfo, hidden_dim: int = 128) -> nn.Module:
     if info.task == "none":
         raise UsageError(f"model {key!r} needs a target to learn from, and dataset {info.name!r} has none (its samples "
                          "have no 'labels' entry); give the samples labels, or use a model that returns its own loss")
-    output_dim = 1 if info.task == "binary" else info.num_classes
+    if info.num_classes is None:  # a classification whose classes one sample cannot tell
+        raise UsageError(f"model {key!r} is sized by the number of classes, which dataset {info.name!r} does not "
+                         f"say and one sample cannot tell: {_DECLARE.format(attr='num_classes')}, or use a model "
+                         "factory (--model package.module:factory) that sizes its own output")
+    output_dim = info.num_classes  # binary: one output per label (several: multi-label)
     if key == "convnet":
         shape = info.input_shape
         if len(shape) != 3:
@@ -316,6 +324,33 @@ def build_model(name: str, info: DataInfo, hidden_dim: int = 128) -> nn.Module:
     input_dim = math.prod(info.input_shape)
     mlp = SimpleNet if key == "simplenet" else BiggerNet
     return mlp(input_dim, hidden_dim, output_dim)
+
+
+#: How a dataset says what one sample cannot tell (docs/models-and-data.md, "Tasks").
+_DECLARE = ("give the dataset a '{attr}' attribute, or return scaleloop.Datasets(train, test, "
+            "scaleloop.DataInfo(name, task, input_shape, num_classes)) from the data factory")
+
+
+def _count_of(info: DataInfo) -> str:
+    return "vocabulary size" if info.task == "lm" else "number of classes"
+
+
+def _attr_of(info: DataInfo) -> str:
+    return "vocab_size" if info.task == "lm" else "num_classes"
+
+
+def _call_model_factory(name: str, info: DataInfo) -> Any:
+    """The model factory's result; when it fails while ``info.num_classes`` is unknown (None),
+    most likely because it read it, one line says how the dataset can declare it."""
+    factory = resolve_factory(name, "model")
+    if info.num_classes is not None or info.task not in ("classification", "lm"):
+        return call_factory(factory, info)
+    try:
+        return call_factory(factory, info)
+    except (TypeError, ValueError) as exc:   # e.g. nn.Linear(d, None), nn.Embedding(None, d)
+        raise UsageError(f"--model {name!r} failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}) "
+                         f"with info.num_classes None: dataset {info.name!r} does not say its {_count_of(info)} "
+                         f"and one sample cannot tell: {_DECLARE.format(attr=_attr_of(info))}") from exc
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -6,14 +6,14 @@ gathers whole batches from ``.tensors`` with an index tensor instead of per-samp
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional, get_args
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from scaleloop.data.batch import describe, first_sample, first_tensor, split, tensors_of
-from scaleloop.data.info import DataInfo, Datasets
+from scaleloop.data.info import DataInfo, Datasets, Task
 from scaleloop.errors import UsageError
 from scaleloop.plugins import call_factory, is_factory_spec, resolve_factory
 
@@ -21,10 +21,6 @@ from scaleloop.plugins import call_factory, is_factory_spec, resolve_factory
 IGNORE_INDEX = -100
 
 DATASET_NAMES = ("digits", "random", "mnist", "images", "tokens")
-
-# What the factory of a stream returns when the task needs every label (docs/streaming.md).
-_GIVE_INFO = ("return scaleloop.Datasets(train, test, scaleloop.DataInfo(name, '{task}', input_shape, num_classes)) "
-              "from the factory")
 
 # Token streams are built from a fixed vocabulary of short random "phrases", so that a
 # language model can lower its loss by memorising them, while generation stays vectorised.
@@ -202,17 +198,23 @@ def _from_factory(spec: str, options: dict[str, Any], task: str = "auto") -> Dat
 
 
 def infer_info(name: str, train: Dataset, test: Optional[Dataset] = None, task: str = "auto") -> DataInfo:
-    """Guess a ``DataInfo`` from the first sample of ``train``, cut into inputs and target by
-    ``scaleloop.data.batch.split``; ``task`` (not ``auto``) says the task instead of guessing it.
+    """Guess a ``DataInfo`` from ONE sample of ``train`` (``train[0]``, or a stream's first),
+    cut into inputs and target by ``scaleloop.data.batch.split``; ``task`` (not ``auto``) says
+    the task instead of guessing it. Start-up never reads the whole dataset: a dataset of a
+    million samples, or one whose reads are slow or hang past the first, starts at once.
 
-    A float target of shape ``(1,)`` holding only 0 and 1 means binary; any other float target
-    means regression (``num_classes`` = values per sample); an integer scalar means classification
-    (``num_classes`` = largest label + 1); an integer 1-d target shaped like an integer 1-d input
-    means a language model (``num_classes`` = largest token + 1). A mapping sample without a
-    target (the model computes its own loss) gives the task ``none``. A stream (``IterableDataset``)
-    is read for its first sample only: a task that needs every label (the number of classes; binary
-    or regression for a float target of shape ``(1,)``) must then be given (``--task``, or the
-    factory's ``DataInfo``).
+    The task, in order: ``task``; the training set's ``task`` attribute (one of the task names);
+    else the sample's target: an integer scalar is ``classification``; integer tokens shaped like
+    1-d integer input tokens are ``lm``; a 1-d float target of 0s and 1s is ``binary`` (one label,
+    or several: multi-label); any other float target is ``regression``. A mapping sample without
+    a target gives ``none`` (the model computes its own loss).
+
+    Sizes: ``num_classes`` is the values per sample for binary and regression. For classification
+    (and lm: the vocabulary) it is the dataset's ``num_classes`` (``vocab_size``) attribute when it
+    declares one; else, for sets that hold their tensors in memory (``TensorDataset``,
+    ``DictTensorDataset``), the largest label (token) of train and test + 1, in one vectorised pass
+    (so are their 0/1 targets checked); else None: unknown, and a built-in model then asks for a
+    declaration, while a model factory sizes its own head (:func:`scaleloop.models.build_model`).
     """
     try:
         sample = first_sample(train)
@@ -251,38 +253,60 @@ def split_sample(name: str, sample: Any) -> tuple[Any, Any]:
         raise UsageError(f"--data {name!r}: {exc}") from None
 
 
+def declared(dataset: Optional[Dataset]) -> tuple[Optional[str], Optional[int]]:
+    """What a dataset says of itself: its ``task`` attribute (a task name) and its ``num_classes``
+    (or ``vocab_size``) attribute (a positive integer); None for what it does not say."""
+    def attribute(key: str) -> Any:
+        try:
+            return getattr(dataset, key, None)
+        except Exception:  # a dataset's own __getattr__ may raise anything: then it says nothing
+            return None
+
+    task = attribute("task")
+    sizes = [attribute(key) for key in ("num_classes", "vocab_size")]
+    size = next((v for v in sizes if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
+    return (task if isinstance(task, str) and task in get_args(Task) else None), size
+
+
 def _task_of(name: str, x: torch.Tensor, y: torch.Tensor, train: Dataset, test: Optional[Dataset],
              task: str) -> DataInfo:
     shape = tuple(x.shape)
+    said_task, said_size = declared(train)
+    # In-memory sets are read whole in one vectorised pass; any other set only through its one sample.
+    train_columns = _columns(train)
+    in_memory = train_columns is not None
+    columns = [c for c in (train_columns, _columns(test)) if c is not None]
     if task == "auto":
-        if y.is_floating_point():
-            if tuple(y.shape) == (1,):
-                _scan(name, train, test, "telling binary from regression", "say --task binary or --task regression")
-            task = "binary" if tuple(y.shape) == (1,) and _only_zero_one(train, test) else "regression"
-        elif _is_int(y) and y.dim() == 0:
-            task = "classification"
-        elif _is_int(y) and _is_int(x) and y.dim() == 1 and y.shape == x.shape:
-            task = "lm"
-        else:
-            raise UsageError(
-                f"--data {name!r}: cannot tell the task from the first sample (input {list(x.shape)} "
-                f"{x.dtype}, target {list(y.shape)} {y.dtype}); expected a float target (regression, or "
-                "binary when it is [1] of 0/1), an integer class index (classification), or an int64 tensor "
-                "shaped like a 1-d int64 input (lm); or say it with --task")
-    if task == "regression":
-        return DataInfo(name, "regression", shape, max(1, y.numel()))
-    if task == "binary":
-        return DataInfo(name, "binary", shape, 1)
-    if task == "classification":
-        if not _is_int(y) or y.dim() != 0:
-            raise UsageError(f"--data {name!r}: --task classification needs an integer class index per sample, "
-                             f"got a target {list(y.shape)} {y.dtype}")
-        _scan(name, train, test, "the number of classes", _GIVE_INFO.format(task="classification"))
-        return DataInfo(name, "classification", shape, _max_value(name, train, test, lm=False) + 1)
-    if not (_is_int(y) and y.dim() == 1):
+        task = said_task or _guess_task(name, x, y, columns if in_memory else [(x, y)])
+    if task in ("regression", "binary"):
+        return DataInfo(name, task, shape, max(1, y.numel()))  # type: ignore[arg-type]
+    if task == "none":
+        return DataInfo(name, "none", shape, 0)
+    lm = task == "lm"
+    if not lm and (not _is_int(y) or y.dim() != 0):
+        raise UsageError(f"--data {name!r}: --task classification needs an integer class index per sample, "
+                         f"got a target {list(y.shape)} {y.dtype}")
+    if lm and not (_is_int(y) and y.dim() == 1):
         raise UsageError(f"--data {name!r}: --task lm needs integer token targets, got {list(y.shape)} {y.dtype}")
-    _scan(name, train, test, "the vocabulary size", _GIVE_INFO.format(task="lm"))
-    return DataInfo(name, "lm", shape, _max_value(name, train, test, lm=True) + 1)
+    high = _max_value(name, columns if in_memory else [(x, y)], lm)  # the one sample: its negatives fail here
+    size = said_size if said_size is not None else high + 1 if in_memory else None
+    return DataInfo(name, task, shape, size)  # type: ignore[arg-type]
+
+
+def _guess_task(name: str, x: torch.Tensor, y: torch.Tensor, columns: list[tuple[Any, Any]]) -> str:
+    """The task the sample's target says (``columns``: whole in-memory sets, or the one sample)."""
+    if y.is_floating_point():
+        zero_one = y.dim() == 1 and all(bool(((t == 0) | (t == 1)).all()) for t in (torch.as_tensor(c[1]) for c in columns))
+        return "binary" if zero_one else "regression"
+    if _is_int(y) and y.dim() == 0:
+        return "classification"
+    if _is_int(y) and _is_int(x) and y.dim() == 1 and y.shape == x.shape:
+        return "lm"
+    raise UsageError(
+        f"--data {name!r}: cannot tell the task from the first sample (input {list(x.shape)} "
+        f"{x.dtype}, target {list(y.shape)} {y.dtype}); expected a float target (regression, or "
+        "binary when it is 1-d of 0/1), an integer class index (classification), or an int64 tensor "
+        "shaped like a 1-d int64 input (lm); or say it with --task")
 
 
 def _as_tensor(value: Any) -> Optional[torch.Tensor]:
@@ -299,55 +323,28 @@ def _is_int(t: torch.Tensor) -> bool:
     return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
 
 
-def _columns_or_samples(ds: Dataset) -> Iterator[tuple[Any, Any]]:
-    """``(inputs, target)`` of the whole dataset at once when it holds tensors in memory, else
-    of each sample (a generic dataset can only be read one sample at a time)."""
-    columns = tensors_of(ds)
-    if columns is not None:
-        yield split(columns)
-        return
-    for i in range(len(ds)):  # type: ignore[arg-type]
-        yield split(ds[i])
+def _columns(ds: Optional[Dataset]) -> Optional[tuple[Any, Any]]:
+    """``(inputs, target)`` of a whole set that holds its tensors in memory, else None (a generic
+    dataset is read one sample at a time, which start-up never does past the first)."""
+    columns = tensors_of(ds) if ds is not None else None
+    return split(columns) if columns is not None else None
 
 
-def _scan(name: str, train: Dataset, test: Optional[Dataset], what: str, remedy: str) -> None:
-    """UsageError when telling the task needs every label (``what``) and a set is a stream,
-    which is never read ahead of training."""
-    if any(isinstance(ds, IterableDataset) for ds in (train, test)):
-        raise UsageError(f"--data {name!r}: {what} needs every label, and a stream (an IterableDataset) is not read "
-                         f"ahead of training: {remedy}")
+def _max_value(name: str, columns: list[tuple[Any, Any]], lm: bool) -> int:
+    """Largest integer among the targets (and, for a language model, the input tokens) of
+    ``columns``, leaving out -100 (cross-entropy's ignore index); other negatives are an error.
 
-
-def _only_zero_one(train: Dataset, test: Optional[Dataset]) -> bool:
-    """Every target of both sets is 0 or 1 (a binary task, not a regression)."""
-    for ds in (train, test):
-        if ds is None or len(ds) == 0:
-            continue
-        for _, y in _columns_or_samples(ds):
-            y = torch.as_tensor(y)
-            if not bool(((y == 0) | (y == 1)).all()):
-                return False
-    return True
-
-
-def _max_value(name: str, train: Dataset, test: Optional[Dataset], lm: bool) -> int:
-    """Largest integer among the targets (and, for a language model, the input tokens) over
-    both sets, leaving out -100 (cross-entropy's ignore index); other negatives are an error.
-
-    Scanning the test set too keeps the model's output wide enough for every test label.
+    Both sets' columns count: the model's output must be wide enough for every test label too.
     """
     low, high = 0, 0
-    for ds in (train, test):
-        if ds is None or len(ds) == 0:
-            continue
-        for inputs, y in _columns_or_samples(ds):
-            values = [torch.as_tensor(y).reshape(-1)]
-            if lm:
-                values.append(torch.as_tensor(first_tensor(inputs)).reshape(-1))
-            for v in values:
-                v = v[v != IGNORE_INDEX]  # cross-entropy's "no target here" (padding in HF batches)
-                if v.numel():
-                    low, high = min(low, int(v.min())), max(high, int(v.max()))
+    for inputs, y in columns:
+        values = [torch.as_tensor(y).reshape(-1)]
+        if lm:
+            values.append(torch.as_tensor(first_tensor(inputs)).reshape(-1))
+        for v in values:
+            v = v[v != IGNORE_INDEX]  # cross-entropy's "no target here" (padding in HF batches)
+            if v.numel():
+                low, high = min(low, int(v.min())), max(high, int(v.max()))
     if low < 0:
         raise UsageError(f"--data {name!r}: found a negative class index or token ({low}); "
                          "labels and tokens must be integers from 0 upward")

@@ -70,7 +70,9 @@ def resolve_loss(spec: Optional[str], info: DataInfo) -> LossFn:
                                  "give the batch labels or return the loss from the model")
             return task_loss(info, prediction_of(output), target)
 
-        return builtin
+        # Classes known only from the model's output width: the first batch's labels are checked
+        # against it, in one line rather than a CUDA device-side assert.
+        return builtin if info.num_classes is not None else _labels_within_output(info, builtin)
     from scaleloop.plugins import resolve_factory
 
     fn = resolve_factory(spec, "loss")
@@ -96,6 +98,63 @@ def _loss_instance(spec: str, cls: type) -> Callable[..., Any]:
     except TypeError as exc:
         raise UsageError(f"--loss {spec!r} is a class that cannot be made without arguments ({exc}); "
                          "give a function, or a module:name of a function that returns the loss") from None
+
+
+def _labels_within_output(info: DataInfo, loss: LossFn) -> LossFn:
+    """``loss``, whose first call checks that the target's class indices (tokens) fit the output."""
+    checked = False
+
+    def loss_fn(output: Any, target: Any) -> torch.Tensor:
+        nonlocal checked
+        if not checked and info.task in ("classification", "lm") and isinstance(target, torch.Tensor):
+            checked = True
+            try:
+                width = prediction_of(output).shape[-1]
+            except UsageError:   # no prediction (a model's own loss only): nothing to check against
+                width = None
+            labels = target[target != -100]
+            if width is not None and labels.numel() and int(labels.max()) >= width:
+                noun = "token" if info.task == "lm" else "class index"
+                raise UsageError(f"the batch holds {noun} {int(labels.max())}, but the model outputs {width} "
+                                 f"scores per prediction (dataset {info.name!r} does not say its number of "
+                                 "classes, so the model's output width is taken as it): widen the model's output, "
+                                 "or fix the labels")
+        return loss(output, target)
+
+    return loss_fn
+
+
+#: The built-in loss of each task, as the run's header names it.
+TASK_LOSSES = {"classification": "CrossEntropyLoss", "binary": "BCEWithLogitsLoss", "regression": "MSELoss",
+               "lm": "CrossEntropyLoss (next token)"}
+
+
+def describe_task(info: DataInfo, loss_spec: Optional[str] = None, model_takes_target: bool = False) -> str:
+    """``task: <what>, loss <which>``: the line of the run's header that says what is learnt and how.
+
+    ``loss_spec``: the user's ``--loss``; ``model_takes_target``: the model's ``forward`` takes
+    the batch's ``labels`` (a Hugging Face model), so it is expected to return its own loss.
+    """
+    n = info.num_classes
+    if info.task == "classification":
+        what = f"classification over {n} classes" if n is not None else \
+            "classification (classes: the model's output width)"
+    elif info.task == "binary":
+        what = f"multi-label (binary) over {n} labels" if n and n > 1 else "binary"
+    elif info.task == "regression":
+        what = f"regression of {n} values per sample" if n and n > 1 else "regression"
+    elif info.task == "lm":
+        what = f"language modelling over {n} tokens" if n is not None else \
+            "language modelling (vocabulary: the model's output width)"
+    else:
+        what = "none (the samples hold no target)"
+    if loss_spec is not None:
+        loss = f"loss {loss_spec} (--loss)"
+    elif model_takes_target or info.task == "none":
+        loss = "loss: the model's own"
+    else:
+        loss = f"loss {TASK_LOSSES[info.task]}"
+    return f"task: {what}, {loss}"
 
 
 #: ``metric(prediction, target) -> tensor``: one value per sample, or the batch's mean.

@@ -43,6 +43,7 @@ from scaleloop.loop.preempt import StopVote
 from scaleloop.loop.running import RunningLoss
 from scaleloop.loop.schedule import describe_schedule
 from scaleloop.loop.step import Step
+from scaleloop.loop.tasks import describe_task
 from scaleloop.output.memory import RankMemory, measure, reset_peak, write_json
 from scaleloop.output.metrics import MetricsLogger, plot_curves
 from scaleloop.output.rundir import (LOGS_DIR, RunDirWriteError, lock_run_dir, prepare_run_dir, refuse_if_in_use,
@@ -490,6 +491,7 @@ def _announce(run: Run, resumed: Optional[Resumed], say: Log) -> None:
     say(f"scaleloop: {cfg.model} ({run.parameters:,} parameters) on {data.info.name} "
         f"({_size(data.train)} train / {_size(data.test) if data.test is not None else 0} test), "
         f"{run.strategy.describe()} x {env.world_size} on {describe_device(env.device)}, {cfg.precision}")
+    say(describe_task(data.info, cfg.loss, getattr(run.loader, "keep_target", False)))
     for line in run.strategy.details() + run.notes:
         say(line)
     if cfg.lr_scaling != "none" or cfg.lr_schedule != "constant" or cfg.warmup_steps:
