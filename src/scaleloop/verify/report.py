@@ -59,4 +59,5 @@ def rounding_note(rows: Sequence[StepDiff], tol: Tolerance, optimizer: str) -> s
     return (f"  note: {last.excluded} parameter element(s) (in {names}) had gradients at rounding level, which "
             f"{optimizer} can turn into full-size steps of either sign; they are left out of the parameter "
             f"columns (with them: {last.raw_param_rel:.1e} of the largest weight). The gradients agree; "
-            "a bias right before BatchNorm, whose true gradient is zero, is one such case")
+            "a bias right before BatchNorm, whose true gradient is zero, is one such case (the running mean after "
+            "it may then differ by as much: buffers are allowed the parameters' difference of the step before)")
