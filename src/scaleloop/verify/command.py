@@ -32,17 +32,19 @@ from scaleloop.errors import UsageError
 from scaleloop.strategies import make_strategy
 from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.verify import data as data_check
-from scaleloop.verify.compare import compare_runs, tolerance_for
-from scaleloop.verify.diagnose import Cause, fallback, failure_cause, name_causes, piece_groups
+from scaleloop.verify.compare import StepDiff, Tolerance, compare_runs, gradient_ratio, tolerance_for
+from scaleloop.verify.diagnose import (Cause, buffer_cause, fallback, failure_cause, initial_cause, name_causes,
+                                       piece_groups, scale_cause)
 from scaleloop.verify.explain import format_explain
-from scaleloop.launching.failures import FAILURE_FILE, Failure
+from scaleloop.launching.failures import Failure
 from scaleloop.verify.launch import failure_report, start_workers, worker_errors
 from scaleloop.verify.layout import CONFIG_FILE, OPTIONS_FILE, distributed_dir, reference_dir
 from scaleloop.loop.tasks import resolve_loss
 from scaleloop.verify.options import VerifyOptions
 from scaleloop.verify.probes import Probes, run_probes, unsynced_batchnorm
 from scaleloop.verify.recorder import RECORD_FILE, Recorder
-from scaleloop.verify.report import equivalence_verdict, format_table, rounding_note
+from scaleloop.verify.report import buffer_line, equivalence_verdict, format_table, rounding_note
+from scaleloop.verify.saved import SavedState
 from scaleloop.loop.build import build_data_and_model
 from scaleloop.verify.steps import RunSpec, run_steps
 from scaleloop.verify.sync import format_sync
@@ -109,9 +111,9 @@ def _report_root(report: Optional[str]) -> Iterator[Path]:
         try:
             yield tmp
         finally:
-            # A failed distributed run's logs explain it, and its report names them: kept.
-            if not (tmp / FAILURE_FILE).exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+            # On every ending (PASS, FAIL, an error, Ctrl-C): the workers are stopped by then, and
+            # what a failure's logs say is printed; --report DIR keeps them.
+            shutil.rmtree(tmp, ignore_errors=True)
         return
     root = Path(report)
     if root.exists() and any(root.iterdir()) and not (root / OPTIONS_FILE).exists():
@@ -212,7 +214,7 @@ def _run_dataparallel(s: Session) -> int:
     """The distributed side for ``dp``: nn.DataParallel over every GPU, in this process."""
     env = DistEnv(device=s.device)
     recorder = Recorder(env, distributed_dir(s.root), explain_step=s.opts.explain_step,
-                        audit_data="data" in s.opts.checks, check_sync="sync" in s.opts.checks)
+                        audit_data="data" in s.opts.checks, check_sync=s.opts.hashes_replicas)
     try:
         run_steps(s.cfg, env, RunSpec("dp", s.cfg.accumulate, s.opts.steps), recorder)
     except UsageError:
@@ -231,8 +233,10 @@ def _report(s: Session, reference: Optional[dict[str, Any]], code: int) -> int:
     failure = failure_report(s.root, s.cfg, code) if code != 0 and s.cfg.strategy != "dp" else None
     if run is None and not failures:
         s.say(f"verdict: FAIL - the worker processes failed (exit code {code}) before recording anything"
-              + (f"; records kept in {s.root}" if failure is not None else ":"))
-        for line in failure.report if failure is not None else [f"  {e}" for e in worker_errors(s.root)]:
+              + (_kept(s) if failure is not None else ":"))
+        lines = (_failure_lines(Records(None, None, [], failure, [], []), bool(s.opts.report))
+                 if failure is not None else [f"  {e}" for e in worker_errors(s.root)])
+        for line in lines:
             s.say(line)
         return 1
     ranks = run["ranks"] if run else []
@@ -248,7 +252,7 @@ def _report(s: Session, reference: Optional[dict[str, Any]], code: int) -> int:
         results.append(("equivalence", _equivalence(s, records)))
     elif failures or failure is not None:
         s.say("verdict: FAIL")
-        for line in _failure_lines(records):
+        for line in _failure_lines(records, bool(s.opts.report)):
             s.say(line)
         results.append(("run", False))
     if run is not None and "data" in s.opts.checks:
@@ -266,36 +270,63 @@ def _report(s: Session, reference: Optional[dict[str, Any]], code: int) -> int:
         else:
             for line in format_explain(s.opts.explain_step, run, reference):
                 s.say(line)
+    if run is not None and not failures and failure is not None:
+        results.append(("shutdown", _shutdown(s, records, code, dict(results).get("equivalence", True))))
     failed = [name for name, ok in results if not ok]
     summary = "; ".join(f"{name} {'passed' if ok else 'FAILED'}" for name, ok in results)
-    s.say(f"verify: {'FAIL' if failed else 'PASS'} ({summary})"
-          + (f"; records kept in {s.root}" if s.opts.report or failure is not None else ""))
+    s.say(f"verify: {'FAIL' if failed else 'PASS'} ({summary})" + _kept(s))
     return 1 if failed else 0
 
 
-def _failure_lines(r: Records) -> list[str]:
+def _shutdown(s: Session, r: Records, code: int, reported: bool) -> bool:
+    """Every step was recorded, yet a worker exited with an error (at shutdown, or after its last
+    collective): said, with the failure report, and failed: ``scaleloop train`` would end the same way."""
+    s.say(f"shutdown: FAIL - every step was recorded, but the workers exited with code {code} afterwards "
+          "(a rank aborted at shutdown: at exit, in destroy_process_group, or in its own atexit code)")
+    if reported:   # a failed equivalence has printed the report already
+        for line in _failure_lines(r, bool(s.opts.report)):
+            s.say(line)
+    return False
+
+
+def _kept(s: Session) -> str:
+    return f"; records kept in {s.root}" if s.opts.report else ""
+
+
+def _failure_lines(r: Records, kept: bool) -> list[str]:
     """Why the distributed run stopped: the short report (the rank that failed first or stalled,
-    the user's line, the logs); the ranks' own records where there is none (dp, in this process)."""
+    the user's line, the logs); the ranks' own records where there is none (dp, in this process).
+
+    Without ``kept`` (no --report) the logs go with the temporary directory: not pointed to.
+    """
     if r.failure is not None:
-        return r.failure.report
+        if kept:
+            return r.failure.report
+        return ([line for line in r.failure.report if not line.startswith("  logs: ")]
+                + ["  (the workers' logs are removed with verify's temporary directory: run again with "
+                   "--report DIR to keep them)"])
     return failure_cause(r.failures).lines() if r.failures else []
 
 
 def _equivalence(s: Session, r: Records) -> bool:
-    """The step table and verdict; on failure, the named causes."""
+    """The step table, the models as built and the ranks' final copies, the verdict; on failure, the causes."""
     assert r.reference is not None
     tol = tolerance_for(s.cfg.precision, s.opts.tolerance, s.cfg.optimizer, s.cfg.lr)
     run_losses = r.run["losses"] if r.run else (min(r.failures, key=lambda f: f["rank"]).get("losses") or [])
     rows = compare_runs(reference_dir(s.root), distributed_dir(s.root), r.reference["losses"], run_losses,
                         s.opts.steps, tol)
+    saved = SavedState.load(reference_dir(s.root), distributed_dir(s.root), r.run)
     for line in format_table(rows, s.world, tol):
         s.say(line)
-    s.say(f"  {tol.describe()}")
-    note = rounding_note(rows, tol, s.cfg.optimizer)
+    for line in (buffer_line(rows), f"  {tol.describe()}", rounding_note(rows, tol, s.cfg.optimizer)):
+        if line:
+            s.say(line)
+    passed, verdict = equivalence_verdict(rows, s.opts.steps, s.world, s.cfg.strategy, tol, bool(r.failures),
+                                          saved.problems(tol))
+    s.say(verdict)
+    note = saved.note(not passed)
     if note:
         s.say(note)
-    passed, verdict = equivalence_verdict(rows, s.opts.steps, s.world, s.cfg.strategy, tol, bool(r.failures))
-    s.say(verdict)
     if _pipeline(s.cfg):
         # Said, not skipped silently: what this comparison does not cover under the pipeline.
         s.say("  (pipeline: the loss is the last stage's; parameters and gradients are gathered from all stages "
@@ -303,28 +334,57 @@ def _equivalence(s: Session, r: Records) -> bool:
               "does not apply: no rank computes a gradient another rank also computes)")
     if passed:
         return True
-    for line in _failure_lines(r):
+    for line in _failure_lines(r, bool(s.opts.report)):
         s.say(line)
-    causes: list[Cause] = []
+    causes = _causes(s, r, rows, saved, tol)
+    if causes:
+        s.say("diagnosis:")
+        for cause in causes:
+            for line in cause.lines():
+                s.say(line)
+    return False
+
+
+def _causes(s: Session, r: Records, rows: list[StepDiff], saved: SavedState, tol: Tolerance) -> list[Cause]:
+    """Every named cause of a failed equivalence, most certain first; the fallback when none is known."""
+    assert r.reference is not None
     no_grad = sorted({n for rank in (r.run["ranks"] if r.run else []) for names in rank["no_grad"].values()
                       for n in names}
                      | {n for f in r.failures for names in f.get("no_grad_before", {}).values() for n in names})
     step_samples = len(data_check.step_indices(r.reference["ranks"][0]["micro"], 1))
     world, accumulate = _pieces(s)
-    named = name_causes(s.cfg, world=world, accumulate=accumulate, step_samples=step_samples,
-                        probes=_probe(s, r.reference), step_problems=r.step_problems,
-                        content_problems=r.content_problems, no_grad=no_grad)
-    causes += named
+    probes = _probe(s, r.reference)
+    initial = initial_cause(saved.initial.worst() if saved.initial_differs(tol) and saved.initial else None,
+                            saved.initial_per_rank)
+    named = [initial] if initial is not None else []
+    named += name_causes(s.cfg, world=world, accumulate=accumulate, step_samples=step_samples,
+                         probes=probes, step_problems=r.step_problems,
+                         content_problems=r.content_problems, no_grad=no_grad)
+    if initial is None:   # from other weights, step 1's gradients say nothing about a scale
+        ratio = gradient_ratio(reference_dir(s.root), distributed_dir(s.root), tol)
+        scaled = scale_cause(ratio, world=world, accumulate=accumulate, probes=probes)
+        named += [scaled] if scaled is not None else []
+    buffers = _stray_buffers(s, rows, saved, tol)
+    if buffers is not None:
+        named.append(buffers)
     if not named and not (r.failures or r.failure):   # a failed run's report above says why
         bad = next((row for row in rows if row.failures(tol)), None)
-        causes.append(fallback(s.cfg, f"step {bad.step}, {bad.worst_param}" if bad else None))
-    if not causes:
-        return False
-    s.say("diagnosis:")
-    for cause in causes:
-        for line in cause.lines():
-            s.say(line)
-    return False
+        named.append(fallback(s.cfg, f"step {bad.step}, {bad.worst_param}" if bad else None))
+    return named
+
+
+def _stray_buffers(s: Session, rows: list[StepDiff], saved: SavedState, tol: Tolerance) -> Optional[Cause]:
+    """Buffers that ended apart between ranks, or that alone differ from one process's, other than
+    the statistics of BatchNorm layers that are not synchronised (named by their own rule)."""
+    batchnorm = [] if s.cfg.sync_batchnorm else [f"{b.split(' (')[0]}." for b in unsynced_batchnorm(s.model)]
+    own = lambda name: not any(name.startswith(prefix) for prefix in batchnorm)   # noqa: E731
+    between = [n for n in saved.replica_buffers() if own(n)]
+    if between:
+        return buffer_cause(between, between_ranks=True)
+    only_buffers = [row for row in rows if row.failures(tol) and tol.params_equal(row.step, row.param_abs, row.param_rel)
+                    and row.grad_rel <= tol.grads_at(row.step) and row.loss_rel <= tol.loss]
+    names = [n for row in only_buffers[:1] for n in (row.worst_buffer, *row.unequal_buffers) if n and own(n)]
+    return buffer_cause(list(dict.fromkeys(names)), between_ranks=False)
 
 
 def _pieces(s: Session) -> tuple[int, int]:

@@ -118,6 +118,19 @@ class StepDiff:
     raw_param_rel: float = 0.0
     excluded: int = 0
     excluded_in: tuple[str, ...] = ()
+    # The buffers the model saves (BatchNorm statistics, an EMA): floating ones as the parameters,
+    # relative to the largest |buffer|; the others (counters) must be equal.
+    buffer_abs: float = 0.0
+    buffer_rel: float = 0.0
+    worst_buffer: str = ""
+    unequal_buffers: tuple[str, ...] = ()
+    #: How far the parameter elements left out for rounding-level gradients had moved apart before
+    #: this step: buffers computed from them (BatchNorm's running mean after such a bias) may differ
+    #: as much, in absolute terms.
+    buffer_allowance: float = 0.0
+
+    def buffers_equal(self, tol: Tolerance) -> bool:
+        return tol.params_equal(self.step, self.buffer_abs, self.buffer_rel) or self.buffer_abs <= self.buffer_allowance
 
     @property
     def loss_rel(self) -> float:
@@ -138,6 +151,12 @@ class StepDiff:
         if not self.grad_rel <= tol.grads_at(self.step):
             out.append(f"gradients {self.grad_rel:.2e} of the largest gradient (tolerance "
                        f"{tol.grads_at(self.step):.0e}), worst {self.worst_grad}")
+        if not self.buffers_equal(tol):
+            out.append(f"buffers {self.buffer_rel:.2e} of the largest buffer (tolerance {tol.params:.0e}), "
+                       f"worst {self.worst_buffer}")
+        if self.unequal_buffers:
+            out.append(f"buffer {self.unequal_buffers[0]} differs"
+                       + (f" (and {len(self.unequal_buffers) - 1} more)" if len(self.unequal_buffers) > 1 else ""))
         return out
 
 
@@ -207,9 +226,15 @@ def compare_runs(ref_dir: Path, run_dir: Path, ref_losses: list[float], run_loss
     Parameter elements whose gradient was at rounding level in this or an earlier step are left
     out of ``param_rel`` (see :func:`rounding_level`); a real difference between the runs shows
     in the loss and the gradients, which are always compared in full.
+
+    The buffers both runs saved are compared too: floating ones as the parameters (relative to the
+    largest buffer), others exactly. Once elements were left out, a buffer may also differ by as
+    much as the parameters did (those elements included) at the step before: a running mean after
+    a bias that Adam moved by +lr in one run and -lr in the other differs by its momentum's share of that.
     """
     rows: list[StepDiff] = []
     noisy: dict[str, torch.Tensor] = {}
+    noise_moved = 0.0   # the largest difference of the left-out elements, up to the previous step
     for step in range(1, steps + 1):
         a, b = step_file(ref_dir, step), step_file(run_dir, step)
         if not (a.exists() and b.exists()) or step > min(len(ref_losses), len(run_losses)):
@@ -219,9 +244,83 @@ def compare_runs(ref_dir: Path, run_dir: Path, ref_losses: list[float], run_loss
         for name, mask in rounding_level(ref["grads"], run["grads"], tol.grads_at(step)).items():
             noisy[name] = noisy[name] | mask if name in noisy and noisy[name].shape == mask.shape else mask
         p_abs, p_rel, p_worst = tensor_diff(ref["params"], run["params"], skip=noisy)
-        _, raw_rel, _ = tensor_diff(ref["params"], run["params"])
+        raw_abs, raw_rel, _ = tensor_diff(ref["params"], run["params"])
         _, g_rel, g_worst = tensor_diff(ref["grads"], run["grads"])
         excluded = tuple(n for n, m in noisy.items() if bool(m.any()))
+        b_abs, b_rel, b_worst = tensor_diff(ref.get("buffers", {}), run.get("buffers", {}))
         rows.append(StepDiff(step, ref_losses[step - 1], run_losses[step - 1], p_abs, p_rel, p_worst,
-                             g_rel, g_worst, raw_rel, sum(int(noisy[n].sum()) for n in excluded), excluded))
+                             g_rel, g_worst, raw_rel, sum(int(noisy[n].sum()) for n in excluded), excluded,
+                             b_abs, b_rel, b_worst, unequal_exact(ref.get("buffers", {}), run.get("buffers", {})),
+                             noise_moved))
+        if excluded:
+            noise_moved = max(noise_moved, raw_abs)
     return rows
+
+
+def unequal_exact(ref: Tensors, run: Tensors) -> tuple[str, ...]:
+    """The tensors that are not floating point (counters such as BatchNorm's ``num_batches_tracked``)
+    and differ between the runs, or that one run lacks: these must be equal, not merely close."""
+    names = list(ref) + [n for n in run if n not in ref]
+    floating = set(_floating(ref, run))
+    return tuple(n for n in names if n not in floating
+                 and not (n in ref and n in run and ref[n].shape == run[n].shape and torch.equal(ref[n], run[n])))
+
+
+@dataclass(frozen=True)
+class InitialDiff:
+    """How rank 0's model as built (step 0) differs from the reference's: (largest relative difference,
+    the tensor holding it) for the parameters and for the floating buffers, and unequal counters."""
+
+    param_rel: float
+    worst_param: str
+    buffer_rel: float
+    worst_buffer: str
+    unequal: tuple[str, ...]
+
+    def differs(self, tol: Tolerance) -> bool:
+        return not (self.param_rel <= tol.params and self.buffer_rel <= tol.params) or bool(self.unequal)
+
+    def worst(self) -> str:
+        """The tensor that differs most (a parameter before a buffer)."""
+        if self.param_rel > 0:
+            return self.worst_param
+        return self.worst_buffer or (self.unequal[0] if self.unequal else "")
+
+
+def initial_diff(ref_dir: Path, run_dir: Path) -> Optional[InitialDiff]:
+    """Compare the models both runs built, before any step (None: a side did not record step 0)."""
+    a, b = step_file(ref_dir, 0), step_file(run_dir, 0)
+    if not (a.exists() and b.exists()):
+        return None
+    ref, run = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    _, p_rel, p_worst = tensor_diff(ref["params"], run["params"])
+    _, b_rel, b_worst = tensor_diff(ref["buffers"], run["buffers"])
+    return InitialDiff(p_rel, p_worst, b_rel, b_worst,
+                       unequal_exact(ref["params"], run["params"]) + unequal_exact(ref["buffers"], run["buffers"]))
+
+
+def gradient_ratio(ref_dir: Path, run_dir: Path, tol: Tolerance) -> Optional[float]:
+    """c when the first step's gradients of the distributed run are c times the reference's, for one
+    c != 1 over every element (a loss or gradient scaled by hand); None when they are not.
+
+    Step 1 is computed from the same weights in both runs, so a constant factor shows there
+    exactly, up to rounding: the least-squares c, and what it leaves within the gradient tolerance.
+    """
+    a, b = step_file(ref_dir, 1), step_file(run_dir, 1)
+    if not (a.exists() and b.exists()):
+        return None
+    ref, run = torch.load(a, weights_only=True)["grads"], torch.load(b, weights_only=True)["grads"]
+    names = [n for n in _floating(ref, run) if n in ref and n in run and ref[n].shape == run[n].shape]
+    if not names or len(names) != len(set(ref) | set(run)):
+        return None
+    g_ref = torch.cat([ref[n].double().reshape(-1) for n in names])
+    g_run = torch.cat([run[n].double().reshape(-1) for n in names])
+    norm = float(g_ref.dot(g_ref))
+    if not norm > 0 or not torch.isfinite(g_run).all():
+        return None
+    c = float(g_ref.dot(g_run)) / norm
+    scaled = c * g_ref
+    residual = float((g_run - scaled).abs().max()) / max(float(scaled.abs().max()), 1e-300)
+    if not residual <= tol.grads_at(1) or abs(c - 1) <= 10 * tol.grads_at(1) or c <= 0:
+        return None
+    return c

@@ -136,3 +136,64 @@ def failure_cause(failures: Sequence[dict[str, Any]]) -> Cause:
                      f"{first.get('waiting_in') or 'a collective'}: a rank without an error of its own stopped "
                      "taking part (its output is in torchrun.log); raise --timeout if it was only slow")
     return Cause("the distributed run failed", f"rank {first['rank']} at step {first['step']}: {error}{where}")
+
+
+def initial_cause(ref_differs: Optional[str], per_rank: Sequence[dict[str, Any]]) -> Optional[Cause]:
+    """The models were built differently: rank 0's from the reference's (``ref_differs``: the
+    worst tensor), or another rank's from rank 0's (``per_rank``: ``{"rank", "names"}`` each)."""
+    if not ref_differs and not per_rank:
+        return None
+    seen = []
+    if ref_differs:
+        seen.append(f"rank 0's model as built differs from the one process's ({ref_differs} first)")
+    for entry in per_rank[:3]:
+        seen.append(f"rank {entry['rank']}'s differs from rank 0's ({_names(entry['names'], 3)})")
+    return Cause(
+        "initial weights differ per rank",
+        "; ".join(seen) + ", before any step: the model factory draws its initial weights from a generator "
+        "that is not seeded the same way in every process (its own torch.Generator, numpy or random unseeded, "
+        "a seed from the rank, the time or the process id); build the model identically on every rank: "
+        "seed before building it (scaleloop seeds torch, numpy and random with --seed just before calling "
+        "the factory: use those generators), or load the same initial checkpoint everywhere")
+
+
+def scale_cause(ratio: Optional[float], *, world: int, accumulate: int,
+                probes: Optional[Probes]) -> Optional[Cause]:
+    """Step 1's gradients of N processes are exactly ``ratio`` times one process's (see
+    ``compare.gradient_ratio``): name the factor, unless the summed-loss probe explains it."""
+    if ratio is None:
+        return None
+    if probes is not None and probes.loss is not None and probes.loss.kind == "sum":
+        return None   # a summed loss gives 1/(N x A): named by its own rule
+    close = lambda factor: abs(ratio - factor) <= 1e-3 * factor   # noqa: E731
+    seen = f"the gradients of the first step are exactly {ratio:.4g} x one process's (same weights, same samples)"
+    if world > 1 and (close(1 / world) or close(world)):
+        way = "divided" if ratio < 1 else "multiplied"
+        return Cause(
+            "a manual division (or multiplication) of the loss or gradients by the world size",
+            f"{seen}: {world} processes, so the loss or the gradients are {way} by the world size somewhere "
+            "(loss / dist.get_world_size(), or gradients scaled after backward); scaleloop already averages "
+            "the gradients over the ranks: remove the extra factor")
+    if accumulate > 1 and (close(1 / accumulate) or close(accumulate)):
+        return Cause(
+            "a manual division (or multiplication) of the loss by the accumulation steps",
+            f"{seen}: --accumulate {accumulate}; scaleloop already weights each micro-batch's loss by its share "
+            "of the step: remove the extra factor")
+    return Cause(
+        "the loss or gradients are scaled by a constant",
+        f"{seen}: something multiplies the loss or the gradients by a factor that depends on the run "
+        "(its ranks, its batch per rank); compute the loss as the mean over the batch, unscaled")
+
+
+def buffer_cause(names: Sequence[str], between_ranks: bool) -> Optional[Cause]:
+    """Buffers (saved state that is no parameter) differ from one process's, or between ranks."""
+    if not names:
+        return None
+    where = ("saved state that differs between the ranks at the end" if between_ranks
+             else "saved state that differs from the one process's while the parameters agree")
+    return Cause(
+        "a buffer updated per rank without synchronisation",
+        f"{_names(list(names))}: {where}: each rank updates such a buffer from its own share of the batch (an "
+        "EMA of the features, a running statistic, a count of samples seen), and rank 0's is what is saved; "
+        "compute the update from the whole global batch (all-reduce the batch's statistic over the ranks "
+        "before updating), or register it with persistent=False if it need not be saved")

@@ -45,6 +45,12 @@ class VerifyOptions:
         return self
 
     @property
+    def hashes_replicas(self) -> bool:
+        """Whether the ranks hash their tensors at the end: for ``--check sync``, and for equivalence,
+        where a rank whose saved state differs from rank 0's fails the run."""
+        return "sync" in self.checks or "equivalence" in self.checks
+
+    @property
     def needs_reference(self) -> bool:
         """Whether a one-process reference run is needed (for comparing, or for explaining a step)."""
         return "equivalence" in self.checks or self.explain_step is not None

@@ -33,14 +33,16 @@ from scaleloop.loop.step import Observer
 from scaleloop.strategies.base import Strategy
 from scaleloop.strategies.pipeline import StageModule
 from scaleloop.verify.data import batch_digest
-from scaleloop.verify.hashing import full_tensor, is_sharded
+from scaleloop.verify.hashing import digest, full_tensor, is_sharded
+from scaleloop.verify.state import parameter_names, saved_buffers, unique_state
 from scaleloop.verify.sync import check_sync
 
 RECORD_FILE = "record.json"
 
 
 def step_file(run_dir: Path, step: int) -> Path:
-    """Where rank 0 saves the parameters (after) and gradients (of) optimizer step ``step`` (1-based)."""
+    """Where rank 0 saves the parameters and buffers (after) and gradients (of) optimizer step ``step``
+    (1-based); step 0 holds the model as built, before the strategy places it and before any step."""
     return run_dir / f"step-{step:04d}.pt"
 
 
@@ -79,10 +81,29 @@ class Recorder(Observer):
         self.stage = False
         self._names: dict[str, str] = {}    # local parameter name -> the user's module's name
         self.first_param = ""
+        # Per rank r > 0: the state_dict keys whose initial tensor differs from rank 0's (as built).
+        self.initial_diverging: list[dict[str, Any]] = []
         if env.is_main:
             out.mkdir(parents=True, exist_ok=True)
 
     # --- set-up ------------------------------------------------------------------------
+    def built(self, model: nn.Module) -> None:
+        """The model as this rank built it, before the strategy places it (DDP and the all-reduce
+        strategy then copy rank 0's weights to every rank, hiding a per-rank initialisation).
+
+        Rank 0 saves its whole state as step 0; every rank's digests are gathered (a collective)
+        to name the tensors another rank built differently.
+        """
+        params = parameter_names(model)
+        state = dict(unique_state(model))
+        if self.env.is_main:
+            torch.save({"params": {n: t.detach().cpu().clone() for n, t in state.items() if n in params},
+                        "buffers": {n: t.detach().cpu().clone() for n, t in state.items() if n not in params},
+                        "grads": {}}, step_file(self.out, 0))
+        every = gather_object({n: digest(t) for n, t in state.items()}, self.env)
+        self.initial_diverging = [{"rank": r, "names": [n for n in every[0] if theirs.get(n) != every[0][n]]}
+                                  for r, theirs in enumerate(every) if r > 0 and theirs != every[0]]
+
     def attach(self, strategy: Strategy, model: nn.Module) -> None:
         """Watch the (wrapped) ``model``: a hook on each parameter sees its local gradient."""
         self.strategy = strategy
@@ -143,10 +164,11 @@ class Recorder(Observer):
         self._grads = {name: g.float() / scale for name, g in grads.items()}
 
     def stepped(self) -> None:
-        """After the optimizer step: rank 0 saves this step's parameters and gradients."""
+        """After the optimizer step: rank 0 saves this step's parameters, buffers and gradients."""
         params = self._whole(lambda p: p)
+        buffers = self._buffers()
         if self.env.is_main:
-            torch.save({"params": params, "grads": self._grads}, step_file(self.out, self.step))
+            torch.save({"params": params, "buffers": buffers, "grads": self._grads}, step_file(self.out, self.step))
         self._grads = {}
         self.step += 1
 
@@ -182,6 +204,25 @@ class Recorder(Observer):
                 merged.setdefault(name, t)
         order = {name: i for i, name in enumerate(getattr(module, "full_shapes", {}))}  # state_dict order
         return {name: merged[name] for name in sorted(merged, key=lambda n: order.get(n, len(order)))}
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        """Every buffer the whole model saves (``state_dict``, no parameter), on the CPU, on rank 0
+        ({} elsewhere). A collective, as :meth:`_whole`: a pipeline's stages send theirs to rank 0."""
+        _, module = self._attached()
+        if not self.stage:
+            out = {}
+            for name, t in saved_buffers(module).items():
+                whole = full_tensor(t)
+                if self.env.is_main:
+                    out[name] = whole.detach().cpu().clone()
+            return out
+        params = {g for local, _ in module.named_parameters() for g in module.global_keys.get(local, ())}
+        mine = {name: t.clone() for name, t in module.global_state().items() if name not in params}
+        merged: dict[str, torch.Tensor] = {}
+        for part in gather_object(mine, self.env):
+            for name, t in part.items():
+                merged.setdefault(name, t)
+        return merged if self.env.is_main else {}
 
     def _grad_scale(self) -> float:
         scaler = self._attached()[0].precision.scaler
@@ -240,6 +281,7 @@ class Recorder(Observer):
                   "accumulate": strategy.accumulate_steps, "steps_done": len(self.losses),
                   "losses": self.losses, "first_param": self.first_param,
                   "n_samples": len(loader.dataset), "ranks": ranks, "sync": sync,
+                  "initial_diverging": self.initial_diverging,
                   "pipeline_stages": self.env.world_size if self.stage else 0}
         (self.out / RECORD_FILE).write_text(json.dumps(record), encoding="utf-8")
 

@@ -19,18 +19,33 @@ def format_table(rows: Sequence[StepDiff], world: int, tol: Tolerance) -> list[s
 
 
 def equivalence_verdict(rows: Sequence[StepDiff], steps: int, world: int, strategy: str,
-                        tol: Tolerance, failed_run: bool) -> tuple[bool, str]:
-    """(passed, the verdict line)."""
+                        tol: Tolerance, failed_run: bool, problems: Sequence[str] = ()) -> tuple[bool, str]:
+    """(passed, the verdict line). ``problems``: what else failed, in words (the models as built,
+    the ranks' saved state); the first reason found leads the line, the others follow on their own."""
     bad = [r for r in rows if r.failures(tol)]
-    if not bad and len(rows) == steps and not failed_run:
+    reasons = ([f"from step {bad[0].step}: " + "; ".join(bad[0].failures(tol))] if bad else [])
+    reasons = [p for p in problems if p.startswith("from step 0")] + reasons
+    reasons += [p for p in problems if not p.startswith("from step 0")]
+    if not reasons and len(rows) == steps and not failed_run:
         worst = max(rows, key=lambda r: r.param_rel)
         return True, (f"verdict: PASS - {world} processes ({strategy}) train the same model as 1 process over "
                       f"{steps} step(s) (largest parameter difference {worst.param_rel:.1e} of the largest weight)")
-    if bad:
-        first = bad[0]
-        return False, f"verdict: FAIL - from step {first.step}: " + "; ".join(first.failures(tol))
+    if reasons:
+        return False, "verdict: FAIL - " + "\n  also: ".join(reasons)
     return False, (f"verdict: FAIL - the distributed run finished {len(rows)} of {steps} step(s)"
                    if failed_run else f"verdict: FAIL - only {len(rows)} of {steps} step(s) could be compared")
+
+
+def buffer_line(rows: Sequence[StepDiff]) -> str:
+    """The buffers' largest difference over the steps (empty: none differs at all, or there are none)."""
+    worst = max(rows, key=lambda r: r.buffer_rel, default=None)
+    counters = next((r for r in rows if r.unequal_buffers), None)
+    if (worst is None or not worst.buffer_rel) and counters is None:
+        return ""
+    parts = ([f"largest difference {worst.buffer_rel:.2e} of the largest buffer ({worst.worst_buffer}, step "
+              f"{worst.step})"] if worst is not None and worst.buffer_rel else [])
+    parts += [f"{counters.unequal_buffers[0]} unequal from step {counters.step}"] if counters is not None else []
+    return "  buffers saved with the model (compared after every step): " + "; ".join(parts)
 
 
 def rounding_note(rows: Sequence[StepDiff], tol: Tolerance, optimizer: str) -> str:
@@ -44,4 +59,5 @@ def rounding_note(rows: Sequence[StepDiff], tol: Tolerance, optimizer: str) -> s
     return (f"  note: {last.excluded} parameter element(s) (in {names}) had gradients at rounding level, which "
             f"{optimizer} can turn into full-size steps of either sign; they are left out of the parameter "
             f"columns (with them: {last.raw_param_rel:.1e} of the largest weight). The gradients agree; "
-            "a bias right before BatchNorm, whose true gradient is zero, is one such case")
+            "a bias right before BatchNorm, whose true gradient is zero, is one such case (the running mean after "
+            "it may then differ by as much: buffers are allowed the parameters' difference of the step before)")

@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 from scaleloop.config import TrainConfig
 from scaleloop.errors import UsageError
-from scaleloop.loop.build import build_run
+from torch import nn
+
+from scaleloop.data.info import Datasets
+from scaleloop.loop.build import build_data_and_model, build_run
 from scaleloop.loop.step import Step
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.verify.recorder import Recorder
@@ -32,7 +35,12 @@ def run_steps(cfg: TrainConfig, env: DistEnv, spec: RunSpec, recorder: Recorder)
     pipelined = cfg.replace(strategy=spec.strategy).pipeline_layout() is not None
     pipeline = {} if pipelined else dict(microbatches=1, pipeline_schedule="gpipe", stages_per_rank=0,
                                          sharded_checkpoints=False)
-    run = build_run(cfg.replace(strategy=spec.strategy, accumulate=spec.accumulate, **pipeline), env)
+    def build(c: TrainConfig) -> tuple[Datasets, nn.Module]:
+        datasets, model = build_data_and_model(c)
+        recorder.built(model)   # before the strategy copies rank 0's weights to every rank
+        return datasets, model
+
+    run = build_run(cfg.replace(strategy=spec.strategy, accumulate=spec.accumulate, **pipeline), env, data=build)
     plan = run.loader.plan
     if plan.steps_per_epoch == 0:
         raise UsageError(f"the training set ({plan.n} samples) is smaller than one step of "

@@ -17,6 +17,7 @@ from scaleloop.runtime.collectives import gather_object
 from scaleloop.strategies.base import Strategy
 from scaleloop.strategies.pipeline import StageModule
 from scaleloop.verify.hashing import digest, full_tensor
+from scaleloop.verify.state import parameter_names, unique_state
 
 
 def _tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
@@ -28,8 +29,8 @@ def _tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
     if isinstance(module, StageModule):
         params = {name for local, _ in module.named_parameters() for name in module.global_keys.get(local, ())}
         return module.global_state(), params
-    return ({name: full_tensor(t) for name, t in module.state_dict().items()},
-            {name for name, _ in module.named_parameters()})
+    # A tied weight once, under its first name, and as a parameter (never as a buffer).
+    return ({name: full_tensor(t.detach()) for name, t in unique_state(module)}, parameter_names(module))
 
 
 def check_sync(strategy: Strategy, module: nn.Module) -> Optional[dict[str, Any]]:

@@ -34,7 +34,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # --timeout: a rank that stops taking part makes the others stop after that long.
     init_process_group(env, timeout_s=cfg.timeout)
     recorder = Recorder(env, distributed_dir(root), explain_step=opts.explain_step,
-                        audit_data="data" in opts.checks, check_sync="sync" in opts.checks)
+                        audit_data="data" in opts.checks, check_sync=opts.hashes_replicas)
     try:
         run_steps(cfg, env, RunSpec(cfg.strategy, cfg.accumulate, opts.steps), recorder)
     except Exception as exc:  # recorded for the parent's comparison, then to torchrun's error file

@@ -1,0 +1,71 @@
+"""Bugs planted in user models and losses for scaleloop verify's tests (``--model planted:NAME``)."""
+from __future__ import annotations
+
+import atexit
+import math
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def _width(info: Any) -> int:
+    return math.prod(info.input_shape)
+
+
+class Mlp(nn.Module):
+    def __init__(self, info: Any) -> None:
+        super().__init__()
+        self.body = nn.Linear(_width(info), 16)
+        self.head = nn.Linear(16, info.num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x.flatten(1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+class FeatureEma(Mlp):
+    """An EMA of the features that only evaluation would use, updated from each rank's own samples."""
+
+    def __init__(self, info: Any) -> None:
+        super().__init__(info)
+        self.register_buffer("ema", torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.features(x)
+        if self.training:
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(h.mean(0), alpha=0.1)
+        return self.head(h)
+
+
+class Unseeded(Mlp):
+    """Initial weights from a generator seeded afresh in every process (not from --seed)."""
+
+    def __init__(self, info: Any) -> None:
+        super().__init__(info)
+        g = torch.Generator()
+        g.seed()
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+class AbortsAtExit(Mlp):
+    """Trains like Mlp, but rank 1 of a distributed run ends with exit code 3 after its work is done."""
+
+    def __init__(self, info: Any) -> None:
+        super().__init__(info)
+        if os.environ.get("RANK") == "1":
+            atexit.register(os._exit, 3)
+
+
+def loss_over_world(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The mean loss divided by the world size by hand (1 in one process)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return F.cross_entropy(output, target) / world

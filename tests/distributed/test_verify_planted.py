@@ -1,0 +1,82 @@
+"""``scaleloop verify`` names bugs planted in a user's model and loss, on real 2-process Gloo groups.
+
+The models and the loss are in ``scripts/verify_planted.py``, copied into each test's directory
+(the verify process imports ``--model planted:NAME`` from there; its workers too). Each test is
+one verify run started through ``procs.run``, so that no process outlives it; ``TMPDIR`` points
+into the test's directory, where verify's temporary directory must be gone at the end.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from procs import child_env, run
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+PLANTED = Path(__file__).resolve().parent / "scripts" / "verify_planted.py"
+COMMON = ["--data", "images", "--image-size", "8", "--batch-size", "32", "--steps", "2", "--device", "cpu",
+          "--n-samples", "128"]
+
+
+def verify(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    shutil.copy(PLANTED, cwd / "planted.py")
+    (cwd / "tmp").mkdir(exist_ok=True)
+    return run([sys.executable, "-m", "scaleloop.verify", *COMMON, *args], cwd=cwd, timeout=240,
+               env=child_env({"TMPDIR": str(cwd / "tmp")}))
+
+
+def explain(res: subprocess.CompletedProcess) -> str:
+    return f"exit {res.returncode}\n{res.stdout}\n{res.stderr}"
+
+
+def no_temporary_directory_left(cwd: Path) -> bool:
+    return not list((cwd / "tmp").glob("scaleloop-verify-*"))
+
+
+def test_a_buffer_updated_per_rank_fails_and_is_named(tmp_path: Path) -> None:
+    # An EMA of the features that only evaluation uses: the parameters agree, the saved model does not.
+    res = verify(["--model", "planted:FeatureEma", "--optimizer", "sgd"], tmp_path)
+    assert res.returncode == 1, explain(res)
+    out = res.stdout
+    assert "verdict: FAIL - from step 1: buffers" in out and "worst ema" in out, out
+    assert "rank 1's saved state differs from rank 0's after 2 step(s): ema (buffer)" in out
+    diagnosis = out[out.index("diagnosis:"):]
+    assert "a buffer updated per rank without synchronisation: ema" in diagnosis
+    assert "no known cause" not in diagnosis
+    assert no_temporary_directory_left(tmp_path)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_loss_divided_by_the_world_size_is_named(tmp_path: Path, optimizer: str) -> None:
+    res = verify(["--model", "planted:Mlp", "--loss", "planted:loss_over_world", "--optimizer", optimizer], tmp_path)
+    assert res.returncode == 1, explain(res)
+    diagnosis = res.stdout[res.stdout.index("diagnosis:"):]
+    assert "a manual division (or multiplication) of the loss or gradients by the world size" in diagnosis, diagnosis
+    assert "exactly 0.5 x one process's" in diagnosis and "no known cause" not in diagnosis
+
+
+def test_initial_weights_that_differ_per_rank_are_found_at_step_0(tmp_path: Path) -> None:
+    res = verify(["--model", "planted:Unseeded", "--optimizer", "sgd"], tmp_path)
+    assert res.returncode == 1, explain(res)
+    out = res.stdout
+    assert "verdict: FAIL - from step 0 (the models as built, before any step): rank 0's initial parameters" in out
+    diagnosis = out[out.index("diagnosis:"):]
+    assert "initial weights differ per rank: rank 0's model as built differs from the one process's" in diagnosis
+    assert "rank 1's differs from rank 0's" in diagnosis and "seed before building it" in diagnosis
+    assert "no known cause" not in diagnosis
+
+
+def test_a_rank_that_aborts_at_shutdown_is_no_silent_pass(tmp_path: Path) -> None:
+    res = verify(["--model", "planted:AbortsAtExit"], tmp_path)
+    assert res.returncode == 1, explain(res)
+    out = res.stdout
+    assert "verdict: PASS - 2 processes (ddp)" in out  # what was trained is still the same
+    assert "shutdown: FAIL - every step was recorded, but the workers exited with code" in out
+    assert "rank 1 of 2 exited with code 3" in out
+    assert out.rstrip().splitlines()[-1] == "verify: FAIL (equivalence passed; shutdown FAILED)"
+    assert "records kept" not in out and no_temporary_directory_left(tmp_path)
