@@ -72,7 +72,36 @@ def test_the_target_is_passed_only_to_a_model_that_takes_it() -> None:
     assert takes_keyword(WithLabels(), "labels") and keeps_target(WithLabels(), data)
     assert not takes_keyword(Plain(), "labels") and not keeps_target(Plain(), data)
     assert keeps_target(AnyKeywords(), data)
-    assert not keeps_target(WithLabels(), TensorDataset(torch.zeros(4, 2), torch.zeros(4)))
+    # an (x, y) pair: its y goes by the keyword the forward names
+    assert keeps_target(WithLabels(), TensorDataset(torch.zeros(4, 2), torch.zeros(4))) == ("input_ids", "labels")
+    # ... but not next tokens to a causal LM's labels, which it shifts itself (it would learn the token after next)
+    assert not keeps_target(WithLabels(), TensorDataset(torch.zeros(4, 2), torch.zeros(4)), task="lm")
+    assert keeps_target(TakesTargets(), TensorDataset(torch.zeros(4, 2), torch.zeros(4)), task="lm") == ("idx", "targets")
+
+
+class TakesTargets(nn.Module):
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return idx
+
+
+def test_a_pair_s_target_reaches_a_forward_that_names_a_target_keyword() -> None:
+    """nanoGPT's ``forward(idx, targets=None)`` on (x, y) samples: ``model(idx=x, targets=y)``, in both
+    the fast path and the DataLoader path; a ``**kwargs`` forward is not guessed at."""
+    x, y = torch.arange(12.0).reshape(6, 2), torch.arange(6)
+    data = TensorDataset(x, y)
+    route = keeps_target(TakesTargets(), data)
+    assert route == ("idx", "targets")
+    assert not keeps_target(Plain(), data) and not keeps_target(AnyKeywords(), data)
+    inputs, target = split((x, y), route)
+    assert inputs.keys() == {"idx", "targets"} and inputs["targets"] is y and target is y
+    plan = StepPlan(6, 3, world_size=1, rank=0, seed=0)
+    for ds in (data, Items((x, y))):
+        loader = ShardedLoader(ds, plan, CPU, keep_target=route)
+        loader.set_epoch(0)
+        for batch in loader:
+            given, target = batch
+            assert torch.equal(given["idx"], x[batch.indices]) and torch.equal(given["targets"], target)
+            assert call_model(TakesTargets(), given) is given["idx"]
 
 
 def test_in_memory_columns_are_found_only_where_indexing_is_plain() -> None:

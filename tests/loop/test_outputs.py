@@ -20,7 +20,7 @@ from torch import nn
 from scaleloop.config import TrainConfig
 from scaleloop.data.info import DataInfo
 from scaleloop.errors import UsageError
-from scaleloop.loop.tasks import own_loss, prediction_of, resolve_loss
+from scaleloop.loop.tasks import own_loss, prediction_of, resolve_loss, shape_mismatch
 from scaleloop.loop.training import train
 from scaleloop.runtime.dist import DistEnv
 
@@ -106,14 +106,32 @@ class Returning(nn.Module):
         return out
 
 
+class TakesTargets(Returning):
+    """nanoGPT's convention: ``forward(idx, targets=None)`` returns ``(logits, loss)`` given the
+    targets, and without them only the first row's logits (nanoGPT: the last position's)."""
+
+    def forward(self, idx: torch.Tensor, targets: Any = None) -> Any:
+        out = self.net(idx)
+        if targets is None:
+            return out[:1]
+        return out, F.cross_entropy(out, targets)
+
+
+class FirstRowOnly(Returning):
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.net(x)[:1]
+
+
 @pytest.fixture
 def models_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     (tmp_path / "returning.py").write_text(
         "import sys\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "from test_outputs import Returning\n"
+        "from test_outputs import FirstRowOnly, Returning, TakesTargets\n"
         "def make(kind):\n    return lambda info: Returning(kind)\n"
-        "tensor, tuple_, dict_, object_ = (make(k) for k in ('tensor', 'tuple', 'dict', 'object'))\n")
+        "tensor, tuple_, dict_, object_ = (make(k) for k in ('tensor', 'tuple', 'dict', 'object'))\n"
+        "takes_targets = lambda info: TakesTargets('tensor')\n"
+        "first_row_only = lambda info: FirstRowOnly('tensor')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     return "returning"
 
@@ -132,6 +150,33 @@ def test_every_output_form_trains_the_same_weights(tmp_path: Path, models_module
         got = _train(tmp_path, kind, model=f"{models_module}:{kind}")
         assert reference.keys() == got.keys()
         assert all(torch.equal(reference[k], got[k]) for k in reference), kind
+
+
+def test_a_forward_that_takes_targets_gets_them_and_its_own_loss_is_trained_on(tmp_path: Path,
+                                                                               models_module: str) -> None:
+    """(x, y) samples and ``forward(idx, targets=None)``: called as ``model(idx=x, targets=y)``, and the
+    ``(logits, loss)`` it returns trains on its own loss (here the same cross-entropy: the same weights)."""
+    reference = _train(tmp_path, "tensor", model=f"{models_module}:tensor")
+    got = _train(tmp_path, "targets", model=f"{models_module}:takes_targets")
+    assert all(torch.equal(reference[k], got[k]) for k in reference)
+    t, y = torch.randn(4, 3), torch.tensor([0, 1, 2, 0])
+    assert own_loss((t, torch.tensor(0.5)), given_target=True) is not None
+    assert own_loss((t, torch.tensor(0.5))) is None   # (output, aux) from a model never given the target
+
+
+def test_a_prediction_that_cannot_fit_the_target_is_one_line_naming_both_shapes(tmp_path: Path,
+                                                                                models_module: str) -> None:
+    with pytest.raises(UsageError) as caught:
+        _train(tmp_path, "short", model=f"{models_module}:first_row_only")
+    assert str(caught.value).startswith("the model's prediction [1, 10] does not fit the target [32] "
+                                        "(classification: one row of class scores per sample, e.g. [32, C]); "
+                                        "likely: the model returns 1 row(s) of scores but the target holds 32 labels")
+    lm = INFO.__class__("t", "lm", (8,), 50)
+    said = shape_mismatch(lm, torch.randn(4, 1, 50), torch.zeros(4, 8, dtype=torch.long))
+    assert said is not None and "[4, 1, 50] does not fit the target [4, 8]" in said and "fewer positions" in said
+    assert shape_mismatch(lm, torch.randn(4, 8, 50), torch.zeros(4, 8, dtype=torch.long)) is None
+    image = INFO.__class__("seg", "classification", (3, 4, 4), 5)
+    assert shape_mismatch(image, torch.randn(2, 5, 4, 4), torch.zeros(2, 4, 4, dtype=torch.long)) is None
 
 
 def test_regression_is_inferred_from_float_targets_and_metrics_are_reported(tmp_path: Path) -> None:

@@ -11,6 +11,10 @@ A sample from the dataset, or a batch the DataLoader collated, is cut into ``(in
   the model must return its own loss). That entry stays among the keyword arguments only when
   the model's ``forward`` takes it, as Hugging Face models take ``labels`` and then return their
   own loss; otherwise it is left out of the call.
+
+A pair ``(x, y)`` whose model's ``forward`` names a target keyword (``targets``, ``labels``,
+``y``, ...; nanoGPT's ``forward(idx, targets=None)``) is called with it as well,
+``model(idx=x, targets=y)``: such a model computes its own loss from the target.
 """
 from __future__ import annotations
 
@@ -25,6 +29,14 @@ from scaleloop.errors import UsageError
 
 #: Mapping entries that hold the target, in the order they are looked for.
 TARGET_KEYS = ("labels", "label", "target", "targets", "y")
+
+#: Keywords a ``forward`` may take the target by, for an ``(x, y)`` sample, in the order looked for.
+TARGET_KEYWORDS = ("targets", "labels", "target", "label", "y")
+
+#: How a sample's target reaches the model: False (it does not), True (a mapping sample's target
+#: entry stays among the keyword arguments), or ``(input name, target keyword)``: an ``(x, y)``
+#: sample becomes ``{input name: x, target keyword: y}``, the call ``model(**that)``.
+TargetRoute = Union[bool, tuple[str, str]]
 
 #: In-memory columns: the tensors of a ``TensorDataset`` or a ``DictTensorDataset``.
 Columns = Union[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]
@@ -81,10 +93,11 @@ def target_key(sample: Mapping[str, Any]) -> Optional[str]:
     return None
 
 
-def split(sample: Any, keep_target: bool = False) -> tuple[Any, Any]:
+def split(sample: Any, keep_target: TargetRoute = False) -> tuple[Any, Any]:
     """``(inputs, target)`` of a sample or collated batch, by the rule in this module's docstring.
 
-    ``keep_target``: a mapping's target entry stays among the inputs (the model takes it).
+    ``keep_target``: how the target also reaches the model (:data:`TargetRoute`, from
+    :func:`keeps_target`); the target is returned either way.
     """
     if isinstance(sample, Mapping):
         key = target_key(sample)
@@ -94,6 +107,9 @@ def split(sample: Any, keep_target: bool = False) -> tuple[Any, Any]:
         return inputs, sample[key]
     if isinstance(sample, (tuple, list)):
         if len(sample) == 2:
+            if isinstance(keep_target, tuple):
+                name, keyword = keep_target
+                return {name: sample[0], keyword: sample[1]}, sample[1]
             return sample[0], sample[1]
         if len(sample) > 2:
             return tuple(sample[:-1]), sample[-1]
@@ -122,18 +138,43 @@ def takes_keyword(model: nn.Module, name: str) -> bool:
                or p.kind is p.VAR_KEYWORD for p in params)
 
 
-def keeps_target(model: nn.Module, dataset: Dataset) -> bool:
-    """Whether a mapping sample's target entry is passed to ``model`` (its forward takes it)."""
+def keeps_target(model: nn.Module, dataset: Dataset, task: Optional[str] = None) -> TargetRoute:
+    """How the target of ``dataset``'s samples reaches ``model`` (:data:`TargetRoute`): a mapping's
+    target entry when the forward takes it; an ``(x, y)`` pair's ``y`` when the forward names a
+    target keyword (:data:`TARGET_KEYWORDS`); else not at all.
+
+    ``task`` "lm": a pair's ``y`` is the next tokens already, which a ``labels`` keyword does not
+    take (Hugging Face causal LMs shift their ``labels`` themselves: the run would learn the token
+    after next); only ``targets``, ``target`` or ``y`` (nanoGPT's convention) get it.
+    """
     if not any(takes_keyword(model, key) for key in TARGET_KEYS):
         return False  # decided without reading a sample (a dataset's reads may cost, or be counted)
     try:
         sample = first_sample(dataset)
     except Exception:  # an empty or odd dataset: decided per batch by the default (left out)
         return False
+    if isinstance(sample, (tuple, list)) and len(sample) == 2 and not isinstance(sample[0], (tuple, list)):
+        return _pair_route(model, tuple(k for k in TARGET_KEYWORDS if not k.startswith("label"))
+                           if task == "lm" else TARGET_KEYWORDS)
     if not isinstance(sample, Mapping):
         return False
     key = target_key(sample)
     return key is not None and takes_keyword(model, key)
+
+
+def _pair_route(model: nn.Module, keywords: tuple[str, ...]) -> TargetRoute:
+    """``(input name, target keyword)`` when ``model.forward(first, ..., <keyword>=None)`` names both
+    (by name: a ``**kwargs`` forward is not guessed at), else False."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not named or named[0].kind is not named[0].POSITIONAL_OR_KEYWORD:
+        return False
+    others = {p.name for p in named[1:]}
+    keyword = next((k for k in keywords if k in others), None)
+    return (named[0].name, keyword) if keyword is not None else False
 
 
 def first_sample(dataset: Dataset) -> Any:

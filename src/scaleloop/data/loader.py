@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from scaleloop.data.batch import Columns, move, split, take, tensors_of
+from scaleloop.data.batch import Columns, TargetRoute, move, split, take, tensors_of
 from scaleloop.data.sampler import MicroBatch, StepPlan
 
 
@@ -91,7 +91,7 @@ class ShardedLoader:
     def __init__(self, dataset: Dataset, plan: StepPlan, device: torch.device, *,
                  num_workers: int = 0, collate_fn: Optional[Callable[[list], Any]] = None,
                  pin_memory: bool = False, persistent_workers: bool = False, on_device: bool = False,
-                 channels_last: bool = False, keep_target: bool = False,
+                 channels_last: bool = False, keep_target: TargetRoute = False,
                  load: tuple[bool, bool] = (True, True)) -> None:
         self.dataset = dataset
         self.plan = plan
@@ -199,8 +199,8 @@ class ShardedLoader:
             if self.on_device:
                 source = move(source, self.device)
             self._source = source
-        if not (isinstance(self._source, tuple) and len(self._source) == 2):
-            yield from self._gathered_columns(plans)
+        if not (isinstance(self._source, tuple) and len(self._source) == 2) or isinstance(self.keep_target, tuple):
+            yield from self._gathered_columns(plans)   # (a target the model takes: split() makes its call)
             return
         x_all, y_all = self._source
         if self.load != (True, True):

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, get_worker_info
 
-from scaleloop.data.batch import move, split
+from scaleloop.data.batch import TargetRoute, move, split
 from scaleloop.data.loader import Batch, _channels_last
 from scaleloop.errors import UsageError
 
@@ -184,7 +184,7 @@ class StreamingLoader:
     def __init__(self, dataset: IterableDataset, plan: StreamPlan, device: torch.device, *,
                  num_workers: int = 0, collate_fn: Optional[Callable[[list], Any]] = None,
                  pin_memory: bool = False, persistent_workers: bool = False, on_device: bool = False,
-                 channels_last: bool = False, keep_target: bool = False, env: Any = None,
+                 channels_last: bool = False, keep_target: TargetRoute = False, env: Any = None,
                  load: tuple[bool, bool] = (True, True)) -> None:
         self.dataset = dataset
         self.plan = plan

@@ -148,7 +148,9 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     seed; the strategy then places it.
     """
     datasets, model = (data or build_data_and_model)(cfg)
-    keep_target = keeps_target(model, datasets.train)
+    keep_target = keeps_target(model, datasets.train, datasets.info.task)
+    if isinstance(keep_target, tuple) and cfg.pipeline_layout() is not None:
+        keep_target = False   # a pipeline's first stage takes the input alone; its last computes the loss
     parameters, model_bytes = count_parameters(model), parameter_bytes(model)
     check_decay_with_pipeline(cfg)
     decay = describe_decay(model, cfg.weight_decay, cfg.decay_params)   # of the whole model, before any cut
@@ -188,7 +190,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     total_steps = _total_steps(cfg, loader.plan.steps_per_epoch)
     return Run(cfg=cfg, env=env, data=datasets, model=model, strategy=strategy, optimizer=optimizer,
                scheduler=build_scheduler(optimizer, cfg.optim, total_steps), loader=loader,
-               loss_fn=resolve_loss(cfg.loss, datasets.info), user_loss=cfg.loss is not None,
+               loss_fn=resolve_loss(cfg.loss, datasets.info, given_target=bool(keep_target)), user_loss=cfg.loss is not None,
                metrics=resolve_metrics(cfg.metrics), lr=lr, total_steps=total_steps,
                parameters=parameters, model_bytes=model_bytes, notes=notes, weight_decay=decay)
 

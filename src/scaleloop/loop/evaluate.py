@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from scaleloop.data.batch import first_tensor, move, split, tensors_of
+from scaleloop.data.batch import TargetRoute, first_tensor, move, split, tensors_of
 from scaleloop.data.info import DataInfo
 from scaleloop.data.streaming import StreamEval
 from scaleloop.loop.tasks import LossFn, MetricFn, correct_count, own_loss, prediction_of, task_loss_sum
@@ -25,7 +25,7 @@ class EvalResult:
 
 
 def evaluate(model: nn.Module, dataset: Dataset, info: DataInfo, strategy: Strategy,
-             batch_size: int = 512, *, loss_fn: Optional[LossFn] = None, keep_target: bool = False,
+             batch_size: int = 512, *, loss_fn: Optional[LossFn] = None, keep_target: TargetRoute = False,
              metrics: Optional[dict[str, MetricFn]] = None) -> EvalResult:
     """Loss, accuracy and the user's ``metrics`` over all of ``dataset``, the same for 1 or N ranks.
 
@@ -104,7 +104,7 @@ def _batch_sums(info: DataInfo, output: Any, target: Any, n: int, loss_fn: Optio
 
 
 def _rank_batches(dataset: Dataset, stream: Optional[StreamEval], strategy: Strategy, batch_size: int,
-                  device: torch.device, keep_target: bool) -> Iterator[tuple[Any, Any, bool]]:
+                  device: torch.device, keep_target: TargetRoute) -> Iterator[tuple[Any, Any, bool]]:
     """This rank's ``(inputs, target, counted)`` on ``device``; not counted: a filler forward."""
     if stream is not None:
         for sample, counted in stream:
@@ -120,7 +120,7 @@ def _rank_batches(dataset: Dataset, stream: Optional[StreamEval], strategy: Stra
 
 
 def _batches(dataset: Dataset, indices: range, batch_size: int, device: torch.device,
-             keep_target: bool) -> Iterator[tuple[Any, Any]]:
+             keep_target: TargetRoute) -> Iterator[tuple[Any, Any]]:
     """``(inputs, target)`` for consecutive slices of ``indices``, on ``device``."""
     starts = range(indices.start, indices.stop, batch_size)
     columns = tensors_of(dataset)

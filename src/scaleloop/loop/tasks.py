@@ -8,7 +8,11 @@ A model's output is read by one rule (:func:`prediction_of`, :func:`own_loss`):
 - a mapping with ``logits``, or an object with a ``logits`` attribute (a Hugging Face
   ``ModelOutput``): that is the prediction;
 - a mapping or object that also holds a ``loss`` (a Hugging Face model given ``labels``): the
-  model computed its own loss, and without ``--loss`` that is the loss trained on.
+  model computed its own loss, and without ``--loss`` that is the loss trained on;
+- a pair ``(logits, loss)`` from a model that was given the target (nanoGPT's ``forward(idx,
+  targets)``; ``data.batch.keeps_target``): its one-value ``loss`` is the model's own, as above.
+  (Only then: a pair such as ``(output, aux_loss)`` from a model that never saw the target is
+  not its training loss.)
 
 Every loss a run trains with is a ``loss_fn(output, target)`` returning the MEAN loss over the
 batch's samples: the step weights each micro-batch by its share of the global step, which
@@ -47,22 +51,34 @@ def prediction_of(output: Any) -> torch.Tensor:
     raise UsageError(f"the model returned {describe(output)}; expected {OUTPUT_RULE}")
 
 
-def own_loss(output: Any) -> Optional[torch.Tensor]:
-    """The loss the model computed itself (a Hugging Face model given ``labels``), or None."""
+def own_loss(output: Any, given_target: bool = False) -> Optional[torch.Tensor]:
+    """The loss the model computed itself (a Hugging Face model given ``labels``), or None.
+
+    ``given_target``: the model was called with the target, so a pair ``(logits, loss)`` holding a
+    one-value floating tensor second is its own loss (the rule in this module's docstring).
+    """
     if isinstance(output, torch.Tensor):
+        return None
+    if isinstance(output, (tuple, list)):
+        second = output[1] if given_target and len(output) >= 2 else None
+        if isinstance(second, torch.Tensor) and second.numel() == 1 and second.is_floating_point():
+            return second
         return None
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
     return loss if isinstance(loss, torch.Tensor) else None
 
 
-def resolve_loss(spec: Optional[str], info: DataInfo) -> LossFn:
+def resolve_loss(spec: Optional[str], info: DataInfo, given_target: bool = False) -> LossFn:
     """The user's ``pkg.module:fn`` (given the prediction and the target; checked to return a
-    scalar), or the model's own loss when it returns one, else the built-in loss for ``info``."""
+    scalar), or the model's own loss when it returns one, else the built-in loss for ``info``.
+
+    ``given_target``: the model is called with the target (``data.batch.keeps_target``).
+    """
     if spec is None:
         def builtin(output: Any, target: Any) -> torch.Tensor:
             if type(output) is torch.Tensor:  # the common case first: one type check per step
                 return task_loss(info, output, target)
-            loss = own_loss(output)
+            loss = own_loss(output, given_target)
             if loss is not None:
                 return loss.reshape(()) if loss.numel() == 1 else loss.mean()
             if target is None:
@@ -194,7 +210,46 @@ def _checked_metric(spec: str, fn: Callable[..., Any]) -> MetricFn:
 
 def task_loss(info: DataInfo, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean loss over the batch: cross-entropy, binary cross-entropy on logits, next-token CE,
-    or mean squared error (regression)."""
+    or mean squared error (regression). A prediction whose shape cannot fit the target is one
+    line naming both shapes and the likely cause (:func:`shape_mismatch`)."""
+    try:
+        return _task_loss(info, output, target)
+    except (RuntimeError, ValueError) as exc:
+        said = shape_mismatch(info, output, target)
+        if said is None:
+            raise
+        raise UsageError(said) from exc
+
+
+def shape_mismatch(info: DataInfo, output: torch.Tensor, target: Any) -> Optional[str]:
+    """Why ``output`` cannot be the prediction for ``target`` under ``info.task``, in one line; None
+    when the shapes fit (the error was something else)."""
+    if not isinstance(target, torch.Tensor) or not isinstance(output, torch.Tensor):
+        return None
+    got, want = list(output.shape), list(target.shape)
+    if info.task in ("classification", "lm"):
+        per = "target token" if info.task == "lm" else "sample"
+        rows = output.shape[:-1].numel() if output.dim() >= 2 else -1
+        if rows == target.numel() and (info.task == "lm" or output.dim() == target.dim() + 1):
+            return None
+        if output.dim() == target.dim() + 1 and got[:1] + got[2:] == want:
+            return None   # scores in dimension 1, as cross-entropy takes them for images: [B, C, H, W]
+        expected = f"one row of class scores per {per}, e.g. [{', '.join(str(n) for n in want)}, C]"
+        if output.dim() >= 2 and rows < target.numel() and rows and target.numel() % rows == 0:
+            cause = (f"the model returns {rows} row(s) of scores but the target holds {target.numel()} labels: "
+                     "it predicts fewer positions than the target has (e.g. only the last position's logits, "
+                     "as a model called without its targets may do); return the logits of every position")
+        else:
+            cause = "the model's output and the dataset's target disagree on the batch's layout"
+    else:
+        if output.numel() == target.numel():
+            return None
+        expected = f"{target.numel() // max(len(target), 1)} value(s) per sample, as the target {want} has"
+        cause = "the model's output width is not the number of targets per sample"
+    return f"the model's prediction {got} does not fit the target {want} ({info.task}: {expected}); likely: {cause}"
+
+
+def _task_loss(info: DataInfo, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if info.task == "binary":
         return F.binary_cross_entropy_with_logits(output.float(), target.float().view_as(output))
     if info.task == "lm":

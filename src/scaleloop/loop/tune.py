@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from scaleloop.data.batching import check_batch_split
-from scaleloop.data.batch import call_model, move, split, take, tensors_of
+from scaleloop.data.batch import TargetRoute, call_model, move, split, take, tensors_of
 from scaleloop.runtime.devices import describe_device, device_for_local_rank, resolve_device
 from scaleloop.errors import UsageError
 from scaleloop.strategies.precision import Precision
@@ -169,7 +169,7 @@ class StepProbe:
         _synchronize(self.device)
 
 
-def sample_from(dataset: Dataset, keep_target: bool = False) -> SampleFn:
+def sample_from(dataset: Dataset, keep_target: TargetRoute = False) -> SampleFn:
     """``sample(batch)``: ``(inputs, target)`` of the first ``batch`` samples of ``dataset``
     (repeated when it is smaller), cut as the loader cuts them (``scaleloop.data.batch``)."""
     n = len(dataset)  # type: ignore[arg-type]
