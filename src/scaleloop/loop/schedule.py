@@ -57,7 +57,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimSettings,
     The optimizer's learning rate must already be the peak (see :func:`scaled_lr`); ``--min-lr``
     is a share of it.
     """
-    floor = optim.min_lr / optimizer.param_groups[0]["lr"]
+    peak = optimizer.param_groups[0]["lr"]
+    # (An optimizer at lr 0, as bench's cost-only runs make, has no rate to keep a share of.)
+    floor = optim.min_lr / peak if optim.min_lr and peak > 0 else 0.0
 
     def factor(step: int) -> float:
         return lr_factor(step, schedule=optim.lr_schedule, total_steps=total_steps,
