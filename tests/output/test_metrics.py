@@ -16,6 +16,7 @@ from scaleloop.output.metrics import (
     format_rate,
     format_seconds,
     format_summary,
+    accuracy_limits,
     plot_curves,
     read_metrics,
 )
@@ -235,3 +236,10 @@ def test_import_does_not_load_plotting_or_tensorboard() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
     )
     assert result.stdout.strip() == ""
+
+
+def test_the_accuracy_axis_fits_the_values_within_0_to_100() -> None:
+    low, high = accuracy_limits([96.0, 97.5, 98.0])
+    assert 94.0 < low < 96.0 and 98.0 < high < 100.0     # not 0-100: 96 % to 98 % must not look flat
+    assert accuracy_limits([99.9, 100.0]) == (99.4, 100.0)
+    assert accuracy_limits([0.0, 40.0]) == (0.0, 46.0)

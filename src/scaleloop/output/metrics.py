@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Mapping, Optional, Union
+from typing import IO, Any, Mapping, Optional, Sequence, Union
 
 from scaleloop.output.rundir import unwritable
 from scaleloop.output.trackers import TensorBoardTracker, Tracker, open_tracker, tracker_row
@@ -250,6 +250,14 @@ def _floats(rows: list[dict[str, str]], x_key: str, y_key: str) -> tuple[list[fl
     return xs, ys
 
 
+def accuracy_limits(percents: Sequence[float]) -> tuple[float, float]:
+    """The accuracy axis's range: the values with a margin, within 0-100 %. (A fixed 0-100 axis
+    draws 96 % to 98 % as a flat line.)"""
+    low, high = min(percents), max(percents)
+    pad = max((high - low) * 0.15, 0.5)
+    return max(0.0, low - pad), min(100.0, high + pad)
+
+
 def plot_curves(csv_path: Path, png_path: Path) -> Path | None:
     """Plot loss and accuracy curves from ``csv_path`` into ``png_path``.
 
@@ -296,8 +304,9 @@ def plot_curves(csv_path: Path, png_path: Path) -> Path | None:
     # Accept accuracy stored either as a fraction or already as a percentage.
     scale = 100.0 if acc and max(acc) <= 1.0 else 1.0
     if acc:
-        ax_acc.plot(acc_epoch, [a * scale for a in acc], marker="o", color="tab:green")
-        ax_acc.set_ylim(0, 100)
+        shown = [a * scale for a in acc]
+        ax_acc.plot(acc_epoch, shown, marker="o", color="tab:green")
+        ax_acc.set_ylim(*accuracy_limits(shown))
     # Epochs are whole numbers; without this a 2-epoch run gets ticks at 0.2, 0.4, ...
     ax_acc.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_acc.set_title("Test accuracy")
