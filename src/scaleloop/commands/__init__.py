@@ -2,6 +2,6 @@
 
 - ``train``: ``scaleloop train``; ``tune_batch``: ``scaleloop tune-batch``;
 - ``verify``: ``scaleloop verify``; ``bench``: ``scaleloop bench`` and its commands;
-- ``doctor``: ``scaleloop doctor RUN_DIR``; ``env``: ``scaleloop env``;
+- ``doctor``: ``scaleloop doctor RUN_DIR``; ``plot``: ``scaleloop plot RUN ...``; ``env``: ``scaleloop env``;
 - ``cmdline``: the parts they share: the one-line-error parser, the config flags, exit codes.
 """

@@ -5,6 +5,7 @@
 - ``lock``: the lock a run holds on its run directory (host, pid; stale ones taken over).
 - ``endings``: ``failure.json``, the record of how a run ended when it did not finish.
 - ``metrics``: ``metrics.csv``, ``curves.png``, number formatting.
+- ``compare``: several runs' curves on one picture (``scaleloop plot``).
 - ``trackers``: where metrics go besides ``metrics.csv`` (``--tracker``): TensorBoard, W&B, MLflow.
 - ``memory``: parameter, gradient and optimizer-state bytes per rank (``memory.json``).
 """
