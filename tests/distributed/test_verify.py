@@ -62,6 +62,9 @@ def test_simplenet_passes_every_check_with_accumulation(tmp_path: Path) -> None:
     assert out.rstrip().splitlines()[-1].startswith("verify: PASS (equivalence passed; data passed; sync passed)")
     for side in ("single", "dist"):
         assert (report / side / "step-0003.pt").exists() and (report / side / "record.json").exists()
+    # The picture of the comparison, in the kept report.
+    assert f"  picture: {report / 'verify.png'}" in out
+    assert (report / "verify.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_convnet_with_sync_batchnorm_passes(tmp_path: Path) -> None:

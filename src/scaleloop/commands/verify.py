@@ -52,6 +52,9 @@ def add_parser(subparsers: Any, parser_class: type, add_config_flags: Callable[[
     group.add_argument("--report", metavar="DIR",
                        help="keep everything recorded (per-step parameters and gradients of both runs, "
                             "the workers' log) in DIR (default: a temporary directory)")
+    group.add_argument("--plot", metavar="FILE",
+                       help="draw the loss of both runs and their parameter difference per step into FILE "
+                            "(PNG); with --report DIR, DIR/verify.png is drawn anyway")
     add_config_flags(parser)
     return parser
 
@@ -83,7 +86,7 @@ def resolve_verify(args: argparse.Namespace) -> tuple[TrainConfig, VerifyOptions
     if cfg.strategy != "dp" and cfg.nproc < 2:
         raise UsageError(f"--nproc {cfg.nproc} would compare one process with itself; use --nproc 2 or more")
     opts = VerifyOptions(steps=args.steps, checks=parse_checks(args.check), explain_step=args.explain,
-                         tolerance=args.tolerance, report=args.report).validate()
+                         tolerance=args.tolerance, report=args.report, plot=args.plot).validate()
     return cfg, opts
 
 

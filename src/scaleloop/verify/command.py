@@ -324,6 +324,7 @@ def _equivalence(s: Session, r: Records) -> bool:
     passed, verdict = equivalence_verdict(rows, s.opts.steps, s.world, s.cfg.strategy, tol, bool(r.failures),
                                           saved.problems(tol))
     s.say(verdict)
+    _draw(s, rows, tol)
     note = saved.note(not passed)
     if note:
         s.say(note)
@@ -343,6 +344,25 @@ def _equivalence(s: Session, r: Records) -> bool:
             for line in cause.lines():
                 s.say(line)
     return False
+
+
+def _draw(s: Session, rows: list[StepDiff], tol: Tolerance) -> None:
+    """The picture (``--plot FILE``; ``verify.png`` in a kept report), said in one line."""
+    targets = [Path(p) for p in (s.opts.plot, s.opts.report and str(Path(s.opts.report) / "verify.png")) if p]
+    if not targets or not rows:
+        return
+    from scaleloop.verify.plot import plot_verify
+
+    try:
+        for target in targets:
+            plot_verify(rows, tol, s.world, s.cfg.strategy, target)
+    except ImportError:
+        s.say("  (no picture: --plot needs matplotlib)")
+        return
+    except OSError as exc:
+        s.say(f"  (no picture: cannot write {str(exc.filename or targets[0])!r}: {exc.strerror})")
+        return
+    s.say(f"  picture: {', '.join(str(t) for t in targets)}")
 
 
 def _causes(s: Session, r: Records, rows: list[StepDiff], saved: SavedState, tol: Tolerance) -> list[Cause]:

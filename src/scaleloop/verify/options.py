@@ -21,7 +21,8 @@ class VerifyOptions:
 
     ``checks`` is a subset of ``CHECKS``; ``explain_step`` (1-based) asks for the per-rank
     account of that step; ``loss`` is a user loss ``pkg.module:fn``; ``tolerance`` overrides
-    the parameter tolerance; ``report`` keeps every recorded file in that directory.
+    the parameter tolerance; ``report`` keeps every recorded file in that directory; ``plot``
+    is where the picture of the comparison goes (``report/verify.png`` with a report anyway).
     """
 
     steps: int = DEFAULT_STEPS
@@ -29,6 +30,7 @@ class VerifyOptions:
     explain_step: Optional[int] = None
     tolerance: Optional[float] = None
     report: Optional[str] = None
+    plot: Optional[str] = None
 
     def validate(self) -> "VerifyOptions":
         """Raise UsageError naming the flag when a value cannot work."""
