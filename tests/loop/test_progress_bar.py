@@ -18,7 +18,7 @@ from typing import Optional
 
 import pytest
 
-from scaleloop.loop.training import _bar_postfix
+from scaleloop.loop.training import BAR_FORMAT, UNSIZED_BAR_FORMAT, _bar_postfix
 
 ROOT = Path(__file__).resolve().parents[2]
 BAR = re.compile(r"epoch 1/1: +\d+%\|")
@@ -89,3 +89,21 @@ def test_a_terminal_of_0_columns_gets_plain_lines(tmp_path: Path, env_columns: O
 def test_the_postfix_names_its_window() -> None:
     assert _bar_postfix(0.123456, 10, 12345.6) == "loss 0.1235 (last 10 steps), 12,346 samples/s"
     assert _bar_postfix(2.0, 1, 5.0) == "loss 2.0000 (last 1 step), 5 samples/s"
+
+
+@pytest.mark.parametrize("total, fmt, drawn", [
+    (20, BAR_FORMAT, r"epoch 1/3:  25%\|.*\| \S+ left, loss 0\.5000 \(last 4 steps\), 1,000 samples/s"),
+    (None, UNSIZED_BAR_FORMAT, r"epoch 1/3: 5 steps \[\S+, loss 0\.5000 \(last 4 steps\), 1,000 samples/s\]"),
+])
+def test_a_pass_of_unknown_length_shows_steps_not_a_share(total: Optional[int], fmt: str, drawn: str) -> None:
+    import io
+
+    from tqdm import tqdm
+
+    out = io.StringIO()
+    bar = tqdm(total=total, desc="epoch 1/3", bar_format=fmt, file=out, ncols=80, mininterval=0, miniters=1)
+    bar.update(5)
+    bar.set_postfix_str(_bar_postfix(0.5, 4, 1000.0))
+    bar.close()
+    last = out.getvalue().split("\r")[-1].rstrip("\n")
+    assert re.fullmatch(drawn, last), last

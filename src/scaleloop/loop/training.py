@@ -117,9 +117,11 @@ class Ledger:
 # ``_bar_postfix`` writes. tqdm's own step/s is left out: samples/s says it, and without it the
 # line fits 80 columns.
 BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {remaining} left{postfix}"
+# A stream's first pass has no known length: steps so far and the time, no share or time left.
+UNSIZED_BAR_FORMAT = "{desc}: {n_fmt} steps [{elapsed}{postfix}]"
 
 
-def _progress_bar(total: int, initial: int, desc: str, enabled: bool):  # -> tqdm | None
+def _progress_bar(total: Optional[int], initial: int, desc: str, enabled: bool):  # -> tqdm | None
     if not enabled:
         return None
     width = _terminal_width(sys.stderr)
@@ -130,8 +132,8 @@ def _progress_bar(total: int, initial: int, desc: str, enabled: bool):  # -> tqd
     from tqdm import tqdm  # imported here: only rank 0 with a progress bar needs it
 
     # disable=None: a bar on a terminal, plain epoch lines in a log file or CI.
-    return tqdm(total=total, initial=initial, desc=desc, bar_format=BAR_FORMAT, dynamic_ncols=width is None,
-                ncols=width, leave=True, disable=None)
+    return tqdm(total=total, initial=initial, desc=desc, bar_format=BAR_FORMAT if total else UNSIZED_BAR_FORMAT,
+                dynamic_ncols=width is None, ncols=width, leave=True, disable=None)
 
 
 def _terminal_width(stream: Any) -> Optional[int]:
