@@ -164,9 +164,9 @@ def test_a_reader_that_went_away_is_not_an_error(tmp_path: Path) -> None:
 
 # --- help, no command, env ----------------------------------------------------------------
 
-def test_train_help_lists_every_field(capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_help_all_lists_every_field(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
-        main(["train", "--help"])
+        main(["train", "--help-all"])
     assert info.value.code == 0
     text = capsys.readouterr().out
     for f in dataclasses.fields(TrainConfig):
@@ -181,6 +181,20 @@ def test_top_level_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "train" in out and "env" in out
+
+
+def test_the_readme_names_every_command_and_strategy() -> None:
+    from scaleloop.cli import COMMANDS
+    from scaleloop.strategies.registry import REGISTRY
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme[readme.index("## The CLI"):readme.index("\nModels:")]
+    for command in COMMANDS:
+        assert f"| `scaleloop {command}" in table, f"the README's CLI table has no row for {command}"
+    strategies = readme[readme.index("\nStrategies:"):]
+    strategies = strategies[:strategies.index("\n\n")]
+    for name in REGISTRY:
+        assert f"`{name}`" in strategies, f"the README's Strategies line leaves out {name}"
 
 
 def test_no_command_exits_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -73,6 +73,12 @@ def strategy(name: str, env: Any, precision: str = "fp32", accumulate: int = 1, 
                          pipeline_schedule=pipeline_schedule, stages_per_rank=stages_per_rank)
 
 
+def __dir__() -> list[str]:
+    """The public API (``__all__``) and the module's own dunders: the lazily exported names are
+    not attributes until first used, so without this ``dir`` and tab completion would hide them."""
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__") and name.endswith("__"))})
+
+
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         import importlib

@@ -95,9 +95,28 @@ def test_strategies_on_cpu(info: dict[str, object]) -> None:
     runnable_dp, reason_dp = strategies["dp"]
     assert runnable_dp is False
     assert "CUDA" in reason_dp
-    # Gloo is present, so multi-process CPU runs are possible.
-    assert strategies["ddp"][0] is True
-    assert "Gloo" in strategies["ddp"][1]
+    # Gloo is present, so multi-process CPU runs are possible: the tests run pipeline and mesh on it.
+    for name in ("ddp", "fsdp", "pipeline", "mesh"):
+        assert strategies[name][0] is True, name
+        assert "Gloo" in strategies[name][1], name
+
+
+def test_every_registered_strategy_is_listed() -> None:
+    from scaleloop.config import STRATEGIES
+    from scaleloop.strategies.registry import REGISTRY
+
+    assert STRATEGY_NAMES == tuple(REGISTRY)
+    assert {"auto", *STRATEGY_NAMES} == set(STRATEGIES)   # every name --strategy accepts, but auto
+    assert {"pipeline", "mesh"} <= set(STRATEGY_NAMES)
+
+
+def test_a_torch_without_the_apis_marks_them_not_runnable() -> None:
+    from scaleloop.commands.env import _strategies
+
+    strategies = _strategies(0, gloo=True, nccl=False, fsdp_api=False, pipelining_api=False, mesh_api=False)
+    for name, module in (("fsdp", "fully_shard"), ("pipeline", "pipelining"), ("mesh", "device_mesh")):
+        runnable, reason = strategies[name]
+        assert runnable is False and module in reason, name
 
 
 def test_format_env_sections(info: dict[str, object]) -> None:

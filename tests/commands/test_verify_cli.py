@@ -88,11 +88,16 @@ def test_main_prints_one_line_and_exits_2(capsys: pytest.CaptureFixture[str]) ->
 
 def test_help_lists_verify_flags_and_train_flags(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
-        verify_main(["--help"])
+        verify_main(["--help-all"])
     assert info.value.code == 0
     out = capsys.readouterr().out
     for flag in ("--steps", "--check", "--explain", "--loss", "--tolerance", "--report", "--sync-batchnorm", "--nproc"):
         assert flag in out
+    with pytest.raises(SystemExit) as info:
+        verify_main(["--help"])   # the short one: what a first comparison needs
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--steps" in out and "--nproc" in out and "--no-sync-batchnorm" not in out
 
 
 def test_subparsers_of_another_class_are_refused() -> None:

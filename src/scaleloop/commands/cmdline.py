@@ -1,13 +1,15 @@
 """The command line's shared parts, for ``scaleloop`` and its ``bench`` and ``verify`` subcommands.
 
 ``Parser`` reports bad flags in one line with exit code 2; ``add_config_flags`` adds one flag per
-``TrainConfig`` field and ``flag_values`` reads them back. No torch here: ``--help`` stays instant.
+``TrainConfig`` field and ``flag_values`` reads them back; ``help_tiers`` makes ``--help`` show the
+common options and ``--help-all`` every one. No torch here: ``--help`` stays instant.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, NoReturn
+import sys
+from typing import Any, Iterable, NoReturn, Optional
 
 from scaleloop.config import TrainConfig, coerce, field_types, flag
 from scaleloop.errors import EXIT_INTERRUPTED, EXIT_USAGE, UsageError  # (exit codes re-exported)
@@ -23,9 +25,59 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        # The dests ``--help`` shows when the parser has two tiers (``help_tiers``); None: one tier.
+        self.common: Optional[frozenset[str]] = None
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see: {self.prog} --help)")
+
+    def format_help(self) -> str:
+        """The common options only, where ``help_tiers`` gave the parser two tiers; else every one."""
+        if self.common is None:
+            return super().format_help()
+        shown = [a for a in self._actions if a.dest in self.common or isinstance(a, (argparse._HelpAction, _HelpAll))]
+        formatter = self._get_formatter()
+        formatter.add_usage(self.usage, shown, [])
+        formatter.add_text(self.description)
+        for group in self._action_groups:
+            actions = [a for a in group._group_actions if a in shown]
+            if actions:
+                formatter.start_section(group.title)
+                formatter.add_arguments(actions)
+                formatter.end_section()
+        # The last line, short enough not to wrap: how to see the rest.
+        formatter.add_text(f"{len(self._actions) - len(shown)} more options: {self.prog} --help-all")
+        return formatter.format_help()
+
+    def format_full_help(self) -> str:
+        """Every option, grouped (what ``--help-all`` prints)."""
+        return super().format_help()
+
+
+class _HelpAll(argparse.Action):
+    """``--help-all``: print every option, grouped, and exit 0 (as ``--help`` does)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        full = parser.format_full_help() if isinstance(parser, Parser) else parser.format_help()
+        sys.stdout.write(full)
+        parser.exit()
+
+
+def help_tiers(parser: Parser, common: Iterable[str]) -> None:
+    """Give ``parser`` two help tiers: ``--help`` shows the options whose dests are in ``common``
+    (and ends by saying how to see the rest), ``--help-all`` shows every option, grouped.
+
+    A newcomer reads a screen, not 300 lines; the flags themselves do not change.
+    """
+    parser.common = frozenset(common)
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            action.help = "show the common options and exit"
+    parser.add_argument("--help-all", action=_HelpAll, help="show every option, grouped, and exit")
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:

@@ -15,8 +15,11 @@ from typing import Any
 
 __all__ = ["collect_env", "format_env", "STRATEGY_NAMES"]
 
-# The strategies scaleloop implements (pipeline joins when it lands).
-STRATEGY_NAMES: tuple[str, ...] = ("single", "dp", "ddp", "allreduce", "fsdp")
+from scaleloop.strategies.registry import REGISTRY
+
+# Every strategy scaleloop implements, in the registry's order: one that is added there is
+# listed here too (and ``_strategies`` must say whether it runs).
+STRATEGY_NAMES: tuple[str, ...] = tuple(REGISTRY)
 
 
 def _importable(module: str, attr: str | None = None) -> bool:
@@ -55,7 +58,9 @@ def _nccl_version(torch: Any) -> str | None:
     return str(version)
 
 
-def _strategies(gpu_count: int, gloo: bool, nccl: bool, fsdp_api: bool = True) -> dict[str, tuple[bool, str]]:
+def _strategies(gpu_count: int, gloo: bool, nccl: bool, fsdp_api: bool = True, pipelining_api: bool = True,
+                mesh_api: bool = True) -> dict[str, tuple[bool, str]]:
+    """Each registered strategy -> (whether it runs on this machine, why or why not)."""
     backend = gloo or nccl
     if gloo and nccl and gpu_count:
         process_note = f"one process per GPU via NCCL ({gpu_count} here), or N on CPU via Gloo"
@@ -82,6 +87,12 @@ def _strategies(gpu_count: int, gloo: bool, nccl: bool, fsdp_api: bool = True) -
         "fsdp": (backend and fsdp_api,
                  ("FSDP2 fully_shard: " + process_note) if fsdp_api
                  else "needs torch.distributed.fsdp.fully_shard (FSDP2), missing from this torch"),
+        "pipeline": (backend and pipelining_api,
+                     ("torch.distributed.pipelining stages: " + process_note) if pipelining_api
+                     else "needs torch.distributed.pipelining, missing from this torch"),
+        "mesh": (backend and mesh_api,
+                 ("DeviceMesh, --mesh dp=2,tp=2: " + process_note) if mesh_api
+                 else "needs torch.distributed.device_mesh and torch.distributed.tensor, missing from this torch"),
     }
 
 
@@ -122,6 +133,8 @@ def collect_env() -> dict[str, object]:
     best_device = "cuda" if cuda else "mps" if mps else "cpu"
     fsdp_api = dist_ok and _importable("torch.distributed.fsdp", "fully_shard")
     pipelining_api = dist_ok and _importable("torch.distributed.pipelining")
+    mesh_api = (dist_ok and _importable("torch.distributed.device_mesh", "init_device_mesh")
+                and _importable("torch.distributed.tensor.parallel", "parallelize_module"))
 
     return {
         "python": platform.python_version(),
@@ -144,7 +157,7 @@ def collect_env() -> dict[str, object]:
         "bf16_cpu": True,
         "bf16_cuda": bf16_cuda,
         "best_device": best_device,
-        "strategies": _strategies(len(gpus), gloo, nccl, fsdp_api),
+        "strategies": _strategies(len(gpus), gloo, nccl, fsdp_api, pipelining_api, mesh_api),
     }
 
 

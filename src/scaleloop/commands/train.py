@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from scaleloop.commands.cmdline import add_config_flags, flag_values
-from scaleloop.config import config_for_resume, load_toml
+from scaleloop.commands.cmdline import add_config_flags, flag_values, help_tiers
+from scaleloop.config import common_fields, config_for_resume, load_toml
 
 
 def register(subparsers: Any) -> None:
@@ -16,6 +16,7 @@ def register(subparsers: Any) -> None:
                     "best device (CUDA > MPS > CPU). Flags override --config, which overrides the defaults.")
     parser.add_argument("--config", metavar="FILE", help="TOML file of settings (keys as below, e.g. batch_size = 128)")
     add_config_flags(parser)
+    help_tiers(parser, ("config", *common_fields()))
 
 
 def run(args: argparse.Namespace) -> int:

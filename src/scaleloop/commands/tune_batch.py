@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any, Optional
 
-from scaleloop.commands.cmdline import add_config_flags, flag_values
-from scaleloop.config import load_toml, resolve
+from scaleloop.commands.cmdline import add_config_flags, flag_values, help_tiers
+from scaleloop.config import common_fields, load_toml, resolve
 
 if TYPE_CHECKING:
     from scaleloop.loop.tune import TuneReport
@@ -20,6 +20,7 @@ def register(subparsers: Any) -> None:
                     "--batch-size it gives. Accelerators only: on CPU, choose --batch-size by hand.")
     parser.add_argument("--config", metavar="FILE", help="TOML file of settings (as for train)")
     add_config_flags(parser)
+    help_tiers(parser, ("config", *common_fields()))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,6 +24,12 @@ DESCRIPTION = (
     "rank. Exit code: 0 pass, 1 fail, 2 bad input.")
 
 
+# What ``verify --help`` shows: verify's own options and the training flags a first comparison
+# sets; ``--help-all`` shows every training flag too.
+VERIFY_COMMON = ("config", "steps", "check", "explain", "model", "data", "batch_size",
+                 "nproc", "strategy", "device", "precision")
+
+
 def add_parser(subparsers: Any, parser_class: type, add_config_flags: Callable[[argparse.ArgumentParser], None]) -> argparse.ArgumentParser:
     """Register ``verify`` on the CLI's ``subparsers``; ``add_config_flags`` adds the TrainConfig flags.
 
@@ -56,6 +62,9 @@ def add_parser(subparsers: Any, parser_class: type, add_config_flags: Callable[[
                        help="draw the loss of both runs and their parameter difference per step into FILE "
                             "(PNG); with --report DIR, DIR/verify.png is drawn anyway")
     add_config_flags(parser)
+    from scaleloop.commands.cmdline import help_tiers
+
+    help_tiers(parser, VERIFY_COMMON)
     return parser
 
 

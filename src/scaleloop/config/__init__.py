@@ -14,8 +14,9 @@ from scaleloop.config.resume import config_for_resume
 from scaleloop.config.sections import LaunchSettings, OptimSettings, conf_pairs, split_endpoint
 from scaleloop.config.settings import (BACKENDS, DECAY_PARAMS, LR_SCALINGS, LR_SCHEDULES, OPTIMIZERS,
                                        PIPELINE_SCHEDULES, PRECISIONS, SECTIONS, STRATEGIES, TASKS, TrainConfig, coerce,
-                                       field_types, flag, load_toml, resolve, to_toml)
+                                       common_fields, field_types, flag, load_toml, resolve, to_toml)
 
-__all__ = ["TrainConfig", "OptimSettings", "LaunchSettings", "SECTIONS", "config_for_resume", "coerce", "field_types",
-           "flag", "load_toml", "resolve", "to_toml", "conf_pairs", "split_endpoint", "STRATEGIES", "BACKENDS",
-           "PRECISIONS", "OPTIMIZERS", "LR_SCHEDULES", "DECAY_PARAMS", "LR_SCALINGS", "TASKS", "PIPELINE_SCHEDULES"]
+__all__ = ["TrainConfig", "OptimSettings", "LaunchSettings", "SECTIONS", "config_for_resume", "coerce", "common_fields",
+           "field_types", "flag", "load_toml", "resolve", "to_toml", "conf_pairs", "split_endpoint", "STRATEGIES",
+           "BACKENDS", "PRECISIONS", "OPTIMIZERS", "LR_SCHEDULES", "DECAY_PARAMS", "LR_SCALINGS", "TASKS",
+           "PIPELINE_SCHEDULES"]

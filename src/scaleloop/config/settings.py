@@ -38,8 +38,11 @@ DECAY_PARAMS = ("ndim2", "ndim2-no-embeddings", "all")
 TASKS = ("auto", "classification", "binary", "regression", "lm")
 
 
-def _opt(default: Any, help: str, choices: tuple[str, ...] = (), group: str = "training") -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices, "group": group})
+def _opt(default: Any, help: str, choices: tuple[str, ...] = (), group: str = "training",
+         common: bool = False) -> Any:
+    # common: among the dozen flags a newcomer needs first, which ``train --help`` shows
+    # (``--help-all`` shows every field); see ``common_fields``.
+    return field(default=default, metadata={"help": help, "choices": choices, "group": group, "common": common})
 
 
 @dataclass(frozen=True)
@@ -47,10 +50,12 @@ class TrainConfig:
     """Everything that defines a training run. Sizes are global (across all workers)."""
 
     # what to train
-    model: str = _opt("simplenet", "model: simplenet, biggernet, convnet, tinygpt, or package.module:factory", group="model and data")
-    data: str = _opt("digits", "dataset: digits, random, mnist, images, tokens, or package.module:factory", group="model and data")
+    model: str = _opt("simplenet", "model: simplenet, biggernet, convnet, tinygpt, or package.module:factory", group="model and data",
+                      common=True)
+    data: str = _opt("digits", "dataset: digits, random, mnist, images, tokens, or package.module:factory", group="model and data",
+                     common=True)
     data_dir: Optional[str] = _opt(None, "directory holding the MNIST IDX files (for --data mnist; never downloads)", group="model and data")
-    hidden_dim: int = _opt(128, "hidden width of simplenet/biggernet", group="model and data")
+    hidden_dim: int = _opt(128, "hidden width of simplenet/biggernet", group="model and data", common=True)
     n_samples: int = _opt(10_000, "training samples for generated datasets (random, images, tokens)", group="model and data")
     input_dim: int = _opt(20, "features per sample for --data random", group="model and data")
     image_size: int = _opt(32, "side of the square images for --data images", group="model and data")
@@ -67,11 +72,12 @@ class TrainConfig:
                                   group="model and data")
 
     # how to train
-    epochs: int = _opt(20, "passes over the training set")
+    epochs: int = _opt(20, "passes over the training set", common=True)
     max_steps: Optional[int] = _opt(None, "stop after this many optimizer steps (default: no limit)")
-    batch_size: int = _opt(64, "GLOBAL batch size: per-device batch = batch_size / (world size x accumulate)")
+    batch_size: int = _opt(64, "GLOBAL batch size: per-device batch = batch_size / (world size x accumulate)",
+                            common=True)
     accumulate: int = _opt(1, "micro-batches accumulated into each optimizer step")
-    lr: float = _opt(0.01, "learning rate (at --base-batch-size when --lr-scaling is set)")
+    lr: float = _opt(0.01, "learning rate (at --base-batch-size when --lr-scaling is set)", common=True)
     lr_schedule: str = _opt("constant", "learning-rate schedule over the run's optimizer steps "
                             "(step: x0.1 at half and at three quarters of them)", LR_SCHEDULES)
     warmup_steps: int = _opt(0, "optimizer steps of linear learning-rate warm-up from lr/N to lr")
@@ -80,7 +86,7 @@ class TrainConfig:
     lr_scaling: str = _opt("none", "scale --lr with the global batch: linear (x B/base) or sqrt "
                            "(x sqrt(B/base)); needs --base-batch-size", LR_SCALINGS)
     base_batch_size: Optional[int] = _opt(None, "the global batch that --lr was tuned for (for --lr-scaling)")
-    optimizer: str = _opt("adam", "optimizer", OPTIMIZERS)
+    optimizer: str = _opt("adam", "optimizer", OPTIMIZERS, common=True)
     betas: Optional[str] = _opt(None, "adam and adamw: the moment decay rates B1,B2, e.g. 0.9,0.95 (default: "
                                 "torch's 0.9,0.999)")
     eps: Optional[float] = _opt(None, "adam and adamw: the term added to the denominator (default: torch's 1e-08)")
@@ -94,8 +100,8 @@ class TrainConfig:
     seed: int = _opt(0, "random seed (model init, data order, generated data)")
 
     # where to run it
-    device: str = _opt("auto", "device: auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", group="hardware")
-    strategy: str = _opt("auto", "how to use the hardware", STRATEGIES, group="hardware")
+    device: str = _opt("auto", "device: auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", group="hardware", common=True)
+    strategy: str = _opt("auto", "how to use the hardware", STRATEGIES, group="hardware", common=True)
     mesh: Optional[str] = _opt(None, "lay the ranks out on named dimensions, e.g. dp=2,tp=2: dp (replicated), fsdp or "
                                "shard (sharded), tp (tensor parallel); their product is the world size; implies "
                                "--strategy mesh (docs/strategies.md, '--mesh')", group="hardware")
@@ -105,7 +111,8 @@ class TrainConfig:
     cpu_offload: bool = _opt(False, "fsdp and --mesh: keep the sharded parameters, gradients and optimizer state in "
                              "host memory between uses (FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU)",
                              group="hardware")
-    precision: str = _opt("fp32", "numeric precision (bf16/fp16 use torch.amp autocast; fp16 adds a GradScaler)", PRECISIONS, group="hardware")
+    precision: str = _opt("fp32", "numeric precision (bf16/fp16 use torch.amp autocast; fp16 adds a GradScaler)", PRECISIONS,
+                           group="hardware", common=True)
     num_workers: int = _opt(0, "DataLoader worker processes (only for datasets that are not in-memory tensors)", group="hardware")
     microbatches: int = _opt(1, "--strategy pipeline: cut each micro-step's batch into this many pieces that "
                              "flow through the stages one after another", group="hardware")
@@ -138,7 +145,7 @@ class TrainConfig:
                                 "batch there, with no copy per step (it must fit in device memory)", group="speed")
 
     # how many processes, on how many machines (N > 1 re-launches under torch.distributed.run)
-    nproc: int = _opt(1, "worker processes on this machine (one per GPU on CUDA)", group="launch")
+    nproc: int = _opt(1, "worker processes on this machine (one per GPU on CUDA)", group="launch", common=True)
     nnodes: int = _opt(1, "machines in the job: N, or MIN:MAX for elastic membership (with --rdzv-endpoint: the "
                        "job goes on with as few as MIN machines and admits returning ones, up to MAX)", group="launch")
     min_nnodes: int = _opt(0, "the fewest machines an elastic job goes on with (set by --nnodes MIN:MAX; 0: --nnodes)",
@@ -178,7 +185,8 @@ class TrainConfig:
                        "never; or a checkpoint/run directory to continue from", group="checkpoints")
 
     # what to write
-    out: Optional[str] = _opt(None, "run directory (default: runs/<date>-<time>-<model>-<data>)", group="output")
+    out: Optional[str] = _opt(None, "run directory (default: runs/<date>-<time>-<model>-<data>); an existing run's directory continues that run",
+                              group="output", common=True)
     log_every: int = _opt(10, "optimizer steps between metric rows in metrics.csv", group="output")
     progress: bool = _opt(True, "show a progress bar", group="output")
     tracker: str = _opt("tensorboard", "where metrics go besides metrics.csv: TensorBoard events in <run>/tensorboard "
@@ -258,6 +266,12 @@ class TrainConfig:
 def flag(name: str) -> str:
     """The CLI flag for a field name: ``batch_size`` -> ``--batch-size``."""
     return "--" + name.replace("_", "-")
+
+
+def common_fields() -> tuple[str, ...]:
+    """The fields a newcomer needs first (``common=True``), in definition order: what
+    ``scaleloop train --help`` shows; ``--help-all`` shows every field."""
+    return tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata.get("common"))
 
 
 def field_types() -> dict[str, type]:

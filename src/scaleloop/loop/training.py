@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,13 +113,45 @@ class Ledger:
     stragglers: Stragglers = field(default_factory=Stragglers)
 
 
-def _progress_bar(total: int, initial: int, desc: str, enabled: bool):  # -> tqdm | None
+# The bar: how far the epoch is, the time left, then (from the first log row on) the postfix
+# ``_bar_postfix`` writes. tqdm's own step/s is left out: samples/s says it, and without it the
+# line fits 80 columns.
+BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {remaining} left{postfix}"
+# A stream's first pass has no known length: steps so far and the time, no share or time left.
+UNSIZED_BAR_FORMAT = "{desc}: {n_fmt} steps [{elapsed}{postfix}]"
+
+
+def _progress_bar(total: Optional[int], initial: int, desc: str, enabled: bool):  # -> tqdm | None
     if not enabled:
+        return None
+    width = _terminal_width(sys.stderr)
+    if width == 0:
+        # A terminal that reports no width (0 columns): a bar redrawn in place there wraps into
+        # stray lines. The epoch lines say how the run goes.
         return None
     from tqdm import tqdm  # imported here: only rank 0 with a progress bar needs it
 
     # disable=None: a bar on a terminal, plain epoch lines in a log file or CI.
-    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, leave=True, disable=None)
+    return tqdm(total=total, initial=initial, desc=desc, bar_format=BAR_FORMAT if total else UNSIZED_BAR_FORMAT,
+                dynamic_ncols=width is None, ncols=width, leave=True, disable=None)
+
+
+def _terminal_width(stream: Any) -> Optional[int]:
+    """The bar's width on ``stream``: None to follow the terminal (or not a terminal: tqdm shows no
+    bar), a fixed width where the terminal reports 0 columns but ``COLUMNS`` gives one, else 0."""
+    try:
+        if not stream.isatty() or os.get_terminal_size(stream.fileno()).columns > 0:
+            return None
+    except (AttributeError, OSError, ValueError):  # no file descriptor (a captured stream)
+        return None
+    columns = os.environ.get("COLUMNS", "")
+    return int(columns) if columns.isdigit() else 0
+
+
+def _bar_postfix(loss: float, steps: int, samples_per_s: float) -> str:
+    """What the bar shows after a log row: the mean loss of the steps since the previous row (not
+    the epoch's running mean, which the epoch line prints), and the samples per second."""
+    return f"loss {loss:.4f} (last {steps} step{'s' if steps != 1 else ''}), {samples_per_s:,.0f} samples/s"
 
 
 STARTING_UP = "starting up (reading the data, building the model, its strategy and its optimizer)"
@@ -315,7 +349,7 @@ class Trainer:
         if skipped is not None:
             ledger.skipped = values["skipped_steps"] = ledger.skipped_before + totals.skipped
         if bar is not None:
-            bar.set_postfix(loss=f"{totals.loss:.4f}", samples_s=f"{rate:,.0f}")
+            bar.set_postfix_str(_bar_postfix(totals.loss, steps, rate))
         running.new_window()
         ledger.window_from = ledger.step
         self.emit(Row("step", epoch + 1, ledger.step, ledger.samples, values, totals, steps,
