@@ -30,8 +30,12 @@ sl.init_process_group(env)
 ids = torch.randint(0, 64, (512, 16), generator=torch.Generator().manual_seed(0))
 ids[:, 1::2] = (ids[:, ::2] + 1) % 64
 dataset = sl.DictTensorDataset(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+# GPT-2's config names its own vocabulary's special tokens (50256) and the model no loss type:
+# both said here, for this 64-token vocabulary, else transformers warns about each at start-up.
 model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))  # no dropout: N ranks = 1
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # no dropout: N ranks = 1
+                                   bos_token_id=0, eos_token_id=0))
+model.loss_type = "ForCausalLM"   # the token-mean cross-entropy over the shifted labels
 
 strategy = sl.strategy("ddp" if env.is_distributed else "single", env)
 model, optimizer = strategy.setup(model, lambda params: torch.optim.SGD(params, lr=0.5))

@@ -22,11 +22,16 @@ SCRIPTS = sorted(EXAMPLES.glob("[0-9][0-9]_*.py"))
 
 def run_example(name: str, *args: str, cwd: Path) -> str:
     """``python examples/<name> <args>`` as a reader runs it; returns its output, asserts success."""
+    return run_example_process(name, *args, cwd=cwd).stdout
+
+
+def run_example_process(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """As :func:`run_example`, with the standard error too."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     res = subprocess.run([sys.executable, str(EXAMPLES / name), *args], cwd=cwd, env=env,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, f"{name} {' '.join(args)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
-    return res.stdout
+    return res
 
 
 def _has(module: str) -> bool:
@@ -117,7 +122,9 @@ def test_03_accumulation_alone_changes_nothing_but_rounding(tmp_path: Path, sing
 @pytest.mark.slow
 @pytest.mark.skipif(not _has("transformers"), reason="07 needs transformers (a test extra: pip install -e '.[dev]')")
 def test_07_huggingface_model_in_the_loop_learns(tmp_path: Path) -> None:
-    out = run_example("07_huggingface.py", "--out", str(tmp_path / "w.pt"), cwd=tmp_path)
+    res = run_example_process("07_huggingface.py", "--out", str(tmp_path / "w.pt"), cwd=tmp_path)
+    out = res.stdout
+    assert "[transformers]" not in res.stderr, res.stderr   # the config says what transformers would warn about
     losses = step_losses(out)
     assert sorted(losses) == [5, 10, 15, 20], out
     assert losses[20] < losses[5], out
