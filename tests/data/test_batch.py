@@ -67,6 +67,28 @@ class AnyKeywords(nn.Module):
         return kwargs["input_ids"]
 
 
+class Inner(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class CallsInnerWrongly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Inner()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids, scale=2)   # the user's own bug, inside forward
+
+
+def test_an_entry_forward_does_not_take_is_one_line_and_a_bug_inside_forward_stays_its_own() -> None:
+    with pytest.raises(UsageError, match=r"the batch's entries attention_mask, input_ids are the model's keyword "
+                                         r"arguments, and .*unexpected keyword argument 'attention_mask'"):
+        call_model(Plain(), {"input_ids": torch.zeros(2), "attention_mask": torch.ones(2)})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'scale'"):
+        call_model(CallsInnerWrongly(), {"input_ids": torch.zeros(2)})
+
+
 def test_the_target_is_passed_only_to_a_model_that_takes_it() -> None:
     data = DictTensorDataset(input_ids=torch.zeros(4, 2), labels=torch.zeros(4))
     assert takes_keyword(WithLabels(), "labels") and keeps_target(WithLabels(), data)

@@ -122,10 +122,33 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, torch.Tensor):
         return model(inputs)
     if isinstance(inputs, Mapping):
-        return model(**inputs)
+        try:
+            return model(**inputs)
+        except TypeError as exc:
+            if _not_taken(model, exc):
+                raise UsageError(f"the batch's entries {', '.join(sorted(map(str, inputs)))} are the model's keyword "
+                                 f"arguments, and {exc}: give forward that parameter, or leave the entry out of "
+                                 "the samples") from None
+            raise
     if isinstance(inputs, (tuple, list)):
         return model(*inputs)
     return model(inputs)
+
+
+def _not_taken(model: nn.Module, exc: TypeError) -> bool:
+    """Whether ``exc`` is Python refusing the call's keywords (raised before ``forward``'s body
+    ran), not a TypeError from inside the model."""
+    if "unexpected keyword argument" not in str(exc):
+        return False
+    # forward's own frame never started when Python refused its keywords; a call inside it that
+    # was refused (a submodule given a keyword it lacks) passes through that frame.
+    forward = getattr(getattr(model, "forward", None), "__code__", None)
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is forward:
+            return False
+        tb = tb.tb_next
+    return True
 
 
 def takes_keyword(model: nn.Module, name: str) -> bool:
