@@ -75,7 +75,8 @@ def _test_row(test: Optional[EvalResult]) -> tuple[str, str]:
 def _train_eval_row(train: EvalResult, step: int) -> tuple[str, str]:
     """``--eval-train``'s last result: the training loss in evaluation mode (no dropout)."""
     key = "train loss (sampled)" if train.of is not None else "train loss (eval mode)"
-    return key, f"{train.loss:.4f} at step {step}, in evaluation mode ({_samples(train)})"
+    samples = f"{train.samples:,} samples" if train.of is None else f"{train.samples:,} of {train.of:,} samples"
+    return key, f"{train.loss:.4f} at step {step}, in evaluation mode ({samples})"
 
 
 def describe_epoch(result: RunResult) -> str:
