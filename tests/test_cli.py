@@ -222,7 +222,7 @@ def test_env(capsys: pytest.CaptureFixture[str]) -> None:
 def test_run_prints_a_summary(finished_run: tuple[Path, str]) -> None:
     out_dir, stdout = finished_run
     summary = stdout[stdout.index("summary"):]
-    for key in ("device", "strategy", "world size", "epochs", "final train loss", "test accuracy",
+    for key in ("device", "strategy", "world size", "epochs", "train loss", "test accuracy",
                 "throughput", "wall time", "run directory"):
         assert key in summary, key
     assert "samples/s" in summary

@@ -2,8 +2,8 @@
 
 - ``settings``: ``TrainConfig``, its fields (help, choices, CLI group), TOML reading and writing,
   ``validate`` (every section's own check) and ``section`` (one section of it);
-- ``sections``: the sections whose owners sit above the config (``OptimSettings`` for the
-  trainer, ``LaunchSettings`` for the launcher); the others live with their owners:
+- ``sections``: the sections whose owners sit above the config (``OptimSettings`` and
+  ``EvalSettings`` for the trainer, ``LaunchSettings`` for the launcher); the others live with their owners:
   ``scaleloop.data.settings``, ``scaleloop.output.settings``, ``scaleloop.checkpoint.settings``,
   ``scaleloop.strategies.registry`` (``ParallelSettings``);
 - ``resume``: a resumed run's settings, from those saved with the run it continues.
@@ -11,12 +11,12 @@
 No torch here: ``scaleloop --help`` answers at once.
 """
 from scaleloop.config.resume import config_for_resume
-from scaleloop.config.sections import LaunchSettings, OptimSettings, conf_pairs, split_endpoint
+from scaleloop.config.sections import EvalSettings, LaunchSettings, OptimSettings, conf_pairs, split_endpoint
 from scaleloop.config.settings import (BACKENDS, DECAY_PARAMS, LR_SCALINGS, LR_SCHEDULES, OPTIMIZERS,
                                        PIPELINE_SCHEDULES, PRECISIONS, SECTIONS, STRATEGIES, TASKS, TrainConfig, coerce,
                                        common_fields, field_types, flag, load_toml, resolve, to_toml)
 
-__all__ = ["TrainConfig", "OptimSettings", "LaunchSettings", "SECTIONS", "config_for_resume", "coerce", "common_fields",
-           "field_types", "flag", "load_toml", "resolve", "to_toml", "conf_pairs", "split_endpoint", "STRATEGIES",
-           "BACKENDS", "PRECISIONS", "OPTIMIZERS", "LR_SCHEDULES", "DECAY_PARAMS", "LR_SCALINGS", "TASKS",
+__all__ = ["TrainConfig", "OptimSettings", "EvalSettings", "LaunchSettings", "SECTIONS", "config_for_resume", "coerce",
+           "common_fields", "field_types", "flag", "load_toml", "resolve", "to_toml", "conf_pairs", "split_endpoint",
+           "STRATEGIES", "BACKENDS", "PRECISIONS", "OPTIMIZERS", "LR_SCHEDULES", "DECAY_PARAMS", "LR_SCALINGS", "TASKS",
            "PIPELINE_SCHEDULES"]

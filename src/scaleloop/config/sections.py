@@ -1,5 +1,5 @@
 """The config's sections whose owners sit above the config: the trainer's optimizer and schedule,
-and the launcher's processes and machines. (Sections owned by the floors below are defined there:
+its evaluations, and the launcher's processes and machines. (Sections owned by the floors below are defined there:
 ``data.settings``, ``output.settings``, ``checkpoint.settings``, ``strategies.registry``.)
 
 Each section is a frozen dataclass of flat ``TrainConfig`` fields, built by ``TrainConfig.section``,
@@ -101,6 +101,32 @@ class OptimSettings:
                              f"or leave out {flags}")
         self.adam_betas   # (raises for a malformed value)
         _require(self.eps is None or self.eps > 0, "eps", "a positive number, e.g. 1e-8")
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """When the trainer evaluates and on what: every ``eval_every`` steps besides each epoch's end,
+    on a fixed sample of ``eval_batches`` batches (None: the whole test set), and with
+    ``eval_train`` on a sample of the training set too (``scaleloop.loop.evaluations``)."""
+
+    eval_every: Optional[int] = None
+    eval_batches: Optional[int] = None
+    eval_train: bool = False
+    batch_size: int = 64
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.eval_every is not None and self.eval_every < 1:
+            raise UsageError(f"--eval-every must be a positive number of optimizer steps, got {self.eval_every} "
+                             "(leave it out to evaluate at epoch ends only)")
+        if self.eval_batches is not None and self.eval_batches < 1:
+            raise UsageError(f"--eval-batches must be a positive number of batches, got {self.eval_batches} "
+                             "(leave it out to evaluate the whole test set)")
+
+    @property
+    def sample_size(self) -> Optional[int]:
+        """Samples an evaluation reads from each set (None: all of them)."""
+        return None if self.eval_batches is None else self.eval_batches * self.batch_size
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ else:  # pragma: no cover - exercised only on 3.10
     import tomli as tomllib
 
 from scaleloop.checkpoint.settings import CheckpointSettings
-from scaleloop.config.sections import LaunchSettings, OptimSettings
+from scaleloop.config.sections import EvalSettings, LaunchSettings, OptimSettings
 from scaleloop.data.settings import DataSettings
 from scaleloop.errors import UsageError
 from scaleloop.output.settings import OutputSettings
@@ -188,6 +188,15 @@ class TrainConfig:
     out: Optional[str] = _opt(None, "run directory (default: runs/<date>-<time>-<model>-<data>); an existing run's directory continues that run",
                               group="output", common=True)
     log_every: int = _opt(10, "optimizer steps between metric rows in metrics.csv", group="output")
+    eval_every: Optional[int] = _opt(None, "also evaluate every N optimizer steps (at global steps N, 2N, ...), "
+                                     "an eval row in metrics.csv each time (default: at epoch ends only)",
+                                     group="output")
+    eval_batches: Optional[int] = _opt(None, "evaluate a fixed, seeded sample of K batches (K x --batch-size samples) "
+                                       "of the test set instead of all of it, the same sample every time and on any "
+                                       "number of processes (default: the whole test set)", group="output")
+    eval_train: bool = _opt(False, "at each evaluation also take the training loss in evaluation mode over a fixed, "
+                            "seeded sample of the training set (--eval-batches batches; all of it without)",
+                            group="output")
     progress: bool = _opt(True, "show a progress bar", group="output")
     tracker: str = _opt("tensorboard", "where metrics go besides metrics.csv: TensorBoard events in <run>/tensorboard "
                         "(if installed), a W&B or MLflow run (see docs/tracking.md), or nowhere", TRACKERS, group="output")
@@ -218,6 +227,11 @@ class TrainConfig:
     def checkpointing(self) -> CheckpointSettings:
         """The checkpoint section (``scaleloop.checkpoint.settings``)."""
         return self.section(CheckpointSettings)
+
+    @property
+    def evaluation(self) -> EvalSettings:
+        """The evaluation section (``scaleloop.config.sections``)."""
+        return self.section(EvalSettings)
 
     @property
     def optim(self) -> OptimSettings:
@@ -401,5 +415,5 @@ def _toml_string(value: str) -> str:
 
 
 # The sections, checked in this order by ``TrainConfig.validate``; each field belongs to one or more.
-SECTIONS: tuple[type, ...] = (DataSettings, OptimSettings, OutputSettings, CheckpointSettings, LaunchSettings,
-                              ParallelSettings)
+SECTIONS: tuple[type, ...] = (DataSettings, OptimSettings, OutputSettings, EvalSettings, CheckpointSettings,
+                              LaunchSettings, ParallelSettings)

@@ -6,7 +6,8 @@
   optimizer and schedule step) with an observer for verify's recorder and bench's timers.
 - ``training``: ``train``, the loop behind ``scaleloop train``; its ``Trainer``, the ``Hook``
   events it calls (metrics rows, health checks, the stop vote, a recovery report); ``RunResult``.
-- ``evaluate``: exact evaluation over ranks. ``schedule``: learning-rate scaling and schedules
+- ``evaluate``: exact evaluation over ranks. ``evaluations``: what the trainer evaluates and
+  when (``--eval-every``, ``--eval-batches``' fixed sample, ``--eval-train``). ``schedule``: learning-rate scaling and schedules
   (``--min-lr``). ``decay``: which tensors weight decay applies to (``--decay-params``).
 - ``running``: the running loss sums. ``tasks``: the loss for each task.
 - ``health``: what the log rows learn on their all-reduce: stragglers, a diverging loss,

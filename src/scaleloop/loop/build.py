@@ -20,6 +20,7 @@ from scaleloop.data.loader import ShardedLoader
 from scaleloop.data.streaming import StreamingLoader, declared_length
 from scaleloop.errors import UsageError
 from scaleloop.loop.decay import describe_decay, param_groups
+from scaleloop.loop.evaluations import check_eval_data
 from scaleloop.loop.schedule import LearningRate, build_scheduler, scaled_lr
 from scaleloop.loop.speed import speed_up_model
 from scaleloop.loop.tasks import LossFn, MetricFn, resolve_loss, resolve_metrics
@@ -148,6 +149,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     seed; the strategy then places it.
     """
     datasets, model = (data or build_data_and_model)(cfg)
+    check_eval_data(cfg.evaluation, datasets)
     keep_target = keeps_target(model, datasets.train, datasets.info.task)
     if isinstance(keep_target, tuple) and cfg.pipeline_layout() is not None:
         keep_target = False   # a pipeline's first stage takes the input alone; its last computes the loss

@@ -22,6 +22,7 @@ class EvalResult:
     accuracy: float                  # NaN where the task has none (regression, a model's own loss)
     samples: int
     metrics: dict[str, float] = field(default_factory=dict)   # the user's, over every sample
+    of: Optional[int] = None         # the whole set's size when only a sample of it was evaluated
 
 
 def evaluate(model: nn.Module, dataset: Dataset, info: DataInfo, strategy: Strategy,

@@ -34,7 +34,8 @@ class TrainerView(Protocol):
 class Row:
     """A row of ``metrics.csv`` (and of the tracker), as the loop hands it to the hooks. Read-only."""
 
-    kind: str                        # "step" (a log row), "epoch", "stop" (a run stopped inside an epoch), "recovery"
+    kind: str                        # "step" (a log row), "epoch", "stop" (a run stopped inside an epoch), "recovery",
+    #                                  "eval" (an evaluation every --eval-every steps)
     epoch: int                       # counted from 1, as in metrics.csv
     step: int
     samples: int
@@ -66,7 +67,7 @@ class Hook:
         return False
 
     def on_row(self, trainer: TrainerView, row: Row) -> None:
-        """At each row: a log row every ``--log-every`` steps, an epoch's end, a recovery."""
+        """At each row: a log row every ``--log-every`` steps, an evaluation, an epoch's end, a recovery."""
 
 
 def overrides(hook: Hook, event: str) -> bool:
@@ -96,7 +97,7 @@ class MetricsRows(Hook):
 
     def __init__(self, metrics: MetricsLogger) -> None:
         self._write = {"step": metrics.log_step, "epoch": metrics.log_epoch, "stop": metrics.log_stop,
-                       "recovery": metrics.log_recovery}
+                       "recovery": metrics.log_recovery, "eval": metrics.log_eval}
 
     def on_row(self, trainer: TrainerView, row: Row) -> None:
         self._write[row.kind](epoch=row.epoch, step=row.step, samples=row.samples, **row.values)

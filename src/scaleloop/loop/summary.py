@@ -19,8 +19,9 @@ def format_result(result: RunResult) -> str:
         ("world size", str(result.world_size)),
         ("precision", result.precision),
         ("epochs", f"{result.epochs} ({result.steps} steps, {result.samples:,} samples)"),
-        ("final train loss", f"{result.train_loss:.4f}"),
+        ("train loss", describe_train_loss(result)),
         _test_row(test),
+        *([_train_eval_row(result.train_eval, result.train_eval_step)] if result.train_eval is not None else []),
         ("throughput", format_rate(result.samples_per_s)),
         ("wall time", f"{format_seconds(result.wall_s)} (training {format_seconds(result.train_s)})"),
     ]
@@ -44,13 +45,38 @@ def format_result(result: RunResult) -> str:
     return text
 
 
+def describe_train_loss(result: RunResult) -> str:
+    """The run's train loss and what it is the mean of (the last epoch's steps, each batch's loss
+    as it trained), then the last log row's."""
+    text = f"{result.train_loss:.4f}"
+    if result.train_loss_over:
+        text += f", the mean over {result.train_loss_over}"
+    first, last = result.window_steps
+    if last:
+        steps = f"step {last}" if first == last else f"steps {first}-{last}"
+        text += f"; last log window ({steps}) {result.window_loss:.4f}"
+    return text
+
+
+def _samples(result: EvalResult) -> str:
+    """``n samples``, or ``n of N samples, sampled`` for an ``--eval-batches`` sample."""
+    return f"{result.samples:,} samples" if result.of is None else f"{result.samples:,} of {result.of:,} samples, sampled"
+
+
 def _test_row(test: Optional[EvalResult]) -> tuple[str, str]:
     if test is None:
         return "test accuracy", "no test set"
     metrics = "".join(f", {name} {value:.4g}" for name, value in test.metrics.items())
     if test.accuracy != test.accuracy:  # NaN: a regression, or a model's own loss
-        return "test loss", f"{test.loss:.4f}{metrics} ({test.samples:,} samples)"
-    return "test accuracy", f"{test.accuracy:.2%} (test loss {test.loss:.4f}{metrics}, {test.samples:,} samples)"
+        return "test loss", f"{test.loss:.4f}{metrics} ({_samples(test)})"
+    return "test accuracy", f"{test.accuracy:.2%} (test loss {test.loss:.4f}{metrics}, {_samples(test)})"
+
+
+def _train_eval_row(train: EvalResult, step: int) -> tuple[str, str]:
+    """``--eval-train``'s last result: the training loss in evaluation mode (no dropout)."""
+    key = "train loss (sampled)" if train.of is not None else "train loss (eval mode)"
+    samples = f"{train.samples:,} samples" if train.of is None else f"{train.samples:,} of {train.of:,} samples"
+    return key, f"{train.loss:.4f} at step {step}, in evaluation mode ({samples})"
 
 
 def describe_epoch(result: RunResult) -> str:

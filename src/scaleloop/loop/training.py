@@ -38,7 +38,8 @@ from scaleloop.data.loader import Batch
 from scaleloop.data.streaming import declared_length
 from scaleloop.loop.build import Run, build_run
 from scaleloop.loop.ending import record_ending
-from scaleloop.loop.evaluate import EvalResult, evaluate
+from scaleloop.loop.evaluate import EvalResult
+from scaleloop.loop.evaluations import Evaluations
 from scaleloop.loop.hooks import HealthChecks, Hook, MetricsRows, RecoveryReport, Row, StopOnSignal, chain, overrides
 from scaleloop.loop.health import Stragglers, diverged, reduce_checked, reduce_window
 from scaleloop.loop.preempt import StopVote
@@ -92,6 +93,11 @@ class RunResult:
     streamed: bool = False           # the training set is a stream (docs/streaming.md)
     skipped_steps: int = 0           # fp16: optimizer steps the GradScaler skipped (counted in ``steps``)
     straggler: str = ""              # the worst straggler reported during the run ("" if none)
+    train_loss_over: str = ""        # which steps ``train_loss`` is the mean over ("epoch 2, steps 11-20")
+    window_loss: float = float("nan")   # the last log row's train loss (the mean over its window) ...
+    window_steps: tuple[int, int] = (0, 0)   # ... and that window's first and last global step
+    train_eval: Optional[EvalResult] = None   # --eval-train: the last training loss in evaluation mode ...
+    train_eval_step: int = 0         # ... and the global step it was taken at
 
 
 @dataclass
@@ -111,6 +117,12 @@ class Ledger:
     window_from: int = 0             # the global step the current log window started after
     out: Optional[Path] = None       # the run directory, as every rank knows it (for messages)
     stragglers: Stragglers = field(default_factory=Stragglers)
+    train_loss_over: str = ""        # which steps ``train_loss`` is the mean over
+    window_loss: float = float("nan")   # the last log row's train loss, over steps window_steps
+    window_steps: tuple[int, int] = (0, 0)
+    train_eval: Optional[EvalResult] = None   # --eval-train's last result, at step train_eval_step
+    train_eval_step: int = 0
+    eval_row_step: int = -1          # the step of the last ``eval`` row (one per step at most)
 
 
 # The bar: how far the epoch is, the time left, then (from the first log row on) the postfix
@@ -214,6 +226,9 @@ class Trainer:
         if resumed is not None:
             self.running.load(resumed.sums)
         self.step = Step(run)
+        self.evals = Evaluations(run.model, cfg.evaluation, run.data, run.strategy,
+                                 loss_fn=run.loss_fn if run.user_loss else None,
+                                 keep_target=run.loader.keep_target, metrics=run.metrics)
         #: What the loop does when not a training step (an evaluation, a checkpoint), for the report.
         self.doing: Optional[str] = None
         #: In call order (within an event, order counts: the metrics row before the health checks
@@ -244,6 +259,9 @@ class Trainer:
         """
         cfg, ledger, at = self.cfg, self.ledger, self.at
         _announce(self.run, self.resumed, self.say)
+        evaluations = self.evals.describe()
+        if evaluations is not None:
+            self.say(evaluations)
         done = _nothing_left(cfg, at, self.say)
         vote = StopVote(self.env, cfg.signal, torchrun_worker=launched_by_torchrun())  # preemption (loop/preempt.py)
         if recovery is not None:
@@ -290,7 +308,8 @@ class Trainer:
         # well under a millisecond on a CPU, so every lookup and call in it shows.
         micro, update, add, on_batch = step.micro, step.update, self.running.add, self.on_batch
         first, after_step = self._first_step, self._after_step
-        log_every, max_steps, checkpoint_every = cfg.log_every, cfg.max_steps, cfg.checkpoint_every
+        log_every, max_steps, checkpoint_every, eval_every = (cfg.log_every, cfg.max_steps, cfg.checkpoint_every,
+                                                              cfg.eval_every)
         for batch in loader:
             if on_batch is not None:
                 on_batch(batch)
@@ -319,6 +338,13 @@ class Trainer:
             if after_step is not None and after_step(self, epoch):  # every rank ends here, as --max-steps does
                 done = True
                 break
+            # Before the step's checkpoint: a run resumed from it goes on to the next multiple.
+            # At the epoch's (or the run's) last step, end_epoch's evaluation gives the row.
+            if eval_every and done_steps % eval_every == 0 and not _epoch_complete(plan, in_epoch):
+                paused = self.eval_inside(epoch)
+                epoch_start += paused   # evaluation time is not training time, as at the epoch's end
+                window_start += paused
+                step.restart_clock()
             if checkpoint_every and done_steps % checkpoint_every == 0 and not _epoch_complete(plan, in_epoch):
                 paused = self.checkpoint(Progress(epoch, in_epoch), ledger.train_s + time.perf_counter() - epoch_start)
                 epoch_start += paused   # checkpoint time is reported on its own, not as training
@@ -351,6 +377,7 @@ class Trainer:
         if bar is not None:
             bar.set_postfix_str(_bar_postfix(totals.loss, steps, rate))
         running.new_window()
+        ledger.window_loss, ledger.window_steps = totals.loss, (ledger.window_from + 1, ledger.step)
         ledger.window_from = ledger.step
         self.emit(Row("step", epoch + 1, ledger.step, ledger.samples, values, totals, steps,
                       (now - window_start) / max(steps, 1)))
@@ -398,18 +425,24 @@ class Trainer:
         ledger.epochs_run = epoch + 1
         total = self.check_finite(epoch, self.running.epoch_sums(torch.device("cpu")).tolist())
         ledger.train_loss = total[0] / total[1] if total[1] > 0 else float("nan")
+        finished = _epoch_complete(run.loader.plan, in_epoch)
+        ledger.train_loss_over = (f"epoch {epoch + 1}{'' if finished else ' so far'}, "
+                                  f"steps {ledger.step - in_epoch + 1}-{ledger.step}")
         self.doing = f"the evaluation after epoch {epoch + 1}"
         test = ledger.test = self.evaluate()
+        train = self.eval_train()
         self.doing = None
-        finished = _epoch_complete(run.loader.plan, in_epoch)
+        if self.evals.due(ledger.step) and ledger.eval_row_step != ledger.step:
+            self.emit_eval(epoch, test, train)   # the step's --eval-every row, from the same evaluation
         skipped = self.skipped()
         self.emit(Row("epoch" if finished else "stop", epoch + 1, ledger.step, ledger.samples, dict(
             train_loss=ledger.train_loss, test_loss=test.loss if test else None,
             test_acc=test.accuracy if test else None, lr=ledger.lr,
             samples_per_s=ledger.samples / max(ledger.train_s, 1e-9), wall_s=time.perf_counter() - ledger.started,
-            skipped_steps=skipped if run.strategy.precision.skipped is not None else None)))
+            skipped_steps=skipped if run.strategy.precision.skipped is not None else None,
+            train_eval_loss=train.loss if train else None)))
         self.say(f"epoch {epoch + 1}: train loss {ledger.train_loss:.4f}"
-                 + (f", {describe_test(test)}" if test else ""))
+                 + "".join(f", {part}" for part in _describe_evals(test, train)))
         # At the epoch's end (or where the run stopped inside it): the next run starts after it.
         self.doing = f"writing the checkpoint of step {ledger.step}"
         self.checkpointer.save(run.model, run.optimizer, run.scheduler,
@@ -419,13 +452,37 @@ class Trainer:
         self.doing = None
 
     def evaluate(self) -> Optional[EvalResult]:
-        """The test set's loss, accuracy and the user's metrics (None without a test set)."""
-        run = self.run
-        test = run.data.test
-        if test is None or declared_length(test) == 0:
-            return None
-        return evaluate(run.model, test, run.data.info, run.strategy, loss_fn=run.loss_fn if run.user_loss else None,
-                        keep_target=run.loader.keep_target, metrics=run.metrics)
+        """The test set's (or its ``--eval-batches`` sample's) loss, accuracy and the user's
+        metrics (None without a test set)."""
+        return self.evals.test()
+
+    def eval_train(self) -> Optional[EvalResult]:
+        """With ``--eval-train``: the training loss in evaluation mode, kept for the summary."""
+        train = self.evals.train()
+        if train is not None:
+            self.ledger.train_eval, self.ledger.train_eval_step = train, self.ledger.step
+        return train
+
+    def eval_inside(self, epoch: int) -> float:
+        """The evaluation at this step inside epoch ``epoch`` (every ``--eval-every`` steps): its
+        row and line; returns the seconds it took. It draws none of the training's random
+        numbers, so that the run trains exactly as it would without it."""
+        pause = device_clock(self.env.device)  # queued steps are training time, not the evaluation's
+        self.doing = f"the evaluation at step {self.ledger.step}"
+        test = self.evals.test(isolated=True)
+        train = self.eval_train()
+        self.doing = None
+        self.emit_eval(epoch, test, train)
+        return time.perf_counter() - pause
+
+    def emit_eval(self, epoch: int, test: Optional[EvalResult], train: Optional[EvalResult]) -> None:
+        """The ``eval`` row of an evaluation at this step, and its line."""
+        ledger = self.ledger
+        ledger.eval_row_step = ledger.step
+        self.emit(Row("eval", epoch + 1, ledger.step, ledger.samples, dict(
+            test_loss=test.loss if test else None, test_acc=test.accuracy if test else None,
+            train_eval_loss=train.loss if train else None, wall_s=time.perf_counter() - ledger.started)))
+        self.say(f"step {ledger.step}: " + ", ".join(_describe_evals(test, train)))
 
     def finish(self) -> RunResult:
         """Final weights (the user's own module, unsharded: a collective for a sharded strategy),
@@ -455,7 +512,9 @@ class Trainer:
             checkpoint_s=checkpointer.seconds, last_checkpoint=checkpointer.last_path,
             resumed_from=self.resumed.source if self.resumed is not None else None, memory=memory,
             streamed=isinstance(run.data.train, IterableDataset), skipped_steps=skipped,
-            straggler=ledger.stragglers.worst.describe() if ledger.stragglers.worst is not None else "")
+            straggler=ledger.stragglers.worst.describe() if ledger.stragglers.worst is not None else "",
+            train_loss_over=ledger.train_loss_over, window_loss=ledger.window_loss, window_steps=ledger.window_steps,
+            train_eval=ledger.train_eval, train_eval_step=ledger.train_eval_step)
 
     def _write_outputs(self, final_weights: dict[str, Any], memory: tuple[RankMemory, ...]) -> None:
         """Rank 0: ``model.pt``, ``memory.json`` and ``curves.png`` in the run directory."""
@@ -573,9 +632,19 @@ def _nothing_left(cfg: TrainConfig, at: Progress, say: Log) -> bool:
 
 
 def describe_test(test: EvalResult) -> str:
-    """``test loss L, test accuracy A, <metric> V``: what the task has (no accuracy for a regression)."""
+    """``test loss L, test accuracy A, <metric> V``: what the task has (no accuracy for a regression);
+    `` (sampled: n of N)`` after them for an ``--eval-batches`` sample."""
     parts = [f"test loss {test.loss:.4f}"]
     if test.accuracy == test.accuracy:  # not NaN
         parts.append(f"test accuracy {test.accuracy:.2%}")
     parts += [f"{name} {value:.4g}" for name, value in test.metrics.items()]
-    return ", ".join(parts)
+    return ", ".join(parts) + (f" (sampled: {test.samples:,} of {test.of:,})" if test.of is not None else "")
+
+
+def describe_train_eval(train: EvalResult) -> str:
+    """``train loss (sampled) L``: ``--eval-train``'s training loss in evaluation mode."""
+    return f"train loss ({'sampled' if train.of is not None else 'eval mode'}) {train.loss:.4f}"
+
+
+def _describe_evals(test: Optional[EvalResult], train: Optional[EvalResult]) -> list[str]:
+    return ([describe_test(test)] if test else []) + ([describe_train_eval(train)] if train else [])

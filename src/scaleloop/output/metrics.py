@@ -50,6 +50,8 @@ METRIC_COLUMNS: tuple[str, ...] = (
     "skipped_steps",
     "world_size",
     "recovery_s",
+    # Added after the others (older readers of the file find their columns where they were).
+    "train_eval_loss",
 )
 
 # Columns a caller may pass as keyword values; the others are positional.
@@ -137,6 +139,11 @@ class MetricsLogger:
         """Record where a run stopped inside an epoch (``--max-steps``): a ``stop`` row, with the
         loss of the epoch so far. Not an ``epoch`` row: the run that resumes it writes that one."""
         self._write("stop", epoch=epoch, step=step, samples=samples, values=values)
+
+    def log_eval(self, epoch: int, step: int, samples: int, **values: float) -> None:
+        """Record an evaluation inside the run (``--eval-every``): an ``eval`` row with ``test_loss``,
+        ``test_acc`` and, with ``--eval-train``, ``train_eval_loss``."""
+        self._write("eval", epoch=epoch, step=step, samples=samples, values=values)
 
     def log_recovery(self, epoch: int, step: int, samples: int, **values: float) -> None:
         """Record a recovery from a fault (``runtime.recovery``): a ``recovery`` row at the first
@@ -262,8 +269,9 @@ def plot_curves(csv_path: Path, png_path: Path) -> Path | None:
     """Plot loss and accuracy curves from ``csv_path`` into ``png_path``.
 
     Left panel: train loss per step (thin line) plus per-epoch train and test
-    loss (markers), all against the global step.  Right panel: test accuracy in
-    percent per epoch.  Returns ``png_path``, or ``None`` when matplotlib is not
+    loss (markers), and the test and evaluation-mode train loss of the ``eval``
+    rows (``--eval-every``), all against the global step.  Right panel: test
+    accuracy in percent per epoch.  Returns ``png_path``, or ``None`` when matplotlib is not
     installed or the CSV holds nothing to plot.
     """
     rows = read_metrics(Path(csv_path))
@@ -273,7 +281,10 @@ def plot_curves(csv_path: Path, png_path: Path) -> Path | None:
     epoch_train = _floats(epochs, "step", "train_loss")
     epoch_test = _floats(epochs, "step", "test_loss")
     acc_epoch, acc = _floats(epochs, "epoch", "test_acc")
-    if not (step_loss[0] or epoch_train[0] or epoch_test[0] or acc):
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    eval_test = _floats(evals, "step", "test_loss")
+    eval_train = _floats(evals, "step", "train_eval_loss")
+    if not (step_loss[0] or epoch_train[0] or epoch_test[0] or acc or eval_test[0] or eval_train[0]):
         return None
 
     try:
@@ -294,6 +305,10 @@ def plot_curves(csv_path: Path, png_path: Path) -> Path | None:
         ax_loss.plot(*epoch_train, marker="o", label="train loss (epoch)")
     if epoch_test[0]:
         ax_loss.plot(*epoch_test, marker="s", label="test loss (epoch)")
+    if eval_test[0]:
+        ax_loss.plot(*eval_test, marker=".", label="test loss (eval)")
+    if eval_train[0]:
+        ax_loss.plot(*eval_train, marker=".", label="train loss (eval)")
     ax_loss.set_title("Loss")
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss")

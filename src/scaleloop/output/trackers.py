@@ -51,6 +51,7 @@ TAGS = {
     "skipped_steps": "train/skipped_steps",
     "world_size": "elastic/world_size",
     "recovery_s": "elastic/recovery_s",
+    "train_eval_loss": "train/eval_loss",
 }
 
 
