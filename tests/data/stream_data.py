@@ -90,3 +90,59 @@ def regression() -> tuple[Stream, Stream]:
     """A regression stream of ``(x, y)`` pairs (float targets of shape (2,)) and its test stream: no
     ``DataInfo`` needed."""
     return Stream(target="pair", dicts=False), Stream(N_TEST, seed=1, shuffle=False, target="pair", dicts=False)
+
+
+class StatefulStream(Stream):
+    """A ``Stream`` that saves its place in a pass (``state_dict``/``load_state_dict``, the
+    convention of Hugging Face ``datasets``' IterableDataset) and counts the samples it yields
+    in this process (``yielded``), so a test can tell whether a resume read the pass again.
+
+    ``cost``: busy-work per sample (a few float operations, repeated), for the resume benchmark.
+    """
+
+    yielded = 0   # class-wide: the loop's DataLoader may hold a copy of the dataset
+
+    def __init__(self, *args: Any, cost: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cost = cost
+        self.position = 0          # samples of the current pass yielded so far
+        self._start = 0            # where the next pass starts (set by load_state_dict, used once)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self._start = int(state["epoch"]), int(state["position"])
+
+    def __iter__(self) -> Iterator[Any]:
+        start, self._start = self._start, 0
+        order = self.order(self.epoch).tolist()
+        for self.position, i in enumerate(order[start:], start + 1):
+            if self.cost:
+                _busy(self.x[i], self.cost)
+            StatefulStream.yielded += 1
+            yield {"x": self.x[i], "labels": self.y[i]} if self.dicts else (self.x[i], self.y[i])
+
+
+def _busy(x: torch.Tensor, cost: int) -> None:
+    """Stands for decoding or tokenising a sample: ``cost`` small tensor operations."""
+    for _ in range(cost):
+        x = x * 1.0001
+
+
+def stateful() -> Datasets:
+    """``build`` with a stateful training stream."""
+    return Datasets(StatefulStream(), Stream(N_TEST, seed=1, shuffle=False),
+                    DataInfo("stream", "classification", (DIM,), 2))
+
+
+def slow_stateful() -> Datasets:
+    """A stateful stream of 20,000 samples at a small cost each, for the resume benchmark."""
+    return Datasets(StatefulStream(20_000, cost=50), None, DataInfo("stream", "classification", (DIM,), 2))
+
+
+def slow_stateless() -> Datasets:
+    """The same stream without its state: a resume re-reads the pass."""
+    stream = StatefulStream(20_000, cost=50)
+    stream.state_dict = None   # type: ignore[assignment]   (so it is not stateful)
+    return Datasets(stream, None, DataInfo("stream", "classification", (DIM,), 2))

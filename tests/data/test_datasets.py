@@ -32,7 +32,7 @@ def rows(ds: TensorDataset) -> Counter:
 # --- digits ---------------------------------------------------------------------------------
 
 def test_digits_shapes_dtypes_and_info(digits: Datasets) -> None:
-    assert DATASET_NAMES == ("digits", "random", "mnist", "images", "tokens")
+    assert DATASET_NAMES == ("digits", "random", "mnist", "images", "tokens", "tokenfile", "tokenfile-seq")
     assert digits.info == DataInfo("digits", "classification", (1, 8, 8), 10)
     for ds in (digits.train, digits.test):
         assert isinstance(ds, TensorDataset)
@@ -185,7 +185,7 @@ def test_unknown_name() -> None:
     with pytest.raises(UsageError) as info:
         build_datasets("cifar")
     assert str(info.value) == ("unknown dataset 'cifar'; choose one of digits, random, mnist, "
-                               "images, tokens, or give 'package.module:factory'")
+                               "images, tokens, tokenfile, tokenfile-seq, or give 'package.module:factory'")
 
 
 def test_mnist_needs_data_dir() -> None:

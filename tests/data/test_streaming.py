@@ -218,6 +218,56 @@ def test_a_run_resumed_mid_pass_equals_the_uninterrupted_run(tmp_path: Path) -> 
     assert all(torch.equal(a[k], b[k]) for k in a), "a resumed stream differs from the uninterrupted run"
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_stateful_stream_resumes_from_its_state_without_reading_the_pass_again(tmp_path: Path,
+                                                                                accumulate: int) -> None:
+    from stream_data import StatefulStream
+
+    stateful = dict(data="stream_data:stateful", epochs=1, accumulate=accumulate)
+    whole = run(tmp_path, "whole", **stateful)
+    # Stop at step 12 of the pass's 13 (90%), with a checkpoint there; then resume.
+    run(tmp_path, "cut", max_steps=12, **stateful)
+    state = torch.load(tmp_path / "cut" / "checkpoints" / "step-00000012" / "state.pt", weights_only=True)
+    assert state["data"] == [{"epoch": 0, "step": 12, "state": {"epoch": 0, "position": 12 * 16}}]
+    StatefulStream.yielded = 0
+    resumed = run(tmp_path, "cut", **stateful)
+    assert resumed.resumed_from is not None and resumed.resumed_from.name == "step-00000012"
+    # Only the pass's last step's samples were read: none of the 192 the checkpoint had trained on.
+    assert StatefulStream.yielded == N_TRAIN - 12 * 16
+    a, b = weights(whole.run_dir), weights(resumed.run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a), "a stateful stream resumed differs from the uninterrupted run"
+
+
+def test_a_stateful_stream_resumed_into_a_later_epoch_starts_that_pass_from_its_start(tmp_path: Path) -> None:
+    from stream_data import StatefulStream
+
+    whole = run(tmp_path, "whole", data="stream_data:stateful", epochs=3)
+    run(tmp_path, "cut", data="stream_data:stateful", epochs=3, max_steps=17, checkpoint_every=5)  # epoch 2, step 4
+    StatefulStream.yielded = 0
+    resumed = run(tmp_path, "cut", data="stream_data:stateful", epochs=3)
+    assert StatefulStream.yielded == 2 * N_TRAIN - 4 * 16   # the rest of epoch 2, then all of epoch 3
+    a, b = weights(whole.run_dir), weights(resumed.run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_stream_whose_state_a_checkpoint_cannot_keep_is_read_again_on_resume(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from stream_data import StatefulStream
+
+    # A state holding an object weights-only loading refuses: warned once, and not saved.
+    monkeypatch.setattr(StatefulStream, "state_dict", lambda self: {"position": self.position, "odd": Path("x")})
+    said: list[str] = []
+    cfg = TrainConfig(**{**BASE, "data": "stream_data:stateful", "epochs": 1, "max_steps": 7, "checkpoint_every": 3,
+                         "out": str(tmp_path / "cut")}).validate()
+    train(cfg, DistEnv(), log=said.append)
+    assert sum("cannot keep" in line for line in said) == 1, said
+    state = torch.load(tmp_path / "cut" / "checkpoints" / "step-00000007" / "state.pt", weights_only=True)
+    assert "data" not in state
+    StatefulStream.yielded = 0
+    run(tmp_path, "cut", data="stream_data:stateful", epochs=1)
+    assert StatefulStream.yielded == N_TRAIN   # re-read from the pass's start, as a stateless stream is
+
+
 def test_a_stream_with_a_len_gives_the_schedule_its_length(tmp_path: Path) -> None:
     result = run(tmp_path, "sized", data="stream_data:sized", lr_schedule="cosine", epochs=1)
     assert result.lr.endswith("cosine schedule over 13 steps, down to 0"), result.lr

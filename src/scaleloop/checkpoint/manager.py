@@ -3,10 +3,12 @@
 Save (every rank calls it at the same step, because it holds collectives):
 
 1. the strategy gives the model and optimizer state (for replicas: the full state on rank 0);
-2. every rank's RNG states are all-gathered, and the run's loss sums all-reduced, so the
-   rank that writes holds them all — every rank joins both collectives, none is rank-0-only;
-3. the writing rank puts model, optimizer, scheduler, GradScaler, position, sums, RNG states
-   and the resolved config into one weights-only file, written atomically (see ``store``).
+2. every rank's RNG states (and, for a stateful stream, where its reader stands: ``data_state``)
+   are all-gathered, and the run's loss sums all-reduced, so the rank that writes holds them all
+   — every rank joins both collectives, none is rank-0-only;
+3. the writing rank puts model, optimizer, scheduler, GradScaler, position, sums, RNG states,
+   the streams' states and the resolved config into one weights-only file, written atomically
+   (see ``store``).
 
 Restore: rank 0 picks and verifies the checkpoint and broadcasts its bytes, so every rank
 loads exactly the same state even without a shared file system, and an error is raised on
@@ -83,6 +85,7 @@ class Resumed:
     saved_world_size: int
     notes: list[str] = field(default_factory=list)
     copy_on_rank: Optional[int] = None   # read from this rank's machine's copy (checkpoint.replicas), not rank 0's
+    data: Any = None   # this rank's saved data state (a stateful stream's place in its pass), if any
 
 
 class Checkpointer:
@@ -101,6 +104,9 @@ class Checkpointer:
         self.last_path: Optional[Path] = None
         self._last_step: Optional[int] = None
         self.replicas = Replicas(strategy.env, settings.keep_checkpoints)   # none until attach()
+        #: Called at each save on every rank: the data's own state (plain values and tensors), or None.
+        self.data_state: Optional[Callable[[], Any]] = None
+        self._warned_data = False
 
     @property
     def last_step(self) -> Optional[int]:
@@ -138,7 +144,10 @@ class Checkpointer:
             except OSError as exc:
                 error = self._write_error(self.root / step_dir_name(progress.global_step), exc, None)
         model_and_optim = strategy.save_checkpoint(model, optimizer, tmp)
-        rngs = gather_object(capture_rng(env.device), env)
+        # One collective for both: each rank's RNGs and its data state (a stream each rank reads).
+        gathered = gather_object((capture_rng(env.device), self.data_state() if self.data_state else None), env)
+        rngs = [rng for rng, _ in gathered]
+        data_states = self._loadable([data for _, data in gathered])
         totals = sum_over_ranks(sums, env).cpu()
         previous, self._last_step = self._last_step, progress.global_step
         path = None
@@ -156,6 +165,8 @@ class Checkpointer:
                 "strategy": strategy.name,
                 "config": config,
             }
+            if data_states is not None:
+                state["data"] = data_states
             meta = {"epoch": progress.epoch, "step_in_epoch": progress.step_in_epoch,
                     "samples": progress.samples, "world_size": env.world_size,
                     "strategy": strategy.name, "config": config}
@@ -181,6 +192,22 @@ class Checkpointer:
         self.written += 1
         self.seconds += time.perf_counter() - started
         return path
+
+    def _loadable(self, states: list[Any]) -> Optional[list[Any]]:
+        """``states`` if any is set and all load back weights-only; else None (a resume then
+        re-reads the pass), with a warning once: a checkpoint that cannot be loaded is worse."""
+        if all(s is None for s in states):
+            return None
+        try:
+            from_bytes(to_bytes({"model": {}, "data": states}), "the data state")
+        except CheckpointError:
+            if not self._warned_data:
+                self._warned_data = True
+                self.say("warning: the training stream's state_dict() holds values other than tensors, numbers, "
+                         "strings and containers of them, which a weights-only checkpoint cannot keep; resuming "
+                         "re-reads the pass up to its step instead (docs/streaming.md)")
+            return None
+        return states
 
     def _write_error(self, file: Path, exc: OSError, needed: Optional[int], tmp: Optional[Path] = None) -> str:
         """The one line for a checkpoint that could not be written; removes its temporary directory
@@ -262,8 +289,11 @@ class Checkpointer:
         if src != 0:
             notes.append(f"note: rank 0's machine held no checkpoint this new; the copy on rank {src}'s machine "
                          f"({source}) was sent to every rank")
+        data_states = list(state.get("data") or [])
+        # Every rank reads the same stream: a rank the saving run did not have takes rank 0's.
+        data = data_states[env.rank if env.rank < len(data_states) else 0] if data_states else None
         return Resumed(source=Path(source), progress=progress, sums=sums,
-                       saved_world_size=saved_world, notes=notes, copy_on_rank=src or None)
+                       saved_world_size=saved_world, notes=notes, copy_on_rank=src or None, data=data)
 
 
 def _quiet(_msg: str) -> None:

@@ -52,15 +52,16 @@ class TrainConfig:
     # what to train
     model: str = _opt("simplenet", "model: simplenet, biggernet, convnet, tinygpt, or package.module:factory", group="model and data",
                       common=True)
-    data: str = _opt("digits", "dataset: digits, random, mnist, images, tokens, or package.module:factory", group="model and data",
-                     common=True)
-    data_dir: Optional[str] = _opt(None, "directory holding the MNIST IDX files (for --data mnist; never downloads)", group="model and data")
+    data: str = _opt("digits", "dataset: digits, random, mnist, images, tokens, tokenfile (random windows of DIR/train.bin), "
+                     "tokenfile-seq (sequential windows), or package.module:factory", group="model and data", common=True)
+    data_dir: Optional[str] = _opt(None, "directory holding the MNIST IDX files (--data mnist; never downloads), or train.bin "
+                                   "and val.bin (--data tokenfile)", group="model and data")
     hidden_dim: int = _opt(128, "hidden width of simplenet/biggernet", group="model and data", common=True)
     n_samples: int = _opt(10_000, "training samples for generated datasets (random, images, tokens)", group="model and data")
     input_dim: int = _opt(20, "features per sample for --data random", group="model and data")
     image_size: int = _opt(32, "side of the square images for --data images", group="model and data")
-    seq_len: int = _opt(64, "tokens per sample for --data tokens", group="model and data")
-    vocab_size: int = _opt(256, "vocabulary size for --data tokens", group="model and data")
+    seq_len: int = _opt(64, "tokens per sample for --data tokens and tokenfile", group="model and data")
+    vocab_size: int = _opt(256, "vocabulary size for --data tokens and tokenfile (DIR/meta.json's vocab_size wins)", group="model and data")
     test_fraction: float = _opt(0.2, "share held out as the test set (digits, generated datasets)", group="model and data")
     task: str = _opt("auto", "what the target is: auto (from the first sample), classification, binary, "
                      "regression (mean squared error) or lm", TASKS, group="model and data")

@@ -1,6 +1,7 @@
 """Data: which samples each rank sees, and the batches it gets.
 
 - ``datasets``: the built-in datasets and user factories; ``mnist``: MNIST's IDX files;
+  ``tokenfile``: windows of nanoGPT-style token files (``train.bin``, ``val.bin``), memory-mapped;
   ``info``: what a model needs to know about a dataset.
 - ``sampler``: the step plan (each rank's samples per micro-batch, on the global batch);
   ``loader``: batches for one rank from that plan; ``batching``: the global-batch rule;

@@ -20,7 +20,7 @@ from scaleloop.plugins import call_factory, is_factory_spec, resolve_factory
 #: Target value that cross-entropy skips (PyTorch's and Hugging Face's convention for padding).
 IGNORE_INDEX = -100
 
-DATASET_NAMES = ("digits", "random", "mnist", "images", "tokens")
+DATASET_NAMES = ("digits", "random", "mnist", "images", "tokens", "tokenfile", "tokenfile-seq")
 
 # Token streams are built from a fixed vocabulary of short random "phrases", so that a
 # language model can lower its loss by memorising them, while generation stays vectorised.
@@ -88,6 +88,10 @@ def build_datasets(name: str, *, data_dir: str | None = None, n_samples: int = 1
         return _images(n_samples, n_test, image_size, num_classes, seed)
     if name == "tokens":
         return _tokens(n_samples, n_test, seq_len, vocab_size, seed)
+    if name in ("tokenfile", "tokenfile-seq"):
+        from scaleloop.data.tokenfile import token_files
+
+        return token_files(name, data_dir, seq_len, vocab_size, seed)
     raise UsageError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}, "
                      "or give 'package.module:factory'")
 

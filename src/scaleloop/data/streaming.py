@@ -21,7 +21,12 @@ The rule (docs/streaming.md), on the stream's samples in order ``s0, s1, ...`` (
 5. A reader hands a step's micro-batches out only once it has read far enough to know that
    step's size and whether another step follows (up to one more step's samples; it keeps
    only its own), so the loop knows which step ends the pass (``steps_per_epoch`` is set then).
-6. Resuming at step ``k`` of a pass re-reads the pass's first ``k*B`` samples and discards them.
+6. Resuming at step ``k`` of a pass re-reads the pass's first ``k*B`` samples and discards them,
+   unless the stream is stateful: a stream with ``state_dict()`` and ``load_state_dict(state)``
+   (the convention of Hugging Face ``datasets``' IterableDataset and of torchdata) has its state
+   taken after every step's last sample (``k*B``), carried with that step's last micro-batch,
+   and saved in the checkpoint; the resumed pass loads it and reads on from position ``k*B``,
+   re-reading nothing.
 
 The stream must yield the same samples in the same order in every process; a stream that
 shuffles must do so from the epoch: ``set_epoch(epoch)``, if the dataset has it, is called before
@@ -30,9 +35,10 @@ ahead (for the learning-rate schedule and the progress bar); every pass is check
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, get_worker_info
@@ -54,6 +60,13 @@ class StreamMicroBatch:
     step_samples: int      # samples in the whole step, over all ranks
     loss_scale: float      # multiply the micro-batch's mean loss by this before backward
     pass_samples: Optional[int] = None   # the stream's length, on the pass's last step (else None)
+    #: A stateful stream's ``state_dict()`` after the step's last sample, on the step's last micro-batch.
+    stream_state: Any = None
+
+
+def is_stateful(dataset: Any) -> bool:
+    """Whether ``dataset`` saves and restores its place in a pass (``state_dict``/``load_state_dict``)."""
+    return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
 
 
 def declared_length(dataset: Dataset) -> Optional[int]:
@@ -105,17 +118,23 @@ class StreamPlan:
         used = (self.n or 0) - self.dropped_per_epoch
         return torch.arange(step * self.global_batch, min((step + 1) * self.global_batch, used))
 
-    def read(self, stream: Iterable[Any], start_step: int = 0, worker: int = 0,
-             workers: int = 1) -> Iterator[tuple[StreamMicroBatch, list[Any]]]:
+    def read(self, stream: Iterable[Any], start_step: int = 0, worker: int = 0, workers: int = 1, *,
+             from_state: bool = False, snapshot: Optional[Callable[[], Any]] = None,
+             ) -> Iterator[tuple[StreamMicroBatch, list[Any]]]:
         """This rank's micro-batches of one pass over ``stream``, from step ``start_step`` on,
         with their samples; with ``workers`` > 1 only those of worker ``worker``. Returns (as the
-        generator's value) the number of samples the stream held."""
+        generator's value) the number of samples the stream held.
+
+        ``from_state``: the stream was restored to position ``start_step * B`` (rule 6) and yields
+        from there. ``snapshot``: called after each step's last sample; what it returns rides on
+        that step's last micro-batch (``stream_state``)."""
         B, A, W = self.global_batch, self.accumulate, self.world_size
         ahead = B if self.drop_last else W * A   # read this far into the next step to know it is kept
         mine: dict[tuple[int, int], list[tuple[int, Any]]] = {}   # (step, micro) -> [(position, sample)]
+        states: dict[int, Any] = {}   # step k -> the stream's state after position k*B (at most two held)
         step = start_step   # the next step to hand out
-        n = 0
-        for n, sample in enumerate(stream, 1):
+        n = first = start_step * B if from_state else 0
+        for n, sample in enumerate(stream, first + 1):
             pos = n - 1
             if pos < start_step * B:
                 continue   # resuming: the steps already trained are read again and discarded
@@ -123,18 +142,21 @@ class StreamPlan:
             micro = j % A
             if (j // A) % W == self.rank and ((s - start_step) * A + micro) % workers == worker:
                 mine.setdefault((s, micro), []).append((pos, sample))
+            if snapshot is not None and n % B == 0:
+                states[n // B] = snapshot()
             while n >= (step + 1) * B + ahead:   # step is full, and another step follows it
-                yield from self._hand_out(mine, step, B, None, start_step, worker, workers)
+                yield from self._hand_out(mine, step, B, None, start_step, worker, workers, states.pop(step + 1, None))
                 step += 1
         while self._kept(size := min(B, n - step * B)):
             last = not self._kept(min(B, n - (step + 1) * B))
-            yield from self._hand_out(mine, step, size, n if last else None, start_step, worker, workers)
+            yield from self._hand_out(mine, step, size, n if last else None, start_step, worker, workers,
+                                      states.pop(step + 1, None))
             step += 1
         return n
 
     def _hand_out(self, mine: dict[tuple[int, int], list[tuple[int, Any]]], step: int, size: int,
                   pass_samples: Optional[int], start_step: int, worker: int,
-                  workers: int) -> Iterator[tuple[StreamMicroBatch, list[Any]]]:
+                  workers: int, stream_state: Any = None) -> Iterator[tuple[StreamMicroBatch, list[Any]]]:
         A = self.accumulate
         for micro in range(A):
             if ((step - start_step) * A + micro) % workers != worker:
@@ -143,7 +165,8 @@ class StreamPlan:
             # Each rank's gradient is averaged over W ranks, so a micro-batch holding share
             # len/size of the step is weighted W * len / size (as in sampler.StepPlan).
             yield (StreamMicroBatch(step, micro, micro == A - 1, torch.tensor([p for p, _ in held]), size,
-                                    self.world_size * len(held) / size, pass_samples),
+                                    self.world_size * len(held) / size, pass_samples,
+                                    stream_state if micro == A - 1 else None),
                    [sample for _, sample in held])
 
 
@@ -152,16 +175,24 @@ class _Reader(IterableDataset):
     micro-batch, then ``(None, None, samples in the stream)``."""
 
     def __init__(self, dataset: IterableDataset, plan: StreamPlan, epoch: int, start_step: int,
-                 collate_fn: Optional[Callable[[list], Any]]) -> None:
+                 collate_fn: Optional[Callable[[list], Any]], state: Any = None) -> None:
         self.dataset, self.plan, self.epoch, self.start_step = dataset, plan, epoch, start_step
         self.collate = collate_fn or default_collate
+        self.state = state   # a stateful stream's state at ``start_step``: load it, re-read nothing
 
     def __iter__(self) -> Iterator[tuple[Optional[int], Optional[StreamMicroBatch], Any]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if callable(getattr(self.dataset, "set_epoch", None)):
             self.dataset.set_epoch(self.epoch)   # type: ignore[attr-defined]
-        micro_batches = self.plan.read(self.dataset, self.start_step, worker, workers)
+        stateful = is_stateful(self.dataset)
+        if self.state is not None:
+            self.dataset.load_state_dict(copy.deepcopy(self.state))   # type: ignore[attr-defined]
+        # A snapshot of the state at every step's end (not only at checkpoints): a checkpoint may
+        # come at any step, when a stop signal arrives, and the reader runs ahead of the loop.
+        snapshot = (lambda: copy.deepcopy(self.dataset.state_dict())) if stateful else None   # type: ignore[attr-defined]
+        micro_batches = self.plan.read(self.dataset, self.start_step, worker, workers,
+                                       from_state=self.state is not None, snapshot=snapshot)
         while True:
             try:
                 p, samples = next(micro_batches)
@@ -194,6 +225,9 @@ class StreamingLoader:
         self.env = env   # a DistEnv: every rank's pass length is compared at the pass's end
         self.epoch = 0
         self.start_step = 0
+        #: The stream's state after the last step handed out, and the one to resume from (see ``state_dict``).
+        self._state: Optional[dict[str, Any]] = None
+        self._resume: Optional[dict[str, Any]] = None
         self.keep_target = keep_target
         #: Which of (inputs, target) this rank uses: a tensor it does not is not moved to the device.
         self.load = load
@@ -222,13 +256,33 @@ class StreamingLoader:
         self.epoch = epoch
         self.start_step = start_step
 
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        """Where a stateful stream stands after the last step handed out: ``{"epoch", "step",
+        "state"}`` (``state``: the stream's own ``state_dict()`` after that step's last sample),
+        for the checkpoint. None for a stream without state (its resume re-reads the pass)."""
+        return self._state
+
+    def load_state_dict(self, state: Optional[Mapping[str, Any]]) -> None:
+        """Resume from ``state`` (from :meth:`state_dict`) when the pass ``set_epoch`` names next
+        is the one it was taken in, at the same step; any other pass is read as usual."""
+        self._resume = dict(state) if isinstance(state, Mapping) and "state" in state else None
+
+    def _resume_state(self) -> Any:
+        """The stream's state to load for the pass about to be read, if it resumes one (once)."""
+        saved, self._resume = self._resume, None
+        if (saved is None or not is_stateful(self.dataset) or self.start_step == 0
+                or (saved.get("epoch"), saved.get("step")) != (self.epoch, self.start_step)):
+            return None
+        return saved["state"]
+
     def __iter__(self) -> Iterator[Batch]:
         plan = self.plan
         # Worker seeds from the pass (not from the global RNG, nor from where it resumes): a
         # resumed pass's workers draw the same random numbers as the uninterrupted pass's.
         seeds = torch.Generator()
         seeds.manual_seed(hash((plan.seed, self.epoch, plan.rank)) & 0x7FFF_FFFF_FFFF)
-        reader = _Reader(self.dataset, plan, self.epoch, self.start_step, self.collate_fn)
+        reader = _Reader(self.dataset, plan, self.epoch, self.start_step, self.collate_fn, self._resume_state())
+        self._state = None
         loader = DataLoader(reader, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is,
                             pin_memory=self.pin_memory, generator=seeds)
         waiting: dict[int, tuple[StreamMicroBatch, Any]] = {}
@@ -244,6 +298,8 @@ class StreamingLoader:
                 want += 1
                 if p.pass_samples is not None:
                     self._learn(p.pass_samples)   # before the last step trains: the loop sees it end the pass
+                if p.stream_state is not None:   # before the step trains: a checkpoint after it saves this
+                    self._state = {"epoch": self.epoch, "step": p.step + 1, "state": p.stream_state}
                 x, y = (None if not keep and isinstance(part, torch.Tensor) else move(part, self.device, self.pin_memory)
                         for part, keep in zip(split(sample, self.keep_target), self.load))
                 yield Batch(_channels_last(x) if self.channels_last else x, y, p)

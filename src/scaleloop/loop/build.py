@@ -173,7 +173,9 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     # From here on each rank draws its own random numbers (dropout, augmentation), like
     # independent workers would; the data order stays shared, drawn from cfg.seed + epoch.
     torch.manual_seed(cfg.seed + env.rank)
-    loader = strategy.loader(datasets.train, cfg.batch_size, shuffle=True, seed=cfg.seed,
+    # A dataset that says ``in_order`` (sequential token-file windows) is read in its own order.
+    in_order = getattr(datasets.train, "in_order", False) is True
+    loader = strategy.loader(datasets.train, cfg.batch_size, shuffle=not in_order, seed=cfg.seed,
                              drop_last=cfg.drop_last, num_workers=cfg.num_workers, uneven=cfg.elastic)
     notes += _batch_beyond_the_data(cfg, declared_length(datasets.train), loader.plan.steps_per_epoch)
     pieces = env.world_size * cfg.accumulate
@@ -239,6 +241,10 @@ def preflight(cfg: TrainConfig) -> None:
     resolve_metrics(cfg.metrics)
     if cfg.data == "mnist" and not cfg.data_dir:
         raise UsageError("dataset 'mnist' reads IDX files from a directory: pass --data-dir DIR (it never downloads)")
+    if cfg.data in ("tokenfile", "tokenfile-seq"):
+        from scaleloop.data.tokenfile import check_token_dir
+
+        check_token_dir(cfg.data, cfg.data_dir)
     # --nproc processes on fewer GPUs: one line here, not a "Duplicate GPU" report from NCCL.
     from scaleloop.runtime.devices import check_processes_fit
 

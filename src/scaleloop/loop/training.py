@@ -35,7 +35,7 @@ from scaleloop.checkpoint.manager import Checkpointer, Progress, Resumed
 from scaleloop.checkpoint.resume import continues_run, run_dir_for
 from scaleloop.config import TrainConfig, to_toml
 from scaleloop.data.loader import Batch
-from scaleloop.data.streaming import declared_length
+from scaleloop.data.streaming import StreamingLoader, declared_length
 from scaleloop.loop.build import Run, build_run
 from scaleloop.loop.ending import record_ending
 from scaleloop.loop.evaluate import EvalResult
@@ -184,6 +184,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
         run = build_run(cfg, env)
         checkpointer = Checkpointer(run.strategy, cfg.checkpointing, dataclasses.asdict(cfg), say=say)
         resumed = checkpointer.restore(run.model, run.optimizer, run.scheduler, restarting=restart_count() > 0)
+        _stream_state(run, checkpointer, resumed)
     except BaseException as exc:   # for the launcher's report: before any step
         note_where(exc, epoch=None, step=0, during=STARTING_UP)
         raise
@@ -196,6 +197,14 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
         except BaseException as exc:
             record_ending(run_dir, exc, trainer.ledger.step)  # for scaleloop doctor, while the lock is held
             raise
+
+
+def _stream_state(run: Run, checkpointer: Checkpointer, resumed: Optional[Resumed]) -> None:
+    """A stateful stream's place is saved with each checkpoint and loaded on resume (no re-read)."""
+    if isinstance(run.loader, StreamingLoader):
+        checkpointer.data_state = run.loader.state_dict
+        if resumed is not None:
+            run.loader.load_state_dict(resumed.data)
 
 
 class Trainer:
