@@ -4,7 +4,7 @@ matrices only, warm-up and cosine down to a floor. The same script on 1 or N pro
     python examples/08_language_model.py [--steps 60] [--eval-every 20]
     torchrun --nproc-per-node 2 examples/08_language_model.py
 
-What is new against 02_ddp.py, and the settings people train language models with:
+The diff from 02_ddp.py is the data and the settings people train language models with:
 
 - the data is a **token file**: a flat array of uint16 token ids (``train.bin``, and ``val.bin``
   for validation), the layout nanoGPT's data preparation writes. With no ``--data-dir`` the
@@ -13,7 +13,10 @@ What is new against 02_ddp.py, and the settings people train language models wit
   random ones for training (window i starts at a seeded hash of i, so the step plan gives every
   step the same windows on 1 or N ranks), consecutive ones for validation;
 - **evaluation every N steps** on ``val.bin``, with ``sl.evaluate``: exact over ranks (each
-  window counted once, the losses summed in float64), so 1 and N processes print the same value;
+  window counted once, the losses summed in float64), so 1 and N processes print the same value
+  for the same model; the models themselves differ by float rounding (N ranks add their
+  gradients in another order, and Adam's steps carry that on), so the printed losses agree to
+  about three digits;
 - **weight decay on the matrices only** (embeddings and linear weights, 2 or more dimensions),
   not on biases and LayerNorm scales: two parameter groups;
 - **warm-up, then cosine decay to a floor** (``--min-lr``), not to zero.
