@@ -26,19 +26,7 @@ from scaleloop.runtime.dist import DistEnv
 from scaleloop.runtime.frames import where_of
 from scaleloop.strategies.single import SingleDevice
 
-CPU = DistEnv()
-
-
-def quiet(_msg: str) -> None:
-    pass
-
-
-def small(tmp_path: Path, name: str = "run", **changes) -> TrainConfig:
-    # 256 samples, batch 64: 4 steps per epoch
-    base = dict(data="random", n_samples=256, epochs=2, batch_size=64, out=str(tmp_path / name),
-                progress=False, tensorboard=False, device="cpu", log_every=2)
-    base.update(changes)
-    return TrainConfig(**base).validate()
+from runs import CPU, quiet, small  # tests/loop/runs.py
 
 
 def rows_of(run_dir: Path) -> list[dict[str, str]]:

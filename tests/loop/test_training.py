@@ -17,18 +17,7 @@ from scaleloop.loop.training import RunResult, train
 from scaleloop.models import SimpleNet, build_model
 from scaleloop.strategies.base import Strategy
 
-CPU = DistEnv()
-
-
-def quiet(_msg: str) -> None:
-    pass
-
-
-def small(tmp_path: Path, name: str = "run", **changes) -> TrainConfig:
-    base = dict(data="random", n_samples=256, epochs=2, batch_size=64, out=str(tmp_path / name),
-                progress=False, tensorboard=False, device="cpu", log_every=2)
-    base.update(changes)
-    return TrainConfig(**base).validate()
+from runs import CPU, quiet, small  # tests/loop/runs.py
 
 
 def weights(result: RunResult) -> dict[str, torch.Tensor]:
