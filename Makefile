@@ -28,8 +28,12 @@ $(DEV_STAMP): pyproject.toml constraints.txt | $(BIN)/python
 train: $(TRAIN_STAMP)
 	$(BIN)/scaleloop train
 
+# Two pytest workers, one test file each at a time (so a file's shared runs are made once): most
+# of a multi-process test's time is spent waiting on its processes, and the other worker uses it.
+TEST_WORKERS ?= 2
+
 test: $(DEV_STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # On a GPU machine (its own torch, no package index): install over that torch, run every CUDA
 # path, write benchmarks/<date>_<gpu>_gpu-check.md. GPU_CHECK_FLAGS=--cpu runs the plan without CUDA.
