@@ -80,3 +80,28 @@ def test_a_rank_that_aborts_at_shutdown_is_no_silent_pass(tmp_path: Path) -> Non
     assert "rank 1 of 2 exited with code 3" in out
     assert out.rstrip().splitlines()[-1] == "verify: FAIL (equivalence passed; shutdown FAILED)"
     assert "records kept" not in out and no_temporary_directory_left(tmp_path)
+
+
+@pytest.mark.parametrize("model, cause", [
+    ("PrivateNoise", "randomness from a generator of the model's own: two forward passes from the same global"),
+    ("ReseedsPerRank", "the forward pass re-seeds the random generator"),
+    ("RankBranch", "rank-dependent code: with the same weights, the same inputs and the same random seed, rank(s) 1"),
+])
+def test_randomness_and_rank_dependent_code_are_named(tmp_path: Path, model: str, cause: str) -> None:
+    res = verify(["--model", f"planted:{model}", "--optimizer", "sgd"], tmp_path)
+    assert res.returncode == 1, explain(res)
+    diagnosis = res.stdout[res.stdout.index("diagnosis:"):]
+    assert cause in diagnosis, diagnosis
+    # Not the causes these used to be mistaken for.
+    assert "couples the samples" not in diagnosis and "no known cause" not in diagnosis, diagnosis
+    assert diagnosis.count("\n  - ") == 1, diagnosis
+
+
+def test_per_rank_augmentation_is_named_and_the_advice_works(tmp_path: Path) -> None:
+    res = verify(["--model", "planted:Mlp", "--data", "planted:augmented", "--optimizer", "sgd"], tmp_path)
+    assert res.returncode == 1, explain(res)
+    diagnosis = res.stdout[res.stdout.index("diagnosis:"):]
+    assert "samples are augmented at random per rank" in diagnosis and "seeded by the sample's index" in diagnosis
+    assert "seed any randomness in the dataset factory" not in diagnosis
+    fixed = verify(["--model", "planted:Mlp", "--data", "planted:augmented_by_index", "--optimizer", "sgd"], tmp_path)
+    assert fixed.returncode == 0, explain(fixed)

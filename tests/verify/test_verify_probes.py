@@ -9,8 +9,9 @@ from scaleloop.config import TrainConfig
 from scaleloop.models import ConvNet, SimpleNet, TinyGPT
 from scaleloop.strategies.syncbn import convert_batchnorm
 from scaleloop.verify.diagnose import failure_cause, fallback, name_causes, piece_groups
-from scaleloop.verify.probes import (Probes, batch_coupling, draws_random_numbers, dropout_layers, loss_split,
-                                     run_probes, unsynced_batchnorm, unused_parameters)
+from scaleloop.verify.probes import (Probes, Randomness, batch_coupling, draws_random_numbers, dropout_layers,
+                                     forward_randomness, loss_split, run_probes, sample_draws, unsynced_batchnorm,
+                                     unused_parameters)
 
 torch.manual_seed(0)
 IMAGES = torch.randn(16, 1, 8, 8)
@@ -117,3 +118,57 @@ def test_causes_are_named_where_they_apply() -> None:
     cause = failure_cause([{"rank": 1, "step": 2, "error": "RuntimeError: boom\nmore"},
                            {"rank": 0, "step": 2, "error": "RuntimeError: first"}])
     assert cause.detail == "rank 0 at step 2: RuntimeError: first"
+
+
+class _OwnGenerator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.g = torch.Generator().manual_seed(7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.randn(3, generator=self.g)
+
+
+class _Reseeding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(5)
+        return torch.nn.functional.dropout(self.lin(x), 0.5, self.training)
+
+
+def test_forward_randomness_tells_a_private_generator_from_reseeding_from_plain_dropout() -> None:
+    x = torch.randn(6, 4)
+    assert forward_randomness(_OwnGenerator(), x) == Randomness(private=True, reseeds=False)
+    assert forward_randomness(_Reseeding(), x) == Randomness(private=False, reseeds=True)
+    plain = nn.Sequential(nn.Linear(4, 3), nn.Dropout(0.5))
+    assert forward_randomness(plain, x) == Randomness(private=False, reseeds=False)
+    reseeding = _Reseeding()
+    state = torch.get_rng_state()
+    forward_randomness(reseeding, x)
+    assert torch.equal(torch.get_rng_state(), state)   # the caller's generator is left as it was
+
+
+def test_sample_draws_finds_augmentation_when_a_sample_is_read() -> None:
+    base = torch.randn(5, 3)
+    plain = [(base[i], 0) for i in range(5)]
+
+    class Global(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 5
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+            return base[i] + torch.randn(3), 0
+
+    class Private(Global):
+        g = torch.Generator().manual_seed(1)
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+            return base[i] + torch.randn(3, generator=self.g), 0
+
+    assert sample_draws(plain, 2) is None
+    assert sample_draws(Global(), 2) == "global"
+    assert sample_draws(Private(), 2) == "private"

@@ -34,14 +34,14 @@ from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.verify import data as data_check
 from scaleloop.verify.compare import StepDiff, Tolerance, compare_runs, gradient_ratio, tolerance_for
 from scaleloop.verify.diagnose import (Cause, buffer_cause, fallback, failure_cause, initial_cause, name_causes,
-                                       piece_groups, scale_cause)
+                                       piece_groups, rank_code_cause, scale_cause)
 from scaleloop.verify.explain import format_explain
 from scaleloop.launching.failures import Failure
 from scaleloop.verify.launch import failure_report, start_workers, worker_errors
 from scaleloop.verify.layout import CONFIG_FILE, OPTIONS_FILE, distributed_dir, reference_dir
 from scaleloop.loop.tasks import resolve_loss
 from scaleloop.verify.options import VerifyOptions
-from scaleloop.verify.probes import Probes, run_probes, unsynced_batchnorm
+from scaleloop.verify.probes import Probes, run_probes, sample_draws, unsynced_batchnorm
 from scaleloop.verify.recorder import RECORD_FILE, Recorder
 from scaleloop.verify.report import buffer_line, equivalence_verdict, format_table, rounding_note
 from scaleloop.verify.saved import SavedState
@@ -379,7 +379,10 @@ def _causes(s: Session, r: Records, rows: list[StepDiff], saved: SavedState, tol
     named = [initial] if initial is not None else []
     named += name_causes(s.cfg, world=world, accumulate=accumulate, step_samples=step_samples,
                          probes=probes, step_problems=r.step_problems,
-                         content_problems=r.content_problems, no_grad=no_grad)
+                         content_problems=r.content_problems, no_grad=no_grad,
+                         data_draws=_sample_draws(s) if r.content_problems else None)
+    rank_code = rank_code_cause(list((r.run or {}).get("output_diverging") or []), probes)
+    named += [rank_code] if rank_code is not None else []
     if initial is None:   # from other weights, step 1's gradients say nothing about a scale
         ratio = gradient_ratio(reference_dir(s.root), distributed_dir(s.root), tol)
         scaled = scale_cause(ratio, world=world, accumulate=accumulate, probes=probes)
@@ -391,6 +394,16 @@ def _causes(s: Session, r: Records, rows: list[StepDiff], saved: SavedState, tol
         bad = next((row for row in rows if row.failures(tol)), None)
         named.append(fallback(s.cfg, f"step {bad.step}, {bad.worst_param}" if bad else None))
     return named
+
+
+def _sample_draws(s: Session) -> Optional[str]:
+    """Whether reading a training sample draws random numbers (None too where it cannot be read by index)."""
+    if isinstance(s.data.train, IterableDataset) or len(s.data.train) == 0:
+        return None
+    try:
+        return sample_draws(s.data.train, 0)
+    except Exception:  # noqa: BLE001 (a probe: a dataset it cannot read is left unprobed)
+        return None
 
 
 def _stray_buffers(s: Session, rows: list[StepDiff], saved: SavedState, tol: Tolerance) -> Optional[Cause]:

@@ -43,15 +43,21 @@ def _names(items: Sequence[str], k: int = 4) -> str:
 
 def name_causes(cfg: TrainConfig, *, world: int, accumulate: int, step_samples: int,
                 probes: Optional[Probes], step_problems: Sequence[str] = (),
-                content_problems: Sequence[str] = (), no_grad: Sequence[str] = ()) -> list[Cause]:
-    """Every cause that applies, most certain first (empty: none of the known ones)."""
+                content_problems: Sequence[str] = (), no_grad: Sequence[str] = (),
+                data_draws: Optional[str] = None) -> list[Cause]:
+    """Every cause that applies, most certain first (empty: none of the known ones).
+
+    ``data_draws``: ``probes.sample_draws`` of a sample whose data differed ("global",
+    "private"), when reading a sample draws random numbers.
+    """
     causes: list[Cause] = []
     per_rank = step_samples // max(1, world * accumulate)
     if content_problems:
-        causes.append(Cause(
+        seen = f"{content_problems[0]}{' (and more)' if len(content_problems) > 1 else ''}"
+        causes.append(_augmented(seen, data_draws) if data_draws else Cause(
             "ranks loaded different data",
-            f"{content_problems[0]}{' (and more)' if len(content_problems) > 1 else ''}; every process must "
-            "build the same dataset: seed any randomness in the dataset factory, sort file lists"))
+            f"{seen}; every process must build the same dataset: seed any randomness in the dataset factory, "
+            "sort file lists"))
     if step_problems:
         causes.append(Cause(
             "padded, duplicated or missing samples",
@@ -65,7 +71,10 @@ def name_causes(cfg: TrainConfig, *, world: int, accumulate: int, step_samples: 
             "BatchNorm without SyncBatchNorm",
             f"{_names(probes.batchnorm)} normalise each rank's {per_rank} samples with their own mean and "
             f"variance, while one process normalises all {step_samples // accumulate}; {fix}"))
-    if probes is not None and (probes.random or (probes.random is None and probes.dropout)):
+    own = probes.randomness if probes is not None else None
+    if own is not None and (own.reseeds or own.private):
+        causes.append(_own_randomness(own.reseeds))
+    elif probes is not None and (probes.random or (probes.random is None and probes.dropout)):
         what = ("random layers " + _names(probes.dropout) if probes.dropout
                 else "the forward pass draws random numbers")
         causes.append(Cause(
@@ -107,6 +116,51 @@ def name_causes(cfg: TrainConfig, *, world: int, accumulate: int, step_samples: 
             f"{probes.coupling:.2e} of the largest output, and it has no BatchNorm: a layer uses statistics "
             "of its batch; make it synchronise them over ranks, as --sync-batchnorm does for BatchNorm"))
     return causes
+
+
+def _augmented(seen: str, draws: str) -> Cause:
+    """Samples read with random augmentation: the advice that makes every process read a sample alike."""
+    source = ("the global generator, which each rank seeds with seed + rank" if draws == "global" else
+              "a generator of its own (numpy, random, or a torch.Generator) that no seed makes the same on every rank")
+    return Cause(
+        "samples are augmented at random per rank",
+        f"{seen}; reading a sample (the dataset's __getitem__) draws random numbers from {source}, so a sample "
+        "read on a rank is not the sample one process reads; seeding the dataset factory does not help, as the "
+        "draws happen at every read: draw the augmentation from a generator seeded by the sample's index "
+        "(and the epoch), e.g. g = torch.Generator().manual_seed(seed * 1_000_003 + index) in __getitem__, so "
+        "that any process reads sample i the same way")
+
+
+def _own_randomness(reseeds: bool) -> Cause:
+    """The forward draws randomness the global generator's per-rank seeding does not explain."""
+    if reseeds:
+        return Cause(
+            "the forward pass re-seeds the random generator",
+            "its random state after a pass does not depend on the state before: the forward calls "
+            "torch.manual_seed (or torch.random.set_rng_state) itself; seeded from the rank, every rank "
+            "draws its own masks, and seeded alike, every step draws the same ones: exact equality cannot "
+            "hold; remove the seeding from forward (scaleloop seeds every process once, from --seed)")
+    return Cause(
+        "randomness from a generator of the model's own",
+        "two forward passes from the same global random state give different outputs: the model draws "
+        "from a generator of its own (a torch.Generator it keeps, numpy or random), which differs per rank "
+        "(seeded from the rank, or not at all) and is outside what --seed controls: exact equality cannot "
+        "hold; draw from the global generator (torch.rand/randn without generator=), or verify with the "
+        "noise turned off")
+
+
+def rank_code_cause(ranks: Sequence[int], probes: Optional[Probes]) -> Optional[Cause]:
+    """Ranks whose output for the same inputs, weights and seed differs from rank 0's, when no
+    randomness of the model's own explains it: code that depends on the rank."""
+    own = probes.randomness if probes is not None else None
+    if not ranks or (own is not None and (own.private or own.reseeds)):
+        return None
+    return Cause(
+        "rank-dependent code",
+        f"with the same weights, the same inputs and the same random seed, rank(s) "
+        f"{', '.join(str(r) for r in ranks)} compute another output than rank 0 (before any step): the "
+        "forward pass depends on the rank (a branch on dist.get_rank() or the RANK/LOCAL_RANK variables, a "
+        "per-rank device, file or table); make every rank compute the same function")
 
 
 def fallback(cfg: TrainConfig, first_failure: Optional[str]) -> Cause:

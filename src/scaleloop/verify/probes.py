@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 
 from scaleloop.strategies.syncbn import GlobalBatchNorm
 from scaleloop.loop.tasks import LossFn, prediction_of
+from scaleloop.verify.hashing import digest
 
 
 def unsynced_batchnorm(model: nn.Module) -> list[str]:
@@ -52,6 +53,64 @@ def draws_random_numbers(model: nn.Module, x: torch.Tensor) -> bool:
         probe(x)
         after = _rng_states(x.device)
     return any(not torch.equal(a, b) for a, b in zip(before, after))
+
+
+def _forward_once(probe: nn.Module, x: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``probe``'s training-mode output for ``x`` after seeding the global generator with ``seed``,
+    and that generator's state after the forward; the caller's generator state is left as it was."""
+    with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), torch.no_grad():
+        torch.manual_seed(seed)
+        out = prediction_of(probe(x)).float()
+        return out, torch.get_rng_state()
+
+
+@dataclass(frozen=True)
+class Randomness:
+    """Where a forward pass's randomness comes from, beyond the global generator's plain draws.
+
+    ``private``: two passes from the same global generator state give different outputs: the
+    model draws from a generator of its own (``torch.Generator``, numpy, ``random``), which
+    differs per rank when it is seeded from the rank or not seeded at all. ``reseeds``: the
+    global generator's state after a pass does not depend on its state before: the forward
+    calls ``torch.manual_seed`` itself, with a seed of its own choosing.
+    """
+
+    private: bool
+    reseeds: bool
+
+
+def forward_randomness(model: nn.Module, x: torch.Tensor) -> Randomness:
+    """Probe a training-mode forward pass for private generators and re-seeding (see :class:`Randomness`)."""
+    # One copy for all three passes: a generator of the model's own advances between them.
+    probe = copy.deepcopy(model).train()
+    first, after_first = _forward_once(probe, x, 1234)
+    again, _ = _forward_once(probe, x, 1234)
+    _, after_other = _forward_once(probe, x, 4321)
+    return Randomness(private=not torch.equal(first, again), reseeds=torch.equal(after_first, after_other))
+
+
+def output_digest(model: nn.Module, x: torch.Tensor, seed: int = 0) -> str:
+    """SHA-256 of the training-mode output for ``x`` from a fixed global seed: the same on every
+    rank unless the forward depends on the rank (code that branches on it, a per-rank generator)."""
+    return digest(_forward_once(copy.deepcopy(model).train(), x, seed)[0])
+
+
+def sample_draws(dataset: Any, index: int) -> Optional[str]:
+    """Whether reading sample ``index`` draws random numbers (augmentation in ``__getitem__``).
+
+    ``"global"``: the sample read depends on the global generator's state, which each rank
+    seeds with seed + rank; ``"private"``: two reads from the same state differ (a generator of
+    its own, or numpy's/``random``'s); None: reading is deterministic.
+    """
+    def read(seed: int) -> str:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return digest(dataset[index])
+
+    first = read(1234)
+    if read(1234) != first:
+        return "private"
+    return "global" if read(4321) != first else None
 
 
 def unused_parameters(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> list[str]:
@@ -139,6 +198,7 @@ class Probes:
     unused: Optional[list[str]]
     coupling: Optional[float]
     loss: Optional[LossSplit]
+    randomness: Optional[Randomness] = None
 
 
 def run_probes(model: nn.Module, loss_fn: LossFn, x: object, y: object,
@@ -149,8 +209,12 @@ def run_probes(model: nn.Module, loss_fn: LossFn, x: object, y: object,
     """
     tensors = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
     random = draws_random_numbers(model, x) if tensors else None
+    own = forward_randomness(model, x) if tensors else None
     unused = unused_parameters(model, x, y, loss_fn) if tensors else None
     flat = [s for g in groups for s in g]
-    coupling = batch_coupling(model, x, flat) if tensors and not random and len(flat) > 1 else None
+    # Outputs that change from one pass to the next differ between the whole batch and its pieces
+    # whatever the layers do: only a deterministic forward can show a coupling of the samples.
+    deterministic = not random and own is not None and not own.private and not own.reseeds
+    coupling = batch_coupling(model, x, flat) if tensors and deterministic and len(flat) > 1 else None
     split = loss_split(model, loss_fn, x, y, groups) if tensors and len(flat) > 1 else None
-    return Probes(unsynced_batchnorm(model), dropout_layers(model), random, unused, coupling, split)
+    return Probes(unsynced_batchnorm(model), dropout_layers(model), random, unused, coupling, split, own)

@@ -34,6 +34,7 @@ from scaleloop.strategies.base import Strategy
 from scaleloop.strategies.pipeline import StageModule
 from scaleloop.verify.data import batch_digest
 from scaleloop.verify.hashing import digest, full_tensor, is_sharded
+from scaleloop.verify.probes import output_digest
 from scaleloop.verify.state import parameter_names, saved_buffers, unique_state
 from scaleloop.verify.sync import check_sync
 
@@ -83,16 +84,21 @@ class Recorder(Observer):
         self.first_param = ""
         # Per rank r > 0: the state_dict keys whose initial tensor differs from rank 0's (as built).
         self.initial_diverging: list[dict[str, Any]] = []
+        # The ranks r > 0 whose output for the same inputs and weights differs from rank 0's.
+        self.output_diverging: list[int] = []
         if env.is_main:
             out.mkdir(parents=True, exist_ok=True)
 
     # --- set-up ------------------------------------------------------------------------
-    def built(self, model: nn.Module) -> None:
+    def built(self, model: nn.Module, sample: Optional[torch.Tensor] = None) -> None:
         """The model as this rank built it, before the strategy places it (DDP and the all-reduce
         strategy then copy rank 0's weights to every rank, hiding a per-rank initialisation).
 
         Rank 0 saves its whole state as step 0; every rank's digests are gathered (a collective)
-        to name the tensors another rank built differently.
+        to name the tensors another rank built differently. With ``sample`` (a few training
+        inputs, the same on every rank), each rank's training-mode output for it from one fixed
+        seed is compared too: where the weights agree, an output that differs comes from code
+        that depends on the rank.
         """
         params = parameter_names(model)
         state = dict(unique_state(model))
@@ -100,9 +106,24 @@ class Recorder(Observer):
             torch.save({"params": {n: t.detach().cpu().clone() for n, t in state.items() if n in params},
                         "buffers": {n: t.detach().cpu().clone() for n, t in state.items() if n not in params},
                         "grads": {}}, step_file(self.out, 0))
-        every = gather_object({n: digest(t) for n, t in state.items()}, self.env)
-        self.initial_diverging = [{"rank": r, "names": [n for n in every[0] if theirs.get(n) != every[0][n]]}
-                                  for r, theirs in enumerate(every) if r > 0 and theirs != every[0]]
+        mine = {"state": {n: digest(t) for n, t in state.items()}, "output": self._output_digest(model, sample)}
+        every = gather_object(mine, self.env)
+        states = [e["state"] for e in every]
+        self.initial_diverging = [{"rank": r, "names": [n for n in states[0] if theirs.get(n) != states[0][n]]}
+                                  for r, theirs in enumerate(states) if r > 0 and theirs != states[0]]
+        outputs = [e["output"] for e in every]
+        self.output_diverging = ([r for r, out in enumerate(outputs) if r > 0 and out != outputs[0]]
+                                 if not self.initial_diverging and None not in outputs else [])
+
+    @staticmethod
+    def _output_digest(model: nn.Module, sample: Optional[torch.Tensor]) -> Optional[str]:
+        if sample is None or self_is_meta(model):
+            return None
+        try:
+            device = next((p.device for p in model.parameters()), sample.device)
+            return output_digest(model, sample.to(device))
+        except Exception:  # noqa: BLE001 (a model that cannot run this probe is simply not probed)
+            return None
 
     def attach(self, strategy: Strategy, model: nn.Module) -> None:
         """Watch the (wrapped) ``model``: a hook on each parameter sees its local gradient."""
@@ -281,7 +302,7 @@ class Recorder(Observer):
                   "accumulate": strategy.accumulate_steps, "steps_done": len(self.losses),
                   "losses": self.losses, "first_param": self.first_param,
                   "n_samples": len(loader.dataset), "ranks": ranks, "sync": sync,
-                  "initial_diverging": self.initial_diverging,
+                  "initial_diverging": self.initial_diverging, "output_diverging": self.output_diverging,
                   "pipeline_stages": self.env.world_size if self.stage else 0}
         (self.out / RECORD_FILE).write_text(json.dumps(record), encoding="utf-8")
 
@@ -305,6 +326,11 @@ class Recorder(Observer):
         if self.strategy is None or self.module is None:
             raise RuntimeError("Recorder.attach(strategy, model) must be called first")
         return self.strategy, self.module
+
+
+def self_is_meta(model: nn.Module) -> bool:
+    """A model built on the meta device (no values yet): nothing to run."""
+    return any(p.is_meta for p in model.parameters())
 
 
 def whole_model_names(module: nn.Module) -> dict[str, str]:

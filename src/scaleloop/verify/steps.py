@@ -8,15 +8,19 @@ does not change the weights (evaluation, checkpoints, metrics files).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Optional
 
 from scaleloop.config import TrainConfig
 from scaleloop.errors import UsageError
+import torch
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from scaleloop.data.info import Datasets
 from scaleloop.loop.build import build_data_and_model, build_run
 from scaleloop.loop.step import Step
 from scaleloop.runtime.dist import DistEnv
+from scaleloop.verify.data import load_samples
 from scaleloop.verify.recorder import Recorder
 
 
@@ -29,6 +33,18 @@ class RunSpec:
     steps: int
 
 
+def probe_inputs(dataset: Any, n: int = 4) -> Optional[torch.Tensor]:
+    """The inputs of the first ``n`` training samples, when they are one tensor (None otherwise:
+    streams, keyword inputs, or a dataset that cannot be read by index)."""
+    if isinstance(dataset, IterableDataset):
+        return None
+    try:
+        x, _ = load_samples(dataset, range(min(n, len(dataset))))
+    except Exception:  # noqa: BLE001 (a probe, not a check: such a dataset is just not probed)
+        return None
+    return x if isinstance(x, torch.Tensor) else None
+
+
 def run_steps(cfg: TrainConfig, env: DistEnv, spec: RunSpec, recorder: Recorder) -> None:
     """Train ``spec.steps`` optimizer steps on this rank, telling ``recorder`` what happens."""
     # The reference side runs one process: a pipeline's pieces and schedule apply to the pipeline only.
@@ -37,7 +53,7 @@ def run_steps(cfg: TrainConfig, env: DistEnv, spec: RunSpec, recorder: Recorder)
                                          sharded_checkpoints=False)
     def build(c: TrainConfig) -> tuple[Datasets, nn.Module]:
         datasets, model = build_data_and_model(c)
-        recorder.built(model)   # before the strategy copies rank 0's weights to every rank
+        recorder.built(model, probe_inputs(datasets.train))   # before the strategy copies rank 0's weights
         return datasets, model
 
     run = build_run(cfg.replace(strategy=spec.strategy, accumulate=spec.accumulate, **pipeline), env, data=build)

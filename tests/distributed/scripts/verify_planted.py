@@ -69,3 +69,71 @@ def loss_over_world(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The mean loss divided by the world size by hand (1 in one process)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     return F.cross_entropy(output, target) / world
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+class PrivateNoise(Mlp):
+    """Noise on the features from a generator of the model's own, seeded from the rank."""
+
+    def __init__(self, info: Any) -> None:
+        super().__init__(info)
+        self.noise = torch.Generator().manual_seed(100 + _rank())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.features(x)
+        if self.training:
+            h = h + 0.1 * torch.randn(h.shape, generator=self.noise)
+        return self.head(h)
+
+
+class ReseedsPerRank(Mlp):
+    """Dropout after seeding the global generator from the rank, in every forward pass."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(1000 + _rank())
+        return self.head(F.dropout(self.features(x), 0.3, self.training))
+
+
+class RankBranch(Mlp):
+    """Rank 1 scales its features: code that branches on the rank."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.features(x)
+        if dist.is_initialized() and dist.get_rank() == 1:
+            h = h * 1.5
+        return self.head(h)
+
+
+class _Augmented(torch.utils.data.Dataset):
+    num_classes = 4
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i] + 0.05 * torch.randn(self.x[i].shape), self.y[i]   # the global generator
+
+
+def augmented() -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
+    """Images augmented with noise from the global generator as each sample is read."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(160, 1, 8, 8, generator=g), torch.randint(0, 4, (160,), generator=g)
+    return _Augmented(x[:128], y[:128]), _Augmented(x[128:], y[128:])
+
+
+class _AugmentedByIndex(_Augmented):
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1_000_003 + i)   # the advice verify gives: seeded by the index
+        return self.x[i] + 0.05 * torch.randn(self.x[i].shape, generator=g), self.y[i]
+
+
+def augmented_by_index() -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
+    """The same augmentation, drawn from a generator seeded by the sample's index."""
+    train, test = augmented()
+    return _AugmentedByIndex(train.x, train.y), _AugmentedByIndex(test.x, test.y)
