@@ -80,3 +80,18 @@ def test_a_rank_that_aborts_at_shutdown_is_no_silent_pass(tmp_path: Path) -> Non
     assert "rank 1 of 2 exited with code 3" in out
     assert out.rstrip().splitlines()[-1] == "verify: FAIL (equivalence passed; shutdown FAILED)"
     assert "records kept" not in out and no_temporary_directory_left(tmp_path)
+
+
+def test_a_models_own_token_mean_over_padding_is_named(tmp_path: Path) -> None:
+    # Issue 28 point 3: a model's own mean over each micro-batch's real tokens, which it cannot be
+    # told the step's count for, used to leave verify with "no known cause found".
+    res = verify(["--model", "planted:TokenMeanLM", "--data", "planted:padded_lm", "--optimizer", "sgd",
+                  "--lr", "0.5", "--accumulate", "2"], tmp_path)
+    assert res.returncode == 1, explain(res)
+    out = res.stdout
+    assert "verdict: FAIL - from step 1" in out, out
+    diagnosis = out[out.index("diagnosis:"):]
+    assert ("the model's own loss is a mean over each micro-batch's real tokens, and the micro-batches hold "
+            "different counts of -100 padding") in diagnosis, diagnosis
+    assert "pieces that 2 ranks x 2 micro-step(s) compute" in diagnosis and "no known cause" not in diagnosis
+    assert no_temporary_directory_left(tmp_path)

@@ -94,7 +94,8 @@ def counting_for(info: DataInfo, train: Dataset, model: nn.Module, loss_spec: Op
     exact = ("the mean over the real targets of the whole step, over all ranks and micro-batches, as one process "
              "computes it")
     if not keep_target:
-        return Counting(per_sample), [f"note: the targets hold -100 (padding): each step's loss is {exact}"] if padded else []
+        return Counting(per_sample), ([f"note: the targets hold -100 (padding): each step's loss is {exact}"]
+                                      if padded else [])
     if keep_target is True and _told_model(model):
         return Counting(per_sample, shift=True, tell=True), [
             f"note: the labels hold -100 (padding): each step's loss is the model's own, told {ITEMS_KEYWORD}, "
