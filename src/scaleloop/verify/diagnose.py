@@ -95,15 +95,16 @@ def name_causes(cfg: TrainConfig, *, world: int, accumulate: int, step_samples: 
     if padded is not None and padded.split.kind != "mean" and world * accumulate > 1:
         split = padded.split
         pieces = f"the {split.pieces} pieces that {world} ranks x {accumulate} micro-step(s) compute"
-        counts = f"{_names([str(r) for r in padded.real], 8)} of {_names([str(p) for p in padded.positions], 8)}"
+        each = set(padded.positions)
+        counts = (f"{_names([str(r) for r in padded.real], 8)} real targets (labels other than -100) of "
+                  + (f"{each.pop()} labels each" if len(each) == 1 else _names([str(p) for p in padded.positions], 8)))
         if any(r < p for r, p in zip(padded.real, padded.positions)) and len(set(padded.real)) > 1:
             causes.append(Cause(
                 "the model's own loss is a mean over each micro-batch's real tokens, and the micro-batches hold "
                 "different counts of -100 padding",
                 f"the model's own loss of a batch ({split.whole:.6g}) is not the sample-weighted mean "
-                f"({split.weighted_mean:.6g}) of the losses of {pieces}, whose labels hold {counts} real targets "
-                "(not -100): the model divides by its own micro-batch's count, so a micro-batch with more padding "
-                "weighs more, and scaleloop cannot tell this model the step's count (it tells a Hugging Face causal "
+                f"({split.weighted_mean:.6g}) of the losses of {pieces}, which hold {counts}: the model divides "
+                "by its own micro-batch's count, so a micro-batch with more padding weighs more, and scaleloop cannot tell this model the step's count (it tells a Hugging Face causal "
                 "LM, as num_items_in_batch); exact equality cannot hold with this loss: return the logits without "
                 "the loss and let scaleloop compute it over the whole step's real targets (labels that are each "
                 "position's target, -100 where there is none), or verify on data without padding (the same code "
