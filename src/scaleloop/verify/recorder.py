@@ -263,6 +263,7 @@ class Recorder(Observer):
             "allreduced_norm": float(averaged.norm()) if averaged is not None else None,
             "synced_vs_allreduced": (float((synced.to(averaged.device) - averaged).abs().max())
                                      if synced is not None and averaged is not None else None),
+            "count_factor": self._factor,   # over -100 padding: the step's weight for its real targets
             "writes_files": bool(self.env.is_main),
             # Sharded parameters (FSDP's DTensors): every rank writes its part of each checkpoint.
             "writes_checkpoint_shard": is_sharded(param),
