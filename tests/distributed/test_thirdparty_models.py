@@ -65,7 +65,9 @@ def two(root: Path):
 
 
 def _one(root: Path, settings: dict) -> dict[str, torch.Tensor]:
-    out = root / "one" / f"{settings['model']}-{settings.get('accumulate', 1)}".replace(":", "-")
+    # Runs that differ only in their strategy share it; their data and length are part of its name.
+    key = f"{settings['model']}-{settings['data']}-{settings.get('accumulate', 1)}-{settings.get('max_steps', '')}"
+    out = root / "one" / key.replace(":", "-")
     if not (out / "model.pt").exists():
         sys.path.insert(0, str(SCRIPTS))
         try:
@@ -94,6 +96,8 @@ VERIFY = [pytest.param(model, data, strategy, extra, marks=pytest.mark.skipif(no
                                                                               reason=f"needs {package} (a test extra)"))
           for model, data, strategy, extra, package in [
               ("gpt2_tiny", "lm_data", "ddp", [], "transformers"),
+              # -100 padding: the model is told the step's count of real tokens (num_items_in_batch)
+              ("gpt2_tiny", "lm_data_padded", "ddp", [], "transformers"),
               ("bert_tiny", "classification_data", "fsdp", [], "transformers"),
               ("vit_tiny", "image_data", "fsdp", [], "timm"),
               ("resnet_tiny", "image_data_f64", "ddp", ["--sync-batchnorm"], "timm")]]

@@ -6,7 +6,9 @@
 - a parameter that gets no gradient: ddp stops before the first optimizer step with one line
   naming it and the flags; with ``--find-unused-parameters`` or ``--static-graph`` (and under
   fsdp) the run equals 1 process;
-- frozen parameters under ddp, fsdp, allreduce and pipeline: equal to 1 process, and unchanged.
+- frozen parameters under ddp, fsdp, allreduce and pipeline: equal to 1 process, and unchanged;
+- language-model targets with -100 padding under allreduce and pipeline (in pieces): equal to 1
+  process, each step the mean over its real targets (loop.padding).
 
 The 2-process runs share one torchrun launch (scripts/usermodel_runs.py); the 1-process
 references run in this process.
@@ -60,6 +62,7 @@ def one(root: Path):
             settings = {**BASE, **RUNS[name], "strategy": "single", "out": str(out)}
             settings.pop("find_unused_parameters", None)
             settings.pop("static_graph", None)
+            settings.pop("microbatches", None)   # the pipeline's pieces: one process runs the batch whole
             sys.path.insert(0, str(SCRIPTS))
             try:
                 train(TrainConfig(**settings).validate(), DistEnv(device=torch.device("cpu")), log=lambda _msg: None)

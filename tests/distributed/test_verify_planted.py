@@ -105,3 +105,16 @@ def test_per_rank_augmentation_is_named_and_the_advice_works(tmp_path: Path) -> 
     assert "seed any randomness in the dataset factory" not in diagnosis
     fixed = verify(["--model", "planted:Mlp", "--data", "planted:augmented_by_index", "--optimizer", "sgd"], tmp_path)
     assert fixed.returncode == 0, explain(fixed)
+def test_a_models_own_token_mean_over_padding_is_named(tmp_path: Path) -> None:
+    # Issue 28 point 3: a model's own mean over each micro-batch's real tokens, which it cannot be
+    # told the step's count for, used to leave verify with "no known cause found".
+    res = verify(["--model", "planted:TokenMeanLM", "--data", "planted:padded_lm", "--optimizer", "sgd",
+                  "--lr", "0.5", "--accumulate", "2"], tmp_path)
+    assert res.returncode == 1, explain(res)
+    out = res.stdout
+    assert "verdict: FAIL - from step 1" in out, out
+    diagnosis = out[out.index("diagnosis:"):]
+    assert ("the model's own loss is a mean over each micro-batch's real tokens, and the micro-batches hold "
+            "different counts of -100 padding") in diagnosis, diagnosis
+    assert "pieces that 2 ranks x 2 micro-step(s) compute" in diagnosis and "no known cause" not in diagnosis
+    assert no_temporary_directory_left(tmp_path)

@@ -1,6 +1,9 @@
 """The probes that name a cause, and the rules that turn their findings into a diagnosis."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,8 +13,8 @@ from scaleloop.models import ConvNet, SimpleNet, TinyGPT
 from scaleloop.strategies.syncbn import convert_batchnorm
 from scaleloop.verify.diagnose import failure_cause, fallback, name_causes, piece_groups
 from scaleloop.verify.probes import (Probes, Randomness, batch_coupling, draws_random_numbers, dropout_layers,
-                                     forward_randomness, loss_split, run_probes, sample_draws, unsynced_batchnorm,
-                                     unused_parameters)
+                                     forward_randomness, loss_split, own_loss_split, run_probes, sample_draws,
+                                     unsynced_batchnorm, unused_parameters)
 
 torch.manual_seed(0)
 IMAGES = torch.randn(16, 1, 8, 8)
@@ -172,3 +175,30 @@ def test_sample_draws_finds_augmentation_when_a_sample_is_read() -> None:
     assert sample_draws(plain, 2) is None
     assert sample_draws(Global(), 2) == "global"
     assert sample_draws(Private(), 2) == "private"
+def test_a_models_own_token_mean_over_padding_is_named() -> None:
+    # verify_planted.TokenMeanLM: labels in, its own mean over the batch's real (not -100) tokens out.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed" / "scripts"))
+    try:
+        from verify_planted import TokenMeanLM, padded_lm
+    finally:
+        sys.path.pop(0)
+    torch.manual_seed(0)
+    train, _ = padded_lm()
+    ids, labels = train.tensors["input_ids"][:32], train.tensors["labels"][:32]
+    model = TokenMeanLM()
+    groups = piece_groups(32, 2, 2, 1)
+    padded = own_loss_split(model, {"input_ids": ids}, labels, "labels", groups)
+    assert padded is not None and padded.split.kind == "other" and padded.split.pieces == 4
+    assert padded.positions == [96] * 4 and len(set(padded.real)) > 1   # 8 samples of 12 labels each
+    probes = run_probes(model, mean_ce, {"input_ids": ids}, labels, groups, own_target="labels")
+    assert probes.own_padded == padded and probes.loss is None
+    cfg = TrainConfig(nproc=2, strategy="ddp", accumulate=2)
+    causes = name_causes(cfg, world=2, accumulate=2, step_samples=32, probes=probes)
+    assert [c.title for c in causes] == ["the model's own loss is a mean over each micro-batch's real tokens, and the "
+                                         "micro-batches hold different counts of -100 padding"]
+    assert "num_items_in_batch" in causes[0].detail and "return the logits without the loss" in causes[0].detail
+    # Without padding the same model's loss is a sample-weighted mean; a run that counts is not probed.
+    whole = own_loss_split(model, {"input_ids": ids}, ids, "labels", groups)
+    assert whole is not None and whole.split.kind == "mean"
+    assert run_probes(model, mean_ce, {"input_ids": ids}, labels, groups, own_target="labels",
+                      counted=True).own_padded is None

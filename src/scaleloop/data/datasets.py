@@ -323,6 +323,29 @@ def _as_tensor(value: Any) -> Optional[torch.Tensor]:
         return None
 
 
+def targets_padded(dataset: Optional[Dataset]) -> Optional[bool]:
+    """Whether the targets of ``dataset`` hold :data:`IGNORE_INDEX` (-100: padding, or a position with
+    no target), which the loss must skip: True or False, or None when that is not known.
+
+    Known when the dataset says it (a ``padded`` attribute that is a bool: ``TokenFileDataset``'s
+    windows never hold -100), or holds its tensors in memory (read once, in row blocks, so that
+    a large token set needs no second copy of itself); a generic dataset or a stream is read one
+    sample at a time, which start-up never does past the first: not known.
+    """
+    said = getattr(dataset, "padded", None) if dataset is not None else None
+    if isinstance(said, bool):
+        return said
+    columns = _columns(dataset)
+    if columns is None:
+        return None
+    target = columns[1]
+    if not isinstance(target, torch.Tensor) or not _is_int(target):
+        return False
+    per_row = target[0].numel() if target.dim() and len(target) else 1
+    rows = max(1, (1 << 22) // max(1, per_row))
+    return any(bool((block == IGNORE_INDEX).any()) for block in target.split(rows))
+
+
 def _is_int(t: torch.Tensor) -> bool:
     return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
 

@@ -56,6 +56,7 @@ class TokenFileDataset(Dataset):
     """
 
     task = "lm"
+    padded = False   # every target is a token (data.datasets.targets_padded: no -100 to look for)
 
     def __init__(self, path: str | Path, seq_len: int, vocab_size: int, *, dtype: str = "uint16",
                  windows: Windows = "sequential", seed: int = 0) -> None:

@@ -21,6 +21,7 @@ from scaleloop.data.streaming import StreamingLoader, declared_length
 from scaleloop.errors import UsageError
 from scaleloop.loop.decay import describe_decay, param_groups
 from scaleloop.loop.evaluations import check_eval_data
+from scaleloop.loop.padding import Counting, counting_for
 from scaleloop.loop.schedule import LearningRate, build_scheduler, scaled_lr
 from scaleloop.loop.speed import speed_up_model
 from scaleloop.loop.tasks import LossFn, MetricFn, resolve_loss, resolve_metrics
@@ -53,6 +54,7 @@ class Run:
     model_bytes: int
     notes: list[str] = field(default_factory=list)   # what --compile/--channels-last did
     weight_decay: str = ""           # which tensors --weight-decay applies to ("" without weight decay)
+    counting: Optional[Counting] = None   # how steps count real targets over -100 padding (loop.padding)
 
 
 def seed_everything(seed: int) -> None:
@@ -153,12 +155,14 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     keep_target = keeps_target(model, datasets.train, datasets.info.task)
     if isinstance(keep_target, tuple) and cfg.pipeline_layout() is not None:
         keep_target = False   # a pipeline's first stage takes the input alone; its last computes the loss
+    # Of the user's own module, before the strategy wraps it (a Hugging Face model is told counts).
+    counting, padding_notes = counting_for(datasets.info, datasets.train, model, cfg.loss, keep_target)
     parameters, model_bytes = count_parameters(model), parameter_bytes(model)
     check_decay_with_pipeline(cfg)
     decay = describe_decay(model, cfg.weight_decay, cfg.decay_params)   # of the whole model, before any cut
     strategy = _make_strategy(cfg, env)
     lr = scaled_lr(cfg.optim)
-    notes = speed_up_model(model, cfg, env.device)
+    notes = speed_up_model(model, cfg, env.device) + padding_notes
     # The strategy makes the model parallel in torchtitan's order: TP, activation checkpointing, FSDP/DDP.
     # The optimizer is made after that, from ``placed``'s modules as they then are.
     placed = model
@@ -194,9 +198,10 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     total_steps = _total_steps(cfg, loader.plan.steps_per_epoch)
     return Run(cfg=cfg, env=env, data=datasets, model=model, strategy=strategy, optimizer=optimizer,
                scheduler=build_scheduler(optimizer, cfg.optim, total_steps), loader=loader,
-               loss_fn=resolve_loss(cfg.loss, datasets.info, given_target=bool(keep_target)), user_loss=cfg.loss is not None,
-               metrics=resolve_metrics(cfg.metrics), lr=lr, total_steps=total_steps,
-               parameters=parameters, model_bytes=model_bytes, notes=notes, weight_decay=decay)
+               loss_fn=resolve_loss(cfg.loss, datasets.info, given_target=bool(keep_target),
+                                    per_sample=counting.per_sample if counting and not counting.tell else None),
+               user_loss=cfg.loss is not None, metrics=resolve_metrics(cfg.metrics), lr=lr, total_steps=total_steps,
+               parameters=parameters, model_bytes=model_bytes, notes=notes, weight_decay=decay, counting=counting)
 
 
 def _make_strategy(cfg: TrainConfig, env: DistEnv) -> Strategy:

@@ -22,6 +22,12 @@ around the strategy's calls is decided once, when it is built: with no observer,
 a strategy whose step is the plain hand-written one (``Strategy.plain_step``: fp32, no context
 or hook around the calls), :meth:`Step.micro` and :meth:`Step.update` are replaced by the same
 calls written out, with nothing per step that would do nothing.
+
+Over -100 padding (``Run.counting``, ``loop.padding``) each micro-batch's real targets are
+counted too, and once per step, after the last backward and before clipping, the count is summed
+over the ranks and the gradients are weighted by it, so that a step is the mean over the step's
+real targets. A micro-batch's returned loss is then final only after that step's :meth:`Step.update`
+(multiplied in place by the same weight): whoever keeps it reads it after the update.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ import torch
 from scaleloop.data.batch import call_model
 from scaleloop.data.loader import Batch
 from scaleloop.loop.build import Run
+from scaleloop.loop.padding import StepCount
 from scaleloop.output.memory import gradient_bytes
 
 
@@ -55,6 +62,10 @@ class Observer:
     def stepped(self) -> None:
         """After the optimizer and the schedule have stepped."""
 
+    def counted(self, factor: float) -> None:
+        """Over -100 padding (``loop.padding``), before :meth:`synced`: the synchronised gradients were
+        multiplied by ``factor`` to weigh the step's real targets (1.0: they were not)."""
+
 
 class Step:
     """One optimizer step of a built :class:`Run`, micro-batch by micro-batch."""
@@ -66,13 +77,16 @@ class Step:
         self.strategy = run.strategy
         self.clip = run.cfg.clip_grad
         self.observer = observer
-        self._loss_fn = run.loss_fn
+        #: Over -100 padding: this step's count of real targets (None: the run does not count).
+        self.count = (StepCount(run.counting, run.env, run.strategy.layout.data_parallel)
+                      if run.counting is not None else None)
+        self._loss_fn = run.loss_fn if self.count is None else self.count.checked(run.loss_fn)
         #: Whether this rank's own seconds are measured: only where there are ranks to compare.
         self.clocked = run.env.world_size > 1
         if observer is not None:
             self.loss_fn = self._observed_loss
         else:
-            self.loss_fn = self._timed_loss if self.clocked else run.loss_fn
+            self.loss_fn = self._timed_loss if self.clocked else self._loss_fn
         #: The gradients' bytes at the first update (they exist only between backward and step).
         self.gradient_bytes: Optional[int] = None
         self._measured = False
@@ -80,7 +94,9 @@ class Step:
         #: (stays 0 on one rank: see ``clocked``).
         self.own_s = 0.0
         self._step_began = self._loss_known = time.perf_counter()
-        if observer is None and not self.clocked and self.strategy.plain_step():
+        if self.count is not None:
+            self.micro = self._counted_micro  # type: ignore[method-assign]
+        elif observer is None and not self.clocked and self.strategy.plain_step():
             # The common case (one process, fp32): the same calls without the layers around them.
             self.micro = self._plain_micro    # type: ignore[method-assign]
             self.update = self._plain_update  # type: ignore[method-assign]
@@ -122,6 +138,20 @@ class Step:
             observer.micro_done(batch, loss)
         return loss
 
+    def _counted_micro(self, batch: Batch) -> Optional[torch.Tensor]:
+        """:meth:`micro` over -100 padding: the batch's real targets counted (a Hugging Face model told
+        its divisor), and its loss kept to be weighted by the step's count in :meth:`update`."""
+        count = self.count
+        if count is None:   # the model turned out not to take the count: as without padding
+            return Step.micro(self, batch)
+        observer = self.observer
+        if observer is not None:
+            observer.micro_batch(batch)   # the batch as loaded (verify hashes it)
+        loss = count.keep(self.strategy.forward_backward(self.model, count.batch(batch), self.loss_fn))
+        if observer is not None:
+            observer.micro_done(batch, loss)
+        return loss
+
     def update(self) -> float:
         """Clip, step the optimizer (fp16: skipped on overflow) and the schedule; returns the
         learning rate the step used."""
@@ -130,6 +160,13 @@ class Step:
             # A rank that computes no loss (a pipeline's earlier stage) counts the step up to here.
             ready = self._loss_known if self._loss_known > self._step_began else time.perf_counter()
             self.own_s += ready - self._step_began
+        if self.count is not None:
+            if not self.count.finish(self.model):
+                # Every rank learns it in the same all-reduce; the loss stays the model's (its check
+                # is over), and the next steps are those of a run without counting.
+                self.count = None
+            if observer is not None:
+                observer.counted(self.count.factor if self.count is not None else 1.0)
         if observer is not None:
             observer.synced()
         if self.clip is not None:

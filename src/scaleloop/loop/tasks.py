@@ -18,6 +18,8 @@ Every loss a run trains with is a ``loss_fn(output, target)`` returning the MEAN
 batch's samples: the step weights each micro-batch by its share of the global step, which
 makes N ranks x K micro-steps equal one process only for a sample-weighted mean (see
 docs/verification.md for losses normalised otherwise, such as a model's own per-token loss).
+Over -100 padding the run weighs real targets instead (``loop.padding``): the built-in loss is
+then the summed one (``resolve_loss(per_sample=...)``).
 """
 from __future__ import annotations
 
@@ -68,14 +70,17 @@ def own_loss(output: Any, given_target: bool = False) -> Optional[torch.Tensor]:
     return loss if isinstance(loss, torch.Tensor) else None
 
 
-def resolve_loss(spec: Optional[str], info: DataInfo, given_target: bool = False) -> LossFn:
+def resolve_loss(spec: Optional[str], info: DataInfo, given_target: bool = False,
+                 per_sample: Optional[int] = None) -> LossFn:
     """The user's ``pkg.module:fn`` (given the prediction and the target; checked to return a
     scalar), or the model's own loss when it returns one, else the built-in loss for ``info``.
 
     ``given_target``: the model is called with the target (``data.batch.keeps_target``).
+    ``per_sample``: the built-in loss over -100 padding (``loop.padding``): not the mean over the
+    batch's real targets but their summed loss divided by the batch's samples x ``per_sample``.
     """
     if spec is None:
-        def builtin(output: Any, target: Any) -> torch.Tensor:
+        def mean(output: Any, target: Any) -> torch.Tensor:
             if type(output) is torch.Tensor:  # the common case first: one type check per step
                 return task_loss(info, output, target)
             loss = own_loss(output, given_target)
@@ -86,6 +91,22 @@ def resolve_loss(spec: Optional[str], info: DataInfo, given_target: bool = False
                                  "give the batch labels or return the loss from the model")
             return task_loss(info, prediction_of(output), target)
 
+        def summed(output: Any, target: Any) -> torch.Tensor:
+            divisor = len(target) * per_sample   # type: ignore[operator]
+            if type(output) is not torch.Tensor:
+                loss = own_loss(output, given_target)
+                if loss is not None:
+                    # A model not given the target that still returns a loss: read as a mean over
+                    # the target's real entries (the closest reading there is).
+                    real = (target != -100).sum() if isinstance(target, torch.Tensor) else divisor
+                    return (loss.reshape(()) if loss.numel() == 1 else loss.mean()) * (real / divisor)
+                if target is None:
+                    return mean(output, target)   # its one-line error
+                output = prediction_of(output)
+            return task_loss(info, output, target, reduction="sum") / divisor
+
+        # Decided once, here: the common case pays no test per step.
+        builtin = mean if per_sample is None else summed
         # Classes known only from the model's output width: the first batch's labels are checked
         # against it, in one line rather than a CUDA device-side assert.
         return builtin if info.num_classes is not None else _labels_within_output(info, builtin)
@@ -208,12 +229,15 @@ def _checked_metric(spec: str, fn: Callable[..., Any]) -> MetricFn:
     return metric
 
 
-def task_loss(info: DataInfo, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def task_loss(info: DataInfo, output: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Mean loss over the batch: cross-entropy, binary cross-entropy on logits, next-token CE,
     or mean squared error (regression). A prediction whose shape cannot fit the target is one
-    line naming both shapes and the likely cause (:func:`shape_mismatch`)."""
+    line naming both shapes and the likely cause (:func:`shape_mismatch`).
+
+    ``reduction="sum"``: summed instead (cross-entropy over its real targets, -100 skipped: the
+    loss over padding, ``loop.padding``; classification and lm only)."""
     try:
-        return _task_loss(info, output, target)
+        return _task_loss(info, output, target, reduction)
     except (RuntimeError, ValueError) as exc:
         said = shape_mismatch(info, output, target)
         if said is None:
@@ -249,7 +273,11 @@ def shape_mismatch(info: DataInfo, output: torch.Tensor, target: Any) -> Optiona
     return f"the model's prediction {got} does not fit the target {want} ({info.task}: {expected}); likely: {cause}"
 
 
-def _task_loss(info: DataInfo, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def _task_loss(info: DataInfo, output: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    if reduction != "mean":   # the summed cross-entropy (loop.padding); the mean's calls below stay as they were
+        if info.task == "lm":
+            return F.cross_entropy(output.float().flatten(0, -2), target.flatten(), reduction=reduction)
+        return F.cross_entropy(output.float(), target, reduction=reduction)
     if info.task == "binary":
         return F.binary_cross_entropy_with_logits(output.float(), target.float().view_as(output))
     if info.task == "lm":

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 from scaleloop.config import TrainConfig, to_toml
+from scaleloop.data.batch import first_sample, keeps_target, target_key
 from scaleloop.data.info import Datasets
 from scaleloop.data.sampler import StepPlan
 from scaleloop.runtime.devices import resolve_device
@@ -39,6 +40,7 @@ from scaleloop.verify.explain import format_explain
 from scaleloop.launching.failures import Failure
 from scaleloop.verify.launch import failure_report, start_workers, worker_errors
 from scaleloop.verify.layout import CONFIG_FILE, OPTIONS_FILE, distributed_dir, reference_dir
+from scaleloop.loop.padding import counting_for
 from scaleloop.loop.tasks import resolve_loss
 from scaleloop.verify.options import VerifyOptions
 from scaleloop.verify.probes import Probes, run_probes, sample_draws, unsynced_batchnorm
@@ -457,12 +459,21 @@ def _probe(s: Session, reference: dict[str, Any]) -> Optional[Probes]:
     if not indices:
         return None
     x, y = data_check.load_samples(s.data.train, indices)
+    world, accumulate = _pieces(s)
+    groups = piece_groups(len(indices), world, accumulate, s.ref_accumulate)
+    model = s.model.to(s.device)
+    keep = keeps_target(model, s.data.train, s.data.info.task)
+    counting, _ = counting_for(s.data.info, s.data.train, model, s.cfg.loss, keep)
+    if isinstance(x, dict) and isinstance(y, torch.Tensor) and keep is True and s.cfg.loss is None:
+        # Keyword inputs to a model computing its own loss from the labels: only that loss is probed.
+        key = target_key(first_sample(s.data.train))
+        return run_probes(model, resolve_loss(None, s.data.info, given_target=True),
+                          {k: v.to(s.device) if isinstance(v, torch.Tensor) else v for k, v in x.items()},
+                          y.to(s.device), groups, counted=counting is not None, own_target=key)
     if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
         return None  # the probes cut tensors into pieces; named or several inputs are not probed
     x, y = x.to(s.device), y.to(s.device)
-    world, accumulate = _pieces(s)
-    groups = piece_groups(len(indices), world, accumulate, s.ref_accumulate)
-    return run_probes(s.model.to(s.device), resolve_loss(s.cfg.loss, s.data.info), x, y, groups)
+    return run_probes(model, resolve_loss(s.cfg.loss, s.data.info), x, y, groups, counted=counting is not None)
 
 
 def _data(s: Session, r: Records) -> bool:

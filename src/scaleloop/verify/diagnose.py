@@ -100,6 +100,30 @@ def name_causes(cfg: TrainConfig, *, world: int, accumulate: int, step_samples: 
                 "unmasked samples, ignore_index, per-batch weights), so each piece gets an equal say whatever "
                 "its count; divide the summed loss by the count over the whole global batch (all ranks and "
                 "micro-steps) instead, or weight every sample equally"))
+    padded = probes.own_padded if probes is not None else None
+    if padded is not None and padded.split.kind != "mean" and world * accumulate > 1:
+        split = padded.split
+        pieces = f"the {split.pieces} pieces that {world} ranks x {accumulate} micro-step(s) compute"
+        each = set(padded.positions)
+        counts = (f"{_names([str(r) for r in padded.real], 8)} real targets (labels other than -100) of "
+                  + (f"{each.pop()} labels each" if len(each) == 1 else _names([str(p) for p in padded.positions], 8)))
+        if any(r < p for r, p in zip(padded.real, padded.positions)) and len(set(padded.real)) > 1:
+            causes.append(Cause(
+                "the model's own loss is a mean over each micro-batch's real tokens, and the micro-batches hold "
+                "different counts of -100 padding",
+                f"the model's own loss of a batch ({split.whole:.6g}) is not the sample-weighted mean "
+                f"({split.weighted_mean:.6g}) of the losses of {pieces}, which hold {counts}: the model divides "
+                "by its own micro-batch's count, so a micro-batch with more padding weighs more, and scaleloop cannot tell this model the step's count (it tells a Hugging Face causal "
+                "LM, as num_items_in_batch); exact equality cannot hold with this loss: return the logits without "
+                "the loss and let scaleloop compute it over the whole step's real targets (labels that are each "
+                "position's target, -100 where there is none), or verify on data without padding (the same code "
+                "path then proves the rest)"))
+        else:
+            causes.append(Cause(
+                "loss normalised per micro-batch instead of per global batch",
+                f"the model's own loss of a batch ({split.whole:.6g}) is not the sample-weighted mean "
+                f"({split.weighted_mean:.6g}) of the losses of {pieces}: it divides by a count of its own piece; "
+                "compute it as the mean over the batch's samples, or return the logits and let scaleloop compute it"))
     unused = list(no_grad) or (probes.unused if probes is not None and probes.unused else [])
     if unused:
         causes.append(Cause(

@@ -50,7 +50,10 @@ def format_explain(step: int, run: dict[str, Any], reference: Optional[dict[str,
     if ex0.get("allreduced_norm") is not None:
         agree = all(d is not None and d <= 1e-6 * max(1.0, ex0["allreduced_norm"]) for d in diffs)
         worst = max((d for d in diffs if d is not None), default=float("nan"))
-        lines.append(f"  all-reduce by hand: (sum of the {world} local gradients) / {world} has norm "
+        factor = ex0.get("count_factor", 1.0)
+        weighed = (f" x {factor:.6g} (the step's weight over -100 padding: its samples x length / its real targets)"
+                   if factor != 1.0 else "")
+        lines.append(f"  all-reduce by hand: (sum of the {world} local gradients) / {world}{weighed} has norm "
                      f"{ex0['allreduced_norm']:.6g}; the synchronised gradient "
                      + ("equals it on every rank" if agree else "DIFFERS from it")
                      + f" (largest difference {worst:.1e})")

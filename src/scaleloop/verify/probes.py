@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
+from scaleloop.data.batch import call_model
+from scaleloop.data.datasets import IGNORE_INDEX
 from scaleloop.strategies.syncbn import GlobalBatchNorm
-from scaleloop.loop.tasks import LossFn, prediction_of
+from scaleloop.loop.tasks import LossFn, own_loss, prediction_of
 from scaleloop.verify.hashing import digest
 
 
@@ -166,26 +168,67 @@ def loss_split(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
     probe = copy.deepcopy(model).eval()
     with torch.no_grad():
         out = prediction_of(probe(x)).float()
-        mean_ok = sum_ok = True
-        worst = (0.0, 0.0, 0.0, 0.0)  # (deviation, whole, mean, sum)
-        start = 0
-        for sizes in groups:
-            n = sum(sizes)
-            whole = float(loss_fn(out[start:start + n], y[start:start + n]))
-            losses, offset = [], start
-            for size in sizes:
-                losses.append(float(loss_fn(out[offset:offset + size], y[offset:offset + size])))
-                offset += size
-            mean = sum(size / n * loss for size, loss in zip(sizes, losses))
-            total = sum(losses)
-            tol = rtol * max(abs(whole), 1e-6)
-            mean_ok &= abs(whole - mean) <= tol
-            sum_ok &= abs(whole - total) <= tol
-            if abs(whole - mean) >= worst[0]:
-                worst = (abs(whole - mean), whole, mean, total)
-            start += n
+        return _split(lambda start, n: float(loss_fn(out[start:start + n], y[start:start + n])), groups, rtol)
+
+
+def _split(loss_of: Callable[[int, int], float], groups: Sequence[Sequence[int]], rtol: float) -> LossSplit:
+    """:func:`loss_split`'s comparison, given ``loss_of(start, n)``: the loss of samples ``start..start+n``."""
+    mean_ok = sum_ok = True
+    worst = (0.0, 0.0, 0.0, 0.0)  # (deviation, whole, mean, sum)
+    start = 0
+    for sizes in groups:
+        n = sum(sizes)
+        whole = loss_of(start, n)
+        losses, offset = [], start
+        for size in sizes:
+            losses.append(loss_of(offset, size))
+            offset += size
+        mean = sum(size / n * loss for size, loss in zip(sizes, losses))
+        total = sum(losses)
+        tol = rtol * max(abs(whole), 1e-6)
+        mean_ok &= abs(whole - mean) <= tol
+        sum_ok &= abs(whole - total) <= tol
+        if abs(whole - mean) >= worst[0]:
+            worst = (abs(whole - mean), whole, mean, total)
+        start += n
     kind = "mean" if mean_ok else ("sum" if sum_ok else "other")
     return LossSplit(kind, worst[1], worst[2], worst[3], sum(len(g) for g in groups))
+
+
+@dataclass(frozen=True)
+class PaddedLoss:
+    """How a model's own loss over -100 padding relates to the losses of the pieces the ranks compute."""
+
+    split: LossSplit
+    real: list[int]        #: labels other than -100 in each distributed piece
+    positions: list[int]   #: labels in each piece
+
+
+def own_loss_split(model: nn.Module, x: Mapping[str, object], y: torch.Tensor, target_key: str,
+                   groups: Sequence[Sequence[int]], rtol: float = 1e-4) -> Optional[PaddedLoss]:
+    """:func:`loss_split` for a model that computes its own loss from keyword inputs and the labels
+    ``y`` (given as ``target_key``), each piece a forward of its own in eval mode; None when the model
+    returns no loss of its own."""
+    rows = len(y)
+    probe = copy.deepcopy(model).eval()
+
+    def loss_of(start: int, n: int) -> float:
+        inputs = {k: v[start:start + n] if isinstance(v, torch.Tensor) and v.dim() and len(v) == rows else v
+                  for k, v in x.items()}
+        inputs[target_key] = y[start:start + n]
+        loss = own_loss(call_model(probe, inputs), given_target=True)
+        if loss is None:
+            raise LookupError("no own loss")
+        return float(loss.float().mean())
+
+    with torch.no_grad():
+        try:
+            split = _split(loss_of, groups, rtol)
+        except LookupError:
+            return None
+    sizes = [size for g in groups for size in g]
+    real = [int((piece != IGNORE_INDEX).sum()) for piece in y.split(sizes)]
+    return PaddedLoss(split, real, [piece.numel() for piece in y.split(sizes)])
 
 
 @dataclass(frozen=True)
@@ -198,14 +241,21 @@ class Probes:
     unused: Optional[list[str]]
     coupling: Optional[float]
     loss: Optional[LossSplit]
+    #: The model's own loss over -100 padding, where the run cannot make it exact (``loop.padding``).
+    own_padded: Optional[PaddedLoss] = None
     randomness: Optional[Randomness] = None
 
 
 def run_probes(model: nn.Module, loss_fn: LossFn, x: object, y: object,
-               groups: Sequence[Sequence[int]]) -> Probes:
+               groups: Sequence[Sequence[int]], *, counted: bool = False,
+               own_target: Optional[str] = None) -> Probes:
     """All probes on ``model`` with the first step's batch ``(x, y)`` (tensors on the model's device).
 
-    Probes that must cut the batch into pieces need tensor inputs; for other inputs they are skipped.
+    Probes that must cut the batch into pieces need tensor inputs; for other inputs they are skipped,
+    but for keyword inputs to a model that computes its own loss from the labels (``own_target``:
+    the labels' keyword), whose loss is probed (:func:`own_loss_split`). ``counted``: the run
+    weighs -100 padding over the whole step (``loop.padding``), so a loss that is a mean over
+    each piece's real targets is no cause: the loss is not probed.
     """
     tensors = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
     random = draws_random_numbers(model, x) if tensors else None
@@ -216,5 +266,10 @@ def run_probes(model: nn.Module, loss_fn: LossFn, x: object, y: object,
     # whatever the layers do: only a deterministic forward can show a coupling of the samples.
     deterministic = not random and own is not None and not own.private and not own.reseeds
     coupling = batch_coupling(model, x, flat) if tensors and deterministic and len(flat) > 1 else None
-    split = loss_split(model, loss_fn, x, y, groups) if tensors and len(flat) > 1 else None
-    return Probes(unsynced_batchnorm(model), dropout_layers(model), random, unused, coupling, split, own)
+    split = loss_split(model, loss_fn, x, y, groups) if tensors and len(flat) > 1 and not counted else None
+    padded = None
+    if (own_target is not None and not counted and len(flat) > 1 and isinstance(x, Mapping)
+            and isinstance(y, torch.Tensor)):
+        padded = own_loss_split(model, x, y, own_target, groups)
+    return Probes(unsynced_batchnorm(model), dropout_layers(model), random, unused, coupling, split,
+                  own_padded=padded, randomness=own)

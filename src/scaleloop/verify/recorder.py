@@ -68,6 +68,10 @@ class Recorder(Observer):
         self.explain: Optional[dict[str, Any]] = None
         self.audit: list[dict[str, Any]] = []
         self._sums = torch.zeros(2, dtype=torch.float64)
+        # The step's micro-batch losses, read when the step's gradients are synchronised: over -100
+        # padding the step weighs them by its count of real targets first (loop.padding).
+        self._pending: list[tuple[dict[str, Any], torch.Tensor, int]] = []
+        self._factor = 1.0                  # that weight, on the gradients too (Observer.counted)
         self._used: set[str] = set()
         self._local: Optional[torch.Tensor] = None
         self._grads: dict[str, torch.Tensor] = {}
@@ -159,14 +163,20 @@ class Recorder(Observer):
         """After backward: the micro-batch's loss, and its weight in the step's loss."""
         if loss is None:   # a pipeline's earlier stage computes no loss
             return
-        value = float(loss.detach().float())
-        n = len(batch)
-        self.micro[-1].update(loss=value, n=n)
-        self._sums += torch.tensor([value * n, float(n)], dtype=torch.float64)
+        self._pending.append((self.micro[-1], loss.detach(), len(batch)))
+
+    def counted(self, factor: float) -> None:
+        """Over -100 padding: the synchronised gradients were multiplied by ``factor`` (for --explain)."""
+        self._factor = factor
 
     def synced(self) -> None:
         """After the step's last backward, gradients synchronised: loss, unused parameters, gradients."""
         _, module = self._attached()
+        for entry, loss, n in self._pending:
+            value = float(loss.float())
+            entry.update(loss=value, n=n)
+            self._sums += torch.tensor([value * n, float(n)], dtype=torch.float64)
+        self._pending = []
         total = sum_over_ranks(self._sums.to(self.env.device), self.env).cpu()
         self.losses.append(float(total[0] / total[1]) if float(total[1]) > 0 else float("nan"))
         self._sums.zero_()
@@ -182,6 +192,7 @@ class Recorder(Observer):
         if self.step == self.explain_step and not self.stage:
             # A pipeline's ranks hold different parameters: no local gradients to all-reduce.
             self._explain(module, scale)
+        self._factor = 1.0
         self._grads = {name: g.float() / scale for name, g in grads.items()}
 
     def stepped(self) -> None:
@@ -259,10 +270,13 @@ class Recorder(Observer):
         averaged = None
         if self.hooks_see_grads:
             # What the strategy should have done, done here explicitly: sum every rank's local
-            # gradient and divide by the number of ranks.
+            # gradient and divide by the number of ranks (over -100 padding, then weigh the step's
+            # real targets as the step did: loop.padding).
             # (a DTensor's .shape is the whole parameter's: no collective needed here)
             mine = local if local is not None else torch.zeros(tuple(param.shape))
             averaged = sum_over_ranks(mine.to(self.env.device), self.env) / self.env.world_size
+            if self._factor != 1.0:
+                averaged = averaged * self._factor
         self.explain = {
             "param": self.first_param,
             "local_norm": float(local.norm()) if local is not None else None,
@@ -270,6 +284,7 @@ class Recorder(Observer):
             "allreduced_norm": float(averaged.norm()) if averaged is not None else None,
             "synced_vs_allreduced": (float((synced.to(averaged.device) - averaged).abs().max())
                                      if synced is not None and averaged is not None else None),
+            "count_factor": self._factor,   # over -100 padding: the step's weight for its real targets
             "writes_files": bool(self.env.is_main),
             # Sharded parameters (FSDP's DTensors): every rank writes its part of each checkpoint.
             "writes_checkpoint_shard": is_sharded(param),

@@ -24,6 +24,18 @@ def gpt2_tiny(info: Any = None) -> torch.nn.Module:
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
+def gpt2_ignoring_count(info: Any = None) -> torch.nn.Module:
+    """gpt2_tiny whose forward drops ``num_items_in_batch``: its loss stays a mean over each
+    micro-batch's real tokens, though it looks like a model that can be told the count."""
+    from transformers import GPT2LMHeadModel
+
+    class IgnoresCount(GPT2LMHeadModel):
+        def forward(self, *args: Any, num_items_in_batch: Any = None, **kwargs: Any) -> Any:
+            return super().forward(*args, **kwargs)
+
+    return IgnoresCount(gpt2_tiny().config)
+
+
 def bert_tiny(info: Any = None) -> torch.nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
@@ -52,11 +64,23 @@ def lm_data() -> tuple[DictTensorDataset, DictTensorDataset]:
 
 
 def lm_data_padded() -> tuple[DictTensorDataset, DictTensorDataset]:
-    """As lm_data, with padding (-100 labels): token counts differ between samples."""
+    """As lm_data, with padding (-100 labels): token counts differ between samples, and so between
+    micro-batches (scaleloop tells the model each step's count: docs/models-and-data.md, 'Padding')."""
     ids, mask = _tokens(240, 0)
     parts = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
     return (DictTensorDataset({k: v[:192] for k, v in parts.items()}),
             DictTensorDataset({k: v[192:] for k, v in parts.items()}))
+
+
+def lm_pairs_padded() -> tuple[TensorDataset, TensorDataset]:
+    """lm_data_padded as ``(input_ids, next tokens)`` pairs: the model is called with the input
+    alone (GPT-2's forward names no ``targets``), returns logits, and scaleloop computes the loss;
+    a position whose next token is padding, or that has none, has target -100."""
+    ids, mask = _tokens(240, 0)
+    following = torch.cat([ids[:, 1:], ids[:, :1]], 1)
+    real = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], 1)
+    targets = following.masked_fill(real == 0, -100)
+    return TensorDataset(ids[:192], targets[:192]), TensorDataset(ids[192:], targets[192:])
 
 
 def classification_data() -> tuple[DictTensorDataset, DictTensorDataset]:

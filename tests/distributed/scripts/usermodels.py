@@ -5,7 +5,9 @@
   dicts, read through the DataLoader): keyword inputs and ``labels``, returning an object with
   ``logits`` and its own ``loss`` like a Hugging Face model;
 - ``TwoInputs`` on ``two_input_data``: ``model(a, b)`` from samples ``(a, b, y)``;
-- ``Regressor`` on ``regression_data``: float targets of 3 values (mean squared error).
+- ``Regressor`` on ``regression_data``: float targets of 3 values (mean squared error);
+- ``padded_tokens``: language-model pairs ``(tokens, next tokens)`` whose targets end in -100
+  padding (for ``tinygpt``, with scaleloop's loss).
 """
 from __future__ import annotations
 
@@ -148,3 +150,15 @@ class Chatty(nn.Module):
 
     def forward(self, x: torch.Tensor) -> str:
         return "a string"
+
+
+def padded_tokens() -> tuple[Dataset, Dataset]:
+    """``(x, y)`` pairs of 16 tokens of a vocabulary of 64, ``y`` the next tokens, -100 from a
+    random length on: the samples, and so the micro-batches, hold different counts of real targets."""
+    g = torch.Generator().manual_seed(11)
+    stream = torch.randint(0, 64, (200, 17), generator=g)
+    stream[:, 1::2] = (stream[:, 0:-1:2] + 1) % 64   # every other token follows from the one before
+    lengths = torch.randint(4, 17, (200, 1), generator=g)
+    y = stream[:, 1:].masked_fill(torch.arange(16) >= lengths, -100)
+    x = stream[:, :-1].contiguous()
+    return TensorDataset(x[:160], y[:160]), TensorDataset(x[160:], y[160:])

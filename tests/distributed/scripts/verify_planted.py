@@ -11,6 +11,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from scaleloop import DictTensorDataset
+
 
 def _width(info: Any) -> int:
     return math.prod(info.input_shape)
@@ -137,3 +139,30 @@ def augmented_by_index() -> tuple[torch.utils.data.Dataset, torch.utils.data.Dat
     """The same augmentation, drawn from a generator seeded by the sample's index."""
     train, test = augmented()
     return _AugmentedByIndex(train.x, train.y), _AugmentedByIndex(test.x, test.y)
+VOCAB = 32
+
+
+class TokenMeanLM(nn.Module):
+    """A causal LM of one's own that takes ``labels`` and returns its loss as the mean over the
+    batch's real (not -100) next tokens, as Hugging Face models do, but cannot be told a count:
+    over padding, each micro-batch divides by its own count, and N ranks cannot train what one does."""
+
+    def __init__(self, info: Any = None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+        logits = self.head(torch.tanh(self.embed(input_ids)))
+        loss = None if labels is None else F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return {"logits": logits, "loss": loss}
+
+
+def padded_lm() -> tuple[DictTensorDataset, DictTensorDataset]:
+    """Token mappings whose ``labels`` (the input ids: the model shifts them) end in -100 padding."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (160, 12), generator=g)
+    lengths = torch.randint(3, 13, (160, 1), generator=g)
+    labels = ids.masked_fill(torch.arange(12) >= lengths, -100)
+    return (DictTensorDataset(input_ids=ids[:128], labels=labels[:128]),
+            DictTensorDataset(input_ids=ids[128:], labels=labels[128:]))
