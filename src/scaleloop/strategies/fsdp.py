@@ -203,6 +203,9 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
             param.grad = None
 
     def close(self) -> None:
+        order, self._order = self._order, None
+        if order is not None:
+            order.close()
         if self._own_group and torch_dist.is_initialized():
             torch_dist.destroy_process_group()
         self._own_group = False

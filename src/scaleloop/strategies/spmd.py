@@ -41,16 +41,25 @@ class UnitOrder:
         n = len(self.names)
         # Event codes: unit i's forward i, the forward's end n; the start of unit i's backward n+1+i,
         # its end 2n+1+i; the backward's end 3n+1.
+        self._handles: list[Any] = []
         for i, unit in enumerate(units.values()):
             # Before FSDP's own hooks (prepend): its pre-forward gathers, its post-forward hooks
             # the outputs' gradients, on which ours must come first.
-            unit.register_forward_pre_hook(_eager(functools.partial(self._before_forward, i)), prepend=True)
-            unit.register_forward_hook(_eager(functools.partial(self._after_forward, n + 1 + i)), prepend=True)
-            # After FSDP's pre-forward, which marks the inputs for its reduction at the end of the
-            # backward: marked again, ours comes before it in the backward.
-            unit.register_forward_pre_hook(_eager(functools.partial(self._mark_inputs, 2 * n + 1 + i)),
-                                           with_kwargs=True)
-        root.register_forward_hook(_eager(self._after_root), prepend=True)
+            self._handles += [
+                unit.register_forward_pre_hook(_eager(functools.partial(self._before_forward, i)), prepend=True),
+                unit.register_forward_hook(_eager(functools.partial(self._after_forward, n + 1 + i)), prepend=True),
+                # After FSDP's pre-forward, which marks the inputs for its reduction at the end of
+                # the backward: marked again, ours comes before it in the backward.
+                unit.register_forward_pre_hook(_eager(functools.partial(self._mark_inputs, 2 * n + 1 + i)),
+                                               with_kwargs=True)]
+        self._handles.append(root.register_forward_hook(_eager(self._after_root), prepend=True))
+
+    def close(self) -> None:
+        """Remove the hooks and release the group (the end of training; the model stays usable)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        torch_dist.destroy_process_group(self.group)
 
     # --- the hooks ----------------------------------------------------------------------
     def _before_forward(self, code: int, module: nn.Module, args: Any) -> None:
