@@ -7,7 +7,10 @@
   and so does the test loss at the end;
 - pipeline x data parallel (pp=2,dp=2: two replicas of a 2-stage 1F1B pipeline) likewise;
 - a DCP checkpoint written on fsdp=2,tp=2 continues on fsdp=4 and then on 1 process, and ends
-  where an uninterrupted 1-process run ends (2x2 -> 4 -> 1).
+  where an uninterrupted 1-process run ends (2x2 -> 4 -> 1);
+- conditional computation (usermodel_settings.CONDITIONAL_4: an auxiliary head used on some steps,
+  a rarely routed expert) under HSDP and pipeline x data parallel, with SGD with momentum and with
+  Adam, equals 1 process within 1e-5 of the weight scale.
 
 The 4-process runs share one torchrun launch (scripts/mesh_runs.py); the 1-process references
 run in this process.
@@ -26,6 +29,7 @@ from scaleloop.config import TrainConfig
 from scaleloop.loop.training import train
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.strategies.tensor import strided_tp_supported
+from usermodel_settings import BASE as USER_BASE, CONDITIONAL_4
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -99,6 +103,22 @@ def test_pipeline_x_data_parallel_equals_one(root: Path, meshed: dict[str, str],
     assert diff <= TOLERANCE, f"pp x dp differs from 1 process at {key}: {diff:.2e}"
     # The test set evaluated over the replicas (each replica's last stage counts its share).
     assert stop_test_loss(root / "mesh4" / "pp-dp") == pytest.approx(stop_test_loss(reference), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", list(CONDITIONAL_4))
+def test_conditional_computation_on_four_processes_equals_one(root: Path, meshed: dict[str, str], name: str) -> None:
+    settings = {**USER_BASE, **CONDITIONAL_4[name], "strategy": "single", "out": str(root / "single" / name)}
+    del settings["mesh"]
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        reference = train(TrainConfig(**settings).validate(), DistEnv(), log=lambda _msg: None).run_dir
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    one, four = weights(reference), weights(root / "mesh4" / name)
+    counters = [k for k in one if not one[k].is_floating_point()]   # AuxHead's calls: equal
+    assert all(torch.equal(one[k], four.pop(k)) for k in counters), name
+    diff, key = max_rel_diff({k: t for k, t in one.items() if k not in counters}, four)
+    assert diff <= 1e-5, f"{name} ({meshed[name]}) differs from 1 process at {key}: {diff:.2e}"
 
 
 def stop_test_loss(run_dir: Path) -> float:

@@ -25,6 +25,30 @@ RUNS = {
                            metrics="usermodels:abs_error", loss="usermodels:huber"),
 }
 
+#: Conditional computation (issue 28): parameters that some steps or ranks do not use. Each model
+#: under every strategy that averages gradients, with SGD with momentum and with Adam, whose state
+#: an unused parameter must leave untouched, as one process does (docs/strategies.md).
+SGD = dict(optimizer="sgd", lr=0.1, momentum=0.9)
+_SHAPES = {"aux": ("usermodels:AuxHead", "usermodels:AuxHeadSeq"),
+           "expert": ("usermodels:RareExpert", "usermodels:RareExpertSeq")}
+_WHERE = {"allreduce": dict(strategy="allreduce"), "fsdp": dict(strategy="fsdp"), "mesh-dp": dict(mesh="dp=2"),
+          "mesh-fsdp": dict(mesh="fsdp=2"), "pipeline": dict(strategy="pipeline"),
+          "ddp": dict(strategy="ddp", find_unused_parameters=True)}
+CONDITIONAL = {
+    f"{shape}-{where}-{opt}": dict(model=models[where == "pipeline"], data="digits", **settings,
+                                   **(SGD if opt == "sgd" else {}),
+                                   # accumulation too, where a micro-step may use what the other did not
+                                   **(dict(accumulate=2) if opt == "sgd" and where in ("allreduce", "fsdp") else {}))
+    for shape, models in _SHAPES.items() for where, settings in _WHERE.items() for opt in ("sgd", "adam")}
+
+#: The same on 4 processes (scripts/mesh_runs.py, tests in test_mesh_dist.py): HSDP (replicated
+#: over dp, sharded over fsdp) and pipeline x data parallel, whose replicas average a stage's gradients.
+CONDITIONAL_4 = {
+    f"{shape}-{where}-{opt}": dict(model=models[where == "pp-dp"], data="digits", mesh=mesh,
+                                   **(SGD if opt == "sgd" else {}))
+    for shape, models in _SHAPES.items() for where, mesh in (("hsdp", "dp=2,fsdp=2"), ("pp-dp", "pp=2,dp=2"))
+    for opt in ("sgd", "adam")}
+
 #: Third-party models train with SGD: Adam divides each gradient by its own running size, which
 #: turns rounding noise in a gradient that is zero in exact arithmetic (an attention key's bias:
 #: softmax ignores a shift) into full-size steps, so 2 ranks and 1 would part by lr per step.

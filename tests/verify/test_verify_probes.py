@@ -113,6 +113,10 @@ def test_causes_are_named_where_they_apply() -> None:
     assert _titles(cfg, _probes(loss=split)) == ["loss normalised per micro-batch instead of per global batch"]
     assert _titles(cfg, _probes(unused=["spare.weight"])) == ["unused parameters"]
     assert _titles(cfg, _probes(), no_grad=["spare.bias"]) == ["unused parameters"]
+    # Every other strategy, and ddp with its options, trains them as one process does: not a cause.
+    for other in (cfg.replace(strategy="allreduce"), cfg.replace(strategy="fsdp"),
+                  cfg.replace(find_unused_parameters=True)):
+        assert _titles(other, _probes(unused=["spare.weight"]), no_grad=["spare.bias"]) == []
     assert _titles(cfg, _probes(coupling=0.05)) == ["a layer couples the samples of a batch"]
     assert _titles(cfg, _probes(), step_problems=["step 1: ..."], content_problems=["rank 1 ..."]) == [
         "ranks loaded different data", "padded, duplicated or missing samples"]

@@ -12,7 +12,9 @@
 - ``precision``: autocast and the fp16 GradScaler; ``syncbn``: BatchNorm over all ranks on any
   device; ``distcp``: sharded state through ``torch.distributed.checkpoint``; ``recompute``:
   ``--activation-checkpointing``, each block's activations recomputed in the backward; ``blocks``:
-  which modules are a model's blocks (FSDP's units, the recomputed ones).
+  which modules are a model's blocks (FSDP's units, the recomputed ones); ``unused``: parameters
+  that get no gradient in a step, trained as one process trains them (the rule, and the
+  all-reduce that tells the ranks which); ``spmd``: FSDP's ranks checked to run the same units.
 
 Names are imported lazily: the config reads ``registry`` without importing torch.
 """

@@ -6,6 +6,11 @@
    ``all_reduce`` and divided by the number of ranks: each rank now holds the gradient of the
    whole global batch, so the identical optimizer step keeps the replicas identical.
 
+A parameter that some rank did not use this step (conditional computation) takes part with a
+zero gradient from that rank; one that no rank used keeps no gradient at all, as in one process,
+so the optimizer leaves it and its state alone (``strategies.unused``: one small all-reduce of
+which parameters got a gradient, before the gradients').
+
 DDP does the same, but in buckets that are reduced while backward is still running.
 """
 from __future__ import annotations
@@ -16,6 +21,7 @@ from torch import nn
 
 from scaleloop.strategies.base import HandWrittenLoop, ProcessGroupStrategy
 from scaleloop.strategies.syncbn import convert_batchnorm
+from scaleloop.strategies.unused import used_anywhere
 
 
 class ManualAllReduce(HandWrittenLoop, ProcessGroupStrategy):
@@ -40,10 +46,15 @@ class ManualAllReduce(HandWrittenLoop, ProcessGroupStrategy):
         world = self.env.world_size
         if world == 1:
             return
-        for param in self._model.parameters():
+        params = list(self._model.parameters())
+        # Every rank learns which parameters got a gradient on some rank, so that all of them
+        # all-reduce the same ones (the collectives of different ranks must line up).
+        used = used_anywhere([p.grad is not None for p in params], self.env.device)
+        for param, anywhere in zip(params, used):
+            if not anywhere:
+                continue   # no gradient in one process either: the optimizer skips it
             if param.grad is None:
-                # A parameter this rank did not use still takes part, or the collectives
-                # of different ranks would no longer line up.
+                # Unused on this rank only: its share of the global batch contributes zero.
                 param.grad = torch.zeros_like(param)
             torch_dist.all_reduce(param.grad, op=torch_dist.ReduceOp.SUM)
             param.grad.div_(world)

@@ -93,14 +93,17 @@ class MeshParallel(FSDP):
         data_mesh = self.mesh["dp", "fsdp"] if self.spec.dp > 1 else self.mesh["fsdp"]
         block_ids = {id(b) for b in blocks}
         self.units = 0
-        for module in reversed(list(model.modules())):   # innermost units first
+        units: dict[str, nn.Module] = {}
+        for name, module in reversed(list(model.named_modules())):   # innermost units first
             if module is not model and id(module) in block_ids:
                 fully_shard(module, mesh=data_mesh, mp_policy=self._policy(), shard_placement_fn=fsdp_placement,
                             offload_policy=self._offload())
+                units[name] = module
                 self.units += 1
         fully_shard(model, mesh=data_mesh, mp_policy=self._policy(), shard_placement_fn=fsdp_placement,
                             offload_policy=self._offload())
         self.units += 1
+        self._watch_gradients(model, units)   # parameters without a gradient, and the units' order: as fsdp
         return model
 
     @property

@@ -4,16 +4,17 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Iterator, Optional, Union
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from scaleloop.data.loader import Batch
 from scaleloop.errors import UsageError
-from scaleloop.runtime.collectives import gather_object
 from scaleloop.runtime.dist import DistEnv, release_reducer
 from scaleloop.strategies.base import HandWrittenLoop, ProcessGroupStrategy
 from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.syncbn import convert_batchnorm
+from scaleloop.strategies.unused import names_of
 
 if TYPE_CHECKING:
     from scaleloop.strategies.registry import ParallelSettings
@@ -40,7 +41,9 @@ class DDP(HandWrittenLoop, ProcessGroupStrategy):
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self._replica: Optional[DistributedDataParallel] = None
-        self._checked_gradients = False
+        self._steps = 0                        # optimizer steps this process has run (for messages)
+        #: with accumulation: the parameters the current micro-step's backward reached (emptied as each begins)
+        self._reached: Optional[set[int]] = None
         super().__init__(env, precision, accumulate, sync_batchnorm)
 
     def _wrap(self, model: nn.Module) -> nn.Module:
@@ -52,6 +55,8 @@ class DDP(HandWrittenLoop, ProcessGroupStrategy):
         self._replica = DistributedDataParallel(model, device_ids=device_ids,
                                                 find_unused_parameters=self.find_unused_parameters,
                                                 static_graph=self.static_graph)
+        if self.accumulate_steps > 1 and not (self.find_unused_parameters or self.static_graph):
+            self._watch_last_backward(model)
         return self._replica
 
     def close(self) -> None:
@@ -67,27 +72,54 @@ class DDP(HandWrittenLoop, ProcessGroupStrategy):
         return self.name + (f" ({', '.join(options)})" if options else "")
 
     def _sync_gradients(self) -> None:
-        # After the first step's backward, before its optimizer step: DDP without its options
+        # After each step's last backward, before its optimizer step: DDP without its options
         # never all-reduces a bucket that holds a parameter with no gradient, so the step would
-        # silently use unsynchronised gradients (and the next forward fail). Checked once.
-        if self._checked_gradients or self._replica is None:
+        # use unsynchronised gradients, the next forward fail ("Expected to have finished
+        # reduction"), and a rank that used the parameter wait for that bucket while the others'
+        # next collective pairs with it (Gloo aborts). So the check is this rank's alone, with no
+        # collective: a rank that finds one stops with the names; torchrun then stops the others.
+        if self._replica is None or self.find_unused_parameters or self.static_graph:
             return
-        self._checked_gradients = True
-        if self.find_unused_parameters or self.static_graph:
-            return
-        mine = [name for name, p in self._replica.module.named_parameters() if p.requires_grad and p.grad is None]
-        unused = sorted({name for names in gather_object(mine, self.env) for name in names})
-        if unused:
-            shown = ", ".join(unused[:6]) + (f" and {len(unused) - 6} more" if len(unused) > 6 else "")
-            raise UsageError(f"{len(unused)} parameter(s) got no gradient in the first step ({shown}), which DDP "
-                             "cannot synchronise: add --find-unused-parameters, or --static-graph if the same "
-                             "ones are unused every step (or give them requires_grad=False)")
+        self._steps += 1
+        missing = self._not_reached()
+        if missing:
+            # (The step counts this process's steps: after a resume, from the resumed one.)
+            raise UsageError(f"parameter(s) {names_of(missing)} got no gradient on rank {self.env.rank} at step "
+                             f"{self._steps}: add --find-unused-parameters (DDP cannot synchronise them; "
+                             "--static-graph if the same ones are unused every step, or freeze them with "
+                             "requires_grad=False)")
+
+    def _not_reached(self) -> list[str]:
+        """This rank's trainable parameters that the step's last backward did not reach."""
+        assert self._replica is not None
+        named = [(n, p) for n, p in self._replica.module.named_parameters() if p.requires_grad]
+        if self._reached is None:
+            # Without accumulation every gradient is None until the step's backward writes it.
+            return [n for n, p in named if p.grad is None]
+        # With accumulation an earlier micro-step's gradient is there, but DDP needs every
+        # parameter in the last one's backward: hooks note which it reached.
+        missing = [n for n, p in named if id(p) not in self._reached]
+        self._reached.clear()
+        return missing
+
+    def _watch_last_backward(self, model: nn.Module) -> None:
+        """With accumulation, note the parameters each step's last backward reaches (``accumulate``)."""
+        self._reached = set()
+        for param in model.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._note_reached)
+
+    def _note_reached(self, param: torch.Tensor) -> None:
+        if self._reached is not None:
+            self._reached.add(id(param))
 
     @contextlib.contextmanager
     def accumulate(self, model: nn.Module, batch: Union[Batch, int]) -> Iterator[None]:
         # On micro-steps before the last, no_sync keeps gradients local: no all-reduce until
         # the final micro-step, whose backward then reduces the accumulated sum once.
         if self.is_sync_step(batch) or not isinstance(model, DistributedDataParallel):
+            if self._reached is not None:
+                self._reached.clear()
             yield
         else:
             with model.no_sync():

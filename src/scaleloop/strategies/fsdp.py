@@ -25,6 +25,7 @@ from scaleloop.runtime.devices import indexed
 from scaleloop.strategies.base import EvalShard, HandWrittenLoop, ProcessGroupStrategy
 from scaleloop.strategies.blocks import _has_params, fsdp_blocks, untied_units  # noqa: F401 (re-exported)
 from scaleloop.strategies.syncbn import convert_batchnorm
+from scaleloop.strategies.unused import used_anywhere
 
 if TYPE_CHECKING:
     from scaleloop.runtime.dist import DistEnv
@@ -47,6 +48,11 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         super().__init__(*args, **kwargs)
         self.units = 0
         self._own_group = False
+        self._params: list[nn.Parameter] = []   # the sharded parameters, in the model's order
+        self._reached: list[bool] = []          # which of them a backward reached since the last step
+        self._hooked: set[int] = set()          # the gathered parameters hooked (their ids)
+        self._steps = 0                         # optimizer steps this process has run (for messages)
+        self._order: Any = None                 # the units' order, checked (strategies.spmd)
 
     def _check(self) -> None:
         super()._check()
@@ -112,8 +118,9 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
                  if mixed and isinstance(m, nn.modules.batchnorm._BatchNorm) and _has_params(m)}
         block_ids = {id(b) for b in blocks}
         self.units = 0
+        units: dict[str, nn.Module] = {}
         # Innermost first: fully_shard must see a unit's sub-units before the unit itself.
-        for module in reversed(list(model.modules())):
+        for name, module in reversed(list(model.named_modules())):
             if module is model:
                 continue
             if id(module) in norms:
@@ -123,12 +130,82 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
                 fully_shard(module, mesh=mesh, mp_policy=self._policy(), offload_policy=self._offload())
             else:
                 continue
+            units[name] = module
             self.units += 1
         fully_shard(model, mesh=mesh, mp_policy=self._policy(), offload_policy=self._offload())
         self.units += 1
+        self._watch_gradients(model, units)
         return model
 
+    def _watch_gradients(self, model: nn.Module, units: dict[str, nn.Module]) -> None:
+        """Prepare for parameters that get no gradient on some ranks or steps (``strategies.unused``),
+        and check that the ranks run the same ``units`` (the sub-units, by name: ``strategies.spmd``).
+
+        A unit reduce-scatters the gradients of its parameters, and every rank must hand it the
+        same ones: FSDP is told to put in zeros for a parameter this rank did not use. Which
+        parameters some rank did use is then no longer in the reduced gradients, so hooks note,
+        on the gathered parameters the forward runs with, which ones each backward reached.
+        """
+        model.set_reduce_scatter_unused_params(True)
+        if self.env.is_distributed and units:
+            from scaleloop.strategies.spmd import UnitOrder
+
+            self._order = UnitOrder(model, units, step=lambda: self._steps + 1)
+        self._params = list(model.parameters())   # the sharded parameters the optimizer steps
+        index = {id(p): i for i, p in enumerate(self._params)}
+        self._reached = [False] * len(self._params)
+        for module in model.modules():
+            own = {name: index[id(p)] for name, p in module.named_parameters(recurse=False) if id(p) in index}
+            if own:
+                # It runs after FSDP's own pre-forward hook (prepended), which gathers them.
+                hook = _HookGathered(self, own)
+                hook.handle = module.register_forward_pre_hook(torch._dynamo.disable(hook))
+
+    def _hook_gathered(self, module: nn.Module, own: dict[str, int]) -> bool:
+        """Hook the gathered parameters of ``module`` not hooked yet; True once all of them are.
+
+        The gathered parameter of a sharded one is a tensor of its own, made at the first
+        all-gather and reused after; a frozen one needs no hook."""
+        done = True
+        for name, i in own.items():
+            param = getattr(module, name, None)
+            if not isinstance(param, torch.Tensor) or id(param) in self._hooked:
+                continue
+            if param is self._params[i]:
+                done = False   # not gathered: called outside its unit's forward; a later call hooks it
+                continue
+            self._hooked.add(id(param))
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(_Reached(self._reached, i))
+        return done
+
+    def _sync_gradients(self) -> None:
+        # After the step's last backward, its gradients reduce-scattered: a parameter that no
+        # rank used has a zero gradient from FSDP (see _watch_gradients), where one process has
+        # none; it gets none here, so the optimizer steps neither it nor its state.
+        self._steps += 1
+        if not self._params:
+            return
+        local, self._reached[:] = list(self._reached), [False] * len(self._reached)
+        unused = [p for p, used in zip(self._params, used_anywhere(local, self.env.device))
+                  if not used and p.grad is not None]
+        if not unused:   # (the same on every rank: the flags and FSDP's reductions are)
+            return
+        # FSDP gave them zeros. Anything else means that the hooks missed a backward (a torch whose
+        # FSDP gathers into new tensors): better to stop than to drop real gradients.
+        found = torch.stack([_local(p.grad).count_nonzero() for p in unused]).sum().float().reshape(1)
+        if self.env.is_distributed:
+            torch_dist.all_reduce(found)
+        if found.item() > 0:
+            raise RuntimeError("fsdp: a parameter that no backward reached has a gradient; the hooks that note "
+                               "which parameters each backward reaches missed one (strategies/fsdp.py)")
+        for param in unused:
+            param.grad = None
+
     def close(self) -> None:
+        order, self._order = self._order, None
+        if order is not None:
+            order.close()
         if self._own_group and torch_dist.is_initialized():
             torch_dist.destroy_process_group()
         self._own_group = False
@@ -227,3 +304,31 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
     def describe(self) -> str:
         offload = ", cpu offload" if self.cpu_offload else ""
         return f"fsdp ({self.units} units{offload})" if self.units else "fsdp"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class _HookGathered:
+    """A module's forward pre-hook: hooks its gathered parameters (``FSDP._hook_gathered``), and
+    removes itself once all of them are."""
+
+    def __init__(self, strategy: FSDP, own: dict[str, int]) -> None:
+        self.strategy, self.own = strategy, own
+        self.handle: Any = None
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if self.strategy._hook_gathered(module, self.own) and self.handle is not None:
+            self.handle.remove()
+
+
+class _Reached:
+    """A gathered parameter's post-accumulate-grad hook: the backward reached parameter ``i``."""
+
+    def __init__(self, reached: list[bool], i: int) -> None:
+        self.reached, self.i = reached, i
+
+    def __call__(self, _param: torch.Tensor) -> None:
+        self.reached[self.i] = True

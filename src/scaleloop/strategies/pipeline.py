@@ -27,6 +27,7 @@ from scaleloop.errors import UsageError
 from scaleloop.strategies import distcp
 from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.base import EvalShard, OptimizerLike, ProcessGroupStrategy
+from scaleloop.strategies.unused import used_anywhere
 
 if TYPE_CHECKING:
     from scaleloop.strategies.registry import ParallelSettings
@@ -463,13 +464,18 @@ class PipelineParallel(ProcessGroupStrategy):
         if not self._tied:
             return
         device = self.env.device
+        # Only those some stage gave a gradient: one that none did has none in one process either.
+        local = [p is not None and p.grad is not None for _, _, p in self._tied]
+        tied = [t for t, used in zip(self._tied, used_anywhere(local, device, group=self._pp_group)) if used]
+        if not tied:
+            return
         flat = torch.cat([
             (p.grad.detach().flatten().float() if p is not None and p.grad is not None
              else torch.zeros(numel, device=device))
-            for _, numel, p in self._tied])
+            for _, numel, p in tied])
         torch_dist.all_reduce(flat, group=self._pp_group)
         offset = 0
-        for _, numel, p in self._tied:
+        for _, numel, p in tied:
             if p is not None:
                 total = flat[offset:offset + numel].view_as(p).to(p.dtype)
                 if p.grad is None:
@@ -487,6 +493,12 @@ class PipelineParallel(ProcessGroupStrategy):
             return
         assert self._module is not None
         params = [p for p in self._module.parameters() if p.requires_grad]
+        # A parameter no replica used keeps no gradient, as in one process (strategies.unused);
+        # a replica that did not use one that others did adds zeros.
+        used = used_anywhere([p.grad is not None for p in params], self.env.device, group=self._dp_group)
+        params = [p for p, anywhere in zip(params, used) if anywhere]
+        if not params:
+            return
         flat = torch.cat([(p.grad.detach().flatten().float() if p.grad is not None
                            else torch.zeros(p.numel(), device=self.env.device)) for p in params])
         torch_dist.all_reduce(flat, group=self._dp_group)

@@ -125,13 +125,13 @@ def name_causes(cfg: TrainConfig, *, world: int, accumulate: int, step_samples: 
                 f"({split.weighted_mean:.6g}) of the losses of {pieces}: it divides by a count of its own piece; "
                 "compute it as the mean over the batch's samples, or return the logits and let scaleloop compute it"))
     unused = list(no_grad) or (probes.unused if probes is not None and probes.unused else [])
-    if unused:
+    # Only DDP without its options mistrains them; every other strategy trains them as one process.
+    if unused and cfg.strategy == "ddp" and not (cfg.find_unused_parameters or cfg.static_graph):
         causes.append(Cause(
             "unused parameters",
-            f"{_names(unused)} got no gradient; DDP (without find_unused_parameters=True) stops at the next "
-            "step ('Expected to have finished reduction'), and the all-reduce strategy zero-fills them, which "
-            "still moves them under weight decay; remove them, freeze them (requires_grad=False), or use "
-            "them in every step"))
+            f"{_names(unused)} got no gradient; DDP without --find-unused-parameters never all-reduces them "
+            "(its next step fails: 'Expected to have finished reduction'): add --find-unused-parameters "
+            "(--static-graph if the same ones are unused every step), or remove or freeze them"))
     if (probes is not None and not probes.batchnorm and probes.coupling is not None
             and probes.coupling > 1e-4 and world > 1):
         causes.append(Cause(

@@ -51,6 +51,10 @@ def run_steps(cfg: TrainConfig, env: DistEnv, spec: RunSpec, recorder: Recorder)
     pipelined = cfg.replace(strategy=spec.strategy).pipeline_layout() is not None
     pipeline = {} if pipelined else dict(microbatches=1, pipeline_schedule="gpipe", stages_per_rank=0,
                                          sharded_checkpoints=False)
+    # DDP's options for parameters without a gradient mean nothing to one process, which has no
+    # gradient to synchronise: its reference ignores them (the workers' DDP applies them).
+    if spec.strategy == "single":
+        pipeline.update(find_unused_parameters=False, static_graph=False)
     def build(c: TrainConfig) -> tuple[Datasets, nn.Module]:
         datasets, model = build_data_and_model(c)
         recorder.built(model, probe_inputs(datasets.train))   # before the strategy copies rank 0's weights

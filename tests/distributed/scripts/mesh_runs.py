@@ -3,15 +3,20 @@
 One launch for all of them (starting torch in 4 fresh processes is most of a short run's cost).
 Usage: mesh_runs.py ROOT; each run writes ROOT/<name>; rank 0 prints one JSON line with each
 run's strategy description. ``resume`` continues ``first-half`` (written by fsdp=2,tp=2) on fsdp=4.
+The models with conditional computation of usermodel_settings.CONDITIONAL_4 train here too.
 """
 import json
 import sys
 from pathlib import Path
 
-import scaleloop as sl
-from scaleloop.config import TrainConfig
-from scaleloop.loop.training import train
-from scaleloop.strategies.tensor import strided_tp_supported
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/distributed, for the settings
+
+import usermodel_settings  # noqa: E402
+
+import scaleloop as sl  # noqa: E402
+from scaleloop.config import TrainConfig  # noqa: E402
+from scaleloop.loop.training import train  # noqa: E402
+from scaleloop.strategies.tensor import strided_tp_supported  # noqa: E402
 
 # The same settings as BASE in test_mesh_dist.py (for the single-process references).
 BASE = dict(data="tokens", model="tinygpt", n_samples=48, seq_len=8, vocab_size=32, epochs=1, max_steps=3,
@@ -37,6 +42,9 @@ sl.init_process_group(env)
 described = {}
 for name, changes in RUNS.items():
     cfg = TrainConfig(**{**BASE, **changes, "out": str(root / name)}).validate()
+    described[name] = train(cfg, env, log=lambda _msg: None).strategy
+for name, changes in usermodel_settings.CONDITIONAL_4.items():
+    cfg = TrainConfig(**{**usermodel_settings.BASE, **changes, "nproc": 4, "out": str(root / name)}).validate()
     described[name] = train(cfg, env, log=lambda _msg: None).strategy
 # The first half's checkpoint, continued on another mesh shape (2x2 -> 4): step 3 here, step 4 on 1 process.
 if "first-half" in RUNS:

@@ -1,8 +1,8 @@
 """Under torchrun with 2 processes: short ``scaleloop.train`` runs of the models in usermodels.py.
 
-One launch for all of them. Usage: usermodel_runs.py ROOT [GROUP]; each run writes ROOT/<name>; rank 0
-prints one JSON line with each run's strategy description. The runs are GROUP (default RUNS)
-of usermodel_settings.py, which the tests' 1-process references train too.
+One launch for all of them. Usage: usermodel_runs.py ROOT [GROUP[,GROUP...]]; each run writes
+ROOT/<name>; rank 0 prints one JSON line with each run's strategy description. The runs are the
+GROUPs (default RUNS) of usermodel_settings.py, which the tests' 1-process references train too.
 """
 import json
 import sys
@@ -16,7 +16,8 @@ from scaleloop.loop.training import train  # noqa: E402
 import usermodel_settings  # noqa: E402
 
 root = Path(sys.argv[1])
-group = getattr(usermodel_settings, sys.argv[2] if len(sys.argv) > 2 else "RUNS")
+group = {name: changes for part in (sys.argv[2] if len(sys.argv) > 2 else "RUNS").split(",")
+         for name, changes in getattr(usermodel_settings, part).items()}
 env = sl.DistEnv.from_env(device="cpu")
 sl.init_process_group(env)
 described = {}

@@ -1,6 +1,12 @@
 """Models and data as users write them, for ``--model/--data usermodels:NAME`` in the tests.
 
 - ``Unused``: a layer that never gets a gradient; ``Frozen``/``FrozenSeq``: a frozen first layer;
+- conditional computation: ``AuxHead``/``AuxHeadSeq``, an auxiliary head used on every third
+  training step only (no rank uses it on the others); ``RareExpert``/``RareExpertSeq``, an expert
+  that only the few samples with pixel 15 lit are routed to (used on no rank, one or both), inside
+  a layer that always runs; ``RareExpertTop``, the same expert called only when routed to, as a
+  top-level module (FSDP's unit of its own), and ``RareExpertFirst``, the routed layer first, so
+  that its output carries a gradient only where the expert ran;
 - ``Keywords`` on ``keyword_data`` (in memory) or ``keyword_items`` (a map-style dataset of
   dicts, read through the DataLoader): keyword inputs and ``labels``, returning an object with
   ``logits`` and its own ``loss`` like a Hugging Face model;
@@ -46,6 +52,103 @@ def FrozenSeq(info: Any = None) -> nn.Sequential:
     model = nn.Sequential(nn.Flatten(1), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
     model[1].requires_grad_(False)
     return model
+
+
+class _EveryThird(nn.Module):
+    """Adds ``aux(h)`` on every third training forward (a buffer counts them, so that the pipeline's
+    shape probe, whose buffer changes are undone, does not count)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.aux = nn.Linear(width, width)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return h
+        self.calls += 1
+        return h + self.aux(h) if int(self.calls) % 3 == 0 else h
+
+
+class AuxHead(nn.Module):
+    def __init__(self, info: Any = None) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(64, 32)
+        self.head = nn.Linear(32, 10)
+        self.aux = _EveryThird(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.aux(torch.relu(self.trunk(x.flatten(1)))))
+
+
+def AuxHeadSeq(info: Any = None) -> nn.Sequential:
+    """``AuxHead`` as layers the pipeline cuts into stages."""
+    return nn.Sequential(nn.Flatten(1), nn.Linear(64, 32), nn.ReLU(), _EveryThird(32), nn.Linear(32, 10))
+
+
+def _routed(x: torch.Tensor) -> torch.Tensor:
+    """The samples routed to the expert: pixel 15 lit (about 3 in 100 of the digits)."""
+    return (x[:, 15] > 0).nonzero().squeeze(1)
+
+
+class Routed(nn.Module):
+    """A layer holding an expert that only the routed samples go through (by default those whose
+    input is routed; the expert is skipped when none is): the layer always runs, its expert not."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.expert = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        rows = _routed(h) if rows is None else rows
+        if rows.numel() == 0:
+            return h
+        return h.index_add(0, rows, torch.tanh(self.expert(h[rows])))
+
+
+class RareExpert(nn.Module):
+    def __init__(self, info: Any = None) -> None:
+        super().__init__()
+        self.body = nn.Linear(64, 32)
+        self.moe = Routed(32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)
+        return self.head(self.moe(torch.relu(self.body(x)), _routed(x)))
+
+
+def RareExpertSeq(info: Any = None) -> nn.Sequential:
+    """A rare expert in layers the pipeline cuts into stages (the routed layer, first, is stage 0)."""
+    return nn.Sequential(nn.Flatten(1), Routed(64), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+class RareExpertTop(nn.Module):
+    """The expert as a top-level module, called only when a sample is routed to it."""
+
+    def __init__(self, info: Any = None) -> None:
+        super().__init__()
+        self.expert = nn.Linear(64, 64)
+        self.body = nn.Linear(64, 32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)
+        rows = _routed(x)
+        if rows.numel():
+            x = x.index_add(0, rows, torch.tanh(self.expert(x[rows])))
+        return self.head(torch.relu(self.body(x)))
+
+
+class RareExpertFirst(nn.Module):
+    def __init__(self, info: Any = None) -> None:
+        super().__init__()
+        self.moe = Routed(64)
+        self.body = nn.Linear(64, 32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(self.moe(x.flatten(1)))))
 
 
 class Output:
