@@ -120,18 +120,34 @@ _FLOAT = re.compile(r"-?(?:\d+\.\d+(?:e[-+]?\d+)?|\d+e[-+]?\d+)")
 _ANY_NUMBER = r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?"
 
 
+# A duration as the summary prints it (output.metrics.format_seconds): a run shown taking "5.9 s"
+# may take "1 min 02 s" on a slower or busier machine.
+_DURATION = re.compile(r"\d+(?:\.\d+)? s\b|\d+ min \d+ s\b|\d+ h \d+ min\b")
+_ANY_DURATION = r"(?:\d+(?:\.\d+)? s|\d+ min \d+ s|\d+ h \d+ min)"
+
+
 def line_pattern(shown: str) -> re.Pattern:
     parts = []
     for k, segment in enumerate(shown.strip().split("...")):
         if k:
             parts.append(".*")
         pos = 0
-        for m in _FLOAT.finditer(segment):
-            parts.append(_literal(segment[pos:m.start()]))
-            parts.append(_ANY_NUMBER)
-            pos = m.end()
-        parts.append(_literal(segment[pos:]))
+        for d in _DURATION.finditer(segment):
+            parts.append(_numbers(segment[pos:d.start()]))
+            parts.append(_ANY_DURATION)
+            pos = d.end()
+        parts.append(_numbers(segment[pos:]))
     return re.compile("".join(parts))
+
+
+def _numbers(segment: str) -> str:
+    parts, pos = [], 0
+    for m in _FLOAT.finditer(segment):
+        parts.append(_literal(segment[pos:m.start()]))
+        parts.append(_ANY_NUMBER)
+        pos = m.end()
+    parts.append(_literal(segment[pos:]))
+    return "".join(parts)
 
 
 def _literal(text: str) -> str:
@@ -248,6 +264,10 @@ def test_output_matching_rules() -> None:
     assert not line_pattern("step 10: loss 0.6580").fullmatch("step 10: LOSS 0.6580")    # words exact
     assert line_pattern("largest difference 1.2e-07 of ...").fullmatch("largest difference 3.0e-08 of the largest weight")
     assert line_pattern("a   b").fullmatch("a b")
+    shown = line_pattern("wall time        5.9 s (training 2.5 s)")    # durations in any of their forms
+    assert shown.fullmatch("wall time 1 min 00 s (training 42.2 s)") and shown.fullmatch("wall time 2 h 01 min (training 7 s)")
+    assert not shown.fullmatch("wall time 5.9 s (training 2.5 s, data 1.0 s)")
+    assert not line_pattern("30 steps").fullmatch("31 steps")
     with pytest.raises(AssertionError, match="no such line"):
         check_output(["rank 0/2: 30 steps"], "rank 0/1: 30 steps\n", "here")
 
