@@ -97,3 +97,53 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
     except OSError:
         return "Z"
+
+
+def test_a_signal_another_thread_receives_still_interrupts_the_wait() -> None:
+    """`kill -INT <launcher>` may be delivered to any thread of the launcher (torch starts some);
+    the main thread, waiting for torchrun, must still see KeyboardInterrupt while torchrun runs."""
+    import threading
+    import time
+
+    from scaleloop.launching.supervisor import Workers
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    workers = Workers(WorkerLaunch(1, "m"), child, time.time())  # type: ignore[arg-type]
+    main = threading.main_thread().ident
+    bystander_may_end = threading.Event()
+    bystander = threading.Thread(target=bystander_may_end.wait, daemon=True)
+    bystander.start()
+    interrupted_while_running: list[bool] = []
+
+    def interrupt_the_bystander() -> None:
+        # Once the main thread is inside the wait, the signal goes to the other thread.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            frame = sys._current_frames().get(main)
+            names = []
+            while frame is not None:
+                names.append(frame.f_code.co_name)
+                frame = frame.f_back
+            if "wait" in names:
+                break
+            time.sleep(0.01)
+        signal.pthread_kill(bystander.ident, signal.SIGINT)  # type: ignore[arg-type]
+        # A wait that never sees it would block until the child ends: end it after a while,
+        # so that the test fails instead of hanging.
+        if not stopped.wait(timeout=30):
+            child.stdin.close()  # type: ignore[union-attr]
+
+    stopped = threading.Event()
+    sender = threading.Thread(target=interrupt_the_bystander, daemon=True)
+    sender.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            workers.wait()
+        interrupted_while_running.append(child.poll() is None)
+    finally:
+        stopped.set()
+        bystander_may_end.set()
+        child.kill()
+        child.wait(timeout=30)
+        sender.join(timeout=60)
+    assert interrupted_while_running == [True]

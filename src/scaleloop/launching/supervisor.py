@@ -40,6 +40,8 @@ from scaleloop.runtime import preempt
 STOP_GRACE_S = 15.0
 # After SIGINT here, how long torchrun gets to end on its own before it is sent SIGINT itself.
 INTERRUPT_GRACE_S = 5.0
+# How often a wait for the workers looks whether they ended (and lets a signal's handler run).
+POLL_S = 0.1
 
 _Output = Union[None, int, IO[Any]]
 
@@ -88,8 +90,20 @@ class Workers:
         self.launch, self.proc, self.started = launch, proc, started
 
     def wait(self, timeout: Optional[float] = None) -> Ended:
-        """Wait for the end (``subprocess.TimeoutExpired`` after ``timeout`` seconds)."""
-        return Ended(self.launch, self.proc.wait(timeout=timeout), self.started)
+        """Wait for the end (``subprocess.TimeoutExpired`` after ``timeout`` seconds).
+
+        It polls rather than blocking in ``waitpid``: a signal sent to this process (``kill -INT``)
+        may be delivered to another of its threads, and would then not interrupt a blocked wait
+        (the run went on to its end, Ctrl-C unheard); between polls Python runs its handler.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - time.monotonic()))
+            try:
+                return Ended(self.launch, self.proc.wait(timeout=left), self.started)
+            except subprocess.TimeoutExpired:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise subprocess.TimeoutExpired(self.proc.args, timeout or 0.0) from None
 
     def send(self, sig: signal.Signals) -> None:
         """Send ``sig`` to torchrun, which passes it on to its workers; nothing once it has ended."""
@@ -153,15 +167,11 @@ class _ForkedAgent:
         return self.returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:
-        if timeout is None:
-            while self.returncode is None:
-                _, status = os.waitpid(self.pid, 0)
-                self.returncode = os.waitstatus_to_exitcode(status)
-            return self.returncode
-        deadline = time.monotonic() + timeout
+        # Polled, never a blocking waitpid: see Workers.wait.
+        deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
-            if time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
             time.sleep(0.05)
         return self.returncode  # type: ignore[return-value]
 
@@ -237,7 +247,7 @@ def supervise(launch: WorkerLaunch, *, forward: Sequence[signal.Signals] = ()) -
             workers.proc.wait(timeout=INTERRUPT_GRACE_S)
         except subprocess.TimeoutExpired:
             workers.send(signal.SIGINT)
-        workers.proc.wait()
+        workers.wait()
         raise
     except BaseException:
         workers.stop()
