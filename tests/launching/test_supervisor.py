@@ -120,11 +120,11 @@ def test_a_signal_another_thread_receives_still_interrupts_the_wait() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             frame = sys._current_frames().get(main)
-            names = []
+            codes = []
             while frame is not None:
-                names.append(frame.f_code.co_name)
+                codes.append(frame.f_code)
                 frame = frame.f_back
-            if "wait" in names:
+            if Workers.wait.__code__ in codes:
                 break
             time.sleep(0.01)
         signal.pthread_kill(bystander.ident, signal.SIGINT)  # type: ignore[arg-type]
