@@ -1,14 +1,15 @@
 """The plan against measurement: run a layout on N CPU processes (real Gloo groups, the real
 strategies) and measure each rank's peak tensor memory and the step time.
 
-**How the peak is measured.** The CPU has no ``max_memory_allocated``. Each worker runs the
-steps under ``torch.profiler`` with ``profile_memory=True`` from before the model is built:
-every allocation and free of torch's CPU allocator in that process's threads is recorded with
-the op it happened in; their running sum, op by op, is the tensor bytes alive, and its highest
-value over the steps after the first (when the optimizer state exists) is the rank's peak. It
-counts what the plan predicts (parameters, gradients, optimizer state, activations, DDP's
-buckets, FSDP's gathered units) and not torch's libraries, the Python heap or buffers that Gloo
-allocates in its own threads. Peaks inside one op (its temporaries) are not seen.
+**How the peak is measured.** The CPU has no ``max_memory_allocated``. Each worker builds the
+model and runs its steps under ``torch.profiler`` with ``profile_memory=True``: torch's CPU
+allocator then keeps a running total of the bytes it handed out and not yet got back, and the
+profiler records that total ("Total Allocated") at every allocation and free, with a
+timestamp. The rank's peak is the highest total during the steps after the first (when the
+optimizer state exists), less the total when the profiler started. It counts every tensor the
+rank's own threads allocate (parameters, gradients, optimizer state, activations, temporaries,
+DDP's buckets, FSDP's gathered units); not torch's libraries, the Python heap, or what Gloo
+allocates in its own threads.
 
 **How the step is timed.** Separately, without the profiler (which slows every op): the same
 processes build the model again and run ``warmup`` untimed then ``steps`` timed steps; the time
@@ -76,16 +77,29 @@ def _run_steps(model: Any, optimizer: Any, strategy: Any, loader: Any, steps: in
 _MARK = "scaleloop.plan: measured steps"
 
 
-def _peak(prof: Any, after_us: float) -> int:
-    """The highest running sum of the profiler's allocations and frees, after ``after_us``."""
-    changes = sorted(((e.time_range.end, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
-                      for e in prof.events()), key=lambda c: c[0])
-    live = peak = 0
-    for end, delta in changes:
-        live += delta
-        if end >= after_us:
-            peak = max(peak, live)
-    return peak
+def _peak(prof: Any) -> tuple[int, int]:
+    """The most tensor bytes alive during the marked steps: the CPU allocator's own running total
+    ("Total Allocated" of every allocation and free the profiler recorded), less what it held when
+    the profiler started; and the total at the end of those steps (what stays between steps)."""
+    import json
+    import os
+    import tempfile
+
+    handle, path = tempfile.mkstemp(suffix=".json")
+    os.close(handle)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path, encoding="utf-8") as fh:
+            events = json.load(fh)["traceEvents"]
+    finally:
+        os.unlink(path)
+    # In the order they happened (the trace lists each thread's events apart).
+    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
+    mark = next(e for e in events if e.get("name") == _MARK and e.get("ph") == "X")
+    start, end = mark["ts"], mark["ts"] + mark["dur"]
+    before = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"] if memory else 0
+    during = [e["args"]["Total Allocated"] for e in memory if start <= e["ts"] <= end] or [before]
+    return max(during) - before, during[-1] - before
 
 
 def measure_worker(spec: dict[str, Any], layout: dict[str, Any], batch_size: int, steps: int,
@@ -107,8 +121,7 @@ def measure_worker(spec: dict[str, Any], layout: dict[str, Any], batch_size: int
         with torch.profiler.record_function(_MARK):
             _run_steps(*built, 2)
         del built
-    start = min(e.time_range.start for e in prof.events() if e.name == _MARK)
-    peak = _peak(prof, start)
+    peak, rest = _peak(prof)
     built = _build(model_spec, plan, env, dataset, batch_size)
     _run_steps(*built, warmup)
     barrier(env)
@@ -116,7 +129,7 @@ def measure_worker(spec: dict[str, Any], layout: dict[str, Any], batch_size: int
     _run_steps(*built, steps)
     barrier(env)
     step_s = (time.perf_counter() - t0) / steps
-    return {"peaks": gather_object(peak, env), "step_s": step_s, "world": env.world_size,
+    return {"peaks": gather_object(peak, env), "rests": gather_object(rest, env), "step_s": step_s, "world": env.world_size,
             "fabric": _fabric(env) if fabric else None}
 
 

@@ -2,10 +2,11 @@
 time on the target, ranked (``scaleloop plan`` prints :func:`plan`'s report)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 from scaleloop.errors import UsageError
-from scaleloop.plan.layouts import candidates
+from scaleloop.plan.layouts import Layout, candidates
 from scaleloop.plan.memory import Options, estimate
 from scaleloop.plan.profile import ModelProfile, ModelSpec, profile_model
 from scaleloop.plan.report import Row, format_plan
@@ -42,3 +43,26 @@ def plan(spec: ModelSpec, target: Target, options: Options, mfu: float = 0.4, da
     profile = profile or profile_model(spec, low_precision=options.precision in ("bf16", "fp16"))
     rows, left_out = evaluate(profile, target, options, mfu)
     return format_plan(profile, rows, options, target, mfu, data, left_out)
+
+
+def largest_batch(profile: ModelProfile, layout: Layout, options: Options, capacity: float,
+                  cap: int = 1 << 20) -> int:
+    """The largest per-device batch whose predicted peak fits in ``capacity`` bytes (0: none),
+    found as ``tune-batch`` finds it on a GPU: doubling, then bisecting."""
+    def fits(per_device: int) -> bool:
+        batch = per_device * layout.data_ranks * options.accumulate * layout.microbatches
+        return estimate(profile, layout, replace(options, batch_size=batch)).peak <= capacity
+
+    if not fits(1):
+        return 0
+    good, bad = 1, None
+    while bad is None and good < cap:
+        if fits(2 * good):
+            good *= 2
+        else:
+            bad = 2 * good
+    bad = bad or good + 1
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if fits(middle) else (good, middle)
+    return good

@@ -140,8 +140,39 @@ def markdown(rows: Sequence[dict[str, Any]], hardware: str, took_s: float) -> st
     return "\n".join(lines)
 
 
+#: The configuration tune-batch and the plan are compared on (one GPU; make gpu-check).
+TUNE_SPEC = ModelSpec(seq_len=1024, vocab_size=32000)
+
+
+def against_tune_batch(spec: ModelSpec = TUNE_SPEC, precision: str = "bf16") -> tuple[int, int]:
+    """(tune-batch's largest per-device batch on this GPU, the plan's for the memory free here):
+    TinyGPT at train's sizes, one GPU, Adam. Needs CUDA."""
+    import torch
+
+    from scaleloop.config import TrainConfig
+    from scaleloop.loop.tune import tune_batch
+    from scaleloop.plan.planner import largest_batch
+
+    free = torch.cuda.mem_get_info()[0]    # after the CUDA context: what tensors may take
+    cfg = TrainConfig(model="tinygpt", data="tokens", seq_len=spec.seq_len, vocab_size=spec.vocab_size,
+                      n_samples=1 << 16, device="cuda", precision=precision, optimizer="adam", test_fraction=0.0,
+                      progress=False, tensorboard=False, checkpoints=False).validate()
+    tuned = tune_batch(cfg).search.max_batch
+    profile = profile_model(spec, low_precision=precision != "fp32")
+    planned = largest_batch(profile, Layout("dp", dp=1), Options(1, precision, "adam", foreach_optimizer=True), free)
+    return tuned, planned
+
+
+def _tune_check() -> int:
+    tuned, planned = against_tune_batch()
+    agree = abs(planned / tuned - 1) <= 0.10 if tuned else False
+    print(f"largest per-device batch that fits: tune-batch {tuned}, plan {planned} "
+          f"({planned / tuned - 1:+.1%}): {'agree' if agree else 'DO NOT agree'} within 10%")
+    return 0 if agree else 1
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Measure, compare, and write the report under ``--out``."""
+    """Measure, compare, and write the report under ``--out`` (``--against-tune-batch``: the GPU check)."""
     import json
 
     from scaleloop.bench.hardware import describe_hardware, hardware_line, usable_cores
@@ -149,7 +180,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scaleloop.plan.validate")
     parser.add_argument("--out", default="benchmarks")
     parser.add_argument("--sizes", type=int, default=len(SIZES), help="how many of the sizes (smallest first)")
+    parser.add_argument("--against-tune-batch", action="store_true",
+                        help="on a GPU: tune-batch's largest batch against the plan's (agree within 10%%)")
     args = parser.parse_args(argv)
+    if args.against_tune_batch:
+        return _tune_check()
     start, rows = time.perf_counter(), []
     for spec, batch in SIZES[:args.sizes]:
         print(spec.describe(), flush=True)
