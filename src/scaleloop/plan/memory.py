@@ -20,6 +20,8 @@ from scaleloop.plan.trace import StepSeries
 #: Optimizer state bytes per parameter: Adam's two fp32 moments, SGD's momentum.
 OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "sgd": 4}
 MASTER_BYTES = 4   # scaleloop keeps fp32 parameters (and fp32 gradients) in every precision
+#: The layouts whose blocks are FSDP2 units (``--strategy fsdp`` and every ``--mesh`` without pp).
+FSDP_FAMILIES = ("fsdp", "hsdp", "fsdp x tp")
 
 
 def tp_activation_share(tp: int) -> float:
@@ -108,10 +110,14 @@ def estimate(profile: ModelProfile, layout: Layout, options: Options) -> Memory:
         micro_batch(layout, options)
     act, grad = _peak_over(series, act_scale, grads_all)
     block = max(profile.block_parameters, default=0) / layout.tp
-    if shards > 1:
+    if layout.family in FSDP_FAMILIES:   # FSDP2 units (a mesh wraps them even when its fsdp size is 1)
         # Gathered: the root unit all step, the current unit and the next (prefetched); the
-        # current unit's unsharded gradient before its reduce-scatter.
-        buffers = profile.root_parameters * options.param_bytes + 2 * block * options.param_bytes + block * MASTER_BYTES
+        # current unit's unsharded gradient before its reduce-scatter. With checkpointing the
+        # recomputed forward gathers again and prefetches: two more gathered units at the peak
+        # (measured on the CPU, benchmarks/*_plan.md; not derived).
+        gathered = 2 + (2 if layout.checkpointing else 0)
+        buffers = (profile.root_parameters * options.param_bytes + gathered * block * options.param_bytes
+                   + block * MASTER_BYTES)
     else:
         buffers = grads_all if layout.dp > 1 else 0.0          # DDP's gradient buckets, a second copy
         if options.param_bytes < MASTER_BYTES:

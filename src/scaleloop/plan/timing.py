@@ -40,10 +40,10 @@ class StepTime:
 
 def _collective_s(link: Interconnect, ranks: int, nbytes: float, factor: float, calls: int) -> float:
     """``factor`` x (N-1)/N of ``nbytes`` over ``link`` plus the latency of ``calls`` ring collectives
-    (an all-reduce moves 2 x, an all-gather or a reduce-scatter 1 x)."""
+    of ``factor`` x (N-1) steps each (an all-reduce: 2, an all-gather or a reduce-scatter: 1)."""
     if ranks <= 1:
         return 0.0
-    return factor * (ranks - 1) / ranks * nbytes / link.bandwidth_Bps + calls * (ranks - 1) * link.latency_s
+    return factor * (ranks - 1) * (nbytes / ranks / link.bandwidth_Bps + calls * link.latency_s)
 
 
 def compute_s(profile: ModelProfile, layout: Layout, options: Options, target: Target, mfu: float) -> float:

@@ -99,7 +99,11 @@ def validate_size(spec: ModelSpec, batch_size: int, layouts: Sequence[Layout], c
     flops = one_process_flops(spec, profile, batch_size // 4)
     rows, fabric = [], None
     for layout in layouts:
-        result = measure(spec, layout, batch_size, fabric=fabric is None)
+        try:
+            result = measure(spec, layout, batch_size, fabric=fabric is None, timeout_s=120)
+        except Exception as exc:   # one failed launch (a busy machine's timeout) is reported, not fatal
+            log(f"  {layout.label:28s} FAILED: {str(exc).splitlines()[0]}")
+            continue
         fabric = fabric or result["fabric"]
         measured = max(result["peaks"])
         predicted = predicted_peak(profile, layout, batch_size)
@@ -108,16 +112,19 @@ def validate_size(spec: ModelSpec, batch_size: int, layouts: Sequence[Layout], c
                      "measured_step_s": result["step_s"], "layout_obj": layout})
         log(f"  {layout.label:28s} peak measured {measured / 2**20:7.2f} MiB, predicted {predicted / 2**20:7.2f} MiB "
             f"({predicted / measured - 1:+.1%}); step {result['step_s'] * 1e3:.1f} ms")
+    if fabric is None:
+        return rows
     target = cpu_target(fabric, flops, 4, cores)
     for row in rows:
         row["predicted_step_s"] = step_time(profile, row.pop("layout_obj"), cpu_options(batch_size), target, 1.0).total_s
     return rows
 
 
-def markdown(rows: Sequence[dict[str, Any]], hardware: str, took_s: float) -> str:
+def markdown(rows: Sequence[dict[str, Any]], hardware: str, took_s: float, load: str = "") -> str:
     """The benchmark's report: one table per size, the worst memory error and the order's agreement."""
     lines = ["# scaleloop plan against measurement (CPU, 4 processes)", "",
-             f"Hardware: {hardware}. Written by `python -m scaleloop.plan.validate` in {took_s / 60:.0f} min.", "",
+             f"Hardware: {hardware}. Written by `python -m scaleloop.plan.validate` in {took_s / 60:.0f} min."
+             + (f" The {load}." if load else ""), "",
              "Peak: the largest rank's, in MiB; measured with torch's CPU allocator accounting under "
              "`torch.profiler(profile_memory=True)` (`scaleloop/plan/measure.py`), predicted by `scaleloop plan`'s "
              "memory model (fp32, Adam). Step: milliseconds per optimizer step, measured (rank 0, between barriers, "
@@ -185,14 +192,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.against_tune_batch:
         return _tune_check()
-    start, rows = time.perf_counter(), []
+    from scaleloop.bench.hardware import load_line
+
+    start, rows, hw = time.perf_counter(), [], describe_hardware()
     for spec, batch in SIZES[:args.sizes]:
         print(spec.describe(), flush=True)
         rows += validate_size(spec, batch, layouts_on_4(), usable_cores())
-    hw = describe_hardware()
     name = f"{datetime.date.today().isoformat()}_cpu-{hw['cores']}core_plan"
     out = Path(args.out)
-    (out / f"{name}.md").write_text(markdown(rows, hardware_line(hw), time.perf_counter() - start), encoding="utf-8")
+    text = markdown(rows, hardware_line(hw), time.perf_counter() - start, load_line(hw) or "")
+    (out / f"{name}.md").write_text(text, encoding="utf-8")
     (out / f"{name}.json").write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {out / name}.md")
     return 0
