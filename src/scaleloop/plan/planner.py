@@ -17,7 +17,9 @@ from scaleloop.plan.timing import step_time
 def evaluate(profile: ModelProfile, target: Target, options: Options, mfu: float) -> tuple[list[Row], list[str]]:
     """Every candidate layout of ``target``'s GPUs with its memory, time and whether it fits; and
     the layouts left out because the batch does not split over their data-parallel ranks."""
-    every = candidates(target.gpus, target.per_node, target.nodes, options.batch_size, profile.heads,
+    # Tensor parallelism splits what the model's tp_plan() names; a model without one gets no tp layout.
+    heads = profile.heads if profile.tp_parameters else None
+    every = candidates(target.gpus, target.per_node, target.nodes, options.batch_size, heads,
                        len(profile.layers), with_checkpointing=profile.series_checkpointed is not None)
     layouts = [layout for layout in every if options.batch_size % layout.data_ranks == 0]
     left_out = [f"{layout.label}: --batch-size {options.batch_size} does not split over its {layout.data_ranks} "

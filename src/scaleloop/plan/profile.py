@@ -59,7 +59,6 @@ class ModelProfile:
     series_checkpointed: Optional[StepSeries]
     layers: tuple[nn.Module, ...] = field(default=(), compare=False, repr=False)   # meta: a pipeline's cut
     dtype_bytes: int = 4                  # of the traced activations
-    notes: tuple[str, ...] = field(default=())
 
     @property
     def root_parameters(self) -> int:
