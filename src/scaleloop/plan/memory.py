@@ -83,11 +83,12 @@ def _peak_over(series: StepSeries, act_scale: float, grad_bytes: float) -> tuple
 
 
 def stage_parameters(profile: ModelProfile, stages: int) -> list[tuple[int, int]]:
-    """Each pipeline stage's (parameters, layers), cut as the pipeline strategy cuts them."""
+    """Each pipeline stage's (parameters, blocks), cut as the pipeline strategy cuts them."""
     from scaleloop.strategies.pipeline import plan_stages
 
     plan = plan_stages(list(profile.layers), stages)
-    return [(count, len(span)) for count, span in zip(plan.parameters, plan.layers)]
+    blocks = profile.block_layers if any(profile.block_layers) else (True,) * len(profile.layers)
+    return [(count, sum(blocks[i] for i in span)) for count, span in zip(plan.parameters, plan.layers)]
 
 
 def _rank_parameters(profile: ModelProfile, layout: Layout) -> float:
@@ -139,23 +140,33 @@ def _optimizer_temporaries(rank_params: float, block: float, options: Options) -
 
 
 def _pipeline_stage(profile: ModelProfile, layout: Layout, options: Options, stage: int) -> Memory:
-    """Stage ``stage`` of a 1F1B pipeline: its layers' parameters, and the activations of as
-    many pieces as are in flight on it (``pp - stage``, at most the pieces)."""
+    """Stage ``stage`` of a 1F1B pipeline: its layers' parameters, the activations of as many
+    pieces as are in flight on it (``pp - stage``, at most the pieces), its receive buffers."""
     stages = stage_parameters(profile, layout.pp)
-    params, layers = stages[stage]
-    share = layers / max(1, len(profile.layers))
+    params, blocks = stages[stage]
+    # The stage's share of the activations: its blocks' (embeddings and the head keep little).
+    share = blocks / max(1, sum(profile.block_layers) or len(profile.layers))
     in_flight = min(layout.microbatches, layout.pp - stage)
     opt_bytes = OPTIMIZER_BYTES.get(options.optimizer, 8)
     grads_all = params * MASTER_BYTES
     act, grad = _peak_over(profile.series, micro_batch(layout, options) * share * in_flight, grads_all)
+    if layout.microbatches > 1:
+        # After the first piece's backward the stage's gradients are all there, while the
+        # pieces still in flight keep their activations.
+        act, grad = max(profile.series.other) * micro_batch(layout, options) * share * in_flight, grads_all
     if options.param_bytes < MASTER_BYTES:
         act += params * options.param_bytes
+    # torch.distributed.pipelining allocates, before the step, a receive buffer for every piece:
+    # its input (all stages but the first) and its output's gradient (all but the last).
+    directions = (stage > 0) + (stage < layout.pp - 1)
+    recv = directions * layout.microbatches * micro_batch(layout, options) * profile.spec.seq_len * \
+        (profile.hidden or 0) * profile.dtype_bytes
     # After the backward: the gradients, flattened into one buffer for the all-reduce over replicas.
     after = grads_all + (grads_all if layout.dp > 1 else 0.0) + _optimizer_temporaries(params, 0, options)
-    if after > act + grad:
-        return Memory(params * MASTER_BYTES, grads_all, params * opt_bytes, 0.0, after - grads_all,
+    if after > act + grad + recv:
+        return Memory(params * MASTER_BYTES, grads_all, params * opt_bytes, 0.0, after - grads_all + recv,
                       phase="optimizer step")
-    return Memory(params * MASTER_BYTES, grad, params * opt_bytes, act, 0.0)
+    return Memory(params * MASTER_BYTES, grad, params * opt_bytes, act, recv)
 
 
 def breakdown(memory: Memory) -> Sequence[tuple[str, float]]:

@@ -58,6 +58,7 @@ class ModelProfile:
     series: StepSeries                    # one sample, fp32 or the low precision
     series_checkpointed: Optional[StepSeries]
     layers: tuple[nn.Module, ...] = field(default=(), compare=False, repr=False)   # meta: a pipeline's cut
+    block_layers: tuple[bool, ...] = ()   # which of ``layers`` are blocks (the rest: embeddings, the head)
     dtype_bytes: int = 4                  # of the traced activations
 
     @property
@@ -194,10 +195,12 @@ def profile_model(spec: ModelSpec, low_precision: bool = False) -> ModelProfile:
     model = build_meta(spec)
     blocks = [b for b in fsdp_blocks(model) if b is not model]
     hidden, heads = _hidden(model)
+    layers = _layers(model)
     dtype = torch.bfloat16 if low_precision else torch.float32
     series, flops = _trace(spec, dtype, checkpointed=False, count_flops=True)
     checkpointed = _trace(spec, dtype, checkpointed=True, count_flops=False)[0] if blocks else None
     return ModelProfile(spec=spec, parameters=_count(model), block_parameters=tuple(_count(b) for b in blocks),
-                        tp_parameters=_tp_parameters(model), layers=_layers(model), hidden=hidden,
+                        tp_parameters=_tp_parameters(model), layers=layers,
+                        block_layers=tuple(any(layer is b for b in blocks) for layer in layers), hidden=hidden,
                         heads=heads, flops_per_sample=flops, series=series, series_checkpointed=checkpointed,
                         dtype_bytes=2 if low_precision else 4)

@@ -178,6 +178,30 @@ def _tune_check() -> int:
     return 0 if agree else 1
 
 
+def _rerender(path: Path) -> int:
+    """Recompute the predicted peaks of ``path``'s rows and rewrite its report (times kept)."""
+    import json
+
+    rows = json.loads(path.read_text(encoding="utf-8"))
+    profiles = {spec.describe(): (profile_model(spec), batch) for spec, batch in SIZES}
+    for row in rows:
+        profile, batch = profiles[row["size"]]
+        layout = next(l for l in layouts_on_4() if l.label == row["layout"])
+        row["predicted_peak"] = predicted_peak(profile, layout, batch)
+        row["error"] = row["predicted_peak"] / row["measured_peak"] - 1
+    path.write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
+    report = path.with_suffix(".md")
+    head, _, _ = report.read_text(encoding="utf-8").partition("\n## ")
+    note = ("\n\nThe measurements are this run's; the predicted peaks were recomputed afterwards "
+            "(`--from-json`) with the memory model as it is now, which changed after the run (pipelines: all of a "
+            "stage's gradients held while later pieces are in flight, each stage's share of the blocks, "
+            "the receive buffers).")
+    body = markdown(rows, "", 0).partition("\n## ")[2]
+    report.write_text(head.rstrip() + note + "\n\n## " + body, encoding="utf-8")
+    print(f"rewrote {report}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Measure, compare, and write the report under ``--out`` (``--against-tune-batch``: the GPU check)."""
     import json
@@ -189,9 +213,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--sizes", type=int, default=len(SIZES), help="how many of the sizes (smallest first)")
     parser.add_argument("--against-tune-batch", action="store_true",
                         help="on a GPU: tune-batch's largest batch against the plan's (agree within 10%%)")
+    parser.add_argument("--from-json", metavar="FILE",
+                        help="no measuring: the predicted peaks of the memory model as it is now, against the "
+                             "measurements in FILE (an earlier run's JSON); the report says so")
     args = parser.parse_args(argv)
     if args.against_tune_batch:
         return _tune_check()
+    if args.from_json:
+        return _rerender(Path(args.from_json))
     from scaleloop.bench.hardware import load_line
 
     start, rows, hw = time.perf_counter(), [], describe_hardware()
