@@ -29,7 +29,8 @@ def rank(rows: Sequence[Row]) -> list[Row]:
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f}"
+    """GB to one decimal, or three significant digits below 1 GB (a small model's 0.0 says nothing)."""
+    return f"{n / 1e9:.1f}" if n >= 1e9 or n == 0 else f"{n / 1e9:.3g}"
 
 
 def table(rows: Sequence[Row], target: Target) -> list[str]:

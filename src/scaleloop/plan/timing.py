@@ -3,7 +3,7 @@ links (the ring formulas of :mod:`scaleloop.bench.costmodel`), overlapped where 
 overlaps it. An estimate with its assumptions listed in docs/planning.md.
 
 - compute: the counted FLOPs of a rank's samples (its tensor-parallel slice) / (peak x MFU),
-  a third more with activation checkpointing (one more forward);
+  a third more with activation checkpointing (one more forward), at least ``MIN_GPU_STEP_S``;
 - dp: the gradients' ring all-reduce, hidden behind the backward as far as it lasts;
 - fsdp / hsdp: all-gather of each unit for the forward and again for the backward, and a
   reduce-scatter of its gradients (each (N-1)/N of the bytes over the link), prefetched behind
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scaleloop.bench.costmodel import Interconnect
+from scaleloop.bench.costmodel import MIN_GPU_STEP_S, Interconnect
 from scaleloop.plan.layouts import Layout
 from scaleloop.plan.memory import MASTER_BYTES, Options, micro_batch
 from scaleloop.plan.profile import ModelProfile
@@ -95,7 +95,8 @@ def comm_s(profile: ModelProfile, layout: Layout, options: Options, target: Targ
 
 def step_time(profile: ModelProfile, layout: Layout, options: Options, target: Target, mfu: float) -> StepTime:
     """The step's predicted seconds and samples per second (see the module docstring)."""
-    compute = compute_s(profile, layout, options, target, mfu)
+    # However small the model, an eager step takes some kernel launches (costmodel's floor).
+    compute = max(compute_s(profile, layout, options, target, mfu), MIN_GPU_STEP_S)
     if layout.pp > 1:
         compute *= (layout.microbatches + layout.pp - 1) / layout.microbatches
     hidden, exposed = comm_s(profile, layout, options, target)
