@@ -157,7 +157,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("config",),                     # the flat settings, handed out in sections that their owners check
     ("loop",),                       # the trainer: build a run, step, evaluate, finish
     ("launching",),                  # starting workers: torchrun, the worker entry, launch(), failures
-    ("verify", "bench"),             # the tools built on training and launching
+    ("verify", "bench", "plan"),     # the tools built on training and launching
     ("commands", "cli"),             # one module per subcommand; cli parses and dispatches
 )
 

@@ -75,6 +75,10 @@ PLAN: tuple[Check, ...] = (
     _train("data-on-device", "--data-on-device"),
     Check("tune-batch", (*SCALELOOP, "tune-batch", "--device", "cuda", "--model", "convnet", "--data", "images"),
           timeout_s=240, estimate_s=60),
+    # scaleloop plan's memory model against the GPU's own answer (docs/planning.md): the largest
+    # per-device batch of TinyGPT (1024 tokens, vocabulary 32,000, bf16, Adam) that fits.
+    Check("tune-batch and plan agree within 10% on the largest batch that fits",
+          (sys.executable, "-m", "scaleloop.plan.validate", "--against-tune-batch"), timeout_s=240, estimate_s=30),
     _bench("bench devices", "devices", "gpucheck", estimate_s=90),
     _bench("bench overhead", "overhead", "simplenet", "--device", "cuda", estimate_s=60,
            target="scaleloop's loop at most 1.02x the hand-written CUDA loop"),

@@ -4,7 +4,7 @@ The public API is re-exported here lazily, so that ``import scaleloop`` costs al
 until a name is used. The map:
 
 - The floors, top first (docs/architecture.md): ``cli`` and ``commands``: the command, one
-  module per subcommand; ``verify`` and ``bench``: the tools built on training; ``launching``:
+  module per subcommand; ``verify``, ``bench`` and ``plan``: the tools built on training; ``launching``:
   starting workers and reading how they ended; ``loop``: the run and its loop; ``strategies``:
   single, dp, ddp, allreduce, fsdp, pipeline, mesh, and precision; ``checkpoint``: save and
   resume; ``config``: ``TrainConfig``; ``data``: datasets, samplers, loaders; ``models``: the

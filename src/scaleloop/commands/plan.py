@@ -1,0 +1,52 @@
+"""``scaleloop plan``: will a model fit on N GPUs, and which layout trains it fastest."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from scaleloop.errors import UsageError
+
+
+def register(subparsers: Any) -> None:
+    """Add ``plan`` and its flags to the CLI's subparsers."""
+    parser = subparsers.add_parser(
+        "plan", help="will the model fit on N GPUs, and which layout is fastest (an estimate, on the CPU)",
+        description="Estimate, without allocating the model (meta device and fake tensors), each layout's "
+                    "per-GPU peak memory and step time on N GPUs (dp, fsdp, hsdp, fsdp x tp, pp x dp, with and "
+                    "without activation checkpointing, CPU offload), rank them, and print the scaleloop train "
+                    "line of the best. How and how well: docs/planning.md.")
+    parser.add_argument("--model", default="tinygpt",
+                        help="tinygpt (sized by the flags below), a Hugging Face config.json, or package.module:factory "
+                             "(default: tinygpt)")
+    parser.add_argument("--data", default="tokens", help="the token dataset for the train line (default: tokens)")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs in all (over --nodes machines)")
+    parser.add_argument("--gpu", required=True, help="h100, h200, a100, or the memory of each GPU in GB (e.g. 48)")
+    parser.add_argument("--nodes", type=int, default=1, help="machines the GPUs are in (default: 1)")
+    parser.add_argument("--batch-size", type=int, default=None, help="GLOBAL batch size (default: 4 per GPU)")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sample (default: 64)")
+    parser.add_argument("--vocab-size", type=int, default=256, help="vocabulary size (default: 256)")
+    parser.add_argument("--d-model", type=int, default=128, help="tinygpt: width (default: 128)")
+    parser.add_argument("--n-layers", type=int, default=2, help="tinygpt: transformer blocks (default: 2)")
+    parser.add_argument("--n-heads", type=int, default=4, help="tinygpt: attention heads (default: 4)")
+    parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"), help="(default: bf16)")
+    parser.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"), help="(default: adam)")
+    parser.add_argument("--mfu", type=float, default=0.4,
+                        help="model FLOPs utilisation the compute time assumes (default: 0.4)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan."""
+    from scaleloop.plan.memory import Options
+    from scaleloop.plan.planner import plan
+    from scaleloop.plan.profile import ModelSpec
+    from scaleloop.plan.target import parse_target
+
+    target = parse_target(args.gpu, args.gpus, args.nodes)
+    for flag in ("seq_len", "vocab_size", "d_model", "n_layers", "n_heads"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, not {getattr(args, flag)}")
+    spec = ModelSpec(args.model, args.seq_len, args.vocab_size, args.d_model, args.n_layers, args.n_heads)
+    batch = args.batch_size if args.batch_size is not None else 4 * args.gpus
+    options = Options(batch, args.precision, args.optimizer, foreach_optimizer=True)
+    print(plan(spec, target, options, args.mfu, args.data))
+    return 0

@@ -1,0 +1,17 @@
+"""``scaleloop plan``: will a model fit on N GPUs, and which layout trains it fastest (docs/planning.md).
+
+Small modules, bottom up:
+
+- ``trace``      live tensor bytes op by op of one step, on fake tensors (a ``TorchDispatchMode``)
+- ``profile``    the model on the meta device: parameter counts, FLOPs, the traced step with and without
+                 activation checkpointing (``ModelSpec``, ``profile_model``)
+- ``target``     the GPUs: memory, peak FLOP/s, NVLink inside a node, InfiniBand between (``--gpu``)
+- ``layouts``    the candidates (dp, fsdp, hsdp, fsdp x tp, pp x dp, +ac, +offload) and their train flags
+- ``memory``     a layout's per-rank peak: parameters, gradients, optimizer state, activations, buffers
+- ``timing``     a layout's step time: compute at a stated MFU, communication over the links
+- ``report``     the ranked table, the recommendation with its ``scaleloop train`` line, why the others lost
+- ``planner``    all of it for one model and target (what ``scaleloop plan`` prints)
+- ``published``  the memory model against published figures (ZeRO's Figure 1, Megatron's equation 1)
+- ``measure``    the plan against measurement: a layout on N CPU processes, each rank's peak and the step time
+- ``validate``   the benchmark: three TinyGPT sizes x the 4-process layouts, predicted against measured
+"""

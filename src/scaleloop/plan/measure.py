@@ -1,0 +1,163 @@
+"""The plan against measurement: run a layout on N CPU processes (real Gloo groups, the real
+strategies) and measure each rank's peak tensor memory and the step time.
+
+**How the peak is measured.** The CPU has no ``max_memory_allocated``. Each worker builds the
+model and runs its steps under ``torch.profiler`` with ``profile_memory=True``: torch's CPU
+allocator then keeps a running total of the bytes it handed out and not yet got back, and the
+profiler records that total ("Total Allocated") at every allocation and free, with a
+timestamp. The rank's peak is the highest total during the steps after the first (when the
+optimizer state exists), less the total when the profiler started. It counts every tensor the
+rank's own threads allocate (parameters, gradients, optimizer state, activations, temporaries,
+DDP's buckets, FSDP's gathered units); not torch's libraries, the Python heap, or what Gloo
+allocates in its own threads.
+
+**How the step is timed.** Separately, without the profiler (which slows every op): the same
+processes build the model again and run ``warmup`` untimed then ``steps`` timed steps; the time
+is rank 0's wall time per step between two barriers.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any
+
+from scaleloop.plan.layouts import Layout
+from scaleloop.plan.profile import ModelSpec
+
+
+def _strategy(layout: Layout, env: Any) -> Any:
+    from scaleloop.strategies.factory import make_strategy
+
+    flags = layout.train_flags(env.world_size, 1)
+    mesh = flags[flags.index("--mesh") + 1] if "--mesh" in flags else None
+    name = "mesh" if mesh else flags[flags.index("--strategy") + 1]
+    return make_strategy(name, env, "fp32", microbatches=layout.microbatches, mesh=mesh,
+                         pipeline_schedule="1f1b" if layout.pp > 1 else "gpipe",
+                         activation_checkpointing=layout.checkpointing, cpu_offload=layout.offload)
+
+
+def _dataset(spec: ModelSpec, batch_size: int) -> Any:
+    """Random token windows for a few steps (built before the profiler starts: not counted)."""
+    import torch
+
+    tokens = torch.randint(0, spec.vocab_size, (batch_size * 8, spec.seq_len + 1),
+                           generator=torch.Generator().manual_seed(0))
+    return torch.utils.data.TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def _build(spec: ModelSpec, layout: Layout, env: Any, dataset: Any, batch_size: int) -> tuple[Any, Any, Any, Any]:
+    import torch
+
+    from scaleloop.models import TinyGPT
+
+    torch.manual_seed(0)
+    model = TinyGPT(spec.vocab_size, spec.seq_len, d_model=spec.d_model, n_layers=spec.n_layers, n_heads=spec.n_heads)
+    strategy = _strategy(layout, env)
+    model, optimizer = strategy.setup(model, lambda params: torch.optim.Adam(params, lr=1e-3))
+    return model, optimizer, strategy, strategy.loader(dataset, batch_size=batch_size, shuffle=False)
+
+
+def _run_steps(model: Any, optimizer: Any, strategy: Any, loader: Any, steps: int) -> list[float]:
+    """``steps`` optimizer steps; the time each one ended (perf_counter)."""
+    import torch
+
+    def loss_fn(logits: Any, target: Any) -> Any:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    ends = []
+    batches = iter(loader)
+    for _ in range(steps):
+        batch = next(batches)
+        strategy.forward_backward(model, batch, loss_fn)
+        strategy.optimizer_step(optimizer)
+        ends.append(time.perf_counter())
+    return ends
+
+
+_MARK = "scaleloop.plan: measured steps"
+
+
+def _peak(prof: Any) -> tuple[int, int]:
+    """The most tensor bytes alive during the marked steps: the CPU allocator's own running total
+    ("Total Allocated" of every allocation and free the profiler recorded), less what it held when
+    the profiler started; and the total at the end of those steps (what stays between steps)."""
+    import json
+    import os
+    import tempfile
+
+    handle, path = tempfile.mkstemp(suffix=".json")
+    os.close(handle)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path, encoding="utf-8") as fh:
+            events = json.load(fh)["traceEvents"]
+    finally:
+        os.unlink(path)
+    # In the order they happened (the trace lists each thread's events apart).
+    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)))
+    mark = next(e for e in events if e.get("name") == _MARK and e.get("ph") == "X")
+    start, end = mark["ts"], mark["ts"] + mark["dur"]
+    before = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"] if memory else 0
+    during = [e["args"]["Total Allocated"] for e in memory if start <= e["ts"] <= end] or [before]
+    return max(during) - before, during[-1] - before
+
+
+def measure_worker(spec: dict[str, Any], layout: dict[str, Any], batch_size: int, steps: int,
+                   warmup: int, fabric: bool = False, timeout_s: float = 300) -> dict[str, Any]:
+    """One rank's part (run by ``scaleloop.launch`` in every process): its peak and the step time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from scaleloop.runtime.collectives import barrier, gather_object
+    from scaleloop.runtime.dist import DistEnv, init_process_group
+
+    env = DistEnv.from_env()
+    init_process_group(env, timeout_s=timeout_s)
+    model_spec, plan = ModelSpec(**spec), Layout(**layout)
+    dataset = _dataset(model_spec, batch_size)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        built = _build(model_spec, plan, env, dataset, batch_size)
+        _run_steps(*built, 1)                   # the first step creates the optimizer state
+        with torch.profiler.record_function(_MARK):
+            _run_steps(*built, 2)
+        del built
+    peak, rest = _peak(prof)
+    built = _build(model_spec, plan, env, dataset, batch_size)
+    _run_steps(*built, warmup)
+    barrier(env)
+    t0 = time.perf_counter()
+    _run_steps(*built, steps)
+    barrier(env)
+    step_s = (time.perf_counter() - t0) / steps
+    return {"peaks": gather_object(peak, env), "rests": gather_object(rest, env), "step_s": step_s, "world": env.world_size,
+            "fabric": _fabric(env) if fabric else None}
+
+
+def _fabric(env: Any) -> dict[str, float]:
+    """All-reduce timings of one float and of 4 MiB over the group (best of 10), for
+    ``costmodel.fit_fabric``: the latency and bandwidth of Gloo on this machine."""
+    import torch
+    import torch.distributed as torch_dist
+
+    out: dict[str, float] = {"world_size": env.world_size}
+    for key, numel in (("small", 1), ("grad", 2**20)):
+        x = torch.zeros(numel)
+        best = float("inf")
+        for _ in range(10):
+            torch_dist.barrier()
+            t0 = time.perf_counter()
+            torch_dist.all_reduce(x)
+            best = min(best, time.perf_counter() - t0)
+        out[f"{key}_s"], out[f"{key}_bytes"] = best, 4.0 * numel
+    return out
+
+
+def measure(spec: ModelSpec, layout: Layout, batch_size: int, steps: int = 5, warmup: int = 2,
+            fabric: bool = False, timeout_s: float = 300) -> dict[str, Any]:
+    """Run ``layout`` on its number of CPU processes; every rank's peak bytes and the step time
+    (and, with ``fabric``, all-reduce timings for the link's latency and bandwidth).
+    ``timeout_s``: how long a collective may wait before the group gives up."""
+    from scaleloop.launching.spawn import launch
+
+    return launch(measure_worker, layout.world, threads=1,
+                  args=(asdict(spec), asdict(layout), batch_size, steps, warmup, fabric, timeout_s))

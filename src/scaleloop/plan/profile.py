@@ -1,0 +1,206 @@
+"""What the planner knows about a model, learnt without allocating it.
+
+The model is built on the ``meta`` device (shapes only), then given fake storage under
+``FakeTensorMode`` and run once forward and backward on one fake sample of ``seq_len`` tokens:
+:mod:`scaleloop.plan.trace` records the bytes alive op by op, and ``torch.utils.flop_counter``
+counts the FLOPs. A second trace runs with activation checkpointing on the model's blocks
+(``scaleloop.strategies.recompute``, what ``--activation-checkpointing`` applies). The
+parameter counts per block, outside the blocks, in the layers tensor parallelism splits and per
+pipeline layer come from the same meta model.
+
+Models: ``tinygpt`` at any size (``d_model``, ``n_layers``, ``n_heads``, ``vocab_size``),
+a Hugging Face causal LM from a local ``config.json`` (built with ``from_config``: no
+download, no weights), or ``pkg.module:factory`` (called with the data's ``DataInfo``).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from scaleloop.errors import UsageError
+from scaleloop.plan.trace import StepSeries, trace_step
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model to plan for, and its sizes (those of TinyGPT; the others read their own)."""
+
+    model: str = "tinygpt"
+    seq_len: int = 2048
+    vocab_size: int = 32000
+    d_model: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+
+    def describe(self) -> str:
+        if self.model == "tinygpt":
+            return (f"tinygpt (d_model {self.d_model}, {self.n_layers} layers, {self.n_heads} heads, "
+                    f"vocabulary {self.vocab_size:,}, {self.seq_len} tokens)")
+        return f"{self.model} ({self.seq_len} tokens)"
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Parameter counts, FLOPs and the traced step of one sample (see the module docstring)."""
+
+    spec: ModelSpec
+    parameters: int                       # distinct parameter elements (tied ones once)
+    block_parameters: tuple[int, ...]     # each block's (FSDP unit, checkpointed unit)
+    tp_parameters: int                    # in the layers the model's tp_plan() splits (0: no plan)
+    hidden: Optional[int]                 # the width of the activations between blocks
+    heads: Optional[int]
+    flops_per_sample: float               # forward and backward, counted
+    series: StepSeries                    # one sample, fp32 or the low precision
+    series_checkpointed: Optional[StepSeries]
+    layers: tuple[nn.Module, ...] = field(default=(), compare=False, repr=False)   # meta: a pipeline's cut
+    block_layers: tuple[bool, ...] = ()   # which of ``layers`` are blocks (the rest: embeddings, the head)
+    dtype_bytes: int = 4                  # of the traced activations
+
+    @property
+    def root_parameters(self) -> int:
+        """Parameters outside every block (embeddings, the last norm, the output layer)."""
+        return self.parameters - sum(self.block_parameters)
+
+
+def _tinygpt(spec: ModelSpec) -> nn.Module:
+    from scaleloop.models import TinyGPT
+
+    if spec.d_model % spec.n_heads:
+        raise UsageError(f"--d-model {spec.d_model} must be divisible by --n-heads {spec.n_heads}")
+    return TinyGPT(spec.vocab_size, spec.seq_len, d_model=spec.d_model, n_layers=spec.n_layers, n_heads=spec.n_heads)
+
+
+def _huggingface(path: str) -> nn.Module:
+    """A causal LM from a local config.json (or a directory holding one): structure only."""
+    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise UsageError(f"--model {path}: no such config.json")
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise UsageError("--model CONFIG.json needs transformers installed (pip install transformers)") from None
+    values = json.loads(file.read_text(encoding="utf-8"))
+    kind = values.pop("model_type", None)
+    if kind is None:
+        raise UsageError(f"--model {path}: the config has no model_type (e.g. \"llama\")")
+    config = AutoConfig.for_model(kind, **values)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def build_meta(spec: ModelSpec) -> nn.Module:
+    """The model with meta tensors: every shape, no memory."""
+    from scaleloop.plugins import is_factory_spec
+
+    with torch.device("meta"):
+        if spec.model == "tinygpt":
+            return _tinygpt(spec)
+        if spec.model.endswith(".json") or Path(spec.model).is_dir():
+            return _huggingface(spec.model)
+        if is_factory_spec(spec.model):
+            from scaleloop.data.info import DataInfo
+            from scaleloop.models import build_model
+
+            return build_model(spec.model, DataInfo("tokens", "lm", (spec.seq_len,), spec.vocab_size))
+    raise UsageError(f"--model {spec.model!r}: plan takes tinygpt, a Hugging Face config.json, or package.module:factory")
+
+
+def _count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _tp_parameters(model: nn.Module) -> int:
+    """Parameter elements in the layers the model's ``tp_plan()`` splits (0 without a plan)."""
+    plan_of = getattr(model, "tp_plan", None)
+    if not callable(plan_of):
+        return 0
+    try:
+        names = plan_of(1)
+    except ValueError:
+        return 0
+    modules = dict(model.named_modules())
+    total = 0
+    for name, style in names.items():
+        module = modules.get(name)
+        if module is None:
+            continue
+        bias = getattr(module, "bias", None)
+        # A row-wise split cuts the weight by its input; the bias is added whole on every rank.
+        whole = bias.numel() if style.startswith("rowwise") and isinstance(bias, torch.Tensor) else 0
+        total += _count(module) - whole
+    return total
+
+
+def _layers(model: nn.Module) -> tuple[nn.Module, ...]:
+    """The layers a pipeline would cut (empty where the model cannot be cut)."""
+    from scaleloop.strategies.pipeline import pipeline_layers
+
+    try:
+        return tuple(pipeline_layers(model))
+    except UsageError:
+        return ()
+
+
+def _hidden(model: nn.Module) -> tuple[Optional[int], Optional[int]]:
+    """The width between blocks and the attention heads, where the model says them."""
+    config = getattr(model, "config", None)
+    if config is not None:
+        return getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    emb = getattr(model, "tok_emb", None)
+    blocks = getattr(model, "blocks", None)
+    heads = getattr(getattr(blocks[0], "attn", None), "n_heads", None) if blocks else None
+    return (emb.embedding_dim if isinstance(emb, nn.Embedding) else None), heads
+
+
+def _forward_loss(model: nn.Module, tokens: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def run() -> torch.Tensor:
+        out = model(tokens)
+        logits = getattr(out, "logits", out)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
+    return run
+
+
+def _trace(spec: ModelSpec, dtype: torch.dtype, checkpointed: bool, count_flops: bool) -> tuple[StepSeries, float]:
+    """One sample's traced step on a fresh fake model (and its FLOPs when asked)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from scaleloop.strategies.recompute import checkpoint_blocks
+
+    model = build_meta(spec).to(dtype)
+    if checkpointed:
+        checkpoint_blocks(model)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = model.to_empty(device="cpu")
+        tokens = torch.zeros((1, spec.seq_len), dtype=torch.long)
+        counter = FlopCounterMode(display=False) if count_flops else None
+        if counter is None:
+            return trace_step(model, _forward_loss(model, tokens), [tokens]), 0.0
+        with counter:
+            series = trace_step(model, _forward_loss(model, tokens), [tokens])
+        return series, float(counter.get_total_flops()) + series.attention_flops
+
+
+def profile_model(spec: ModelSpec, low_precision: bool = False) -> ModelProfile:
+    """Everything :mod:`scaleloop.plan.memory` and :mod:`scaleloop.plan.timing` need (module docstring).
+
+    ``low_precision``: trace the step in bf16 (activations of 2 bytes), as a bf16 run keeps them.
+    """
+    from scaleloop.strategies.blocks import fsdp_blocks
+
+    model = build_meta(spec)
+    blocks = [b for b in fsdp_blocks(model) if b is not model]
+    hidden, heads = _hidden(model)
+    layers = _layers(model)
+    dtype = torch.bfloat16 if low_precision else torch.float32
+    series, flops = _trace(spec, dtype, checkpointed=False, count_flops=True)
+    checkpointed = _trace(spec, dtype, checkpointed=True, count_flops=False)[0] if blocks else None
+    return ModelProfile(spec=spec, parameters=_count(model), block_parameters=tuple(_count(b) for b in blocks),
+                        tp_parameters=_tp_parameters(model), layers=layers,
+                        block_layers=tuple(any(layer is b for b in blocks) for layer in layers), hidden=hidden,
+                        heads=heads, flops_per_sample=flops, series=series, series_checkpointed=checkpointed,
+                        dtype_bytes=2 if low_precision else 4)

@@ -1,0 +1,108 @@
+"""Predicted step time of a layout: compute from FLOPs at a stated MFU, communication from the
+links (the ring formulas of :mod:`scaleloop.bench.costmodel`), overlapped where the strategy
+overlaps it. An estimate with its assumptions listed in docs/planning.md.
+
+- compute: the counted FLOPs of a rank's samples (its tensor-parallel slice) / (peak x MFU),
+  a third more with activation checkpointing (one more forward), at least ``MIN_GPU_STEP_S``;
+- dp: the gradients' ring all-reduce, hidden behind the backward as far as it lasts;
+- fsdp / hsdp: all-gather of each unit for the forward and again for the backward, and a
+  reduce-scatter of its gradients (each (N-1)/N of the bytes over the link), prefetched behind
+  the compute; hsdp adds the shards' all-reduce across replicas;
+- tp: four all-reduces of a block's activations per block (two forward, two backward), not hidden;
+- pp: the 1F1B bubble, (S - 1) / M of the compute added, and the stage's gradient all-reduce
+  over replicas after the last backward;
+- offload: the shards cross PCIe twice (forward, backward) and the gradients once, and the
+  optimizer steps on the host (28 bytes of host memory traffic per parameter).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scaleloop.bench.costmodel import MIN_GPU_STEP_S, Interconnect
+from scaleloop.plan.layouts import Layout
+from scaleloop.plan.memory import MASTER_BYTES, Options, micro_batch
+from scaleloop.plan.profile import ModelProfile
+from scaleloop.plan.target import Target
+
+#: Bytes of host memory an Adam step reads and writes per parameter (costmodel's figure).
+ADAM_BYTES = 28
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one optimizer step on the busiest rank, and its parts."""
+
+    compute_s: float
+    comm_s: float          # communication that was not hidden
+    total_s: float
+    samples_per_s: float
+
+
+def _collective_s(link: Interconnect, ranks: int, nbytes: float, factor: float, calls: int) -> float:
+    """``factor`` x (N-1)/N of ``nbytes`` over ``link`` plus the latency of ``calls`` ring collectives
+    of ``factor`` x (N-1) steps each (an all-reduce: 2, an all-gather or a reduce-scatter: 1)."""
+    if ranks <= 1:
+        return 0.0
+    return factor * (ranks - 1) * (nbytes / ranks / link.bandwidth_Bps + calls * link.latency_s)
+
+
+def compute_s(profile: ModelProfile, layout: Layout, options: Options, target: Target, mfu: float) -> float:
+    """Seconds of matrix work on one rank per optimizer step (before the pipeline's bubble)."""
+    samples = options.batch_size / layout.data_ranks
+    flops = profile.flops_per_sample * samples / (layout.tp * layout.pp)
+    if layout.checkpointing:
+        flops *= 4 / 3
+    return flops / (target.flops(options.precision) * mfu)
+
+
+def _spans_nodes(group: int, inner: int, target: Target) -> bool:
+    """Whether a group of ``group`` ranks, ``inner`` apart in the rank order, leaves a node."""
+    return group * inner > target.per_node
+
+
+def comm_s(profile: ModelProfile, layout: Layout, options: Options, target: Target) -> tuple[float, float]:
+    """(seconds that can hide behind the compute, seconds that cannot) of one step's collectives."""
+    params = profile.parameters - profile.tp_parameters * (1 - 1 / layout.tp)
+    units = len(profile.block_parameters) + 1
+    hidden = exposed = 0.0   # hidden: behind the backward (DDP) or the whole compute (FSDP's prefetch)
+    if layout.pp > 1:
+        stage = params / layout.pp * MASTER_BYTES
+        link = target.link(layout.dp, _spans_nodes(layout.dp, 1, target))
+        exposed += _collective_s(link, layout.dp, stage, 2, 1)
+        if profile.hidden:
+            pieces = layout.microbatches * options.accumulate
+            act = micro_batch(layout, options) * profile.spec.seq_len * profile.hidden * options.param_bytes
+            p2p = target.link(2, _spans_nodes(layout.pp, layout.dp, target))
+            exposed += 2 * pieces * (act / p2p.bandwidth_Bps + p2p.latency_s)
+        return hidden, exposed
+    if layout.tp > 1 and profile.hidden:
+        act = micro_batch(layout, options) * profile.spec.seq_len * profile.hidden * options.param_bytes
+        exposed += 4 * len(profile.block_parameters) * _collective_s(target.inside, layout.tp, act, 2, 1)
+    if layout.fsdp > 1:
+        link = target.link(layout.fsdp, _spans_nodes(layout.fsdp, layout.tp, target))
+        gathered = params * options.param_bytes
+        hidden += _collective_s(link, layout.fsdp, gathered, 2, 2 * units)           # forward and backward
+        hidden += _collective_s(link, layout.fsdp, params * MASTER_BYTES, 1, units)   # reduce-scatter
+        if layout.offload:
+            hidden += (2 * gathered + params * MASTER_BYTES) / layout.fsdp / target.host_Bps
+            exposed += params / layout.fsdp * ADAM_BYTES / target.host_adam_Bps
+    if layout.dp > 1:
+        shard = params * MASTER_BYTES / layout.fsdp
+        link = target.link(layout.dp, _spans_nodes(layout.dp, layout.fsdp * layout.tp, target))
+        hidden += _collective_s(link, layout.dp, shard, 2, max(1, round(shard / (25 * 2**20))))
+    return hidden, exposed
+
+
+def step_time(profile: ModelProfile, layout: Layout, options: Options, target: Target, mfu: float) -> StepTime:
+    """The step's predicted seconds and samples per second (see the module docstring)."""
+    # However small the model, an eager step takes some kernel launches (costmodel's floor).
+    compute = max(compute_s(profile, layout, options, target, mfu), MIN_GPU_STEP_S)
+    if layout.pp > 1:
+        compute *= (layout.microbatches + layout.pp - 1) / layout.microbatches
+    hidden, exposed = comm_s(profile, layout, options, target)
+    # What can hide does so behind the backward (two thirds of the compute; DDP's buckets), or
+    # behind all of it where FSDP prefetches the next unit's gather during the forward too.
+    window = compute if layout.fsdp > 1 else compute * 2 / 3
+    extra = max(0.0, hidden - window) + exposed
+    total = compute + extra
+    return StepTime(compute, extra, total, options.batch_size / total)

@@ -1,0 +1,258 @@
+"""The plan's predictions against CPU measurements (the table in ``benchmarks/``; docs/planning.md).
+
+For each TinyGPT size and each layout that runs on 4 processes, the predicted per-rank peak
+(:func:`scaleloop.plan.memory.estimate`, fp32, Adam stepping tensor by tensor as it does on the
+CPU) against the measured one (:mod:`scaleloop.plan.measure`, the largest over the ranks), and the
+predicted step time's order against the measured order. The CPU "target" for the times: every
+rank gets its share of the cores at the FLOP/s one process reached on the same model, and the
+links are Gloo's latency and bandwidth fitted to all-reduces measured in the same run.
+
+``python -m scaleloop.plan.validate --out benchmarks`` writes ``<date>_cpu-<N>core_plan.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from scaleloop.bench.costmodel import Interconnect, fit_fabric
+from scaleloop.plan.layouts import Layout
+from scaleloop.plan.memory import Options, estimate
+from scaleloop.plan.profile import ModelProfile, ModelSpec, profile_model
+from scaleloop.plan.target import GPUS, Target
+
+#: Three small TinyGPT sizes (4 blocks, so that 4 pipeline stages can be cut) and their global batch.
+SIZES: tuple[tuple[ModelSpec, int], ...] = (
+    (ModelSpec(seq_len=32, vocab_size=64, d_model=32, n_layers=4, n_heads=4), 16),
+    (ModelSpec(seq_len=64, vocab_size=128, d_model=64, n_layers=4, n_heads=4), 16),
+    (ModelSpec(seq_len=64, vocab_size=256, d_model=128, n_layers=4, n_heads=4), 32),
+)
+
+
+def layouts_on_4() -> list[Layout]:
+    """Every layout the planner considers that runs on 4 CPU processes (offload aside: on the
+    CPU it moves nothing)."""
+    out = []
+    for ac in (False, True):
+        out += [Layout("dp", dp=4, checkpointing=ac), Layout("fsdp", fsdp=4, checkpointing=ac),
+                Layout("hsdp", dp=2, fsdp=2, checkpointing=ac), Layout("fsdp x tp", fsdp=2, tp=2, checkpointing=ac),
+                Layout("fsdp x tp", tp=4, checkpointing=ac)]
+    return out + [Layout("pp x dp", pp=2, dp=2, microbatches=4), Layout("pp x dp", pp=4, microbatches=8)]
+
+
+def cpu_options(batch_size: int) -> Options:
+    """What the measured runs do: fp32, Adam, whose CPU step goes tensor by tensor."""
+    return Options(batch_size, "fp32", "adam", foreach_optimizer=False)
+
+
+def predicted_peak(profile: ModelProfile, layout: Layout, batch_size: int) -> float:
+    """The plan's per-rank peak for the measured run."""
+    return estimate(profile, layout, cpu_options(batch_size)).peak
+
+
+def cpu_target(fabric: dict[str, float], flops_per_s: float, world: int, cores: int) -> Target:
+    """This machine as a plan's target: ``world`` ranks sharing ``cores`` cores, Gloo links."""
+    fitted = fit_fabric(fabric)
+    link = Interconnect("gloo", "Gloo on this machine", fitted.bandwidth_Bps, fitted.latency_s, "fitted")
+    return replace(GPUS["h100"], key="cpu", name="CPU process", memory_bytes=float("inf"), peak_flops=flops_per_s,
+                   fp32_flops=flops_per_s * min(1.0, cores / world), inside=link, between=link, per_node=world)
+
+
+def one_process_flops(spec: ModelSpec, profile: ModelProfile, micro_batch: int, steps: int = 5) -> float:
+    """FLOP/s one process with one thread reaches on ``spec``'s training step (its loop included)."""
+    import torch
+
+    from scaleloop.models import TinyGPT
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TinyGPT(spec.vocab_size, spec.seq_len, d_model=spec.d_model, n_layers=spec.n_layers, n_heads=spec.n_heads)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randint(0, spec.vocab_size, (micro_batch, spec.seq_len))
+    best = float("inf")
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        best = min(best, time.perf_counter() - t0)
+    return profile.flops_per_sample * micro_batch / best
+
+
+def concordance(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """Share of pairs that the predicted and the measured times put in the same order."""
+    pairs = [(i, j) for i in range(len(predicted)) for j in range(i + 1, len(predicted))]
+    same = sum((predicted[i] - predicted[j]) * (measured[i] - measured[j]) > 0 for i, j in pairs)
+    return same / len(pairs) if pairs else 1.0
+
+
+def validate_size(spec: ModelSpec, batch_size: int, layouts: Sequence[Layout], cores: int,
+                  log: Any = print) -> list[dict[str, Any]]:
+    """Measure every layout at one size and set the plan's predictions beside the measurements."""
+    from scaleloop.plan.measure import measure
+    from scaleloop.plan.timing import step_time
+
+    profile = profile_model(spec)
+    flops = one_process_flops(spec, profile, batch_size // 4)
+    rows, fabric = [], None
+    for layout in layouts:
+        try:
+            result = measure(spec, layout, batch_size, fabric=fabric is None, timeout_s=120)
+        except Exception as exc:   # one failed launch (a busy machine's timeout) is reported, not fatal
+            log(f"  {layout.label:28s} FAILED: {str(exc).splitlines()[0]}")
+            continue
+        fabric = fabric or result["fabric"]
+        measured = max(result["peaks"])
+        predicted = predicted_peak(profile, layout, batch_size)
+        rows.append({"size": spec.describe(), "layout": layout.label, "measured_peak": measured,
+                     "predicted_peak": predicted, "error": predicted / measured - 1, "peaks": result["peaks"],
+                     "measured_step_s": result["step_s"], "layout_obj": layout})
+        log(f"  {layout.label:28s} peak measured {measured / 2**20:7.2f} MiB, predicted {predicted / 2**20:7.2f} MiB "
+            f"({predicted / measured - 1:+.1%}); step {result['step_s'] * 1e3:.1f} ms")
+    if fabric is None:
+        return rows
+    target = cpu_target(fabric, flops, 4, cores)
+    for row in rows:
+        row["predicted_step_s"] = step_time(profile, row.pop("layout_obj"), cpu_options(batch_size), target, 1.0).total_s
+    return rows
+
+
+def markdown(rows: Sequence[dict[str, Any]], hardware: str, took_s: float, load: str = "") -> str:
+    """The benchmark's report: one table per size, the worst memory error and the order's agreement."""
+    lines = ["# scaleloop plan against measurement (CPU, 4 processes)", "",
+             f"Hardware: {hardware}. Written by `python -m scaleloop.plan.validate` in {took_s / 60:.0f} min."
+             + (f" The {load}." if load else ""), "",
+             "Peak: the largest rank's, in MiB; measured with torch's CPU allocator accounting under "
+             "`torch.profiler(profile_memory=True)` (`scaleloop/plan/measure.py`), predicted by `scaleloop plan`'s "
+             "memory model (fp32, Adam). Step: milliseconds per optimizer step, measured (rank 0, between barriers, "
+             "no profiler) and predicted (compute at the FLOP/s one process reached, halved for 4 processes on 2 "
+             "cores; Gloo's fitted latency and bandwidth). Rank: the layout's place by step time, 1 the fastest.", ""]
+    for size in dict.fromkeys(r["size"] for r in rows):
+        group = [r for r in rows if r["size"] == size]
+        by_measured = sorted(range(len(group)), key=lambda i: group[i]["measured_step_s"])
+        by_predicted = sorted(range(len(group)), key=lambda i: group[i]["predicted_step_s"])
+        lines += [f"## {size}", "", "| layout | peak measured | peak predicted | error | step measured | "
+                  "step predicted | rank measured | rank predicted |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for i, r in enumerate(group):
+            lines.append(f"| {r['layout']} | {r['measured_peak'] / 2**20:.2f} | {r['predicted_peak'] / 2**20:.2f} | "
+                         f"{r['error']:+.1%} | {r['measured_step_s'] * 1e3:.1f} | {r['predicted_step_s'] * 1e3:.1f} | "
+                         f"{by_measured.index(i) + 1} | {by_predicted.index(i) + 1} |")
+        agree = concordance([r["predicted_step_s"] for r in group], [r["measured_step_s"] for r in group])
+        worst = max(abs(r["error"]) for r in group)
+        lines += ["", f"Worst memory error {worst:.1%}; pairs of layouts ordered alike by predicted and measured "
+                      f"step time: {agree:.0%}.", ""]
+    return "\n".join(lines)
+
+
+#: The configuration tune-batch and the plan are compared on (one GPU; make gpu-check).
+TUNE_SPEC = ModelSpec(seq_len=1024, vocab_size=32000)
+
+
+def against_tune_batch(spec: ModelSpec = TUNE_SPEC, precision: str = "bf16") -> tuple[int, int]:
+    """(tune-batch's largest per-device batch on this GPU, the plan's for the memory free here):
+    TinyGPT at train's sizes, one GPU, Adam. Needs CUDA."""
+    import torch
+
+    from scaleloop.config import TrainConfig
+    from scaleloop.loop.tune import tune_batch
+    from scaleloop.plan.planner import largest_batch
+
+    free = torch.cuda.mem_get_info()[0]    # after the CUDA context: what tensors may take
+    cfg = TrainConfig(model="tinygpt", data="tokens", seq_len=spec.seq_len, vocab_size=spec.vocab_size,
+                      n_samples=1 << 16, device="cuda", precision=precision, optimizer="adam", test_fraction=0.0,
+                      progress=False, tensorboard=False, checkpoints=False).validate()
+    tuned = tune_batch(cfg).search.max_batch
+    profile = profile_model(spec, low_precision=precision != "fp32")
+    planned = largest_batch(profile, Layout("dp", dp=1), Options(1, precision, "adam", foreach_optimizer=True), free)
+    return tuned, planned
+
+
+def _tune_check() -> int:
+    tuned, planned = against_tune_batch()
+    agree = abs(planned / tuned - 1) <= 0.10 if tuned else False
+    print(f"largest per-device batch that fits: tune-batch {tuned}, plan {planned} "
+          f"({planned / tuned - 1:+.1%}): {'agree' if agree else 'DO NOT agree'} within 10%")
+    return 0 if agree else 1
+
+
+def result_json(rows: Sequence[dict[str, Any]], hw: dict[str, Any]) -> dict[str, Any]:
+    """The result as ``benchmarks/``' index reads it (``what``, ``title``, ``headline``), with every row."""
+    errors = [abs(r["error"]) for r in rows]
+    within = sum(e <= 0.10 for e in errors)
+    return {"what": "plan", "title": "Plan: predicted against measured per-rank peak memory and step order, "
+                                      "TinyGPT x 12 layouts on 4 CPU processes",
+            "date": datetime.date.today().isoformat(), "hardware_slug": f"cpu-{hw['cores']}core", "hardware": hw,
+            "headline": f"peak memory within 10% in {within} of {len(errors)} cases (worst {max(errors, default=0):.1%}); "
+                        "step-time order not predicted at these sizes", "has_png": False, "rows": list(rows)}
+
+
+def _rerender(path: Path) -> int:
+    """Recompute the predicted peaks of ``path``'s rows and rewrite its report (times kept)."""
+    import json
+
+    from scaleloop.bench.hardware import describe_hardware
+
+    data = json.loads(path.read_text(encoding="utf-8"))
+    rows = data["rows"] if isinstance(data, dict) else data
+    profiles = {spec.describe(): (profile_model(spec), batch) for spec, batch in SIZES}
+    for row in rows:
+        profile, batch = profiles[row["size"]]
+        layout = next(l for l in layouts_on_4() if l.label == row["layout"])
+        row["predicted_peak"] = predicted_peak(profile, layout, batch)
+        row["error"] = row["predicted_peak"] / row["measured_peak"] - 1
+    hw = data["hardware"] if isinstance(data, dict) else describe_hardware()
+    result = result_json(rows, hw)
+    result["date"] = data.get("date", result["date"]) if isinstance(data, dict) else path.name[:10]
+    path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    report = path.with_suffix(".md")
+    head, _, _ = report.read_text(encoding="utf-8").partition("\n## ")
+    head = head.split("\n\nThe measurements are this run's")[0]   # a previous re-render's note
+    note = ("\n\nThe measurements are this run's; the predicted peaks were recomputed afterwards "
+            "(`--from-json`) with the memory model as it is now, which changed after the run (pipelines: all of a "
+            "stage's gradients held while later pieces are in flight, each stage's share of the blocks, "
+            "the receive buffers).")
+    body = markdown(rows, "", 0).partition("\n## ")[2]
+    report.write_text(head.rstrip() + note + "\n\n## " + body, encoding="utf-8")
+    print(f"rewrote {report}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Measure, compare, and write the report under ``--out`` (``--against-tune-batch``: the GPU check)."""
+    import json
+
+    from scaleloop.bench.hardware import describe_hardware, hardware_line, usable_cores
+
+    parser = argparse.ArgumentParser(prog="python -m scaleloop.plan.validate")
+    parser.add_argument("--out", default="benchmarks")
+    parser.add_argument("--sizes", type=int, default=len(SIZES), help="how many of the sizes (smallest first)")
+    parser.add_argument("--against-tune-batch", action="store_true",
+                        help="on a GPU: tune-batch's largest batch against the plan's (agree within 10%%)")
+    parser.add_argument("--from-json", metavar="FILE",
+                        help="no measuring: the predicted peaks of the memory model as it is now, against the "
+                             "measurements in FILE (an earlier run's JSON); the report says so")
+    args = parser.parse_args(argv)
+    if args.against_tune_batch:
+        return _tune_check()
+    if args.from_json:
+        return _rerender(Path(args.from_json))
+    from scaleloop.bench.hardware import load_line
+
+    start, rows, hw = time.perf_counter(), [], describe_hardware()
+    for spec, batch in SIZES[:args.sizes]:
+        print(spec.describe(), flush=True)
+        rows += validate_size(spec, batch, layouts_on_4(), usable_cores())
+    name = f"{datetime.date.today().isoformat()}_cpu-{hw['cores']}core_plan"
+    out = Path(args.out)
+    text = markdown(rows, hardware_line(hw), time.perf_counter() - start, load_line(hw) or "")
+    (out / f"{name}.md").write_text(text, encoding="utf-8")
+    (out / f"{name}.json").write_text(json.dumps(result_json(rows, hw), indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {out / name}.md")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""The time model's arithmetic on known configurations, and the largest batch that fits."""
+from __future__ import annotations
+
+import pytest
+
+from scaleloop.bench.costmodel import ring_allreduce_s
+from scaleloop.plan.layouts import Layout
+from scaleloop.plan.memory import Options, estimate
+from scaleloop.plan.planner import largest_batch
+from scaleloop.plan.profile import ModelSpec, profile_model
+from scaleloop.plan.target import parse_target
+from scaleloop.plan.timing import compute_s, step_time
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return profile_model(ModelSpec(seq_len=32, vocab_size=64, d_model=32, n_layers=4, n_heads=4))
+
+
+def test_compute_is_flops_over_peak_at_the_mfu(profile) -> None:
+    h100 = parse_target("h100", 8, 1)
+    options = Options(64, "bf16", "adam")
+    expected = profile.flops_per_sample * 64 / 8 / (989e12 * 0.5)
+    assert compute_s(profile, Layout("dp", dp=8), options, h100, 0.5) == pytest.approx(expected)
+    # Checkpointing adds a forward (a third of forward and backward); tp splits the work.
+    assert compute_s(profile, Layout("dp", dp=8, checkpointing=True), options, h100, 0.5) == pytest.approx(expected * 4 / 3)
+    assert compute_s(profile, Layout("fsdp x tp", fsdp=4, tp=2), options, h100, 0.5) == pytest.approx(expected)
+
+
+def test_ddp_adds_the_all_reduce_the_backward_cannot_hide(profile) -> None:
+    # A slow link (an unnamed GPU's NVLink made slow) so that the all-reduce outlasts the backward.
+    target = parse_target("h100", 8, 2)
+    options = Options(8, "bf16", "adam")
+    t = step_time(profile, Layout("dp", dp=8), options, target, 0.4)
+    comm = ring_allreduce_s(8, profile.parameters * 4, target.between.bandwidth_Bps, target.between.latency_s, 1)
+    assert t.total_s == pytest.approx(t.compute_s + max(0.0, comm - t.compute_s * 2 / 3))
+
+
+def test_the_pipeline_pays_its_bubble(profile) -> None:
+    target = parse_target("h100", 4, 1)
+    options = Options(16, "bf16", "adam")
+    # A low MFU, so that the tiny model's compute is above the floor of a GPU step.
+    t = step_time(profile, Layout("pp x dp", pp=4, microbatches=8), options, target, 1e-4)
+    assert t.compute_s == pytest.approx(compute_s(profile, Layout("pp x dp", pp=4, microbatches=8), options, target, 1e-4)
+                                        * (8 + 3) / 8)
+
+
+def test_the_largest_batch_that_fits_is_the_edge(profile) -> None:
+    options = Options(1, "fp32", "adam", foreach_optimizer=False)
+    layout = Layout("dp", dp=1)
+    capacity = estimate(profile, layout, Options(37, "fp32", "adam", foreach_optimizer=False)).peak
+    assert largest_batch(profile, layout, options, capacity) == 37
+    assert largest_batch(profile, layout, options, 1.0) == 0
