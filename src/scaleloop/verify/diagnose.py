@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 from scaleloop.config import TrainConfig
 from scaleloop.data.sampler import split_sizes
-from scaleloop.verify.probes import Probes
+from scaleloop.verify.probes import LossSplit, PaddedLoss, Probes
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,6 @@ def name_causes(cfg: TrainConfig, *, world: int, accumulate: int, step_samples: 
     "private"), when reading a sample draws random numbers.
     """
     causes: list[Cause] = []
-    per_rank = step_samples // max(1, world * accumulate)
     if content_problems:
         seen = f"{content_problems[0]}{' (and more)' if len(content_problems) > 1 else ''}"
         causes.append(_augmented(seen, data_draws) if data_draws else Cause(
@@ -63,67 +62,8 @@ def name_causes(cfg: TrainConfig, *, world: int, accumulate: int, step_samples: 
             "padded, duplicated or missing samples",
             f"{step_problems[0]}{' (and more)' if len(step_problems) > 1 else ''}; a sampler that pads "
             "(torch's DistributedSampler) repeats samples so that every rank gets as many: those count twice"))
-    if probes is not None and probes.batchnorm and not cfg.sync_batchnorm and world > 1:
-        fix = ("nn.DataParallel runs BatchNorm on each GPU's chunk and cannot synchronise it; use "
-               "--strategy ddp --sync-batchnorm" if cfg.strategy == "dp" else
-               "run with --sync-batchnorm (torch.nn.SyncBatchNorm on CUDA, scaleloop's GlobalBatchNorm on CPU)")
-        causes.append(Cause(
-            "BatchNorm without SyncBatchNorm",
-            f"{_names(probes.batchnorm)} normalise each rank's {per_rank} samples with their own mean and "
-            f"variance, while one process normalises all {step_samples // accumulate}; {fix}"))
-    own = probes.randomness if probes is not None else None
-    if own is not None and (own.reseeds or own.private):
-        causes.append(_own_randomness(own.reseeds))
-    elif probes is not None and (probes.random or (probes.random is None and probes.dropout)):
-        what = ("random layers " + _names(probes.dropout) if probes.dropout
-                else "the forward pass draws random numbers")
-        causes.append(Cause(
-            "dropout or RNG differs per rank",
-            f"{what}; each rank seeds its generator with seed + rank, so its random masks are not those one "
-            "process draws for the same samples: exact equality cannot hold; verify with dropout set to 0 "
-            "(the same code path then proves the rest)"))
-    if probes is not None and probes.loss is not None and world * accumulate > 1:
-        split = probes.loss
-        pieces = f"the {split.pieces} pieces that {world} ranks x {accumulate} micro-step(s) compute"
-        if split.kind == "sum":
-            causes.append(Cause(
-                "loss summed over samples, not averaged",
-                f"a batch's loss ({split.whole:.6g}) is the sum of the losses of {pieces} ({split.total:.6g}), not "
-                "their sample-weighted mean; scaleloop weights each micro-batch's loss by its share of the step, "
-                f"as a mean needs, so the distributed gradient is 1/{world * accumulate} of one process's; "
-                "return the mean over the batch"))
-        elif split.kind == "other":
-            causes.append(Cause(
-                "loss normalised per micro-batch instead of per global batch",
-                f"a batch's loss ({split.whole:.6g}) is not the sample-weighted mean ({split.weighted_mean:.6g}) of "
-                f"the losses of {pieces}: the loss divides by a count of its own piece (valid tokens, "
-                "unmasked samples, ignore_index, per-batch weights), so each piece gets an equal say whatever "
-                "its count; divide the summed loss by the count over the whole global batch (all ranks and "
-                "micro-steps) instead, or weight every sample equally"))
-    padded = probes.own_padded if probes is not None else None
-    if padded is not None and padded.split.kind != "mean" and world * accumulate > 1:
-        split = padded.split
-        pieces = f"the {split.pieces} pieces that {world} ranks x {accumulate} micro-step(s) compute"
-        each = set(padded.positions)
-        counts = (f"{_names([str(r) for r in padded.real], 8)} real targets (labels other than -100) of "
-                  + (f"{each.pop()} labels each" if len(each) == 1 else _names([str(p) for p in padded.positions], 8)))
-        if any(r < p for r, p in zip(padded.real, padded.positions)) and len(set(padded.real)) > 1:
-            causes.append(Cause(
-                "the model's own loss is a mean over each micro-batch's real tokens, and the micro-batches hold "
-                "different counts of -100 padding",
-                f"the model's own loss of a batch ({split.whole:.6g}) is not the sample-weighted mean "
-                f"({split.weighted_mean:.6g}) of the losses of {pieces}, which hold {counts}: the model divides "
-                "by its own micro-batch's count, so a micro-batch with more padding weighs more, and scaleloop cannot tell this model the step's count (it tells a Hugging Face causal "
-                "LM, as num_items_in_batch); exact equality cannot hold with this loss: return the logits without "
-                "the loss and let scaleloop compute it over the whole step's real targets (labels that are each "
-                "position's target, -100 where there is none), or verify on data without padding (the same code "
-                "path then proves the rest)"))
-        else:
-            causes.append(Cause(
-                "loss normalised per micro-batch instead of per global batch",
-                f"the model's own loss of a batch ({split.whole:.6g}) is not the sample-weighted mean "
-                f"({split.weighted_mean:.6g}) of the losses of {pieces}: it divides by a count of its own piece; "
-                "compute it as the mean over the batch's samples, or return the logits and let scaleloop compute it"))
+    if probes is not None:
+        causes += _model_causes(cfg, probes, world, accumulate, step_samples)
     unused = list(no_grad) or (probes.unused if probes is not None and probes.unused else [])
     # Only DDP without its options mistrains them; every other strategy trains them as one process.
     if unused and cfg.strategy == "ddp" and not (cfg.find_unused_parameters or cfg.static_graph):
@@ -140,6 +80,87 @@ def name_causes(cfg: TrainConfig, *, world: int, accumulate: int, step_samples: 
             f"{probes.coupling:.2e} of the largest output, and it has no BatchNorm: a layer uses statistics "
             "of its batch; make it synchronise them over ranks, as --sync-batchnorm does for BatchNorm"))
     return causes
+
+
+def _model_causes(cfg: TrainConfig, probes: Probes, world: int, accumulate: int, step_samples: int) -> list[Cause]:
+    """What the probes on the model and its loss name: BatchNorm, randomness, the loss's normalisation."""
+    causes: list[Cause] = []
+    per_rank = step_samples // max(1, world * accumulate)
+    if probes.batchnorm and not cfg.sync_batchnorm and world > 1:
+        fix = ("nn.DataParallel runs BatchNorm on each GPU's chunk and cannot synchronise it; use "
+               "--strategy ddp --sync-batchnorm" if cfg.strategy == "dp" else
+               "run with --sync-batchnorm (torch.nn.SyncBatchNorm on CUDA, scaleloop's GlobalBatchNorm on CPU)")
+        causes.append(Cause(
+            "BatchNorm without SyncBatchNorm",
+            f"{_names(probes.batchnorm)} normalise each rank's {per_rank} samples with their own mean and "
+            f"variance, while one process normalises all {step_samples // accumulate}; {fix}"))
+    own = probes.randomness
+    if own is not None and (own.reseeds or own.private):
+        causes.append(_own_randomness(own.reseeds))
+    elif probes.random or (probes.random is None and probes.dropout):
+        what = ("random layers " + _names(probes.dropout) if probes.dropout
+                else "the forward pass draws random numbers")
+        causes.append(Cause(
+            "dropout or RNG differs per rank",
+            f"{what}; each rank seeds its generator with seed + rank, so its random masks are not those one "
+            "process draws for the same samples: exact equality cannot hold; verify with dropout set to 0 "
+            "(the same code path then proves the rest)"))
+    if world * accumulate > 1:
+        pieces = f"pieces that {world} ranks x {accumulate} micro-step(s) compute"
+        causes += _loss_causes(probes.loss, pieces, world * accumulate)
+        causes += _own_padded_causes(probes.own_padded, pieces)
+    return causes
+
+
+def _loss_causes(split: Optional[LossSplit], pieces: str, n: int) -> list[Cause]:
+    """A loss whose batch value is the sum of its pieces', or normalised per piece."""
+    if split is None:
+        return []
+    pieces = f"the {split.pieces} {pieces}"
+    if split.kind == "sum":
+        return [Cause(
+            "loss summed over samples, not averaged",
+            f"a batch's loss ({split.whole:.6g}) is the sum of the losses of {pieces} ({split.total:.6g}), not "
+            "their sample-weighted mean; scaleloop weights each micro-batch's loss by its share of the step, "
+            f"as a mean needs, so the distributed gradient is 1/{n} of one process's; "
+            "return the mean over the batch")]
+    if split.kind == "other":
+        return [Cause(
+            "loss normalised per micro-batch instead of per global batch",
+            f"a batch's loss ({split.whole:.6g}) is not the sample-weighted mean ({split.weighted_mean:.6g}) of "
+            f"the losses of {pieces}: the loss divides by a count of its own piece (valid tokens, "
+            "unmasked samples, ignore_index, per-batch weights), so each piece gets an equal say whatever "
+            "its count; divide the summed loss by the count over the whole global batch (all ranks and "
+            "micro-steps) instead, or weight every sample equally")]
+    return []
+
+
+def _own_padded_causes(padded: Optional[PaddedLoss], pieces: str) -> list[Cause]:
+    """A model's own loss over -100 padding that the run could not make exact."""
+    if padded is None or padded.split.kind == "mean":
+        return []
+    split = padded.split
+    pieces = f"the {split.pieces} {pieces}"
+    each = set(padded.positions)
+    counts = (f"{_names([str(r) for r in padded.real], 8)} real targets (labels other than -100) of "
+              + (f"{each.pop()} labels each" if len(each) == 1 else _names([str(p) for p in padded.positions], 8)))
+    if any(r < p for r, p in zip(padded.real, padded.positions)) and len(set(padded.real)) > 1:
+        return [Cause(
+            "the model's own loss is a mean over each micro-batch's real tokens, and the micro-batches hold "
+            "different counts of -100 padding",
+            f"the model's own loss of a batch ({split.whole:.6g}) is not the sample-weighted mean "
+            f"({split.weighted_mean:.6g}) of the losses of {pieces}, which hold {counts}: the model divides "
+            "by its own micro-batch's count, so a micro-batch with more padding weighs more, and scaleloop cannot "
+            "tell this model the step's count (it tells a Hugging Face causal "
+            "LM, as num_items_in_batch); exact equality cannot hold with this loss: return the logits without "
+            "the loss and let scaleloop compute it over the whole step's real targets (labels that are each "
+            "position's target, -100 where there is none), or verify on data without padding (the same code "
+            "path then proves the rest)")]
+    return [Cause(
+        "loss normalised per micro-batch instead of per global batch",
+        f"the model's own loss of a batch ({split.whole:.6g}) is not the sample-weighted mean "
+        f"({split.weighted_mean:.6g}) of the losses of {pieces}: it divides by a count of its own piece; "
+        "compute it as the mean over the batch's samples, or return the logits and let scaleloop compute it")]
 
 
 def _augmented(seen: str, draws: str) -> Cause:
