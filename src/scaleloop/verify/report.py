@@ -96,9 +96,8 @@ def trajectory_line(rows: Sequence[StepDiff], tol: Tolerance, lockstep_passed: b
     if bad is None:
         return (f"  trajectory: within the free-running tolerance at every step ({last.param_rel:.1e} of the "
                 f"largest weight apart after step {last.step})")
-    if not lockstep_passed:
-        return (f"  trajectory: beyond the free-running tolerance from step {bad.step}: "
-                + "; ".join(bad.failures(tol)))
+    if not lockstep_passed:   # the verdict says what differs
+        return f"  trajectory: beyond the free-running tolerance from step {bad.step}"
     return (f"  trajectory: beyond the free-running tolerance from step {bad.step} ({'; '.join(bad.failures(tol))}), "
             f"while every step from the same state agrees: the runs differ by rounding that training carries "
             f"from step to step{' and ' + tol.optimizer + ' amplifies' if tol.optimizer else ''}, not in what a step does")
