@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from scaleloop.verify.compare import (TOLERANCES, StepDiff, compare_runs, rounding_level, tensor_diff,
-                                      tolerance_for)
+from scaleloop.verify.compare import (TOLERANCES, StateDiff, StepDiff, compare_runs, optimizer_state_diff,
+                                      rounding_level, tensor_diff, tolerance_for, with_state)
 from scaleloop.verify.recorder import step_file
-from scaleloop.verify.report import equivalence_verdict, format_table, rounding_note
+from scaleloop.verify.report import equivalence_verdict, format_table, rounding_note, state_line, trajectory_line
 
 FP32 = TOLERANCES["fp32"]
 
@@ -114,3 +114,63 @@ def test_verdict_and_table() -> None:
     table = format_table(bad, 2, FP32)
     assert len(table) == 4 and "loss (2 procs)" in table[0]
     assert "exceeds tolerance" in table[3] and "exceeds" not in table[1]
+
+
+def test_lock_step_holds_every_step_to_one_step_from_the_same_state() -> None:
+    free = tolerance_for("bf16", optimizer="adam", lr=0.01)
+    lock = free.per_step()
+    # Every step's gradients come from the same weights: the step-1 bound at every step.
+    assert lock.grads_at(7) == free.grads_at(1) < free.grads_at(7)
+    # Adam's allowance is one step's, however many steps were taken.
+    assert lock.adaptive_allowance(5) == free.adaptive_allowance(1) < free.adaptive_allowance(5)
+    apart = StepDiff(5, 1.0, 1.0, 5e-5, 2e-2, "w", 1e-3, "w")    # 5e-5 absolute after step 5
+    assert not apart.failures(free) and "after one step of adam" in apart.failures(lock)[0]
+    assert "for one step from the same state" in lock.describe() and "optimizer state" in lock.describe()
+
+
+def test_lock_step_leaves_out_noise_of_this_step_only(tmp_path: Path) -> None:
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    # Step 1: the bias's gradient is noise, and Adam moved it apart; step 2: a real gradient, 0.1 apart.
+    _write(ref_dir, 1, {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.01])},
+           {"w": torch.tensor([0.5, -0.25]), "b": torch.tensor([3e-9])})
+    _write(run_dir, 1, {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([-0.01])},
+           {"w": torch.tensor([0.5, -0.25]), "b": torch.tensor([-3e-9])})
+    _write(ref_dir, 2, {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.1])},
+           {"w": torch.tensor([0.5, -0.25]), "b": torch.tensor([0.2])})
+    _write(run_dir, 2, {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.0])},
+           {"w": torch.tensor([0.5, -0.25]), "b": torch.tensor([0.2])})
+    free = compare_runs(ref_dir, run_dir, [1.0, 1.0], [1.0, 1.0], steps=2, tol=FP32)
+    lock = compare_runs(ref_dir, run_dir, [1.0, 1.0], [1.0, 1.0], steps=2, tol=FP32.per_step())
+    assert free[1].param_rel == 0.0 and free[1].excluded == 1        # free-running: excluded for good
+    assert lock[1].excluded == 0 and lock[1].worst_param == "b" and lock[1].param_rel > FP32.params
+    assert not lock[0].failures(FP32.per_step()) and lock[1].failures(FP32.per_step())
+
+
+def test_optimizer_states_are_compared_by_name_kind_by_kind() -> None:
+    ref = {"w": {"step": torch.tensor(3.0), "exp_avg": torch.tensor([1.0, -2.0]), "exp_avg_sq": torch.tensor([4.0])},
+           "b": {"step": torch.tensor(3.0), "exp_avg": torch.tensor([0.5]), "exp_avg_sq": torch.tensor([1.0])}}
+    same = {n: {k: v.clone() for k, v in entry.items()} for n, entry in ref.items()}
+    assert optimizer_state_diff(ref, same) == StateDiff()
+    # A first moment 0.1 apart, relative to the largest first moment (2.0).
+    moved = {**same, "b": {**same["b"], "exp_avg": torch.tensor([0.6])}}
+    diff = optimizer_state_diff(ref, moved)
+    assert abs(diff.rel - 0.05) < 1e-6 and diff.worst == "exp_avg of b" and not diff.unequal
+    # A step counter must be equal; a parameter without state on one side counts as zeros.
+    counted = {**same, "w": {**same["w"], "step": torch.tensor(4.0)}}
+    assert optimizer_state_diff(ref, counted).unequal == ("step of w",)
+    assert optimizer_state_diff(ref, {"w": same["w"]}).worst.endswith(" of b")
+    zeros = {"z": {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2)}}
+    assert optimizer_state_diff({}, zeros) == StateDiff()
+    row = with_state([StepDiff(1, 1.0, 1.0, 0, 0, "", 0, "")], {1: diff})[0]
+    assert "optimizer state 5.00e-02 of its largest value" in row.failures(FP32.per_step())[0]
+    assert "exp_avg of b, step 1" in state_line([row])
+
+
+def test_the_trajectory_beside_a_lock_step_pass_is_explained_not_judged() -> None:
+    lock = [StepDiff(s, 1.0, 1.0, 1e-8, 1e-7, "w", 1e-7, "w") for s in (1, 2)]
+    drift = [StepDiff(1, 1.0, 1.0, 1e-8, 1e-7, "w", 1e-7, "w"), StepDiff(2, 1.0, 1.0, 1e-4, 2e-4, "w", 1e-6, "w")]
+    passed, line = equivalence_verdict(lock, 2, 2, "pipeline", FP32.per_step(), False, trajectory=drift)
+    assert passed and "each step from the same state" in line and "free-running: 2.0e-04 after 2" in line
+    said = trajectory_line(drift, FP32, lockstep_passed=True)
+    assert "beyond the free-running tolerance from step 2" in said and "not in what a step does" in said
+    assert "within the free-running tolerance" in trajectory_line(lock, FP32, lockstep_passed=True)

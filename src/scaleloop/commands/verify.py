@@ -16,8 +16,9 @@ from scaleloop.verify.options import CHECKS, DEFAULT_STEPS, VerifyOptions, parse
 DESCRIPTION = (
     "Prove on your own model that N processes train the same model as one. Runs --steps K "
     "optimizer steps as 1 process with the global --batch-size B and as --nproc N processes "
-    "(default here: 2, with --strategy ddp), compares every step's loss, parameters and "
-    "gradients against tolerances for the --precision, and names the cause when they differ "
+    "(default here: 2, with --strategy ddp), takes every step again in 1 process from the N "
+    "processes' state before it (lock-step), compares each step's loss, gradients, parameters and "
+    "optimizer state against tolerances for the --precision, and names the cause when they differ "
     "(BatchNorm without --sync-batchnorm, dropout, a loss normalised per micro-batch, unused "
     "parameters, padded samples). --check sync hashes every tensor on every rank; --check data "
     "audits each rank's batches and each epoch's coverage; --explain shows one step rank by "

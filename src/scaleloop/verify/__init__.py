@@ -8,6 +8,7 @@ Modules, one job each (torch is imported only by the ones that train or compare)
 - ``steps``     the K training steps, shared by the reference and every worker
 - ``recorder``  what each rank records; rank 0 writes it down
 - ``worker``    the program torchrun starts on each rank; ``launch`` starts torchrun
+- ``lockstep``  the run saves its state at every step; one process takes each step from it
 - ``compare``   step-by-step differences and precision-aware tolerances; ``report`` prints them
 - ``probes``    experiments on the model and loss; ``diagnose`` names the cause from them
 - ``data``      per-batch SHA-256, per-epoch coverage, DistributedSampler padding

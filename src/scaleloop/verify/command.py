@@ -2,10 +2,13 @@
 
 1. The one-process reference trains K steps here, in this process, recording every step.
 2. N workers train the same K steps under torchrun (``nn.DataParallel`` runs here instead);
-   their rank 0 records the same things, plus what every rank saw.
-3. The records are compared (``compare``), the data audited (``data``), the replicas' hashes
-   checked (``sync``), a step explained (``explain``); on failure, the cause is named
-   (``probes`` + ``diagnose``).
+   their rank 0 records the same things, plus what every rank saw, and saves the run's state
+   at every step boundary.
+3. One process takes each of those K steps again, here, from the run's state before it
+   (``lockstep``): the comparison that decides the verdict.
+4. The records are compared (``compare``: lock-step, and the free-running trajectory beside
+   it), the data audited (``data``), the replicas' hashes checked (``sync``), a step explained
+   (``explain``); on failure, the cause is named (``probes`` + ``diagnose``).
 
 Everything recorded lies in a report directory: a temporary one, or ``--report DIR`` to keep it.
 """
@@ -33,19 +36,23 @@ from scaleloop.errors import UsageError
 from scaleloop.strategies import make_strategy
 from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.verify import data as data_check
-from scaleloop.verify.compare import StepDiff, Tolerance, compare_runs, gradient_ratio, tolerance_for
+from scaleloop.verify.compare import (StateDiff, StepDiff, Tolerance, compare_runs, gradient_ratio, tolerance_for,
+                                      with_state)
 from scaleloop.verify.diagnose import (Cause, buffer_cause, fallback, failure_cause, initial_cause, name_causes,
                                        piece_groups, rank_code_cause, scale_cause)
 from scaleloop.verify.explain import format_explain
 from scaleloop.launching.failures import Failure
 from scaleloop.verify.launch import failure_report, start_workers, worker_errors
-from scaleloop.verify.layout import CONFIG_FILE, OPTIONS_FILE, distributed_dir, reference_dir
+from scaleloop.verify.layout import (CONFIG_FILE, OPTIONS_FILE, distributed_dir, lockstep_dir, reference_dir,
+                                     states_dir)
+from scaleloop.verify.lockstep import StateSaver, Teacher, saved_steps
 from scaleloop.loop.padding import counting_for
 from scaleloop.loop.tasks import resolve_loss
 from scaleloop.verify.options import VerifyOptions
 from scaleloop.verify.probes import Probes, run_probes, sample_draws, unsynced_batchnorm
-from scaleloop.verify.recorder import RECORD_FILE, Recorder
-from scaleloop.verify.report import buffer_line, equivalence_verdict, format_table, rounding_note
+from scaleloop.verify.recorder import RECORD_FILE, Recorder, step_file
+from scaleloop.verify.report import (buffer_line, equivalence_verdict, format_table, rounding_note, state_line,
+                                     trajectory_line)
 from scaleloop.verify.saved import SavedState
 from scaleloop.loop.build import build_data_and_model
 from scaleloop.verify.steps import RunSpec, run_steps
@@ -70,6 +77,14 @@ class Session:
 
 
 @dataclass
+class Lockstep:
+    """What one process recorded taking each step from the distributed run's state before it."""
+
+    losses: list[float]
+    states: dict[int, StateDiff]        # the optimizer state after each step, against the run's
+
+
+@dataclass
 class Records:
     """What the two runs recorded, and what the data they trained on says."""
 
@@ -79,6 +94,7 @@ class Records:
     failure: Optional[Failure]          # the workers' failure report (None: they succeeded, or dp)
     step_problems: list[str]
     content_problems: list[str]
+    lockstep: Optional[Lockstep] = None
 
 
 def verify(cfg: TrainConfig, opts: VerifyOptions, say: Say = print) -> int:
@@ -103,7 +119,8 @@ def verify(cfg: TrainConfig, opts: VerifyOptions, say: Say = print) -> int:
         session = Session(cfg, opts, root, say, device, data, model, _world(cfg), ref_accumulate)
         _header(session)
         reference, code = _run_both(session)
-        return _report(session, reference, code)
+        lockstep = _run_lockstep(session) if opts.lockstep and reference is not None else None
+        return _report(session, reference, code, lockstep)
 
 
 @contextlib.contextmanager
@@ -217,8 +234,9 @@ def _run_dataparallel(s: Session) -> int:
     env = DistEnv(device=s.device)
     recorder = Recorder(env, distributed_dir(s.root), explain_step=s.opts.explain_step,
                         audit_data="data" in s.opts.checks, check_sync=s.opts.hashes_replicas)
+    saver = StateSaver(states_dir(s.root), env) if s.opts.lockstep else None
     try:
-        run_steps(s.cfg, env, RunSpec("dp", s.cfg.accumulate, s.opts.steps), recorder)
+        run_steps(s.cfg, env, RunSpec("dp", s.cfg.accumulate, s.opts.steps), recorder, boundary=saver)
     except UsageError:
         raise
     except Exception as exc:
@@ -227,8 +245,33 @@ def _run_dataparallel(s: Session) -> int:
     return 0
 
 
+def _run_lockstep(s: Session) -> Optional[Lockstep]:
+    """One process takes each step the distributed run recorded again, from the state the run saved
+    before it (``lockstep``); None when the run recorded no step, or when the one-process run cannot
+    load that state (said: the verdict then falls back to the free-running trajectory)."""
+    run_dir = distributed_dir(s.root)
+    recorded = 0
+    while recorded < s.opts.steps and step_file(run_dir, recorded + 1).exists():
+        recorded += 1
+    steps = min(recorded, saved_steps(states_dir(s.root)))
+    if steps == 0:
+        return None
+    env = DistEnv(device=s.device)
+    recorder = Recorder(env, lockstep_dir(s.root))
+    teacher = Teacher(states_dir(s.root))
+    try:
+        run_steps(s.cfg, env, RunSpec("single", s.ref_accumulate, steps), recorder, boundary=teacher)
+    except Exception as exc:  # noqa: BLE001 - the user's model that cannot take a saved state back: said
+        s.say(f"  lock-step comparison not possible ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); "
+              "the verdict falls back to the free-running comparison")
+        return None
+    record = _load(lockstep_dir(s.root) / RECORD_FILE)
+    assert record is not None
+    return Lockstep(record["losses"], teacher.diffs)
+
+
 # --- the report --------------------------------------------------------------------------
-def _report(s: Session, reference: Optional[dict[str, Any]], code: int) -> int:
+def _report(s: Session, reference: Optional[dict[str, Any]], code: int, lockstep: Optional[Lockstep] = None) -> int:
     run_dir = distributed_dir(s.root)
     run = _load(run_dir / RECORD_FILE)
     failures = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(run_dir.glob("failure-rank*.json"))]
@@ -247,7 +290,7 @@ def _report(s: Session, reference: Optional[dict[str, Any]], code: int) -> int:
     records = Records(reference, run, failures, failure,
                       stage_problems + (data_check.step_mismatches(ref_micro, data_ranks, s.opts.steps)
                                         if reference else []),
-                      data_check.content_mismatches(s.data.train, ranks))
+                      data_check.content_mismatches(s.data.train, ranks), lockstep)
 
     results: list[tuple[str, bool]] = []
     if "equivalence" in s.opts.checks and reference is not None:
@@ -311,20 +354,35 @@ def _failure_lines(r: Records, kept: bool) -> list[str]:
 
 
 def _equivalence(s: Session, r: Records) -> bool:
-    """The step table, the models as built and the ranks' final copies, the verdict; on failure, the causes."""
+    """The step tables (lock-step, which decides, then the free-running trajectory), the models as
+    built and the ranks' final copies, the verdict; on failure, the causes."""
     assert r.reference is not None
-    tol = tolerance_for(s.cfg.precision, s.opts.tolerance, s.cfg.optimizer, s.cfg.lr)
+    free = tolerance_for(s.cfg.precision, s.opts.tolerance, s.cfg.optimizer, s.cfg.lr)
     run_losses = r.run["losses"] if r.run else (min(r.failures, key=lambda f: f["rank"]).get("losses") or [])
-    rows = compare_runs(reference_dir(s.root), distributed_dir(s.root), r.reference["losses"], run_losses,
-                        s.opts.steps, tol)
+    trajectory = compare_runs(reference_dir(s.root), distributed_dir(s.root), r.reference["losses"], run_losses,
+                              s.opts.steps, free)
+    rows, tol = trajectory, free
+    if r.lockstep is not None:
+        tol = free.per_step()
+        rows = with_state(compare_runs(lockstep_dir(s.root), distributed_dir(s.root), r.lockstep.losses, run_losses,
+                                       s.opts.steps, tol), r.lockstep.states)
+        s.say(f"  lock-step (decides the verdict): before each step, 1 process loads the state the {s.world} "
+              "processes had (weights, buffers, optimizer state) and takes the same step on the same samples")
     saved = SavedState.load(reference_dir(s.root), distributed_dir(s.root), r.run)
     for line in format_table(rows, s.world, tol):
         s.say(line)
-    for line in (buffer_line(rows), f"  {tol.describe()}", rounding_note(rows, tol, s.cfg.optimizer)):
+    for line in (f"  {tol.describe()}", buffer_line(rows), state_line(rows),
+                 rounding_note(rows, tol, s.cfg.optimizer)):
         if line:
             s.say(line)
     passed, verdict = equivalence_verdict(rows, s.opts.steps, s.world, s.cfg.strategy, tol, bool(r.failures),
-                                          saved.problems(tol))
+                                          saved.problems(tol), trajectory=trajectory if r.lockstep else None)
+    if r.lockstep is not None:
+        s.say("  trajectory (shown, not judged): both runs free from the same start, each carrying its own "
+              "rounding into its next step")
+        for line in format_table(trajectory, s.world, free, mark="  (beyond the free-running tolerance)"):
+            s.say(line)
+        s.say(trajectory_line(trajectory, free, lockstep_passed=not any(row.failures(tol) for row in rows)))
     s.say(verdict)
     _draw(s, rows, tol)
     note = saved.note(not passed)

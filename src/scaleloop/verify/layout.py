@@ -7,6 +7,8 @@ CONFIG_FILE = "config.toml"      # the resolved TrainConfig of the distributed r
 OPTIONS_FILE = "verify.json"     # the VerifyOptions
 REFERENCE_DIR = "single"         # the one-process reference run's records
 DISTRIBUTED_DIR = "dist"         # the N-process run's records (written by its rank 0)
+LOCKSTEP_DIR = "lockstep"        # one process's steps, each from the N-process run's state before it
+STATES_DIR = "states"            # the N-process run's full state at every step boundary (verify.lockstep)
 LOG_FILE = "torchrun.log"        # everything torchrun and the workers printed
 
 
@@ -16,3 +18,11 @@ def reference_dir(root: Path) -> Path:
 
 def distributed_dir(root: Path) -> Path:
     return root / DISTRIBUTED_DIR
+
+
+def lockstep_dir(root: Path) -> Path:
+    return root / LOCKSTEP_DIR
+
+
+def states_dir(root: Path) -> Path:
+    return root / STATES_DIR

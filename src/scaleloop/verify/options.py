@@ -53,6 +53,12 @@ class VerifyOptions:
         return "sync" in self.checks or "equivalence" in self.checks
 
     @property
+    def lockstep(self) -> bool:
+        """Whether the distributed run saves its state at every step for the lock-step comparison
+        (``verify.lockstep``): for equivalence, which it decides."""
+        return "equivalence" in self.checks
+
+    @property
     def needs_reference(self) -> bool:
         """Whether a one-process reference run is needed (for comparing, or for explaining a step)."""
         return "equivalence" in self.checks or self.explain_step is not None

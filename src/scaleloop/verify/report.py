@@ -1,33 +1,44 @@
-"""The equivalence table and its verdict, as printed lines."""
+"""The equivalence tables (lock-step, free-running) and the verdict, as printed lines."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from scaleloop.verify.compare import StepDiff, Tolerance
 
+EXCEEDS = "  <-- exceeds tolerance"
 
-def format_table(rows: Sequence[StepDiff], world: int, tol: Tolerance) -> list[str]:
-    """One line per step: both losses, the parameter and gradient differences, the worst parameter."""
+
+def format_table(rows: Sequence[StepDiff], world: int, tol: Tolerance, mark: str = EXCEEDS) -> list[str]:
+    """One line per step: both losses, the parameter and gradient differences, the worst parameter;
+    ``mark`` after a step that exceeds ``tol``."""
     procs = f"loss ({world} procs)"
     lines = [f"  {'step':>4}  {'loss (1 proc)':>14}  {procs:>14}  {'max |dparam|':>12}  "
              f"{'dparam/|w|max':>13}  {'dgrad/|g|max':>12}  worst parameter"]
     for r in rows:
-        mark = "" if not r.failures(tol) else "  <-- exceeds tolerance"
+        mark_here = "" if not r.failures(tol) else mark
         lines.append(f"  {r.step:>4}  {r.loss_ref:>14.6f}  {r.loss_run:>14.6f}  {r.param_abs:>12.3e}  "
-                     f"{r.param_rel:>13.2e}  {r.grad_rel:>12.2e}  {r.worst_param or '-'}{mark}")
+                     f"{r.param_rel:>13.2e}  {r.grad_rel:>12.2e}  {r.worst_param or '-'}{mark_here}")
     return lines
 
 
 def equivalence_verdict(rows: Sequence[StepDiff], steps: int, world: int, strategy: str,
-                        tol: Tolerance, failed_run: bool, problems: Sequence[str] = ()) -> tuple[bool, str]:
+                        tol: Tolerance, failed_run: bool, problems: Sequence[str] = (),
+                        trajectory: Optional[Sequence[StepDiff]] = None) -> tuple[bool, str]:
     """(passed, the verdict line). ``problems``: what else failed, in words (the models as built,
-    the ranks' saved state); the first reason found leads the line, the others follow on their own."""
+    the ranks' saved state); the first reason found leads the line, the others follow on their own.
+    ``trajectory``: with lock-step ``rows``, the free-running comparison, whose last difference a PASS names."""
     bad = [r for r in rows if r.failures(tol)]
     reasons = ([f"from step {bad[0].step}: " + "; ".join(bad[0].failures(tol))] if bad else [])
     reasons = [p for p in problems if p.startswith("from step 0")] + reasons
     reasons += [p for p in problems if not p.startswith("from step 0")]
     if not reasons and len(rows) == steps and not failed_run:
         worst = max(rows, key=lambda r: r.param_rel)
+        if tol.lockstep and trajectory:
+            last = trajectory[-1]
+            return True, (f"verdict: PASS - {world} processes ({strategy}) train the same model as 1 process over "
+                          f"{steps} step(s), each step from the same state (lock-step: largest parameter difference "
+                          f"{worst.param_rel:.1e} of the largest weight in one step; free-running: "
+                          f"{last.param_rel:.1e} after {last.step})")
         return True, (f"verdict: PASS - {world} processes ({strategy}) train the same model as 1 process over "
                       f"{steps} step(s) (largest parameter difference {worst.param_rel:.1e} of the largest weight)")
     if reasons:
@@ -61,3 +72,32 @@ def rounding_note(rows: Sequence[StepDiff], tol: Tolerance, optimizer: str) -> s
             f"columns (with them: {last.raw_param_rel:.1e} of the largest weight). The gradients agree; "
             "a bias right before BatchNorm, whose true gradient is zero, is one such case (the running mean after "
             "it may then differ by as much: buffers are allowed the parameters' difference of the step before)")
+
+
+def state_line(rows: Sequence[StepDiff]) -> str:
+    """The optimizer state's largest difference after a lock-step step (empty: no state was compared or
+    none differs: SGD without momentum keeps none)."""
+    worst = max(rows, key=lambda r: r.state_rel, default=None)
+    counters = next((r for r in rows if r.unequal_state), None)
+    if (worst is None or not worst.state_rel) and counters is None:
+        return ""
+    parts = ([f"largest difference {worst.state_rel:.2e} of its largest value ({worst.worst_state}, step "
+              f"{worst.step})"] if worst is not None and worst.state_rel else [])
+    parts += [f"{counters.unequal_state[0]} unequal from step {counters.step}"] if counters is not None else []
+    return "  optimizer state after each step (compared in lock-step): " + "; ".join(parts)
+
+
+def trajectory_line(rows: Sequence[StepDiff], tol: Tolerance, lockstep_passed: bool) -> str:
+    """What the free-running comparison shows, beside a lock-step verdict."""
+    if not rows:
+        return "  trajectory: no step to compare"
+    bad = next((r for r in rows if r.failures(tol)), None)
+    last = rows[-1]
+    if bad is None:
+        return (f"  trajectory: within the free-running tolerance at every step ({last.param_rel:.1e} of the "
+                f"largest weight apart after step {last.step})")
+    if not lockstep_passed:   # the verdict says what differs
+        return f"  trajectory: beyond the free-running tolerance from step {bad.step}"
+    return (f"  trajectory: beyond the free-running tolerance from step {bad.step} ({'; '.join(bad.failures(tol))}), "
+            f"while every step from the same state agrees: the runs differ by rounding that training carries "
+            f"from step to step{' and ' + tol.optimizer + ' amplifies' if tol.optimizer else ''}, not in what a step does")

@@ -8,7 +8,7 @@ does not change the weights (evaluation, checkpoints, metrics files).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from scaleloop.config import TrainConfig
 from scaleloop.errors import UsageError
@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 from scaleloop.data.info import Datasets
-from scaleloop.loop.build import build_data_and_model, build_run
+from scaleloop.loop.build import Run, build_data_and_model, build_run
 from scaleloop.loop.step import Step
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.verify.data import load_samples
@@ -45,8 +45,15 @@ def probe_inputs(dataset: Any, n: int = 4) -> Optional[torch.Tensor]:
     return x if isinstance(x, torch.Tensor) else None
 
 
-def run_steps(cfg: TrainConfig, env: DistEnv, spec: RunSpec, recorder: Recorder) -> None:
-    """Train ``spec.steps`` optimizer steps on this rank, telling ``recorder`` what happens."""
+#: Called at every step boundary with the run and the steps done so far: 0 before the first step,
+#: then after each (``verify.lockstep``: the workers save their state there, one process loads it).
+Boundary = Callable[[Run, int], None]
+
+
+def run_steps(cfg: TrainConfig, env: DistEnv, spec: RunSpec, recorder: Recorder,
+              boundary: Optional[Boundary] = None) -> None:
+    """Train ``spec.steps`` optimizer steps on this rank, telling ``recorder`` what happens
+    (and ``boundary``, if given, where each step begins and ends)."""
     # The reference side runs one process: a pipeline's pieces and schedule apply to the pipeline only.
     pipelined = cfg.replace(strategy=spec.strategy).pipeline_layout() is not None
     pipeline = {} if pipelined else dict(microbatches=1, pipeline_schedule="gpipe", stages_per_rank=0,
@@ -69,6 +76,8 @@ def run_steps(cfg: TrainConfig, env: DistEnv, spec: RunSpec, recorder: Recorder)
     step = Step(run, observer=recorder)
     run.model.train()
     done, epoch = 0, 0
+    if boundary is not None:
+        boundary(run, 0)
     while done < spec.steps:
         run.loader.set_epoch(epoch)
         epoch += 1
@@ -77,6 +86,8 @@ def run_steps(cfg: TrainConfig, env: DistEnv, spec: RunSpec, recorder: Recorder)
             if batch.last_micro:
                 step.update()
                 done += 1
+                if boundary is not None:
+                    boundary(run, done)
                 if done >= spec.steps:
                     break
     recorder.finish(run.loader, epochs_touched=epoch)

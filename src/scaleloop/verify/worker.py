@@ -2,7 +2,7 @@
 
 Not for users: ``python -m scaleloop.verify.worker REPORT_DIR`` reads the resolved settings the
 verify command wrote into ``REPORT_DIR``, trains the K steps on this rank and records them
-(rank 0 writes). A failure is written to ``failure-rank<R>.json`` for the parent's comparison
+(rank 0 writes), saving the run's state at every step boundary for the lock-step comparison. A failure is written to ``failure-rank<R>.json`` for the parent's comparison
 (the steps done, the losses) and raised again, with the step it happened in: the verify
 command starts this program through ``scaleloop.launching.worker``, whose ``record`` puts it in
 torchrun's error file for the short failure report; the worker exits with 1, and torchrun stops
@@ -17,7 +17,8 @@ from typing import Optional, Sequence
 from scaleloop.config import load_toml, resolve
 from scaleloop.runtime.dist import DistEnv, destroy_process_group, init_process_group
 from scaleloop.runtime.frames import note_where
-from scaleloop.verify.layout import CONFIG_FILE, OPTIONS_FILE, distributed_dir
+from scaleloop.verify.layout import CONFIG_FILE, OPTIONS_FILE, distributed_dir, states_dir
+from scaleloop.verify.lockstep import StateSaver
 from scaleloop.verify.options import VerifyOptions
 from scaleloop.verify.recorder import Recorder
 from scaleloop.verify.steps import RunSpec, run_steps
@@ -36,7 +37,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     recorder = Recorder(env, distributed_dir(root), explain_step=opts.explain_step,
                         audit_data="data" in opts.checks, check_sync=opts.hashes_replicas)
     try:
-        run_steps(cfg, env, RunSpec(cfg.strategy, cfg.accumulate, opts.steps), recorder)
+        # For the lock-step comparison the run's state is saved at every step boundary.
+        saver = StateSaver(states_dir(root), env) if opts.lockstep else None
+        run_steps(cfg, env, RunSpec(cfg.strategy, cfg.accumulate, opts.steps), recorder, boundary=saver)
     except Exception as exc:  # recorded for the parent's comparison, then to torchrun's error file
         recorder.fail(exc)
         note_where(exc, None, recorder.step)
