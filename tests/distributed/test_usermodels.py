@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from procs import run, scaleloop
+from procs import run
 from scaleloop.config import TrainConfig
 from scaleloop.loop.training import train
 from scaleloop.runtime.dist import DistEnv

@@ -309,9 +309,9 @@ def _report(s: Session, reference: Optional[dict[str, Any]], code: int, lockstep
         results.append(("sync", passed))
     if run is not None and s.opts.explain_step is not None:
         if _pipeline(s.cfg):
-            s.say(f"explain: not available under --strategy pipeline: every rank runs its own stage of the model on "
-                  f"the same samples, so there is no per-rank gradient of one parameter to all-reduce; the step "
-                  f"table compares every parameter and gradient with 1 process")
+            s.say("explain: not available under --strategy pipeline: every rank runs its own stage of the model on "
+                  "the same samples, so there is no per-rank gradient of one parameter to all-reduce; the step "
+                  "table compares every parameter and gradient with 1 process")
         else:
             for line in format_explain(s.opts.explain_step, run, reference):
                 s.say(line)
