@@ -49,14 +49,21 @@ def equivalence_verdict(rows: Sequence[StepDiff], steps: int, world: int, strate
 
 def buffer_line(rows: Sequence[StepDiff]) -> str:
     """The buffers' largest difference over the steps (empty: none differs at all, or there are none)."""
-    worst = max(rows, key=lambda r: r.buffer_rel, default=None)
-    counters = next((r for r in rows if r.unequal_buffers), None)
-    if (worst is None or not worst.buffer_rel) and counters is None:
+    return _worst_line(rows, "buffer_rel", "worst_buffer", "unequal_buffers", "of the largest buffer",
+                       "  buffers saved with the model (compared after every step): ")
+
+
+def _worst_line(rows: Sequence[StepDiff], rel: str, name: str, unequal: str, of: str, head: str) -> str:
+    """The largest relative difference of one kind of tensor over the steps, and the first step where
+    an exact one (a counter) differs; empty when neither."""
+    worst = max(rows, key=lambda r: getattr(r, rel), default=None)
+    counters = next((r for r in rows if getattr(r, unequal)), None)
+    if (worst is None or not getattr(worst, rel)) and counters is None:
         return ""
-    parts = ([f"largest difference {worst.buffer_rel:.2e} of the largest buffer ({worst.worst_buffer}, step "
-              f"{worst.step})"] if worst is not None and worst.buffer_rel else [])
-    parts += [f"{counters.unequal_buffers[0]} unequal from step {counters.step}"] if counters is not None else []
-    return "  buffers saved with the model (compared after every step): " + "; ".join(parts)
+    parts = ([f"largest difference {getattr(worst, rel):.2e} {of} ({getattr(worst, name)}, step "
+              f"{worst.step})"] if worst is not None and getattr(worst, rel) else [])
+    parts += [f"{getattr(counters, unequal)[0]} unequal from step {counters.step}"] if counters is not None else []
+    return head + "; ".join(parts)
 
 
 def rounding_note(rows: Sequence[StepDiff], tol: Tolerance, optimizer: str) -> str:
@@ -77,14 +84,8 @@ def rounding_note(rows: Sequence[StepDiff], tol: Tolerance, optimizer: str) -> s
 def state_line(rows: Sequence[StepDiff]) -> str:
     """The optimizer state's largest difference after a lock-step step (empty: no state was compared or
     none differs: SGD without momentum keeps none)."""
-    worst = max(rows, key=lambda r: r.state_rel, default=None)
-    counters = next((r for r in rows if r.unequal_state), None)
-    if (worst is None or not worst.state_rel) and counters is None:
-        return ""
-    parts = ([f"largest difference {worst.state_rel:.2e} of its largest value ({worst.worst_state}, step "
-              f"{worst.step})"] if worst is not None and worst.state_rel else [])
-    parts += [f"{counters.unequal_state[0]} unequal from step {counters.step}"] if counters is not None else []
-    return "  optimizer state after each step (compared in lock-step): " + "; ".join(parts)
+    return _worst_line(rows, "state_rel", "worst_state", "unequal_state", "of its largest value",
+                       "  optimizer state after each step (compared in lock-step): ")
 
 
 def trajectory_line(rows: Sequence[StepDiff], tol: Tolerance, lockstep_passed: bool) -> str:
