@@ -1,13 +1,17 @@
 """Run scaleloop (and torchrun) in child processes, and never leave one behind."""
 from __future__ import annotations
 
+import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import uuid
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import IO, Optional, Sequence
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -27,12 +31,95 @@ def child_env(extra: Optional[dict[str, str]] = None) -> dict[str, str]:
     return env
 
 
+# Set to run every command in a fresh interpreter instead of a fork of the fork server.
+FRESH_VAR = "SCALELOOP_TEST_FRESH"
+
+
+class ForkServer:
+    """This pytest process's client of ``forkserver.py`` (why it exists: that module's doc).
+
+    One run at a time; the server is started at the first run and ends with this process
+    (it reads its requests from a pipe that closes then).
+    """
+
+    def __init__(self) -> None:
+        self.proc: Optional[subprocess.Popen] = None
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+
+    def _start(self) -> subprocess.Popen:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forkserver.py"))],
+                                         env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         text=True, bufsize=1)
+            ready = self._reply(self.proc.stdout, 120)  # type: ignore[arg-type]
+            assert "ready" in ready, ready
+        return self.proc
+
+    @staticmethod
+    def _reply(stream: IO[str], timeout: Optional[float]) -> dict:
+        ready, _, _ = select.select([stream], [], [], timeout)
+        if not ready:
+            raise subprocess.TimeoutExpired("fork server", timeout or 0)
+        line = stream.readline()
+        if not line:
+            raise RuntimeError("the tests' fork server ended")
+        return json.loads(line)
+
+    def run(self, cmd: Sequence[str], *, cwd: Path, timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
+        """``cmd`` (``python -m M ...`` or ``python SCRIPT ...``) in a fork: its status and output."""
+        with self._lock, tempfile.TemporaryDirectory(prefix="sl-fork-") as tmp:
+            server = self._start()
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            server.stdin.write(json.dumps({"argv": list(cmd), "env": env, "cwd": str(cwd),  # type: ignore[union-attr]
+                                           "stdout": str(out), "stderr": str(err)}) + "\n")
+            server.stdin.flush()  # type: ignore[union-attr]
+            pid = self._reply(server.stdout, 60)["pid"]  # type: ignore[arg-type]
+            try:
+                code = self._reply(server.stdout, timeout)["code"]  # type: ignore[arg-type]
+            except subprocess.TimeoutExpired:
+                _kill_session(pid)
+                self._reply(server.stdout, 60)
+                raise subprocess.TimeoutExpired(list(cmd), timeout, _text(out), _text(err)) from None
+            finally:
+                _kill_session(pid)   # torchrun's workers, should any outlive it
+            return subprocess.CompletedProcess(list(cmd), code, _text(out), _text(err))
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def _kill_session(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    kill_owned()
+
+
+SERVER = ForkServer()
+
+
+def forkable(cmd: Sequence[str]) -> bool:
+    """Whether ``cmd`` can run as a fork of the server: this Python running a module or a script."""
+    return (len(cmd) >= 2 and cmd[0] == sys.executable and os.environ.get(FRESH_VAR) != "1"
+            and (cmd[1] == "-m" and len(cmd) >= 3 or cmd[1].endswith(".py")))
+
+
 def owned_pids() -> list[int]:
-    """Live processes started (directly or not) by this test session."""
+    """Live processes started (directly or not) by this test session (the fork server aside)."""
     mark = f"{OWNER_VAR}={OWNER}".encode()
     found = []
+    skip = {os.getpid(), SERVER.pid}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+        if not entry.name.isdigit() or int(entry.name) in skip:
             continue
         try:
             if mark in (entry / "environ").read_bytes().split(b"\0"):
@@ -51,8 +138,16 @@ def kill_owned() -> None:
             pass
 
 
-def run(cmd: Sequence[str], *, cwd: Path, timeout: float = 240, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own process group; on timeout or error kill the whole group."""
+def run(cmd: Sequence[str], *, cwd: Path, timeout: float = 240, env: Optional[dict[str, str]] = None,
+        fresh: bool = False) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; on timeout or error kill the whole group.
+
+    ``python -m M`` and ``python SCRIPT`` run as forks of the fork server (see ``forkserver.py``)
+    unless ``fresh``: a test of the interpreter's own start (its imports, its command line as
+    ``ps`` shows it) needs a fresh one.
+    """
+    if not fresh and forkable(cmd):
+        return SERVER.run(cmd, cwd=cwd, timeout=timeout, env=env or child_env())
     proc = subprocess.Popen(list(cmd), cwd=cwd, env=env or child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

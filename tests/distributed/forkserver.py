@@ -1,0 +1,147 @@
+"""A fork server for the tests' ``python -m scaleloop ...`` (and ``python script.py``) runs.
+
+Most of what a short multi-process test costs is Python starting: ``import torch`` and
+``torch._dynamo`` (which torch.optim's first step imports) take about 4 CPU-seconds here, and
+the suite starts a few hundred such runs. This server is started once per pytest process,
+imports them once, and forks one child per run. The child starts as the fresh interpreter the
+command stands for, as scaleloop's own agent starts its forked workers
+(``scaleloop.launching.worker.forked``): its own session, default signal handlers, no exit
+handlers of the server, its own environment, working directory, ``sys.argv`` and
+``sys.path[0]``, its output in files, and ``__main__`` run by ``runpy``; at its end it joins its
+threads and runs its exit handlers as an interpreter does.
+
+The server itself runs no tensor operation and starts no thread, so a fork of it is as clean
+as the agent's. ``tests/distributed/procs.py`` is its client; ``SCALELOOP_TEST_FRESH=1`` makes
+every run a fresh interpreter again.
+
+Protocol (JSON lines): the server says ``{"ready": pid}``; each request
+``{"argv", "env", "cwd", "stdout", "stderr"}`` gets ``{"pid": ...}`` once forked and
+``{"code": ...}`` (``subprocess``'s return code) once the child has ended.
+"""
+from __future__ import annotations
+
+import atexit
+import gc
+import importlib
+import io
+import json
+import os
+import runpy
+import signal
+import sys
+import tempfile
+import threading
+import traceback
+
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "scaleloop.cli",
+           "scaleloop.launching.worker", "scaleloop.launching.agent", "scaleloop.launching.launcher",
+           "scaleloop.loop.training", "scaleloop.loop.build", "scaleloop.strategies.factory",
+           "scaleloop.strategies.ddp", "torch.nn.parallel")
+
+
+def _streams() -> None:
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    sys.stdin = io.TextIOWrapper(open(0, "rb", closefd=False), encoding="utf-8")
+    # Unbuffered, as the tests' PYTHONUNBUFFERED=1 makes a fresh interpreter.
+    sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), write_through=True,
+                                  encoding="utf-8", errors="strict")
+    sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), write_through=True,
+                                  encoding="utf-8", errors="backslashreplace")
+
+
+def _paths(argv: list[str], cwd: str, env: dict[str, str]) -> None:
+    """``sys.path`` as a fresh interpreter would have it: the script's folder (or the working
+    directory for ``-m``) first, then PYTHONPATH, then the rest."""
+    first = cwd if argv[1] == "-m" else os.path.dirname(os.path.abspath(argv[1]))
+    rest = [p for p in sys.path[1:]]
+    extra = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [first] + [p for p in extra if p not in rest] + rest
+
+
+def _run(argv: list[str]) -> int:
+    """Run ``argv`` (``python -m MODULE ...`` or ``python SCRIPT ...``); its exit status."""
+    try:
+        if argv[1] == "-m":
+            sys.argv = [argv[2], *argv[3:]]
+            runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = argv[1:]
+            runpy.run_path(argv[1], run_name="__main__")
+        return 0
+    except SystemExit as exc:
+        if exc.code is None:
+            return 0
+        if isinstance(exc.code, int):
+            return exc.code
+        print(exc.code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return -int(signal.SIGINT)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        return 1
+
+
+def _child(request: dict) -> None:
+    code = 1
+    try:
+        os.setsid()
+        gc.freeze()
+        gc.enable()
+        atexit._clear()
+        for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        tempfile.tempdir = None   # read from this run's TMPDIR again, as a fresh interpreter does
+        os.chdir(request["cwd"])
+        os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
+        os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+        _streams()
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0:
+            import torch
+
+            torch.set_num_threads(int(threads))
+        _paths(request["argv"], request["cwd"], request["env"])
+        code = _run(request["argv"])
+        threading._shutdown()  # type: ignore[attr-defined]  # as an interpreter's end joins them
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        if code < 0:   # ended by a signal, as a fresh interpreter ends on an uncaught Ctrl-C
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code & 0xFF)
+
+
+def _say(message: dict) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    sys.path[0] = os.getcwd()   # not this file's folder: each child sets its own (_paths)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    _say({"ready": os.getpid()})
+    for line in sys.stdin:
+        request = json.loads(line)
+        gc.disable()   # the child's copies of the server's objects are never collected there
+        pid = os.fork()
+        if pid == 0:
+            _child(request)
+        gc.enable()
+        _say({"pid": pid})
+        _, status = os.waitpid(pid, 0)
+        _say({"code": os.waitstatus_to_exitcode(status)})
+
+
+if __name__ == "__main__":
+    main()
