@@ -33,7 +33,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ from typing import Iterator, Optional
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
-from procs import child_env, kill_group, kill_owned, owned_pids  # noqa: E402
+from procs import child_env, kill_owned, owned_pids, run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIAL = ROOT / "docs" / "tutorial.md"
@@ -175,14 +174,27 @@ def reader_env() -> dict[str, str]:
     return env
 
 
+# The console scripts a page's commands start with, as the Python command each one runs.
+_AS_PYTHON = {"scaleloop": ["-m", "scaleloop"], "torchrun": ["-m", "torch.distributed.run"], "python": [], "python3": []}
+
+
+def as_python(cmd: str) -> Optional[list[str]]:
+    """A shell command that only starts one of :data:`_AS_PYTHON` (no pipes, redirections or
+    variables), as this Python's command line: it then runs as a fork of the tests' fork server
+    (``tests/distributed/forkserver.py``), which has imported torch once. Else None: bash runs it."""
+    if re.search(r"[|&;<>$`()*?\[\]{}~=\\'\"]", cmd):
+        return None
+    words = cmd.split()
+    if not words or words[0] not in _AS_PYTHON:
+        return None
+    argv = [sys.executable, *_AS_PYTHON[words[0]], *words[1:]]
+    return argv if len(argv) >= 3 else None
+
+
 def execute(argv: list[str], cwd: Path) -> tuple[int, str]:
-    proc = subprocess.Popen(argv, cwd=cwd, env=reader_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=COMMAND_TIMEOUT)
-    finally:
-        kill_group(proc)                         # torchrun's workers too, should any outlive it
-    return proc.returncode, out
+    """Run ``argv`` (its output and standard error together); torchrun's workers end with it."""
+    res = run(argv, cwd=cwd, timeout=COMMAND_TIMEOUT, env=reader_env(), merge=True)
+    return res.returncode, res.stdout
 
 
 class Session:
@@ -219,7 +231,7 @@ class Session:
             check_output(block.text.splitlines(), self.outputs.get(k - 1, ""), f"output block at {block.label}")
         elif block.kind in SHELL_KINDS:
             for cmd, shown in block.commands:
-                code, out = execute(["bash", "-c", cmd], self.workdir)
+                code, out = execute(as_python(cmd) or ["bash", "-c", cmd], self.workdir)
                 assert code == 0, f"command at {block.label} failed ({code}):\n$ {cmd}\n{out}"
                 check_output(shown, out, f"$ {cmd} (at {block.label})")
 

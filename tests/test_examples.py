@@ -6,7 +6,6 @@ tests/distributed/test_examples_dist.py, where the suite's no-process-left-behin
 from __future__ import annotations
 
 import ast
-import os
 import re
 import subprocess
 import sys
@@ -14,6 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
+from procs import child_env, run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -27,9 +29,8 @@ def run_example(name: str, *args: str, cwd: Path) -> str:
 
 def run_example_process(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """As :func:`run_example`, with the standard error too."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    res = subprocess.run([sys.executable, str(EXAMPLES / name), *args], cwd=cwd, env=env,
-                         capture_output=True, text=True, timeout=120)
+    res = run([sys.executable, str(EXAMPLES / name), *args], cwd=cwd, timeout=120,
+              env=child_env({"OMP_NUM_THREADS": "1"}))
     assert res.returncode == 0, f"{name} {' '.join(args)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
     return res
 

@@ -14,7 +14,7 @@ The server itself runs no tensor operation and starts no thread, so a fork of it
 as the agent's. ``tests/distributed/procs.py`` is its client; ``SCALELOOP_TEST_FRESH=1`` makes
 every run a fresh interpreter again.
 
-Protocol (JSON lines): the server says ``{"ready": pid}``; each request
+Protocol (JSON lines; a request whose ``stderr`` is its ``stdout`` merges them, as ``2>&1``): the server says ``{"ready": pid}``; each request
 ``{"argv", "env", "cwd", "stdout", "stderr"}`` gets ``{"pid": ...}`` once forked and
 ``{"code": ...}`` (``subprocess``'s return code) once the child has ended.
 """
@@ -52,16 +52,22 @@ def _streams() -> None:
 def _paths(argv: list[str], cwd: str, env: dict[str, str]) -> None:
     """``sys.path`` as a fresh interpreter would have it: the script's folder (or the working
     directory for ``-m``) first, then PYTHONPATH, then the rest."""
-    first = cwd if argv[1] == "-m" else os.path.dirname(os.path.abspath(argv[1]))
+    first = {"-m": cwd, "-c": ""}.get(argv[1]) if argv[1] in ("-m", "-c") else os.path.dirname(os.path.abspath(argv[1]))
     rest = [p for p in sys.path[1:]]
     extra = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [first] + [p for p in extra if p not in rest] + rest
 
 
 def _run(argv: list[str]) -> int:
-    """Run ``argv`` (``python -m MODULE ...`` or ``python SCRIPT ...``); its exit status."""
+    """Run ``argv`` (``python -m MODULE ...``, ``python -c CODE ...`` or ``python SCRIPT ...``);
+    its exit status."""
     try:
-        if argv[1] == "-m":
+        if argv[1] == "-c":
+            sys.argv = ["-c", *argv[3:]]
+            main = type(sys)("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(argv[2], "<string>", "exec"), main.__dict__)
+        elif argv[1] == "-m":
             sys.argv = [argv[2], *argv[3:]]
             runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
         else:
@@ -98,7 +104,10 @@ def _child(request: dict) -> None:
         tempfile.tempdir = None   # read from this run's TMPDIR again, as a fresh interpreter does
         os.chdir(request["cwd"])
         os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
-        os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+        if request["stderr"] == request["stdout"]:   # 2>&1
+            os.dup2(1, 2)
+        else:
+            os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
         _streams()
         threads = os.environ.get("OMP_NUM_THREADS", "")
         if threads.isdigit() and int(threads) > 0:

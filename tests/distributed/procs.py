@@ -69,11 +69,14 @@ class ForkServer:
             raise RuntimeError("the tests' fork server ended")
         return json.loads(line)
 
-    def run(self, cmd: Sequence[str], *, cwd: Path, timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
-        """``cmd`` (``python -m M ...`` or ``python SCRIPT ...``) in a fork: its status and output."""
+    def run(self, cmd: Sequence[str], *, cwd: Path, timeout: float, env: dict[str, str],
+            merge: bool = False) -> subprocess.CompletedProcess:
+        """``cmd`` (``python -m M ...``, ``python -c CODE`` or ``python SCRIPT ...``) in a fork: its
+        status and output (``merge``: the standard error in the output, as ``2>&1``)."""
         with self._lock, tempfile.TemporaryDirectory(prefix="sl-fork-") as tmp:
             server = self._start()
-            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            out = Path(tmp) / "stdout"
+            err = out if merge else Path(tmp) / "stderr"
             server.stdin.write(json.dumps({"argv": list(cmd), "env": env, "cwd": str(cwd),  # type: ignore[union-attr]
                                            "stdout": str(out), "stderr": str(err)}) + "\n")
             server.stdin.flush()  # type: ignore[union-attr]
@@ -83,10 +86,10 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 _kill_session(pid)
                 self._reply(server.stdout, 60)
-                raise subprocess.TimeoutExpired(list(cmd), timeout, _text(out), _text(err)) from None
+                raise subprocess.TimeoutExpired(list(cmd), timeout, _text(out), None if merge else _text(err)) from None
             finally:
                 _kill_session(pid)   # torchrun's workers, should any outlive it
-            return subprocess.CompletedProcess(list(cmd), code, _text(out), _text(err))
+            return subprocess.CompletedProcess(list(cmd), code, _text(out), None if merge else _text(err))
 
 
 def _text(path: Path) -> str:
@@ -108,9 +111,9 @@ SERVER = ForkServer()
 
 
 def forkable(cmd: Sequence[str]) -> bool:
-    """Whether ``cmd`` can run as a fork of the server: this Python running a module or a script."""
+    """Whether ``cmd`` can run as a fork of the server: this Python running a module, code or a script."""
     return (len(cmd) >= 2 and cmd[0] == sys.executable and os.environ.get(FRESH_VAR) != "1"
-            and (cmd[1] == "-m" and len(cmd) >= 3 or cmd[1].endswith(".py")))
+            and (cmd[1] in ("-m", "-c") and len(cmd) >= 3 or cmd[1].endswith(".py")))
 
 
 def owned_pids() -> list[int]:
@@ -139,7 +142,7 @@ def kill_owned() -> None:
 
 
 def run(cmd: Sequence[str], *, cwd: Path, timeout: float = 240, env: Optional[dict[str, str]] = None,
-        fresh: bool = False) -> subprocess.CompletedProcess:
+        fresh: bool = False, merge: bool = False) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own process group; on timeout or error kill the whole group.
 
     ``python -m M`` and ``python SCRIPT`` run as forks of the fork server (see ``forkserver.py``)
@@ -147,9 +150,9 @@ def run(cmd: Sequence[str], *, cwd: Path, timeout: float = 240, env: Optional[di
     ``ps`` shows it) needs a fresh one.
     """
     if not fresh and forkable(cmd):
-        return SERVER.run(cmd, cwd=cwd, timeout=timeout, env=env or child_env())
+        return SERVER.run(cmd, cwd=cwd, timeout=timeout, env=env or child_env(), merge=merge)
     proc = subprocess.Popen(list(cmd), cwd=cwd, env=env or child_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT if merge else subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException:
