@@ -18,6 +18,9 @@ from scaleloop.errors import UsageError
 from scaleloop.launching.spawn import (WorkerError, WorkerFailure, _failure, _parse_nnodes, choose_start_method, launch,
                                     resolve_start_method)
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from procs import SERVER  # noqa: E402
+
 TIME_LIMIT_S = 60  # per test; far above what a 2-process run needs, far below "hung"
 
 
@@ -134,8 +137,9 @@ def _children() -> list[tuple[int, str]]:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except (OSError, ValueError, IndexError):
             continue
-        # multiprocessing's resource tracker lives as long as this process, by design.
-        if ppid == me and state != "Z" and "resource_tracker" not in cmd:
+        # multiprocessing's resource tracker lives as long as this process, by design, and so
+        # does the tests' fork server (tests/distributed/forkserver.py).
+        if ppid == me and state != "Z" and "resource_tracker" not in cmd and int(entry.name) != SERVER.pid:
             found.append((int(entry.name), cmd))
     return found
 

@@ -4,6 +4,7 @@
 - ``store``: the on-disk layout, atomic writes, manifests and checksums, pruning;
 - ``state``: weights-only serialisation, RNG capture/restore, the model-shape check;
 - ``resume``: which checkpoint ``--resume`` means, and which settings a resumed run keeps;
+- ``claim``: the run directory claimed once (checked, locked, continued or not), by the launcher or rank 0;
 - ``manager``: :class:`Checkpointer`, which saves and restores through a strategy on every rank;
 - ``replicas``: a verified copy of each checkpoint on every machine that does not share rank 0's disk.
 

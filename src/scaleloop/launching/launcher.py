@@ -2,7 +2,7 @@
 
 :func:`launch_train` decides. A process started by torchrun or srun is one worker and trains.
 Otherwise it is the launcher: for several processes it checks what it can first (names,
-resume), prepares the run directory, writes the resolved ``config.toml`` and re-launches
+resume), claims the run directory (``scaleloop.checkpoint.claim``), writes the resolved ``config.toml`` and re-launches
 ``scaleloop train --config`` under torchrun; for one process it trains here.
 Torch is imported only when a run starts.
 """
@@ -132,8 +132,9 @@ def _failed_here(run_dir: Path, cfg: TrainConfig, exc: BaseException) -> Excepti
 def _launch_workers(cfg: TrainConfig) -> None:
     """Start ``cfg.world_size`` workers under torchrun and wait for them."""
     from scaleloop.loop.build import preflight
-    from scaleloop.checkpoint.resume import continues_run, run_dir_for
-    from scaleloop.output.rundir import default_run_dir, lock_run_dir, prepare_run_dir, write_atomic
+    from scaleloop.checkpoint.resume import run_dir_for
+    from scaleloop.checkpoint.claim import claim_run_dir
+    from scaleloop.output.rundir import default_run_dir, write_atomic
 
     # Check what can be checked before starting N processes, then hand the workers the fully
     # resolved config (run directory included) as a file: every worker and node then trains
@@ -142,9 +143,9 @@ def _launch_workers(cfg: TrainConfig) -> None:
     source = _check_resume(cfg)
     out = run_dir_for(cfg) or default_run_dir(cfg.model, cfg.data)
     cfg = cfg.replace(out=str(out))
-    run_dir = prepare_run_dir(cfg.out, cfg.model, cfg.data,
-                              continuing=source is not None and continues_run(out, source))
-    lock = lock_run_dir(run_dir, single_node=cfg.nnodes == 1)  # held while the workers run (rank 0 shares it)
+    # Claimed here for the workers, held while they run (torchrun's restarts too): rank 0 joins it.
+    claim = claim_run_dir(out, cfg.model, cfg.data, source=source, nnodes=cfg.nnodes)
+    run_dir, lock = claim.path, claim.lock
     _take_usage_error(run_dir, [])   # an earlier run's, never this one's
     resolved = run_dir / "config.toml"
     write_atomic(resolved, to_toml(cfg).encode())
@@ -154,7 +155,7 @@ def _launch_workers(cfg: TrainConfig) -> None:
     # torchrun and every worker count as writers of the run directory while they live, so that
     # its lock is not taken over while one of them still writes (scaleloop.output.lock).
     launch = launch_for(cfg, "scaleloop", ["train", "--config", str(resolved)], logs=logs, launch_id=launch_id,
-                        entry="scaleloop.cli", env={**workers_env(cfg, logs), **lock.writers_env()})
+                        entry="scaleloop.cli", env={**workers_env(cfg, logs), **claim.workers_env()})
     try:
         ended = _run_workers(cfg, launch)
     except KeyboardInterrupt:

@@ -32,7 +32,8 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from scaleloop.checkpoint.manager import Checkpointer, Progress, Resumed
-from scaleloop.checkpoint.resume import continues_run, run_dir_for
+from scaleloop.checkpoint.resume import run_dir_for
+from scaleloop.checkpoint.claim import claim_run_dir
 from scaleloop.config import TrainConfig, to_toml
 from scaleloop.data.loader import Batch
 from scaleloop.data.streaming import StreamingLoader, declared_length
@@ -49,7 +50,7 @@ from scaleloop.loop.step import Step
 from scaleloop.loop.tasks import describe_task
 from scaleloop.output.memory import RankMemory, measure, reset_peak, write_json
 from scaleloop.output.metrics import MetricsLogger, plot_curves
-from scaleloop.output.rundir import (LOGS_DIR, RunDirWriteError, lock_run_dir, prepare_run_dir, refuse_if_in_use,
+from scaleloop.output.rundir import (LOGS_DIR, RunDirWriteError, refuse_if_in_use,
                                      unwritable, write_atomic)
 from scaleloop.runtime.collectives import gather_object
 from scaleloop.runtime.devices import describe_device, device_clock, to_cpu
@@ -558,20 +559,22 @@ def _recovery(cfg: TrainConfig, env: DistEnv, joined: float, resumed: Optional[R
 
 def _open_run_dir(run: Run, checkpointer: Checkpointer, resumed: Optional[Resumed]
                   ) -> tuple[Optional[Path], contextlib.AbstractContextManager]:
-    """Rank 0 owns the run directory: create it (or continue in it), lock it and write ``config.toml``.
+    """Rank 0 owns the run directory: claims it (``scaleloop.checkpoint.claim``: or joins its
+    launcher's claim) and writes ``config.toml``.
 
     Returns the directory (None on the other ranks) and its lock: this process's own, or shared
     with the launcher that holds it for its workers (``scaleloop.output.lock``).
     """
     run_dir, lock = None, contextlib.nullcontext()
     if run.env.is_main:
-        out = run_dir_for(run.cfg)
         # Only one of this run directory's own checkpoints continues the run in it; another
         # run's checkpoint starts a new run (a fork), which must not overwrite a run in --out.
-        continuing = restart_count() > 0 or (resumed is not None and (resumed.copy_on_rank is not None
-                                                                       or continues_run(out, resumed.source)))
-        run_dir = prepare_run_dir(str(out) if out else None, run.cfg.model, run.cfg.data, continuing=continuing)
-        lock = lock_run_dir(run_dir, single_node=run.cfg.nnodes == 1)
+        claim = claim_run_dir(run_dir_for(run.cfg), run.cfg.model, run.cfg.data,
+                              source=resumed.source if resumed is not None else None,
+                              restarting=restart_count() > 0,
+                              from_copy=resumed is not None and resumed.copy_on_rank is not None,
+                              nnodes=run.cfg.nnodes)
+        run_dir, lock = claim.path, claim.lock
         try:
             write_atomic(run_dir / "config.toml", to_toml(run.cfg).encode())
         except BaseException:
