@@ -182,13 +182,13 @@ def as_python(cmd: str) -> Optional[list[str]]:
     """A shell command that only starts one of :data:`_AS_PYTHON` (no pipes, redirections or
     variables), as this Python's command line: it then runs as a fork of the tests' fork server
     (``tests/distributed/forkserver.py``), which has imported torch once. Else None: bash runs it."""
-    if re.search(r"[|&;<>$`()*?\[\]{}~=\\'\"]", cmd):
+    if re.search(r"[|&;<>$`()*?\[\]{}~\\'\"]", cmd):
         return None
     words = cmd.split()
-    if not words or words[0] not in _AS_PYTHON:
+    if not words or words[0] not in _AS_PYTHON:   # a command, not VAR=value before one
         return None
     argv = [sys.executable, *_AS_PYTHON[words[0]], *words[1:]]
-    return argv if len(argv) >= 3 else None
+    return argv if len(argv) > 1 else None
 
 
 def execute(argv: list[str], cwd: Path) -> tuple[int, str]:
@@ -282,6 +282,16 @@ def test_output_matching_rules() -> None:
     assert not line_pattern("30 steps").fullmatch("31 steps")
     with pytest.raises(AssertionError, match="no such line"):
         check_output(["rank 0/2: 30 steps"], "rank 0/1: 30 steps\n", "here")
+
+
+def test_only_plain_commands_run_as_this_python() -> None:
+    assert as_python("scaleloop train --mesh dp=2,tp=2") == [sys.executable, "-m", "scaleloop", "train", "--mesh", "dp=2,tp=2"]
+    assert as_python("torchrun --nproc_per_node=2 grads.py") == [sys.executable, "-m", "torch.distributed.run",
+                                                                  "--nproc_per_node=2", "grads.py"]
+    assert as_python("python examples/00_single.py") == [sys.executable, "examples/00_single.py"]
+    for shell in ("OMP_NUM_THREADS=1 python x.py", "scaleloop train; echo $?", "python x.py > out.txt",
+                  "for b in 1 2; do scaleloop train; done", "python", "sed 's/a/b/' x.py", "ls"):
+        assert as_python(shell) is None, shell
 
 
 @pytest.fixture(scope="module")
