@@ -10,6 +10,12 @@ handlers of the server, its own environment, working directory, ``sys.argv`` and
 ``sys.path[0]``, its output in files, and ``__main__`` run by ``runpy``; at its end it joins its
 threads and runs its exit handlers as an interpreter does.
 
+``python -m torch.distributed.run ... SCRIPT`` goes one step further: torchrun's own parser,
+rendezvous and elastic agent run in the child, and the script's workers are forked from it
+(``_torchrun``), as scaleloop's agent forks its own; each starts as the fresh worker it stands
+for and ends with the exit status and traceback one would. ``SCALELOOP_TEST_FORK_TORCHRUN=0``
+leaves those workers fresh.
+
 The server itself runs no tensor operation and starts no thread, so a fork of it is as clean
 as the agent's. ``tests/distributed/procs.py`` is its client; ``SCALELOOP_TEST_FRESH=1`` makes
 every run a fresh interpreter again.
@@ -25,6 +31,7 @@ import gc
 import importlib
 import io
 import json
+import logging
 import os
 import runpy
 import signal
@@ -32,8 +39,11 @@ import sys
 import tempfile
 import threading
 import traceback
+import uuid
 
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "scaleloop.cli",
+# ``python -m torch.distributed.run SCRIPT``: its workers forked from the run's fork (unless "0").
+FORK_TORCHRUN_VAR = "SCALELOOP_TEST_FORK_TORCHRUN"
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "torch.distributed.launcher.api", "scaleloop.cli",
            "scaleloop.launching.worker", "scaleloop.launching.agent", "scaleloop.launching.launcher",
            "scaleloop.loop.training", "scaleloop.loop.build", "scaleloop.strategies.factory",
            "scaleloop.strategies.ddp", "torch.nn.parallel")
@@ -58,6 +68,61 @@ def _paths(argv: list[str], cwd: str, env: dict[str, str]) -> None:
     sys.path[:] = [first] + [p for p in extra if p not in rest] + rest
 
 
+def _script_worker(script: str, *args: str) -> None:
+    """A worker of :func:`_torchrun`: starts as the fresh ``python -u SCRIPT ARGS`` torchrun
+    would start, runs it, and ends as it would (its exit status; its traceback on its stderr)."""
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    gc.freeze()
+    gc.enable()
+    atexit._clear()
+    logging.captureWarnings(False)
+    for logger in (logging.getLogger(n) for n in ("torch.distributed", "torch.multiprocessing", "py.warnings")):
+        logger.handlers, logger.propagate = [], True
+    _streams()
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    _paths(["python", script], os.getcwd(), dict(os.environ))
+    code = _run(["python", script, *args])
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    if code:
+        sys.exit(code)   # the exit status torchrun reads, as from a worker process of its own
+
+
+def _torchrun(args: list[str]) -> None:
+    """``python -m torch.distributed.run ARGS SCRIPT ...`` with the script's workers forked from
+    here, as scaleloop's agent forks its own (``scaleloop.launching.agent._run_forked``): torchrun's
+    own parser, rendezvous and elastic agent; only the workers are not fresh interpreters."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.launcher.api import elastic_launch
+
+    parsed = torchrun.parse_args(args)
+    if parsed.module or parsed.no_python or parsed.run_path:
+        record(torchrun.run)(parsed)
+        return
+    one_machine = torchrun.parse_min_max_nnodes(parsed.nnodes)[1] == 1
+    if parsed.standalone or (parsed.rdzv_backend == "static" and not parsed.rdzv_endpoint
+                             and parsed.master_port is None and one_machine):
+        parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if parsed.master_port is None:
+        parsed.master_port = 29500
+    config, _, _ = torchrun.config_from_args(parsed)
+    config.start_method = "fork"
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        record(elastic_launch(config, _script_worker))(parsed.training_script, *parsed.training_script_args)
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def _run(argv: list[str]) -> int:
     """Run ``argv`` (``python -m MODULE ...``, ``python -c CODE ...`` or ``python SCRIPT ...``);
     its exit status."""
@@ -67,6 +132,9 @@ def _run(argv: list[str]) -> int:
             main = type(sys)("__main__")
             sys.modules["__main__"] = main
             exec(compile(argv[2], "<string>", "exec"), main.__dict__)
+        elif argv[1:3] == ["-m", "torch.distributed.run"] and os.environ.get(FORK_TORCHRUN_VAR) != "0":
+            sys.argv = [argv[2], *argv[3:]]
+            _torchrun(argv[3:])
         elif argv[1] == "-m":
             sys.argv = [argv[2], *argv[3:]]
             runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
