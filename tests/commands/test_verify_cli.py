@@ -98,6 +98,11 @@ def test_help_lists_verify_flags_and_train_flags(capsys: pytest.CaptureFixture[s
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "--steps" in out and "--nproc" in out and "--no-sync-batchnorm" not in out
+    # Verify's own defaults, not train's (1 process, --strategy auto), as resolve_verify applies them.
+    flat = " ".join(out.split())
+    assert "(default here: 2, or the --mesh's size)" in flat and "(default here: ddp, or mesh with --mesh)" in flat
+    cfg, _ = resolve_verify(parse(*FAST))
+    assert cfg.nproc == 2 and cfg.strategy == "ddp"
 
 
 def test_subparsers_of_another_class_are_refused() -> None:

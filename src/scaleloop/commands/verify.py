@@ -63,6 +63,12 @@ def add_parser(subparsers: Any, parser_class: type, add_config_flags: Callable[[
                        help="draw the loss of both runs and their parameter difference per step into FILE "
                             "(PNG); with --report DIR, DIR/verify.png is drawn anyway")
     add_config_flags(parser)
+    # Verify's own defaults for two training flags (resolve_verify): said where they are listed.
+    for action in parser._actions:
+        if action.dest == "nproc":
+            action.help = "worker processes on this machine (default here: 2, or the --mesh's size)"
+        elif action.dest == "strategy" and action.help:
+            action.help = action.help.replace("(default: auto)", "(default here: ddp, or mesh with --mesh)")
     from scaleloop.commands.cmdline import help_tiers
 
     help_tiers(parser, VERIFY_COMMON)
