@@ -52,7 +52,7 @@ def test_the_launchers_claim_is_joined_not_decided_again(tmp_path: Path, monkeyp
     # resumes nothing itself, finds the claim in its environment and joins it.
     launcher = claim_run_dir(tmp_path / "run", "simplenet", "digits")
     (launcher.path / "metrics.csv").write_text("step,epoch,loss\n1,0,0.5\n")
-    monkeypatch.setenv(CLAIMED_VAR, str(tmp_path / "run" / "." ))
+    monkeypatch.setenv(CLAIMED_VAR, str(tmp_path / "run" / "."))
     assert claimed_by_launcher(tmp_path / "run")
     assert not claimed_by_launcher(tmp_path / "other")
     try:

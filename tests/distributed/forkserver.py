@@ -39,7 +39,6 @@ import sys
 import tempfile
 import threading
 import traceback
-import uuid
 
 # ``python -m torch.distributed.run SCRIPT``: its workers forked from the run's fork (unless "0").
 FORK_TORCHRUN_VAR = "SCALELOOP_TEST_FORK_TORCHRUN"
@@ -102,18 +101,13 @@ def _torchrun(args: list[str]) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.launcher.api import elastic_launch
 
+    from scaleloop.launching.agent import forked_launch_config
+
     parsed = torchrun.parse_args(args)
     if parsed.module or parsed.no_python or parsed.run_path:
         record(torchrun.run)(parsed)
         return
-    one_machine = torchrun.parse_min_max_nnodes(parsed.nnodes)[1] == 1
-    if parsed.standalone or (parsed.rdzv_backend == "static" and not parsed.rdzv_endpoint
-                             and parsed.master_port is None and one_machine):
-        parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-    if parsed.master_port is None:
-        parsed.master_port = 29500
-    config, _, _ = torchrun.config_from_args(parsed)
-    config.start_method = "fork"
+    config = forked_launch_config(parsed)
     collecting = gc.isenabled()
     gc.disable()
     try:

@@ -9,9 +9,10 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
-from typing import IO, Optional, Sequence
+from typing import Optional, Sequence
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -45,6 +46,7 @@ class ForkServer:
     def __init__(self) -> None:
         self.proc: Optional[subprocess.Popen] = None
         self._lock = threading.Lock()
+        self._unread = b""   # the server's replies read from its pipe but not yet taken
 
     @property
     def pid(self) -> Optional[int]:
@@ -54,19 +56,28 @@ class ForkServer:
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forkserver.py"))],
                                          env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         text=True, bufsize=1)
-            ready = self._reply(self.proc.stdout, 120)  # type: ignore[arg-type]
+                                         bufsize=0)
+            self._unread = b""
+            ready = self._reply(120)
             assert "ready" in ready, ready
         return self.proc
 
-    @staticmethod
-    def _reply(stream: IO[str], timeout: Optional[float]) -> dict:
-        ready, _, _ = select.select([stream], [], [], timeout)
-        if not ready:
-            raise subprocess.TimeoutExpired("fork server", timeout or 0)
-        line = stream.readline()
-        if not line:
-            raise RuntimeError("the tests' fork server ended")
+    def _reply(self, timeout: Optional[float]) -> dict:
+        """The server's next reply line. Read from the pipe's descriptor, never through a
+        buffered reader: a reader could take two replies at once (a child that ended at once),
+        and a wait on the descriptor would then miss the second."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
+        while b"\n" not in self._unread:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                raise subprocess.TimeoutExpired("fork server", timeout or 0)
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError("the tests' fork server ended")
+            self._unread += chunk
+        line, self._unread = self._unread.split(b"\n", 1)
         return json.loads(line)
 
     def run(self, cmd: Sequence[str], *, cwd: Path, timeout: float, env: dict[str, str],
@@ -77,15 +88,14 @@ class ForkServer:
             server = self._start()
             out = Path(tmp) / "stdout"
             err = out if merge else Path(tmp) / "stderr"
-            server.stdin.write(json.dumps({"argv": list(cmd), "env": env, "cwd": str(cwd),  # type: ignore[union-attr]
-                                           "stdout": str(out), "stderr": str(err)}) + "\n")
-            server.stdin.flush()  # type: ignore[union-attr]
-            pid = self._reply(server.stdout, 60)["pid"]  # type: ignore[arg-type]
+            server.stdin.write((json.dumps({"argv": list(cmd), "env": env, "cwd": str(cwd),  # type: ignore[union-attr]
+                                            "stdout": str(out), "stderr": str(err)}) + "\n").encode())
+            pid = self._reply(60)["pid"]
             try:
-                code = self._reply(server.stdout, timeout)["code"]  # type: ignore[arg-type]
+                code = self._reply(timeout)["code"]
             except subprocess.TimeoutExpired:
                 _kill_session(pid)
-                self._reply(server.stdout, 60)
+                self._reply(60)
                 raise subprocess.TimeoutExpired(list(cmd), timeout, _text(out), None if merge else _text(err)) from None
             finally:
                 _kill_session(pid)   # torchrun's workers, should any outlive it

@@ -32,7 +32,7 @@ import sys
 import threading
 import uuid
 from pathlib import Path
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from scaleloop.launching.failures import EXIT_FILE_PREFIX
 
@@ -128,14 +128,11 @@ def forks_workers(parsed: argparse.Namespace, environ: Optional[Mapping[str, str
     return bool(ours) and forks_workers_here(environ)
 
 
-def _run_forked(parsed: argparse.Namespace) -> None:
-    """``torch.distributed.run.run(parsed)``, with the workers forked from here (see the module doc)."""
+def forked_launch_config(parsed: argparse.Namespace) -> Any:
+    """torchrun's launch config for its ``parsed`` arguments, with the workers forked from this
+    process: what ``torch.distributed.run.run`` builds, plus ``start_method="fork"``."""
     from torch.distributed import run as torchrun
-    from torch.distributed.launcher.api import elastic_launch
 
-    from scaleloop.launching import worker
-
-    worker.preload(parsed.training_script_args[1])   # LOG_DIR MODULE ARGS...: the worker's entry
     # As torchrun's run() before it builds its launch config: --standalone is a c10d rendezvous
     # on a free port of this machine.
     one_machine = torchrun.parse_min_max_nnodes(parsed.nnodes)[1] == 1
@@ -146,6 +143,17 @@ def _run_forked(parsed: argparse.Namespace) -> None:
         parsed.master_port = 29500
     config, _, _ = torchrun.config_from_args(parsed)
     config.start_method = "fork"
+    return config
+
+
+def _run_forked(parsed: argparse.Namespace) -> None:
+    """``torch.distributed.run.run(parsed)``, with the workers forked from here (see the module doc)."""
+    from torch.distributed.launcher.api import elastic_launch
+
+    from scaleloop.launching import worker
+
+    worker.preload(parsed.training_script_args[1])   # LOG_DIR MODULE ARGS...: the worker's entry
+    config = forked_launch_config(parsed)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()   # nothing buffered here may be written again by a worker
     collecting = gc.isenabled()
