@@ -57,6 +57,8 @@ class Stateful(Protocol):
     env: DistEnv
     precision: Any
     batch_split: str
+    #: Every rank writes its part of a checkpoint into one directory (else rank 0 writes it whole).
+    writes_sharded: bool
 
     def save_checkpoint(self, model: Any, optimizer: Any, directory: Optional[Path]) -> Any: ...
 
@@ -117,7 +119,7 @@ class Checkpointer:
         """Write into ``run_dir/checkpoints`` (None on ranks that do not write); on a job of several
         machines, also decide which keep copies (a collective: every rank calls it)."""
         self.root = run_dir / CHECKPOINTS_DIR if run_dir is not None else None
-        self.replicas = Replicas.arrange(self.strategy.env, self.settings, run_dir, sharded=_writes_sharded(self.strategy),
+        self.replicas = Replicas.arrange(self.strategy.env, self.settings, run_dir, sharded=self.strategy.writes_sharded,
                                          say=self.say)
 
     def retire_after(self, step: int) -> list[Path]:
@@ -298,8 +300,3 @@ class Checkpointer:
 
 def _quiet(_msg: str) -> None:
     """Warnings of a machine other than rank 0's go nowhere: rank 0 speaks for the run."""
-
-
-def _writes_sharded(strategy: Stateful) -> bool:
-    """Whether the strategy's checkpoints are written by every rank into one directory."""
-    return strategy.name in ("fsdp", "mesh") or bool(getattr(strategy, "sharded_checkpoints", False))

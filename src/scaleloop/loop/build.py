@@ -4,6 +4,7 @@ whichever of them runs.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Union
@@ -28,7 +29,7 @@ from scaleloop.loop.tasks import LossFn, MetricFn, resolve_loss, resolve_metrics
 from scaleloop.models import build_model, count_parameters
 from scaleloop.output.memory import parameter_bytes
 from scaleloop.runtime.dist import DistEnv
-from scaleloop.strategies import make_strategy
+from scaleloop.strategies.factory import build_strategy
 from scaleloop.strategies.base import Strategy
 from scaleloop.strategies.precision import Precision
 
@@ -205,15 +206,13 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
 
 
 def _make_strategy(cfg: TrainConfig, env: DistEnv) -> Strategy:
-    """The strategy ``cfg`` names, on ``env``, with its precision and options."""
-    return make_strategy(cfg.strategy, env, Precision(cfg.precision, env.device), cfg.accumulate,
-                         cfg.sync_batchnorm, microbatches=cfg.microbatches,
-                         pipeline_schedule=cfg.pipeline_schedule, stages_per_rank=cfg.stages_per_rank,
-                         find_unused_parameters=cfg.find_unused_parameters, static_graph=cfg.static_graph,
-                         # A config that names another strategy (verify's one-process reference,
-                         # a bench row) runs that one; the CLI rejects --mesh with another strategy.
-                         mesh=cfg.mesh if cfg.strategy in ("auto", "mesh") else None, cpu_offload=cfg.cpu_offload,
-                         sharded_checkpoints=cfg.sharded_checkpoints, activation_checkpointing=cfg.activation_checkpointing)
+    """The strategy of ``cfg``'s parallel section, on ``env``, with its precision."""
+    settings = cfg.parallel
+    if cfg.strategy not in ("auto", "mesh"):
+        # A config that names another strategy (verify's one-process reference, a bench row)
+        # runs that one; the CLI rejects --mesh with another strategy.
+        settings = dataclasses.replace(settings, mesh=None)
+    return build_strategy(settings, env, Precision(cfg.precision, env.device))
 
 
 def _total_steps(cfg: TrainConfig, per_epoch: Optional[int]) -> int:

@@ -29,7 +29,7 @@ class ManualAllReduce(HandWrittenLoop, ProcessGroupStrategy):
 
     name = "allreduce"
 
-    def _wrap(self, model: nn.Module) -> nn.Module:
+    def _data_parallel(self, model: nn.Module) -> nn.Module:
         self._model = model
         if not self.env.is_distributed:
             return model

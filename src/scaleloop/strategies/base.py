@@ -31,6 +31,7 @@ from scaleloop.data.streaming import StreamingLoader, StreamPlan, declared_lengt
 from scaleloop.runtime.collectives import gather_object, shard_indices
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.runtime.mesh import MeshSpec
+from scaleloop.strategies.parallelize import ParallelPlan, default_plan, parallelize
 from scaleloop.strategies.precision import Precision
 
 if TYPE_CHECKING:
@@ -54,45 +55,71 @@ class Strategy:
     name = "base"
     #: How a step's global batch reaches the ranks, in words for summaries and notes.
     batch_split = "split evenly over workers"
-    #: ``--activation-checkpointing``: each block keeps only its input and recomputes its activations
-    #: in the backward (set from the settings by ``make_strategy``); ``setup`` counts the blocks.
-    recompute = False
-    recomputed_blocks = 0
+    #: The mesh dimensions this strategy builds a ``DeviceMesh`` over (none: the default group).
+    mesh_dims: tuple[str, ...] = ()
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
-                 sync_batchnorm: bool = False) -> None:
+                 sync_batchnorm: bool = False, *, plan: Optional[ParallelPlan] = None) -> None:
         self.env = env
         self.precision = precision or Precision("fp32", env.device)
         self.accumulate_steps = accumulate
         self._sync_batchnorm = sync_batchnorm
+        #: The ranks' layout and what ``setup`` applies (``strategies.parallelize``), built once.
+        self.plan = plan if plan is not None else self._default_plan()
         self._check()
 
     @classmethod
-    def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings") -> "Strategy":
-        """This strategy for checked ``settings`` (``strategies.registry``), taking the options it has."""
-        return cls(env, precision, settings.accumulate, settings.sync_batchnorm)
+    def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings",
+              plan: ParallelPlan) -> "Strategy":
+        """This strategy for checked ``settings`` (``strategies.registry``) and the ``plan`` built
+        from them, taking the options it has."""
+        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, plan=plan)
+
+    def _default_plan(self) -> ParallelPlan:
+        """The plan of a strategy built without one: every rank a data replica."""
+        return default_plan(self.env.world_size, self.env.rank)
+
+    @property
+    def recompute(self) -> bool:
+        """``--activation-checkpointing``: each block keeps only its input and recomputes its
+        activations in the backward (the plan's; ``setup`` counts the blocks)."""
+        return self.plan.recompute
+
+    @recompute.setter
+    def recompute(self, on: bool) -> None:
+        self.plan.recompute = on
+
+    @property
+    def recomputed_blocks(self) -> int:
+        """How many blocks ``setup`` checkpointed."""
+        return self.plan.recomputed_blocks
+
+    @property
+    def writes_sharded(self) -> bool:
+        """Whether checkpoints are written by every rank in parts (``torch.distributed.checkpoint``)
+        rather than whole by rank 0."""
+        return False
 
     # --- hooks for subclasses -----------------------------------------------------------
     def _check(self) -> None:
         """Raise UsageError if this strategy cannot run in ``env`` (and say what to do instead)."""
 
     def _tensor_parallel(self, model: nn.Module) -> None:
-        """Split the layers the model's TP plan names, in place (the mesh strategy's; none elsewhere)."""
+        """Step 1 of :func:`~scaleloop.strategies.parallelize.parallelize`: split the layers the
+        model's TP plan names, in place (the mesh strategy's; none elsewhere)."""
 
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        """Wrap the (already moved) model for this strategy: data parallelism, or the pipeline split."""
+    def _data_parallel(self, model: nn.Module) -> nn.Module:
+        """Step 3: the (already moved) model made data parallel: DDP, FSDP2, hooks; or as it is."""
+        return model
+
+    def _pipeline_split(self, model: nn.Module) -> nn.Module:
+        """Step 4: this rank's stages of the model (the pipeline's); or the model as it is."""
         return model
 
     # --- set-up -------------------------------------------------------------------------
     def _parallelize(self, model: nn.Module) -> nn.Module:
-        """The model made parallel in one fixed order (torchtitan's): tensor parallelism, then
-        activation checkpointing, then data parallelism (DDP, FSDP) or the pipeline split."""
-        self._tensor_parallel(model)
-        if self.recompute:
-            from scaleloop.strategies.recompute import checkpoint_blocks
-
-            self.recomputed_blocks = checkpoint_blocks(model)
-        return self._wrap(model)
+        """The model made parallel by the plan, in its fixed order (``strategies.parallelize``)."""
+        return parallelize(model, self)
 
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Move the model and make it parallel (:meth:`_parallelize`); ``optimizer`` is an optimizer or
@@ -111,11 +138,11 @@ class Strategy:
 
     @property
     def layout(self) -> MeshSpec:
-        """How this strategy lays the ranks out, as a mesh: every rank a data-parallel replica here.
+        """How the ranks are laid out, as a mesh (the plan's).
 
         The loader follows it: a step's batch is split over ``layout.data_parallel`` ranks, and this
         rank trains on share ``layout.data_rank(rank)`` (tp and pp ranks of one group share theirs)."""
-        return MeshSpec(dp=self.env.world_size)
+        return self.plan.spec
 
     def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                drop_last: bool = False, num_workers: int = 0,
@@ -128,8 +155,7 @@ class Strategy:
         shares then differ by one sample and each is weighted by its share (``StepPlan``), so a step
         is still the mean over the global batch (an elastic job on whatever world size it has).
         """
-        layout = self.layout
-        world, rank = layout.data_parallel, layout.data_rank(self.env.rank)
+        world, rank = self.plan.data_world, self.plan.data_rank
         stream = isinstance(dataset, IterableDataset)
         if not (uneven and not stream and batch_size >= world * self.accumulate_steps):
             check_batch_split(batch_size, world, self.accumulate_steps)

@@ -11,50 +11,51 @@ ranks; the ``tp`` ranks of a group train on the same samples. docs/strategies.md
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-import torch.distributed as torch_dist
 from torch import nn
 
 from scaleloop.data.sampler import split_sizes
 from scaleloop.errors import UsageError
 from scaleloop.runtime.collectives import gather_object
 from scaleloop.runtime.dist import DistEnv
+from scaleloop.runtime.mesh import DIMS, MeshSpec
 from scaleloop.strategies.base import EvalShard
-from scaleloop.strategies.blocks import _has_params, fsdp_blocks, untied_units
 from scaleloop.strategies.fsdp import FSDP
-from scaleloop.runtime.mesh import MeshSpec
+from scaleloop.strategies.parallelize import ParallelPlan, default_plan
 from scaleloop.strategies.precision import Precision
-from scaleloop.strategies.tensor import apply_tensor_parallel, fsdp_placement
 
 if TYPE_CHECKING:
     from scaleloop.strategies.registry import ParallelSettings
 
 
 class MeshParallel(FSDP):
-    """TP over ``tp``, then FSDP2 over ``fsdp`` or HSDP over ``(dp, fsdp)``: see the module docstring."""
+    """FSDP2's step over a mesh: TP over ``tp``, then FSDP2 over ``fsdp`` or HSDP over ``(dp, fsdp)``
+    (the plan's steps, applied by ``strategies.parallelize``); see the module docstring."""
 
     name = "mesh"
     batch_split = "split evenly over the dp x fsdp ranks (tp ranks share theirs)"
+    mesh_dims = DIMS   # every dimension named (size 1 too): mesh["dp", "fsdp"] exists in every layout
+    _shards_what = "--mesh shards and splits"
 
     @classmethod
-    def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings") -> Union["MeshParallel", Any]:
-        """The mesh's strategy; with a ``pp`` dimension, a pipeline whose stages are replicated ``dp`` times."""
-        if settings.pipeline_layout() is not None:
-            from scaleloop.strategies.pipeline import PipelineParallel
-
-            return PipelineParallel.build(env, precision, settings)
-        return cls(env, precision, settings.accumulate, settings.sync_batchnorm,
-                   mesh=MeshSpec.parse(settings.mesh or ""), cpu_offload=settings.cpu_offload)
+    def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings",
+              plan: ParallelPlan) -> "MeshParallel":
+        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, plan=plan,
+                   cpu_offload=settings.cpu_offload)
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
-                 sync_batchnorm: bool = False, *, mesh: MeshSpec, cpu_offload: bool = False) -> None:
-        self.spec = mesh
-        self.mesh: Any = None          # the DeviceMesh, once setup() built it
-        self.tp_layers = 0
-        self._blocks: list[nn.Module] = []   # FSDP's units, found before TP replaces parameters
-        super().__init__(env, precision, accumulate, sync_batchnorm, cpu_offload=cpu_offload)
+                 sync_batchnorm: bool = False, *, mesh: Optional[MeshSpec] = None,
+                 plan: Optional[ParallelPlan] = None, cpu_offload: bool = False) -> None:
+        if plan is None:
+            plan = default_plan(env.world_size, env.rank, mesh if mesh is not None else MeshSpec(fsdp=env.world_size))
+        super().__init__(env, precision, accumulate, sync_batchnorm, plan=plan, cpu_offload=cpu_offload)
+
+    @property
+    def spec(self) -> MeshSpec:
+        """The mesh (the plan's)."""
+        return self.plan.spec
 
     def _check(self) -> None:
         super()._check()
@@ -68,48 +69,7 @@ class MeshParallel(FSDP):
     @property
     def coordinates(self) -> dict[str, int]:
         """This rank's index along each mesh dimension."""
-        return self.spec.coordinates(self.env.rank)
-
-    # --- set-up -------------------------------------------------------------------------
-    def _tensor_parallel(self, model: nn.Module) -> None:
-        """Every rank from rank 0's weights, then the TP plan's layers split over the mesh's ``tp``."""
-        if not _has_params(model):
-            raise UsageError(f"--mesh shards and splits a model's parameters, and {type(model).__name__} has none; "
-                             "use --strategy ddp or single")
-        self._ensure_process_group()
-        if self.env.is_distributed:   # every rank starts from rank 0's weights (as FSDP and DDP do)
-            with torch.no_grad():
-                for tensor in list(model.parameters()) + list(model.buffers()):
-                    torch_dist.broadcast(tensor, src=0)
-        self._blocks = untied_units(model, fsdp_blocks(model))   # found before TP replaces parameters
-        self.mesh = self.spec.build(self.env.device.type)
-        self.tp_layers = apply_tensor_parallel(model, self.mesh["tp"])
-
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        """FSDP2 over the data dimensions of the mesh (what TP left of it), innermost units first."""
-        from torch.distributed.fsdp import fully_shard
-
-        blocks = self._blocks
-        data_mesh = self.mesh["dp", "fsdp"] if self.spec.dp > 1 else self.mesh["fsdp"]
-        block_ids = {id(b) for b in blocks}
-        self.units = 0
-        units: dict[str, nn.Module] = {}
-        for name, module in reversed(list(model.named_modules())):   # innermost units first
-            if module is not model and id(module) in block_ids:
-                fully_shard(module, mesh=data_mesh, mp_policy=self._policy(), shard_placement_fn=fsdp_placement,
-                            offload_policy=self._offload())
-                units[name] = module
-                self.units += 1
-        fully_shard(model, mesh=data_mesh, mp_policy=self._policy(), shard_placement_fn=fsdp_placement,
-                            offload_policy=self._offload())
-        self.units += 1
-        self._watch_gradients(model, units)   # parameters without a gradient, and the units' order: as fsdp
-        return model
-
-    @property
-    def layout(self) -> MeshSpec:
-        """The mesh itself: the batch is split over ``dp x fsdp``; a tp group's ranks load the same samples."""
-        return self.spec
+        return self.plan.coordinates
 
     def _check_stream(self) -> None:
         raise UsageError("--mesh reads map-style datasets (with __len__ and indexing); a stream is not "
@@ -135,7 +95,7 @@ class MeshParallel(FSDP):
         # Split over the data-parallel ranks; a tp group's ranks run the same forwards (each
         # forward is a collective over tp and, for FSDP, over the data ranks).
         sizes = split_sizes(n, self.spec.data_parallel)
-        share = self.spec.data_rank(self.env.rank)
+        share = self.plan.data_rank
         start = sum(sizes[:share])
         own = math.ceil(sizes[share] / batch_size)
         return EvalShard(range(start, start + sizes[share]), max(gather_object(own, self.env)) - own)

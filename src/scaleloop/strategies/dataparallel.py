@@ -25,7 +25,7 @@ class DataParallel(HandWrittenLoop):
                 f"one process) and this run is on {self.env.device.type}; use --strategy single, or "
                 "--strategy ddp --nproc N for N processes on the CPU")
 
-    def _wrap(self, model: nn.Module) -> nn.Module:
+    def _data_parallel(self, model: nn.Module) -> nn.Module:
         if self._sync_batchnorm:
             raise UsageError("--sync-batchnorm needs one process per device; use --strategy ddp with it")
         # From this run's device on: the module and its outputs live there (cuda:N, N > 0, too).

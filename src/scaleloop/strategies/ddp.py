@@ -13,6 +13,7 @@ from scaleloop.errors import UsageError
 from scaleloop.runtime.dist import DistEnv, release_reducer
 from scaleloop.strategies.base import HandWrittenLoop, ProcessGroupStrategy
 from scaleloop.strategies.precision import Precision
+from scaleloop.strategies.parallelize import ParallelPlan
 from scaleloop.strategies.syncbn import convert_batchnorm
 from scaleloop.strategies.unused import names_of
 
@@ -30,13 +31,13 @@ class DDP(HandWrittenLoop, ProcessGroupStrategy):
     name = "ddp"
 
     @classmethod
-    def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings") -> "DDP":
-        return cls(env, precision, settings.accumulate, settings.sync_batchnorm,
+    def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings", plan: ParallelPlan) -> "DDP":
+        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, plan=plan,
                    find_unused_parameters=settings.find_unused_parameters, static_graph=settings.static_graph)
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
                  sync_batchnorm: bool = False, *, find_unused_parameters: bool = False,
-                 static_graph: bool = False) -> None:
+                 static_graph: bool = False, plan: Optional[ParallelPlan] = None) -> None:
         #: DDP's own options for models whose parameters do not all get a gradient every step.
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
@@ -44,9 +45,9 @@ class DDP(HandWrittenLoop, ProcessGroupStrategy):
         self._steps = 0                        # optimizer steps this process has run (for messages)
         #: with accumulation: the parameters the current micro-step's backward reached (emptied as each begins)
         self._reached: Optional[set[int]] = None
-        super().__init__(env, precision, accumulate, sync_batchnorm)
+        super().__init__(env, precision, accumulate, sync_batchnorm, plan=plan)
 
-    def _wrap(self, model: nn.Module) -> nn.Module:
+    def _data_parallel(self, model: nn.Module) -> nn.Module:
         if not self.env.is_distributed:
             return model  # DDP over one process would only add overhead
         if self._sync_batchnorm:

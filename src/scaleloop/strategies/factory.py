@@ -5,12 +5,14 @@ rules the CLI applies to a config, so a combination is refused in one place with
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any, Optional
 
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.strategies.base import Strategy
+from scaleloop.strategies.parallelize import ParallelPlan
 from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.registry import REGISTRY, ParallelSettings, resolve_strategy_name
 
@@ -54,11 +56,26 @@ def make_strategy(name: str, env: DistEnv, precision: Optional[Precision | str] 
         sync_batchnorm=sync_batchnorm, find_unused_parameters=find_unused_parameters, static_graph=static_graph,
         cpu_offload=cpu_offload, sharded_checkpoints=sharded_checkpoints,
         activation_checkpointing=activation_checkpointing)
+    return build_strategy(settings, env, precision)
+
+
+def build_strategy(settings: ParallelSettings, env: DistEnv, precision: Precision) -> Strategy:
+    """The strategy of the parallel section ``settings`` on ``env``: checked, its plan built once
+    (``strategies.parallelize``), and the class that runs the plan made from both."""
+    settings = dataclasses.replace(settings, world_size=env.world_size)
     settings.check_layout()
-    concrete = "mesh" if mesh is not None else resolve_strategy_name(name, env.is_distributed)
-    strategy = strategy_class(concrete).build(env, precision, settings)
-    strategy.recompute = activation_checkpointing
-    return strategy
+    plan = ParallelPlan.of(settings, env.rank)
+    return strategy_class(class_for(settings, plan, env.is_distributed)).build(env, precision, settings, plan)
+
+
+def class_for(settings: ParallelSettings, plan: ParallelPlan, distributed: bool) -> str:
+    """The registered strategy that runs ``plan``: a pipeline whenever it has pipeline stages (``--mesh
+    pp=S,dp=R`` too), the mesh strategy for any other ``--mesh``, else the one named."""
+    if plan.spec.pp > 1:
+        return "pipeline"
+    if settings.mesh is not None:
+        return "mesh"
+    return resolve_strategy_name(settings.strategy, distributed)
 
 
 def __getattr__(name: str) -> Any:

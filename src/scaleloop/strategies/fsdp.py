@@ -22,8 +22,11 @@ from scaleloop.errors import UsageError
 import scaleloop.strategies.distcp as distcp
 from scaleloop.runtime.collectives import broadcast_object, gather_object
 from scaleloop.runtime.devices import indexed
+from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.strategies.base import EvalShard, HandWrittenLoop, ProcessGroupStrategy
 from scaleloop.strategies.blocks import _has_params, fsdp_blocks, untied_units  # noqa: F401 (re-exported)
+from scaleloop.strategies.parallelize import ParallelPlan, default_plan
+from scaleloop.strategies.tensor import apply_tensor_parallel, fsdp_placement
 from scaleloop.strategies.syncbn import convert_batchnorm
 from scaleloop.strategies.unused import used_anywhere
 
@@ -37,10 +40,13 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
     """Parameters, gradients and optimizer state sharded over ranks with FSDP2's ``fully_shard``."""
 
     name = "fsdp"
+    mesh_dims: tuple[str, ...] = ("fsdp",)
+    _shards_what = "--strategy fsdp shards"
 
     @classmethod
-    def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings") -> "FSDP":
-        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, cpu_offload=settings.cpu_offload)
+    def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings", plan: ParallelPlan) -> "FSDP":
+        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, plan=plan,
+                   cpu_offload=settings.cpu_offload)
 
     def __init__(self, *args: Any, cpu_offload: bool = False, **kwargs: Any) -> None:
         #: Shards, gradients and optimizer state kept in host memory between uses (--cpu-offload).
@@ -53,6 +59,15 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         self._hooked: set[int] = set()          # the gathered parameters hooked (their ids)
         self._steps = 0                         # optimizer steps this process has run (for messages)
         self._order: Any = None                 # the units' order, checked (strategies.spmd)
+        self._blocks: Optional[list[nn.Module]] = None   # the units, found before anything replaced parameters
+        self.tp_layers = 0                      # layers tensor parallelism split (--mesh tp=N)
+
+    def _default_plan(self) -> ParallelPlan:
+        return default_plan(self.env.world_size, self.env.rank, MeshSpec(fsdp=self.env.world_size))
+
+    @property
+    def writes_sharded(self) -> bool:
+        return True
 
     def _check(self) -> None:
         super()._check()
@@ -95,45 +110,43 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
                                       device_id=device if cuda else None)
         self._own_group = True
 
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
+    def _prepare(self, model: nn.Module) -> nn.Module:
+        """Before anything replaces a parameter: the process group, SyncBatchNorm, the units
+        (``fsdp_blocks``), and every rank on rank 0's weights and buffers (as DDP starts: each
+        rank keeps its own slice of its own copy, so copies that differed would stay mixed)."""
         if not _has_params(model):
-            raise UsageError(f"--strategy fsdp shards a model's parameters, and {type(model).__name__} has none; "
+            raise UsageError(f"{self._shards_what} a model's parameters, and {type(model).__name__} has none; "
                              "use --strategy ddp or single")
         self._ensure_process_group()
         if self._sync_batchnorm and self.env.is_distributed:
             model = convert_batchnorm(model, self.env.device)
-        blocks = untied_units(model, fsdp_blocks(model))
-        # All ranks start from rank 0's weights and buffers, as with DDP (fully_shard keeps
-        # each rank's own slice of its own copy, so copies that differed would stay mixed).
+        self._blocks = untied_units(model, fsdp_blocks(model))
         if self.env.is_distributed:
             with torch.no_grad():
                 for tensor in list(model.parameters()) + list(model.buffers()):
                     torch_dist.broadcast(tensor, src=0)
-        mesh = init_device_mesh(self.env.device.type, (self.env.world_size,))
+        return model
+
+    def _tensor_parallel(self, model: nn.Module) -> None:
+        """The layers of the model's ``tp_plan()`` split over the plan's ``tp`` ranks (``--mesh tp=N``)."""
+        if self.plan.spec.tp == 1:
+            return
+        self._prepare(model)   # the units are found before TP replaces their parameters
+        mesh = self.plan.device_mesh(self.env.device.type, self.mesh_dims)
+        self.tp_layers = apply_tensor_parallel(model, mesh["tp"])
+
+    def _data_parallel(self, model: nn.Module) -> nn.Module:
+        """FSDP2 over the plan's data dimensions (``fsdp``, or ``(dp, fsdp)``: HSDP)."""
+        if self._blocks is None:
+            model = self._prepare(model)
+        mesh = self.plan.data_mesh(self.plan.device_mesh(self.env.device.type, self.mesh_dims))
+        # BatchNorm's parameters stay in full precision under a low-precision policy.
         mixed = self.precision.dtype is not None
-        norms = {id(m) for m in model.modules()
-                 if mixed and isinstance(m, nn.modules.batchnorm._BatchNorm) and _has_params(m)}
-        block_ids = {id(b) for b in blocks}
-        self.units = 0
-        units: dict[str, nn.Module] = {}
-        # Innermost first: fully_shard must see a unit's sub-units before the unit itself.
-        for name, module in reversed(list(model.named_modules())):
-            if module is model:
-                continue
-            if id(module) in norms:
-                fully_shard(module, mesh=mesh, mp_policy=self._policy(low_precision=False),
-                            offload_policy=self._offload())
-            elif id(module) in block_ids:
-                fully_shard(module, mesh=mesh, mp_policy=self._policy(), offload_policy=self._offload())
-            else:
-                continue
-            units[name] = module
-            self.units += 1
-        fully_shard(model, mesh=mesh, mp_policy=self._policy(), offload_policy=self._offload())
-        self.units += 1
+        norms = [m for m in model.modules()
+                 if mixed and isinstance(m, nn.modules.batchnorm._BatchNorm) and _has_params(m)]
+        units = shard_units(model, self._blocks or [], mesh, self._policy(), offload=self._offload(),
+                            full_precision=norms, full_policy=self._policy(low_precision=False))
+        self.units = len(units) + 1
         self._watch_gradients(model, units)
         return model
 
@@ -332,3 +345,23 @@ class _Reached:
 
     def __call__(self, _param: torch.Tensor) -> None:
         self.reached[self.i] = True
+
+
+def shard_units(model: nn.Module, blocks: list[nn.Module], mesh: Any, policy: Any, *, offload: Any,
+                full_precision: list[nn.Module], full_policy: Any) -> dict[str, nn.Module]:
+    """FSDP2's ``fully_shard`` over ``mesh``: each of ``blocks`` and ``full_precision`` (with
+    ``full_policy``), innermost first (``fully_shard`` must see a unit's sub-units before the unit
+    itself), then the root. Returns the sub-units by name. A weight that tensor parallelism split
+    in whole parts is sharded on its other dimension (``tensor.fsdp_placement``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    block_ids, norm_ids = {id(b) for b in blocks}, {id(m) for m in full_precision}
+    units: dict[str, nn.Module] = {}
+    for name, module in reversed(list(model.named_modules())):
+        if module is model or not (id(module) in norm_ids or id(module) in block_ids):
+            continue
+        fully_shard(module, mesh=mesh, mp_policy=full_policy if id(module) in norm_ids else policy,
+                    shard_placement_fn=fsdp_placement, offload_policy=offload)
+        units[name] = module
+    fully_shard(model, mesh=mesh, mp_policy=policy, shard_placement_fn=fsdp_placement, offload_policy=offload)
+    return units

@@ -25,6 +25,7 @@ from scaleloop.runtime.dist import DistEnv
 from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.errors import UsageError
 from scaleloop.strategies import distcp
+from scaleloop.strategies.parallelize import ParallelPlan, default_plan
 from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.base import EvalShard, OptimizerLike, ProcessGroupStrategy
 from scaleloop.strategies.unused import used_anywhere
@@ -212,24 +213,24 @@ class PipelineParallel(ProcessGroupStrategy):
     name = "pipeline"
     batch_split = "seen whole by every stage"
 
+    mesh_dims = ("pp", "dp")
+
     @classmethod
-    def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings") -> "PipelineParallel":
-        layout = settings.pipeline_layout()
-        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, microbatches=settings.microbatches,
-                   schedule=settings.pipeline_schedule, stages_per_rank=settings.stages_per_rank,
-                   replicas=layout[1] if layout is not None else 1, sharded_checkpoints=settings.sharded_checkpoints)
+    def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings",
+              plan: ParallelPlan) -> "PipelineParallel":
+        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, plan=plan,
+                   microbatches=settings.microbatches, schedule=settings.pipeline_schedule,
+                   stages_per_rank=settings.stages_per_rank, sharded_checkpoints=settings.sharded_checkpoints)
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
                  sync_batchnorm: bool = False, *, microbatches: int = 1, schedule: str = "gpipe",
-                 stages_per_rank: int = 0, replicas: int = 1, sharded_checkpoints: bool = False) -> None:
+                 stages_per_rank: int = 0, sharded_checkpoints: bool = False,
+                 plan: Optional[ParallelPlan] = None) -> None:
         self.microbatches = microbatches
         #: Each stage writes its own part of a checkpoint (DCP) rather than sending it to rank 0.
         self.sharded_checkpoints = sharded_checkpoints
         self.schedule = schedule
-        self.replicas = replicas
-        super().__init__(env, precision, accumulate, sync_batchnorm)
-        #: Pipeline positions (processes per replica).
-        self.positions = env.world_size // replicas
+        super().__init__(env, precision, accumulate, sync_batchnorm, plan=plan)
         self.stages_per_rank = check_pipeline_schedule(schedule, self.positions, microbatches, stages_per_rank)
         self._pp_group: Any = None   # this replica's pipeline ranks (None: all ranks)
         self._dp_group: Any = None   # the ranks holding this rank's stages (replicas > 1)
@@ -240,7 +241,8 @@ class PipelineParallel(ProcessGroupStrategy):
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
             self.precision.scaler = ShardedGradScaler(self.env.device.type, process_group=None)
-        self.plan: Optional[StagePlan] = None
+        #: Which layers each stage runs (the cut), once ``setup`` made it.
+        self.stage_plan: Optional[StagePlan] = None
         self._module: Optional[StageModule] = None
         self._schedules: dict[tuple[str, int], Any] = {}
         self._piece_counts: dict[tuple[str, int], int] = {}
@@ -252,12 +254,29 @@ class PipelineParallel(ProcessGroupStrategy):
         self._noted_uneven: set[int] = set()
         self.notes: list[str] = []
 
+    def _default_plan(self) -> ParallelPlan:
+        return default_plan(self.env.world_size, self.env.rank, MeshSpec(pp=self.env.world_size))
+
+    @property
+    def replicas(self) -> int:
+        """Copies of each stage (the plan's ``dp``: pipeline x data parallel)."""
+        return self.plan.spec.dp
+
+    @property
+    def positions(self) -> int:
+        """Pipeline positions: processes per replica (the plan's ``pp``)."""
+        return self.plan.spec.pp
+
+    @property
+    def writes_sharded(self) -> bool:
+        return self.sharded_checkpoints
+
     def _check(self) -> None:
         super()._check()
-        if self.replicas < 1 or self.env.world_size % self.replicas:
-            raise UsageError(f"a pipeline with {self.replicas} replicas needs a world size that is a multiple of it, "
-                             f"not {self.env.world_size}")
-        if self.env.world_size // self.replicas < 2:
+        spec = self.plan.spec
+        if spec.fsdp > 1 or spec.tp > 1 or spec.world_size != self.env.world_size:
+            raise UsageError(f"a pipeline lays its {self.env.world_size} ranks out as pp x dp, not as {spec}")
+        if self.positions < 2:
             raise UsageError("--strategy pipeline puts the model's layers on several processes, one stage each: "
                              "run it with --nproc 2 (or more)")
         if self._sync_batchnorm:
@@ -290,15 +309,14 @@ class PipelineParallel(ProcessGroupStrategy):
         """The stages this rank runs: p, p+N, ... (one per chunk)."""
         return [self.stage + k * self.positions for k in range(self.stages_per_rank)]
 
-    def _make_groups(self) -> None:
+    def _data_parallel(self, model: nn.Module) -> nn.Module:
         """With replicas: a process group per pipeline (the stages talk in it) and one per stage
-        position (its copies average their gradients in it), from a ("pp", "dp") device mesh."""
-        if self.replicas == 1 or self._pp_group is not None:
-            return
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(self.env.device.type, (self.positions, self.replicas), mesh_dim_names=("pp", "dp"))
-        self._pp_group, self._dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        position (its copies average their gradients in it after each step), from the plan's
+        ``(pp, dp)`` device mesh. The model is cut into stages in the next step."""
+        if self.replicas > 1 and self._pp_group is None:
+            mesh = self.plan.device_mesh(self.env.device.type, self.mesh_dims)
+            self._pp_group, self._dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        return model
 
     # --- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -314,12 +332,11 @@ class PipelineParallel(ProcessGroupStrategy):
             self.precision.scale(torch.zeros((), device=self.env.device))
         return stage, optimizer
 
-    def _wrap(self, model: nn.Module) -> StageModule:
+    def _pipeline_split(self, model: nn.Module) -> StageModule:
         """This rank's stages of ``model`` (the other stages' layers are not kept)."""
         layers = pipeline_layers(model)
-        self._make_groups()
         n_ranks = self.positions
-        self.plan = plan_stages(layers, n_ranks * self.stages_per_rank, type(model).__name__, self.stages_per_rank)
+        self.stage_plan = plan_stages(layers, n_ranks * self.stages_per_rank, type(model).__name__, self.stages_per_rank)
         names_of: dict[int, list[str]] = {}
         full_state = model.state_dict(keep_vars=True)
         for key, tensor in full_state.items():
@@ -328,7 +345,7 @@ class PipelineParallel(ProcessGroupStrategy):
         index = {id(p): i for i, p in enumerate(params)}
         holders: dict[int, list[int]] = {}   # parameter -> the positions holding it, in stage order
         stages_of: dict[int, list[int]] = {}   # parameter -> the stages using it
-        for s, span in enumerate(self.plan.layers):
+        for s, span in enumerate(self.stage_plan.layers):
             for i in span:
                 for p in layers[i].parameters():
                     ranks = holders.setdefault(index[id(p)], [])
@@ -337,7 +354,7 @@ class PipelineParallel(ProcessGroupStrategy):
                     if s not in stages_of.setdefault(index[id(p)], []):
                         stages_of[index[id(p)]].append(s)
 
-        chunks = [[layers[i] for i in self.plan.layers[s]] for s in self._stage_indices()]
+        chunks = [[layers[i] for i in self.stage_plan.layers[s]] for s in self._stage_indices()]
         stage = StageModule(chunks, self.precision)
         for key, tensor in stage.state_dict(keep_vars=True).items():
             stage.global_keys[key] = names_of.get(id(tensor), [])
@@ -365,12 +382,6 @@ class PipelineParallel(ProcessGroupStrategy):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
 
-    @property
-    def layout(self) -> MeshSpec:
-        """``pp`` positions, each held by ``dp`` replicas (rank ``p*R + d``): every stage of a replica
-        walks the replica's share of the batch."""
-        return MeshSpec(pp=self.positions, dp=self.replicas)
-
     def _loads(self) -> tuple[bool, bool]:
         """Only the first stage loads the inputs and only the last the targets."""
         return self.is_first, self.is_last
@@ -383,8 +394,8 @@ class PipelineParallel(ProcessGroupStrategy):
         return f"pipeline ({stages} stages{per_rank}{replicas}, {self.microbatches} micro-batch(es), {name})"
 
     def details(self) -> list[str]:
-        lines = self.plan.describe() if self.plan is not None else []
-        if self.plan is not None and self.stages_per_rank > 1:
+        lines = self.stage_plan.describe() if self.stage_plan is not None else []
+        if self.stage_plan is not None and self.stages_per_rank > 1:
             n = self.positions
             lines += [f"  position {p}: stages {', '.join(str(p + k * n) for k in range(self.stages_per_rank))}"
                       for p in range(n)]

@@ -1,0 +1,140 @@
+"""Parallelism applied in one place: the plan built once from the mesh, and the fixed order.
+
+Every strategy holds a :class:`ParallelPlan`: the layout of the ranks as one
+:class:`~scaleloop.runtime.mesh.MeshSpec` (the ``pp``, ``dp``, ``fsdp`` and ``tp`` sizes), this
+rank's place in it, the data-parallel share it trains on, and whether activations are
+recomputed. ``make_strategy`` builds it from the settings (:meth:`ParallelPlan.of`) and picks the
+strategy class from it; the loader, the evaluation split and the process groups all read it.
+
+:func:`parallelize` then makes the model parallel in one fixed order (torchtitan's):
+
+1. tensor parallelism over ``tp`` (the model's ``tp_plan()``);
+2. activation checkpointing of each block;
+3. data parallelism over ``dp`` and ``fsdp``: FSDP2 (sharded, or replicated over ``dp`` in HSDP),
+   DDP, a hand-written all-reduce, or for a pipeline the replicas' process groups;
+4. the pipeline split over ``pp``: this rank keeps its stages.
+
+A strategy supplies the steps (``_tensor_parallel``, ``_data_parallel``, ``_pipeline_split``) and
+names the mesh dimensions it builds a ``DeviceMesh`` over (``mesh_dims``); pipeline x dp and
+fsdp x tp go through the same plan and the same order. docs/architecture.md, "Parallelism".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Protocol
+
+from scaleloop.runtime.mesh import DIMS, MeshSpec
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from scaleloop.strategies.registry import ParallelSettings
+
+
+@dataclass
+class ParallelPlan:
+    """The ranks' layout, this rank's place in it, and what :func:`parallelize` applies."""
+
+    spec: MeshSpec
+    rank: int = 0
+    #: ``--activation-checkpointing``: each block recomputes its activations in the backward.
+    recompute: bool = False
+    #: Blocks checkpointed by :func:`parallelize` (0 until it ran).
+    recomputed_blocks: int = 0
+    _mesh: Any = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, settings: "ParallelSettings", rank: int) -> "ParallelPlan":
+        """The plan of checked ``settings`` (``ParallelSettings.check_layout``): ``--mesh`` as given;
+        else every rank a pipeline stage (pipeline), a data shard (fsdp) or a data replica."""
+        if settings.mesh is not None:
+            spec = MeshSpec.parse(settings.mesh)
+        elif settings.strategy == "pipeline":
+            spec = MeshSpec(pp=settings.world_size)
+        elif settings.strategy == "fsdp":
+            spec = MeshSpec(fsdp=settings.world_size)
+        else:
+            spec = MeshSpec(dp=settings.world_size)
+        return cls(spec, rank, recompute=settings.activation_checkpointing)
+
+    # --- where this rank sits -------------------------------------------------------------
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Each dimension's size, outermost first."""
+        return self.spec.sizes
+
+    @property
+    def coordinates(self) -> dict[str, int]:
+        """This rank's index along each dimension."""
+        return self.spec.coordinates(self.rank)
+
+    @property
+    def data_world(self) -> int:
+        """Ranks that train on different samples (``dp x fsdp``): a step's batch is split this many ways."""
+        return self.spec.data_parallel
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of each batch this rank trains on (tp and pp ranks of one group share theirs)."""
+        return self.spec.data_rank(self.rank)
+
+    # --- the process groups ---------------------------------------------------------------
+    def device_mesh(self, device_type: str, dims: tuple[str, ...]) -> Any:
+        """The ``DeviceMesh`` over ``dims`` (named, outermost first), built once: a collective, which
+        every rank calls at the same point of set-up."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            names = tuple(d for d in DIMS if d in dims)
+            self._mesh = init_device_mesh(device_type, tuple(self.sizes[d] for d in names), mesh_dim_names=names)
+        return self._mesh
+
+    def data_mesh(self, mesh: Any) -> Any:
+        """The part of ``mesh`` the data-parallel step runs over: ``(dp, fsdp)`` (HSDP) when weights
+        are replicated over ``dp``, else ``fsdp``."""
+        return mesh["dp", "fsdp"] if self.spec.dp > 1 else mesh["fsdp"]
+
+    def steps(self) -> list[str]:
+        """What :func:`parallelize` applies, in its order, in words."""
+        spec, out = self.spec, []
+        if spec.tp > 1:
+            out.append(f"tensor parallel over tp={spec.tp}")
+        if self.recompute:
+            out.append("activation checkpointing")
+        data = [f"{d}={getattr(spec, d)}" for d in ("dp", "fsdp") if getattr(spec, d) > 1]
+        if data:
+            out.append(f"data parallel over {' x '.join(data)}")
+        if spec.pp > 1:
+            out.append(f"pipeline split over pp={spec.pp}")
+        return out
+
+
+class Parallelizable(Protocol):
+    """The steps a strategy supplies to :func:`parallelize` (``Strategy`` has do-nothing defaults)."""
+
+    plan: ParallelPlan
+
+    def _tensor_parallel(self, model: "nn.Module") -> None: ...
+
+    def _data_parallel(self, model: "nn.Module") -> "nn.Module": ...
+
+    def _pipeline_split(self, model: "nn.Module") -> "nn.Module": ...
+
+
+def parallelize(model: "nn.Module", strategy: Parallelizable) -> "nn.Module":
+    """``model`` (already on its device) made parallel by ``strategy``'s steps in the fixed order of
+    the module docstring: tensor parallelism, activation checkpointing, data parallelism, the
+    pipeline split. Returns what this rank trains (the wrapper, or its stages)."""
+    plan = strategy.plan
+    strategy._tensor_parallel(model)
+    if plan.recompute:
+        from scaleloop.strategies.recompute import checkpoint_blocks
+
+        plan.recomputed_blocks = checkpoint_blocks(model)
+    model = strategy._data_parallel(model)
+    return strategy._pipeline_split(model)
+
+
+def default_plan(world_size: int, rank: int, spec: Optional[MeshSpec] = None) -> ParallelPlan:
+    """A strategy built without settings: every rank a data replica (or ``spec``)."""
+    return ParallelPlan(spec if spec is not None else MeshSpec(dp=world_size), rank)
