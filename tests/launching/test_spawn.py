@@ -276,6 +276,66 @@ def test_a_worker_that_exits_without_an_exception() -> None:
         launch(exit_without_raising, 2)
 
 
+CALLER = """
+import os, pathlib, sys, time
+import scaleloop as sl
+
+notes = pathlib.Path(sys.argv[1])
+
+def stay() -> None:
+    (notes / f"worker-{os.getpid()}").touch()
+    time.sleep(600)
+
+if __name__ == "__main__":
+    sl.launch(stay, 2)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a lifeline needs Linux's PR_SET_PDEATHSIG")
+@pytest.mark.parametrize("killed", ["the caller", "its process group"])
+def test_sigkill_of_the_caller_leaves_no_agent_and_no_worker(tmp_path: Path, killed: str) -> None:
+    """scaleloop.launch's agent is the supervisor's child, and its workers hold their lifeline to it:
+    a script (or notebook kernel) killed mid-run takes them along within 10 s."""
+    import subprocess
+
+    from procs import child_env, kill_group
+
+    script = tmp_path / "caller.py"
+    script.write_text(CALLER)
+    caller = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=child_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIME_LIMIT_S - 15
+        while len(list(tmp_path.glob("worker-*"))) < 2:
+            assert caller.poll() is None, f"the caller ended ({caller.returncode}) before its workers started"
+            assert time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.05)
+        workers = [int(p.name.partition("-")[2]) for p in tmp_path.glob("worker-*")]
+        agents = {int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1]) for pid in workers}
+        assert len(agents) == 1 and caller.pid not in agents, "the workers' parent is the agent, not the caller"
+        if killed == "the caller":
+            os.kill(caller.pid, signal.SIGKILL)
+        else:
+            os.killpg(caller.pid, signal.SIGKILL)
+        caller.wait(timeout=10)
+        gone_by = time.monotonic() + 10
+        while any(_alive(pid) for pid in [*workers, *agents]):
+            assert time.monotonic() < gone_by, (f"left after 10 s: {[p for p in [*workers, *agents] if _alive(p)]} "
+                                                f"(workers {workers}, agent {agents})")
+            time.sleep(0.05)
+    finally:
+        kill_group(caller)
+
+
 def test_the_public_name_stays_the_function_after_the_cli_modules_are_imported() -> None:
     import importlib
 

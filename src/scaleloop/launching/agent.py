@@ -57,8 +57,8 @@ def _log_to(path: str) -> None:
 def logs_in(path: str) -> Iterator[None]:
     """While inside: torchrun's loggers write to ``path`` only; their handlers are put back after.
 
-    For ``scaleloop.launch``, whose elastic agent runs in the caller's process (a notebook):
-    its failure messages and tracebacks would bury the short report the caller gets.
+    For ``scaleloop.launch``, whose elastic agent is a fork of the caller (a notebook) that writes
+    to its console: its failure messages and tracebacks would bury the short report the caller gets.
     """
     loggers = [logging.getLogger(name) for name in ("torch.distributed", "torch.multiprocessing")]
     saved = [(logger.handlers[:], logger.propagate) for logger in loggers]

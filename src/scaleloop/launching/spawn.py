@@ -10,9 +10,10 @@ exception, the user's file:line; or the rank that stalled and where it was stuck
 agent's tracebacks. Its workers hold their lifeline to the caller (``scaleloop.launching.lifeline``),
 as torchrun's do to the launcher: a killed script or notebook kernel takes them along.
 
-It is not started by ``scaleloop.launching.supervisor``: the agent runs in the caller's own process,
-so that ``fn`` may be a notebook's function (forked) and rank 0's return value comes back as a
-Python object; there is no command line to build and no child agent to watch.
+Its agent is started and watched by ``scaleloop.launching.supervisor``, as torchrun is for the
+CLI's commands: a fork of the caller (so that ``fn`` may be a notebook's function and its
+workers forks of it), which holds its lifeline to the caller and hands rank 0's return value
+back pickled. The elastic agent's signal handlers live in that fork, never in the caller.
 
 Inside ``fn`` the worker sets itself up exactly as under torchrun::
 
@@ -23,7 +24,6 @@ Inside ``fn`` the worker sets itself up exactly as under torchrun::
 """
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import gc
 import json
@@ -33,13 +33,12 @@ import pickle
 import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import IO, Any, Callable, Mapping, Optional, Sequence, Union
 
 from scaleloop.errors import UsageError
 from scaleloop.launching import lifeline
@@ -47,8 +46,8 @@ from scaleloop.launching.failures import ELASTIC_DIR, LOGS_DIR, analyse, read_st
 
 START_METHODS = ("auto", "fork", "spawn", "forkserver")
 
-# The elastic agent installs handlers for these in the calling process and never puts the
-# old ones back; a notebook's interrupt button would stop raising KeyboardInterrupt.
+# The elastic agent installs handlers for these in its process, and its forked workers would
+# inherit them (see _Worker.__call__).
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
@@ -116,8 +115,8 @@ class _Worker:
     def __init__(self, fn: Callable[..., Any], kwargs: Mapping[str, Any], threads: Optional[int],
                  logs: Optional[str] = None) -> None:
         self.fn, self.kwargs, self.threads, self.logs = fn, dict(kwargs), threads, logs
-        self.launcher = os.getpid()   # the caller, which runs the agent: no worker outlives it
-        self.collect = gc.isenabled()  # the caller's choice, before launch pauses collection there
+        self.launcher = os.getpid()   # set to the agent's pid in the agent: no worker outlives it
+        self.collect = gc.isenabled()  # the caller's choice
         # The agent names the job after the entrypoint in its logs and errors.
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
@@ -126,8 +125,9 @@ class _Worker:
         # A forked worker holds a copy of the caller's objects, garbage among them (an earlier
         # launch's store, a process group in a reference cycle): collected here, their destructors
         # would join threads and close sockets that exist only in the caller, and crash
-        # (SIGSEGV while "Garbage-collecting"). launch pauses collection in the caller, so none
-        # runs in the worker before this line; from here on the copies are never collected.
+        # (SIGSEGV while "Garbage-collecting"). The agent, a fork of the caller, never collects
+        # (supervisor.start_function), so none runs in the worker before this line; from here on
+        # the copies are never collected.
         gc.freeze()
         if self.collect:
             gc.enable()
@@ -236,17 +236,17 @@ def launch(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
     if threads is None and nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         threads = 1
 
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
 
-    from scaleloop.launching.agent import logs_in
+    from scaleloop.launching import supervisor
+    from scaleloop.launching.torchrun import WorkerLaunch
 
+    worker = _Worker(fn, kwargs or {}, threads)
     # Workers' error files and stack dumps go to a directory of our own, removed afterwards:
     # the elastic default is a fresh /tmp/torchelastic_* per call, left behind. The agent's
-    # own messages go there too (see logs_in).
-    worker = _Worker(fn, kwargs or {}, threads)   # made before collection is paused: it notes the caller's choice
-    with tempfile.TemporaryDirectory(prefix="scaleloop-launch-") as tmp, _keep_process_state():
+    # own messages and rank 0's result go there too.
+    with tempfile.TemporaryDirectory(prefix="scaleloop-launch-") as tmp:
         run_dir = Path(tmp)
         logs = run_dir / LOGS_DIR
         logs.mkdir()
@@ -260,20 +260,78 @@ def launch(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
             max_restarts=max_restarts, start_method=method,
             logs_specs=DefaultLogsSpecs(log_dir=str(logs / ELASTIC_DIR)),
         )
+        agent = _Agent(config, worker, tuple(args), run_dir)
+        described = WorkerLaunch(nproc=nproc, module="scaleloop.launch", logs=logs, nnodes=max_nodes,
+                                 max_restarts=max_restarts)
+        ended = supervisor.wait_out(supervisor.start_function(agent, described))
+        results = agent.outcome(run_dir, ended.code)
+    return dict(results) if all_ranks else results.get(0)
+
+
+class _Agent:
+    """torch's elastic agent running ``worker`` in its workers: the body of the fork that
+    ``scaleloop.launching.supervisor.start_function`` starts. It leaves its outcome in ``out``:
+    the results by rank, the workers' failures, or its own exception (pickled), which
+    :meth:`outcome` reads in the caller."""
+
+    def __init__(self, config: Any, worker: _Worker, args: tuple[Any, ...], out: Path) -> None:
+        self.config, self.worker, self.args, self.out = config, worker, args, out
+
+    def __call__(self) -> int:
+        from torch.distributed.elastic.multiprocessing import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.launcher.api import elastic_launch
+
+        from scaleloop.launching.agent import logs_in
+
+        self.worker.launcher = os.getpid()   # the workers hold their lifeline to this agent
         try:
-            with logs_in(str(logs / "agent.log")):
-                results = elastic_launch(config, worker)(*args)
+            with logs_in(str(self.out / LOGS_DIR / "agent.log")):
+                results = elastic_launch(self.config, self.worker)(*self.args)
         except ChildFailedError as exc:
-            failures = {rank: _failure(rank, pf) for rank, pf in exc.failures.items()}
-            error = WorkerError(failures, _report(run_dir, failures))
+            _dump(self.out / "failures.pkl", {rank: _failure(rank, pf) for rank, pf in exc.failures.items()})
+            return 1
+        except SignalException as exc:
+            return 128 + int(exc.sigval)   # it stopped the workers; the caller says why
+        except Exception as exc:   # the agent's own failure (a rendezvous that timed out, ...): the caller's to raise
+            try:
+                _dump(self.out / "error.pkl", exc)
+            except Exception:   # an exception that cannot be pickled: its text and traceback
+                _dump(self.out / "error.pkl", RuntimeError(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            return 1
+        _dump(self.out / "results.pkl", dict(results))
+        return 0
+
+    @staticmethod
+    def outcome(out: Path, code: int) -> dict[int, Any]:
+        """The results by rank; WorkerError for failed workers; the agent's own exception; for an
+        agent stopped by Ctrl-C (``code``: 128 + SIGINT), KeyboardInterrupt, as Ctrl-C is here."""
+        if (out / "failures.pkl").is_file():
+            failures = _load(out / "failures.pkl")
+            error = WorkerError(failures, _report(out, failures))
             # The worker's traceback as the cause; torch's own exception adds nothing to it.
             raise error from _remote_traceback(error)
-        except SignalException as exc:
-            # The agent has stopped the workers; to the caller, Ctrl-C is still Ctrl-C.
-            if exc.sigval == signal.SIGINT:
-                raise KeyboardInterrupt from None
-            raise
-    return dict(results) if all_ranks else results.get(0)
+        if (out / "error.pkl").is_file():
+            raise _load(out / "error.pkl")
+        if not (out / "results.pkl").is_file():
+            if code == 128 + signal.SIGINT:
+                raise KeyboardInterrupt
+            stopped = f"signal {signal.Signals(code - 128).name}" if 128 < code < 128 + 65 else f"exit code {code}"
+            raise RuntimeError(f"launch: the workers' agent ended without a result ({stopped}); its workers "
+                               "were stopped with it")
+        return _load(out / "results.pkl")
+
+
+def _dump(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def _load(path: Path) -> Any:
+    with open(path, "rb") as f:
+        return pickle.load(f)
 
 
 def _check_args(nproc: Any, nnodes: Union[int, str], rdzv_endpoint: Optional[str],
@@ -366,31 +424,6 @@ def _parse_nnodes(nnodes: Union[int, str]) -> tuple[int, int]:
     if not 1 <= min_nodes <= max_nodes:
         raise UsageError(f"launch: nnodes {nnodes!r} needs 1 <= MIN <= MAX")
     return min_nodes, max_nodes
-
-
-@contextlib.contextmanager
-def _keep_process_state() -> Iterator[None]:
-    """Put back the signal handlers and the environment variable the elastic agent changes;
-    keep the garbage collector paused meanwhile (see ``_Worker.__call__``: forked workers must
-    not collect the caller's objects)."""
-    collecting = gc.isenabled()
-    gc.disable()
-    names = [n for n in _AGENT_SIGNALS if hasattr(signal, n)]
-    main_thread = threading.current_thread() is threading.main_thread()
-    handlers = {n: signal.getsignal(getattr(signal, n)) for n in names} if main_thread else {}
-    saved_env = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
-        for name, handler in handlers.items():
-            if handler is not None:  # None: installed outside Python, cannot be restored
-                signal.signal(getattr(signal, name), handler)
-        if saved_env is None:
-            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
-        else:
-            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = saved_env
 
 
 def _report(run_dir: Path, failures: Mapping[int, WorkerFailure]) -> list[str]:

@@ -28,7 +28,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Optional, Sequence, Union
+from typing import IO, Any, Callable, Optional, Sequence, Union
 
 from scaleloop.launching import lifeline
 from scaleloop.launching.failures import Failure, analyse
@@ -187,6 +187,22 @@ def _fork_agent(args: Sequence[str], env: dict[str, str]) -> _ForkedAgent:
     """Run ``scaleloop.launching.agent``'s ``main(args)`` in a fork of this process with ``env``,
     started as ``python -m scaleloop.launching.agent ARGS`` would be (handlers, exit handlers and
     this process's objects are not its own: none runs or is collected there)."""
+    def run() -> int:
+        from scaleloop.launching import agent
+
+        sys.argv = [agent.__file__, *args]
+        return agent.main(list(args))
+
+    return _fork(run, args, env, collect=True)
+
+
+def _fork(run: Callable[[], int], args: Sequence[str], env: dict[str, str], *, collect: bool) -> _ForkedAgent:
+    """``run()`` in a fork of this process with ``env``, its return value the fork's exit code.
+
+    The fork starts as a fresh process would: default signal handlers, none of this process's
+    exit handlers, and this process's objects frozen, so that they are never collected there
+    (their destructors would close what only this process holds). ``collect``: whether the fork
+    collects its own garbage (False: its own forks must not collect it either)."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     collecting = gc.isenabled()
@@ -199,7 +215,8 @@ def _fork_agent(args: Sequence[str], env: dict[str, str]) -> _ForkedAgent:
     code = 1
     try:
         gc.freeze()
-        gc.enable()
+        if collect:
+            gc.enable()
         atexit._clear()
         for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
             if hasattr(signal, name):
@@ -207,10 +224,7 @@ def _fork_agent(args: Sequence[str], env: dict[str, str]) -> _ForkedAgent:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.clear()
         os.environ.update(env)
-        from scaleloop.launching import agent
-
-        sys.argv = [agent.__file__, *args]
-        code = agent.main(list(args))
+        code = run()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # the agent's own failure: as a fresh agent would print it
@@ -225,6 +239,21 @@ def _fork_agent(args: Sequence[str], env: dict[str, str]) -> _ForkedAgent:
         os._exit(code)
 
 
+def start_function(run: Callable[[], int], launch: WorkerLaunch) -> Workers:
+    """Start an agent that is a function of this process (``scaleloop.launch``'s elastic agent, which
+    runs the caller's own Python function in its workers): a fork of this process that holds its
+    lifeline to it and returns ``run()``'s value as its exit code, watched as torchrun is. Its
+    workers never outlive it, nor it this process."""
+    launch.logs.mkdir(parents=True, exist_ok=True)
+    env = lifeline.child_env(dict(os.environ if launch.env is None else launch.env))
+
+    def held() -> int:
+        lifeline.hold()
+        return run()
+
+    return Workers(launch, _fork(held, [launch.module], env, collect=False), time.time())  # type: ignore[arg-type]
+
+
 def supervise(launch: WorkerLaunch, *, forward: Sequence[signal.Signals] = ()) -> Ended:
     """Start ``launch`` on this console and wait for it.
 
@@ -236,6 +265,12 @@ def supervise(launch: WorkerLaunch, *, forward: Sequence[signal.Signals] = ()) -
     workers = start(launch)
     if forward:
         preempt.listen(list(forward), on_signal=lambda _sig: workers.send(signal.SIGUSR1))
+    return wait_out(workers)
+
+
+def wait_out(workers: Workers) -> Ended:
+    """Wait for ``workers`` to end. Ctrl-C here: they are stopped, and KeyboardInterrupt raised after;
+    any other exception here (a timeout): they are stopped first."""
     try:
         return workers.wait()
     except KeyboardInterrupt:
