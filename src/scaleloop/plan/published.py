@@ -14,6 +14,14 @@
   comparison is with ``34*s*b*h``. Of the 34, 2 are the dropout masks after the attention and
   after the MLP (``s*b*h`` bytes each), which TinyGPT with dropout 0 does not keep either: its
   layer should keep ``32*s*b*h``.
+- **Model states, FSDP on 8 and on 128 GPUs.** torchtitan's ``docs/performance.md`` (Tables 1 and
+  3; torchtitan 9dec370, torch 1963fc8, December 2024; https://github.com/pytorch/torchtitan/blob/main/docs/performance.md):
+  Llama 3.1 8B, FSDP2, local batch 2, selective activation checkpointing, H100s: 82.4 GiB per GPU
+  on 8 GPUs and 67.0 GiB on 128 (77.0 and 62.0 with ``torch.compile``; 76.8 and 61.8 with Float8
+  too). Only the batch-independent, sharded part changes between the two: the difference is the
+  model states' 1/8 - 1/128 of 16 bytes a parameter (FSDP2 keeps fp32 shards, fp32 gradients and
+  Adam's two fp32 moments). Activations, which the plan does not model for selective checkpointing
+  (only none or full), cancel out.
 """
 from __future__ import annotations
 
@@ -66,3 +74,31 @@ def traced_layer_bytes(profile: ModelProfile) -> float:
     # The checkpointed forward keeps each block's input and what is outside the blocks.
     inputs = blocks * profile.spec.seq_len * (profile.hidden or 0) * profile.dtype_bytes
     return (profile.series.saved - (outside - inputs)) / blocks
+
+
+#: torchtitan's per-GPU memory (GiB) of Llama 3.1 8B under FSDP2, on 8 and on 128 GPUs, by technique.
+TORCHTITAN_FSDP_GIB = {"FSDP": (82.4, 67.0), "FSDP + torch.compile": (77.0, 62.0),
+                       "FSDP + torch.compile + Float8": (76.8, 61.8)}
+TORCHTITAN_SOURCE = ("torchtitan docs/performance.md, Tables 1 (8 GPUs) and 3 (128 GPUs): Llama 3.1 8B, FSDP2, "
+                     "local batch 2, selective activation checkpointing")
+
+
+def llama_parameters(vocab: int, dim: int, layers: int, ffn: int, heads: int, kv_heads: int) -> int:
+    """Parameters of a Llama (untied embedding and output layer, grouped-query attention, SwiGLU MLP,
+    RMSNorm weights): Llama 3.1 8B is ``llama_parameters(128256, 4096, 32, 14336, 32, 8)``."""
+    head = dim // heads
+    attention = 2 * dim * dim + 2 * dim * kv_heads * head
+    return 2 * vocab * dim + layers * (attention + 3 * dim * ffn + 2 * dim) + dim
+
+
+LLAMA31_8B = llama_parameters(128256, 4096, 32, 14336, 32, 8)
+
+
+def torchtitan_checks() -> list[tuple[Published, float]]:
+    """(torchtitan's per-GPU memory on 8 GPUs less that on 128, the plan's model states on 8 less on 128)."""
+    ours = model_states(LLAMA31_8B, Layout("fsdp", fsdp=8)) - model_states(LLAMA31_8B, Layout("fsdp", fsdp=128))
+    out = []
+    for technique, (on_8, on_128) in TORCHTITAN_FSDP_GIB.items():
+        what = f"Llama 3.1 8B, {technique}: per-GPU memory on 8 GPUs less on 128 ({on_8} - {on_128} GiB)"
+        out.append((Published(what, TORCHTITAN_SOURCE, (on_8 - on_128) * 2**30), ours))
+    return out
