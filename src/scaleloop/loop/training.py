@@ -342,24 +342,16 @@ class Trainer:
             if done_steps % log_every == 0:
                 window_start = self.log_row(epoch, window_samples, window_start, bar)
                 window_samples = 0
-            if max_steps is not None and done_steps >= max_steps:
+            # Every rank ends at --max-steps, or where a hook says so (the stop vote).
+            if (max_steps is not None and done_steps >= max_steps) or (after_step is not None
+                                                                        and after_step(self, epoch)):
                 done = True
                 break
-            if after_step is not None and after_step(self, epoch):  # every rank ends here, as --max-steps does
-                done = True
-                break
-            # Before the step's checkpoint: a run resumed from it goes on to the next multiple.
-            # At the epoch's (or the run's) last step, end_epoch's evaluation gives the row.
-            if eval_every and done_steps % eval_every == 0 and not _epoch_complete(plan, in_epoch):
-                paused = self.eval_inside(epoch)
-                epoch_start += paused   # evaluation time is not training time, as at the epoch's end
+            if ((eval_every and done_steps % eval_every == 0) or (checkpoint_every and done_steps % checkpoint_every
+                                                                  == 0)) and not _epoch_complete(plan, in_epoch):
+                paused = self.pause_inside(epoch, in_epoch, done_steps, epoch_start)
+                epoch_start += paused   # not training time, as at the epoch's end
                 window_start += paused
-                step.restart_clock()
-            if checkpoint_every and done_steps % checkpoint_every == 0 and not _epoch_complete(plan, in_epoch):
-                paused = self.checkpoint(Progress(epoch, in_epoch), ledger.train_s + time.perf_counter() - epoch_start)
-                epoch_start += paused   # checkpoint time is reported on its own, not as training
-                window_start += paused
-                step.restart_clock()
         ledger.train_s += device_clock(env.device) - epoch_start
         if bar is not None:
             bar.close()
@@ -472,6 +464,19 @@ class Trainer:
         if train is not None:
             self.ledger.train_eval, self.ledger.train_eval_step = train, self.ledger.step
         return train
+
+    def pause_inside(self, epoch: int, in_epoch: int, done_steps: int, epoch_start: float) -> float:
+        """The evaluation and the checkpoint due after step ``done_steps`` inside an epoch (not at its
+        end, where ``end_epoch`` does both); returns the seconds they took. The evaluation comes
+        first: a run resumed from the checkpoint goes on to the next multiple."""
+        cfg, paused = self.cfg, 0.0
+        if cfg.eval_every and done_steps % cfg.eval_every == 0:
+            paused += self.eval_inside(epoch)
+        if cfg.checkpoint_every and done_steps % cfg.checkpoint_every == 0:
+            train_s = self.ledger.train_s + time.perf_counter() - (epoch_start + paused)
+            paused += self.checkpoint(Progress(epoch, in_epoch), train_s)
+        self.step.restart_clock()
+        return paused
 
     def eval_inside(self, epoch: int) -> float:
         """The evaluation at this step inside epoch ``epoch`` (every ``--eval-every`` steps): its
