@@ -13,6 +13,7 @@
   over -100 padding (a step's loss is the mean over the real targets of the whole step).
 - ``health``: what the log rows learn on their all-reduce: stragglers, a diverging loss,
   fp16 skipped steps.
+- ``startwatch``: a slow start-up step says which it is and where it runs.
 - ``speed``: ``--compile``/``--channels-last`` set-up. ``tune``: the largest batch that fits (``scaleloop tune-batch``).
 - ``ending``: the record of an ending the loop decides (a non-finite loss, a stop signal, ...).
 - ``preempt``: ``StopVote``, every rank agreeing to stop after the same step on a stop signal.

@@ -46,6 +46,7 @@ from scaleloop.loop.health import Stragglers, diverged, reduce_checked, reduce_w
 from scaleloop.loop.preempt import StopVote
 from scaleloop.loop.running import RunningLoss
 from scaleloop.loop.schedule import describe_schedule
+from scaleloop.loop.startwatch import StartupWatch
 from scaleloop.loop.step import Step
 from scaleloop.loop.tasks import describe_task
 from scaleloop.output.memory import RankMemory, measure, reset_peak, write_json
@@ -182,10 +183,11 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     if env.is_main:
         refuse_if_in_use(run_dir_for(cfg))   # before its checkpoints are read: "in use" is the reason
     try:
-        run = build_run(cfg, env)
-        checkpointer = Checkpointer(run.strategy, cfg.checkpointing, dataclasses.asdict(cfg), say=say)
-        resumed = checkpointer.restore(run.model, run.optimizer, run.scheduler, restarting=restart_count() > 0)
-        _stream_state(run, checkpointer, resumed)
+        with StartupWatch(say) if env.is_main else contextlib.nullcontext():   # a slow step says so
+            run = build_run(cfg, env)
+            checkpointer = Checkpointer(run.strategy, cfg.checkpointing, dataclasses.asdict(cfg), say=say)
+            resumed = checkpointer.restore(run.model, run.optimizer, run.scheduler, restarting=restart_count() > 0)
+            _stream_state(run, checkpointer, resumed)
     except BaseException as exc:   # for the launcher's report: before any step
         note_where(exc, epoch=None, step=0, during=STARTING_UP)
         raise
