@@ -36,6 +36,24 @@ def test_ddp_adds_the_all_reduce_the_backward_cannot_hide(profile) -> None:
     assert t.total_s == pytest.approx(t.compute_s + max(0.0, comm - t.compute_s * 2 / 3))
 
 
+def test_a_cpu_hides_nothing_and_fsdp_pays_the_ranks_agreement(profile) -> None:
+    from dataclasses import replace
+
+    target = parse_target("h100", 8, 2)
+    options = Options(8, "bf16", "adam")
+    dp = Layout("dp", dp=8)
+    cpu = replace(target, overlaps=False)
+    overlapped, serial = step_time(profile, dp, options, target, 0.4), step_time(profile, dp, options, cpu, 0.4)
+    comm = ring_allreduce_s(8, profile.parameters * 4, target.between.bandwidth_Bps, target.between.latency_s, 1)
+    assert serial.total_s == pytest.approx(serial.compute_s + comm)       # the all-reduce hides behind nothing
+    assert overlapped.total_s < serial.total_s
+    # FSDP: 3 agreements per unit (its 4 blocks) and 3 per step, each a small ring all-reduce over all ranks.
+    fsdp = Layout("fsdp", fsdp=8)
+    quiet, chatty = replace(cpu, host_latency_s=0.0), replace(cpu, host_latency_s=1e-3)
+    added = step_time(profile, fsdp, options, chatty, 0.4).total_s - step_time(profile, fsdp, options, quiet, 0.4).total_s
+    assert added == pytest.approx((3 * 4 + 3) * 2 * 7 * 1e-3)
+
+
 def test_the_pipeline_pays_its_bubble(profile) -> None:
     target = parse_target("h100", 4, 1)
     options = Options(16, "bf16", "adam")

@@ -30,6 +30,12 @@ class Target:
     usable: float = 0.9              # of the memory, what tensors may take (the CUDA context, fragmentation)
 
     fp32_flops: float = 0.0          # peak FLOP/s in fp32 (0: half the bf16 peak, as TF32)
+    #: Whether communication can run beside the compute (GPUs: its own engines and links); False on
+    #: a CPU, whose Gloo threads take the same cores as the compute: nothing hides there.
+    overlaps: bool = True
+    #: Latency per ring step of a small all-reduce on the host's Gloo group (scaleloop's own
+    #: agreement between FSDP's ranks, strategies/spmd.py): TCP between processes, an assumption.
+    host_latency_s: float = 30e-6
 
     def flops(self, precision: str) -> float:
         """The peak FLOP/s a run in ``precision`` divides by."""

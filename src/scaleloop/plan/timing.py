@@ -12,7 +12,11 @@ overlaps it. An estimate with its assumptions listed in docs/planning.md.
 - pp: the 1F1B bubble, (S - 1) / M of the compute added, and the stage's gradient all-reduce
   over replicas after the last backward;
 - offload: the shards cross PCIe twice (forward, backward) and the gradients once, and the
-  optimizer steps on the host (28 bytes of host memory traffic per parameter).
+  optimizer steps on the host (28 bytes of host memory traffic per parameter);
+- scaleloop's own agreement between FSDP's ranks (``strategies/spmd.py``): small all-reduces on
+  a Gloo group at each unit's forward, backward start and end, and at the pass ends, plus one
+  for the parameters no rank used (``strategies/unused.py``): not hidden (they wait);
+- where the target cannot overlap (a CPU: Gloo's threads share the cores), nothing is hidden.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 
 from scaleloop.bench.costmodel import MIN_GPU_STEP_S, Interconnect
 from scaleloop.plan.layouts import Layout
-from scaleloop.plan.memory import MASTER_BYTES, Options, micro_batch
+from scaleloop.plan.memory import FSDP_FAMILIES, MASTER_BYTES, Options, micro_batch
 from scaleloop.plan.profile import ModelProfile
 from scaleloop.plan.target import Target
 
@@ -86,6 +90,9 @@ def comm_s(profile: ModelProfile, layout: Layout, options: Options, target: Targ
         if layout.offload:
             hidden += (2 * gathered + params * MASTER_BYTES) / layout.fsdp / target.host_Bps
             exposed += params / layout.fsdp * ADAM_BYTES / target.host_adam_Bps
+    if layout.family in FSDP_FAMILIES and layout.world > 1:
+        agreements = 3 * len(profile.block_parameters) + 2 + 1
+        exposed += agreements * 2 * (layout.world - 1) * target.host_latency_s
     if layout.dp > 1:
         shard = params * MASTER_BYTES / layout.fsdp
         link = target.link(layout.dp, _spans_nodes(layout.dp, layout.fsdp * layout.tp, target))
@@ -102,7 +109,7 @@ def step_time(profile: ModelProfile, layout: Layout, options: Options, target: T
     hidden, exposed = comm_s(profile, layout, options, target)
     # What can hide does so behind the backward (two thirds of the compute; DDP's buckets), or
     # behind all of it where FSDP prefetches the next unit's gather during the forward too.
-    window = compute if layout.fsdp > 1 else compute * 2 / 3
+    window = 0.0 if not target.overlaps else compute if layout.fsdp > 1 else compute * 2 / 3
     extra = max(0.0, hidden - window) + exposed
     total = compute + extra
     return StepTime(compute, extra, total, options.batch_size / total)
