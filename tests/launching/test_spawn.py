@@ -267,7 +267,11 @@ def test_a_worker_that_crashes_is_named_with_where_it_was() -> None:
     lines = str(info.value).splitlines()
     assert lines[0] == "rank 1 crashed: Segmentation fault", str(info.value)
     assert lines[1] == f"  at: {Path(__file__).resolve()}:{line_of('CRASHED-HERE')} in crash_on_rank_1", str(info.value)
-    assert lines[2].startswith("  then: rank 0 lost its peer "), str(info.value)
+    # Rank 0, waiting in a barrier, either notices the lost peer first (and the report says so)
+    # or is stopped by the agent before it does (nothing of its own to report): which one comes
+    # first depends on the machine's load, so either is right; nothing else may follow.
+    assert len(lines) in (2, 3), str(info.value)
+    assert all(line.startswith("  then: rank 0 lost its peer ") for line in lines[2:]), str(info.value)
 
 
 @pytest.mark.distributed
