@@ -5,7 +5,8 @@ sessions of their own, so a signal to the launcher's process group never reaches
 would go on writing checkpoints into a run directory whose lock now looks stale. On Linux,
 ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` asks the kernel to kill this process the moment its parent
 ends, however it ends. Each link of the chain holds its own: the torchrun agent (the launcher's
-child), each worker (the agent's child), and ``scaleloop.launch``'s workers.
+child), each worker (the agent's child), and ``scaleloop.launch``'s agent (the caller's fork)
+and workers.
 
 The parent names itself in :data:`PARENT_VAR` of the child's environment (:func:`child_env`):
 the child checks, right after asking, that it still has that parent, for the parent may have

@@ -7,8 +7,9 @@ fails. scaleloop adds sane defaults, a start method that works in notebooks, ran
 value, and failures that explain themselves: the caller gets one ``WorkerError`` whose message
 is the short report of ``scaleloop.launching.failures`` (the rank that failed first, its
 exception, the user's file:line; or the rank that stalled and where it was stuck), not the
-agent's tracebacks. Its workers hold their lifeline to the caller (``scaleloop.launching.lifeline``),
-as torchrun's do to the launcher: a killed script or notebook kernel takes them along.
+agent's tracebacks. Its agent holds its lifeline to the caller and its workers theirs to the agent
+(``scaleloop.launching.lifeline``), as torchrun's do: a killed script or notebook kernel takes
+them along.
 
 Its agent is started and watched by ``scaleloop.launching.supervisor``, as torchrun is for the
 CLI's commands: a fork of the caller (so that ``fn`` may be a notebook's function and its

@@ -146,12 +146,14 @@ class MeshSpec:
         return f"batch share {self.data_rank(rank)} of {self.data_parallel}; weights: {weights}"
 
     # --- the torch mesh -------------------------------------------------------------------
-    def build(self, device_type: str) -> "DeviceMesh":
-        """The ``DeviceMesh`` over all ranks, every dimension named (size-1 ones too, so that
-        ``mesh["dp", "fsdp"]`` exists in every layout). A collective: every rank calls it."""
+    def build(self, device_type: str, dims: tuple[str, ...] = DIMS) -> "DeviceMesh":
+        """The ``DeviceMesh`` over all ranks with the dimensions ``dims`` named, outermost first
+        (by default every one, size-1 ones too, so that ``mesh["dp", "fsdp"]`` exists in every
+        layout; the others must have size 1). A collective: every rank calls it."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, tuple(self.sizes.values()), mesh_dim_names=DIMS)
+        names = tuple(d for d in DIMS if d in dims)
+        return init_device_mesh(device_type, tuple(self.sizes[d] for d in names), mesh_dim_names=names)
 
 
 def parse_mesh(text: Optional[str]) -> Optional[MeshSpec]:

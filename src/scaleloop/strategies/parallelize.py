@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
-from scaleloop.runtime.mesh import DIMS, MeshSpec
+from scaleloop.runtime.mesh import MeshSpec
 
 if TYPE_CHECKING:
     from torch import nn
@@ -83,10 +83,7 @@ class ParallelPlan:
         """The ``DeviceMesh`` over ``dims`` (named, outermost first), built once: a collective, which
         every rank calls at the same point of set-up."""
         if self._mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            names = tuple(d for d in DIMS if d in dims)
-            self._mesh = init_device_mesh(device_type, tuple(self.sizes[d] for d in names), mesh_dim_names=names)
+            self._mesh = self.spec.build(device_type, dims)
         return self._mesh
 
     def data_mesh(self, mesh: Any) -> Any:
