@@ -77,6 +77,26 @@ def test_random_windows_are_fixed_by_seed_and_index_and_reach_the_whole_file(tmp
     assert {small.start(i) for i in range(200)} == {0, 1}
 
 
+def test_a_batch_read_at_once_holds_the_windows_read_one_by_one(tmp_path: Path) -> None:
+    # The DataLoader reads a batch's windows in one gather (__getitems__); each is the window
+    # __getitem__ gives, and a token beyond the vocabulary names its own window, not the batch's first.
+    write(tmp_path, phrases(2000, vocab=50))
+    for windows in ("random", "sequential"):
+        data = TokenFileDataset(tmp_path / "train.bin", 12, 50, windows=windows, seed=5)
+        picks = [7, 0, len(data) - 1, 7, 40]
+        for (x, y), i in zip(data.__getitems__(picks), picks):
+            one_x, one_y = data[i]
+            assert torch.equal(x, one_x) and torch.equal(y, one_y) and x.dtype == torch.int64
+        with pytest.raises(IndexError):
+            data.__getitems__([0, len(data)])
+    tokens = np.zeros(200, dtype=np.uint16)
+    tokens[130] = 99
+    write(tmp_path / "bad", tokens)
+    bad = TokenFileDataset(tmp_path / "bad" / "train.bin", 10, 50, windows="sequential")
+    with pytest.raises(UsageError, match=r"holds token 99 \(window 13, from token 130\)"):
+        bad.__getitems__([0, 1, 13, 2])
+
+
 def test_the_file_is_mapped_not_read_and_a_pickle_carries_no_tokens(tmp_path: Path) -> None:
     write(tmp_path, phrases(200_000))
     ds = build_datasets("tokenfile", data_dir=str(tmp_path), seq_len=32, vocab_size=50).train

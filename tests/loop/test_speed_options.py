@@ -174,3 +174,40 @@ def test_compile_on_cuda_names_a_missing_c_compiler(monkeypatch) -> None:
     monkeypatch.delenv("CC", raising=False)
     with pytest.raises(UsageError, match="needs a C compiler for Triton's launcher"):
         check_compile(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("optimizer,changes", [("adamw", dict(weight_decay=0.1, betas="0.9,0.95", eps=1e-6)),
+                                               ("adam", dict(weight_decay=0.01)),
+                                               ("sgd", dict(momentum=0.9, weight_decay=0.1)),
+                                               ("sgd", dict(momentum=0.0))])
+def test_default_optimizer_on_the_cpu_is_the_multi_tensor_loop_with_the_same_weights(optimizer: str,
+                                                                                     changes: dict) -> None:
+    # scaleloop's default on the CPU is foreach=True (faster); it must give what PyTorch's own
+    # per-tensor default gives, bit for bit, decay groups included.
+    from scaleloop.models import TinyGPT
+
+    def trained(make_optimizer) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = TinyGPT(vocab_size=32, seq_len=8, d_model=16, n_layers=1)
+        opt = make_optimizer(model)
+        tokens = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            x = torch.randint(32, (4, 8), generator=tokens)
+            torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return model.state_dict()
+
+    cfg = TrainConfig(optimizer=optimizer, lr=1e-2, **changes)
+    model = TinyGPT(vocab_size=32, seq_len=8, d_model=16, n_layers=1)
+    assert build_optimizer(cfg, model.parameters(), model=model).defaults["foreach"] is True
+
+    def per_tensor(model: torch.nn.Module) -> torch.optim.Optimizer:
+        opt = build_optimizer(cfg, model.parameters(), model=model)
+        for group in opt.param_groups:
+            group["foreach"] = False   # PyTorch's own default on the CPU
+        return opt
+
+    a = trained(lambda model: build_optimizer(cfg, model.parameters(), model=model))
+    b = trained(per_tensor)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

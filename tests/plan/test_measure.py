@@ -1,5 +1,6 @@
-"""The one multi-process check: on 2 CPU processes, the predicted per-rank peak of a tiny fsdp
-run is within 10% of the peak measured by the CPU allocator's accounting (the profiler)."""
+"""The multi-process checks: on 2 CPU processes, the predicted per-rank peak of a tiny fsdp run
+(within 10%) and of a tiny tensor-parallel one with checkpointing (within 15%) against the peak
+measured by the CPU allocator's accounting (the profiler)."""
 from __future__ import annotations
 
 import signal
@@ -30,11 +31,17 @@ def time_limit() -> Iterator[None]:
 
 
 @pytest.mark.distributed
-def test_the_predicted_peak_of_a_tiny_fsdp_run_is_within_ten_percent(time_limit: None) -> None:
-    spec = ModelSpec(seq_len=32, vocab_size=64, d_model=32, n_layers=2, n_heads=4)
-    layout = Layout("fsdp", fsdp=2)
+@pytest.mark.parametrize("layout, d_model, tolerance", [
+    (Layout("fsdp", fsdp=2), 32, 0.10),
+    # The activations traced on one rank's slices of the layers (plan.tplocal). The measured peak
+    # itself moves by about 5% from run to run here (how long the asynchronous sums keep their
+    # buffers), hence the wider bound.
+    (Layout("fsdp x tp", tp=2, checkpointing=True), 64, 0.15)], ids=["fsdp", "tp"])
+def test_the_predicted_peak_of_a_tiny_run_is_close(time_limit: None, layout: Layout, d_model: int,
+                                                   tolerance: float) -> None:
+    spec = ModelSpec(seq_len=32, vocab_size=64, d_model=d_model, n_layers=2, n_heads=4)
     result = measure(spec, layout, batch_size=8, steps=1, warmup=0, timeout_s=60)
     measured = max(result["peaks"])
     predicted = predicted_peak(profile_model(spec), layout, 8)
     assert measured > 0 and len(result["peaks"]) == 2
-    assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
+    assert abs(predicted / measured - 1) <= tolerance, (predicted, measured)

@@ -90,18 +90,28 @@ class TokenFileDataset(Dataset):
         return _mix(self.seed, i) % (self.n_tokens - self.seq_len)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= i < len(self):
-            raise IndexError(f"window {i} of {len(self)}")
-        s = self.start(int(i))
-        window = torch.from_numpy(self.tokens[s:s + self.seq_len + 1].astype(np.int64))
+        return self.__getitems__([i])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Windows ``indices`` read in one gather from the file (the DataLoader asks for a batch's
+        windows at once): one copy and one check for the batch, rather than one per window."""
+        n = len(self)
+        for i in indices:
+            if not 0 <= i < n:
+                raise IndexError(f"window {i} of {n}")
+        starts = np.fromiter((self.start(int(i)) for i in indices), dtype=np.int64, count=len(indices))
+        # Fancy indexing reads only these windows' pages of the map, into a new (small) array.
+        windows = torch.from_numpy(np.asarray(self.tokens)[starts[:, None] + np.arange(self.seq_len + 1)]
+                                   .astype(np.int64))
         # Start-up reads one window, so a token beyond the vocabulary shows here (a few ns a token),
         # named, rather than as an embedding's bare "index out of range".
-        high = int(window.max())
-        if high >= self.vocab_size:
+        if windows.numel() and int(windows.max()) >= self.vocab_size:
+            row = int((windows >= self.vocab_size).any(dim=1).nonzero()[0])
+            high, i, s = int(windows[row].max()), indices[row], int(starts[row])
             raise UsageError(f"{str(self.path)!r} holds token {high} (window {i}, from token {s}), beyond the "
                              f"vocabulary of {self.vocab_size}: give --vocab-size (or {META_FILE}'s \"vocab_size\") "
                              "larger than every token id")
-        return window[:-1], window[1:]
+        return list(zip(windows[:, :-1].unbind(0), windows[:, 1:].unbind(0)))
 
 
 def token_files(name: str, data_dir: Optional[str], seq_len: int, vocab_size: int, seed: int) -> Datasets:

@@ -92,6 +92,11 @@ def build_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter], lr: Option
         kind = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
         options = dict(lr=lr, weight_decay=cfg.weight_decay, **_adam_options(cfg))
     if not cfg.fused_optimizer:
+        if _plain_cpu(params):
+            # The multi-tensor loop, as PyTorch's default is on CUDA (on the CPU it is the per-tensor
+            # one): the same arithmetic tensor by tensor, so bitwise the same weights, with fewer
+            # Python calls per step (about 0.4 ms of a 49 ms step of a 0.4M-parameter GPT here).
+            return kind(groups, foreach=True, **options)
         return kind(groups, **options)  # PyTorch's default implementation for the parameters' device
     if kind is torch.optim.SGD and any(_is_dtensor(p) for p in params):
         # FSDP2's sharded parameters: DTensor has no sharding rule for the fused SGD kernel (it
@@ -122,6 +127,12 @@ def check_decay_with_pipeline(cfg: TrainConfig) -> None:
         raise UsageError(f"a pipeline (--strategy pipeline, --mesh pp=N) applies --weight-decay to every tensor: "
                          f"add --decay-params all (--decay-params {cfg.decay_params} leaves biases and norms out, "
                          "which needs a second parameter group the pipeline does not have)")
+
+
+def _plain_cpu(params: list[nn.Parameter]) -> bool:
+    """Every parameter a plain tensor on the CPU (not a DTensor, or a subclass PyTorch's multi-tensor
+    ops may not know)."""
+    return bool(params) and all(type(p) in (nn.Parameter, torch.Tensor) and p.device.type == "cpu" for p in params)
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

@@ -5,6 +5,7 @@ Small modules, bottom up:
 - ``trace``      live tensor bytes op by op of one step, on fake tensors (a ``TorchDispatchMode``)
 - ``profile``    the model on the meta device: parameter counts, FLOPs, the traced step with and without
                  activation checkpointing (``ModelSpec``, ``profile_model``)
+- ``tplocal``    one tensor-parallel rank's slices of the layers, to trace what that rank keeps
 - ``target``     the GPUs: memory, peak FLOP/s, NVLink inside a node, InfiniBand between (``--gpu``)
 - ``layouts``    the candidates (dp, fsdp, hsdp, fsdp x tp, pp x dp, +ac, +offload) and their train flags
 - ``memory``     a layout's per-rank peak: parameters, gradients, optimizer state, activations, buffers

@@ -100,15 +100,13 @@ def estimate(profile: ModelProfile, layout: Layout, options: Options) -> Memory:
     """The peak memory of the busiest rank of ``layout`` (see the module docstring)."""
     if layout.pp > 1:
         return max((_pipeline_stage(profile, layout, options, s) for s in range(layout.pp)), key=lambda m: m.peak)
-    series = profile.series_checkpointed if layout.checkpointing and profile.series_checkpointed else profile.series
+    series, act_scale = _activations(profile, layout, options)
     params = _rank_parameters(profile, layout)
     shards = layout.fsdp
     opt_bytes = OPTIMIZER_BYTES.get(options.optimizer, 8)
     static = params * MASTER_BYTES / shards
     optimizer = params * opt_bytes / shards
     grads_all = params * MASTER_BYTES / shards
-    act_scale = micro_batch(layout, options) * tp_activation_share(layout.tp) if layout.tp > 1 else \
-        micro_batch(layout, options)
     act, grad = _peak_over(series, act_scale, grads_all)
     block = max(profile.block_parameters, default=0) / layout.tp
     if layout.family in FSDP_FAMILIES:   # FSDP2 units (a mesh wraps them even when its fsdp size is 1)
@@ -123,6 +121,11 @@ def estimate(profile: ModelProfile, layout: Layout, options: Options) -> Memory:
         buffers = grads_all if layout.dp > 1 else 0.0          # DDP's gradient buckets, a second copy
         if options.param_bytes < MASTER_BYTES:
             act += params * options.param_bytes                  # autocast's low-precision copies, saved for backward
+    if layout.tp > 1 and profile.hidden:
+        # Tensor parallelism's sums (a rowwise layer's output, a colwise layer's input gradient) are
+        # out of place: while one runs, its input (which the one-rank trace sees) and its output
+        # (which it does not) are both alive. One activation of the micro-batch.
+        buffers += micro_batch(layout, options) * profile.spec.seq_len * profile.hidden * profile.dtype_bytes
     after = grads_all + _optimizer_temporaries(params / shards, block, options)
     host = 0.0
     if layout.offload:
@@ -131,6 +134,20 @@ def estimate(profile: ModelProfile, layout: Layout, options: Options) -> Memory:
     if after > act + grad + buffers:
         return Memory(static, grads_all, optimizer, 0.0, after - grads_all, host, "optimizer step")
     return Memory(static, grad, optimizer, act, buffers, host)
+
+
+def _activations(profile: ModelProfile, layout: Layout, options: Options) -> tuple[StepSeries, float]:
+    """The traced step one rank runs, and what to multiply it by: its micro-batch. Under tensor
+    parallelism the step traced on one rank's slices, where the model's split can be cut so
+    (``ModelProfile.rank_series``); else the whole model's, times Megatron's share."""
+    checkpointed = layout.checkpointing and profile.series_checkpointed is not None
+    samples = micro_batch(layout, options)
+    if layout.tp > 1:
+        local = profile.rank_series(layout.tp, checkpointed)
+        if local is not None:
+            return local, samples
+        samples *= tp_activation_share(layout.tp)
+    return (profile.series_checkpointed if checkpointed else profile.series), samples  # type: ignore[return-value]
 
 
 def _optimizer_temporaries(rank_params: float, block: float, options: Options) -> float:

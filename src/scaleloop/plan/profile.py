@@ -60,11 +60,25 @@ class ModelProfile:
     layers: tuple[nn.Module, ...] = field(default=(), compare=False, repr=False)   # meta: a pipeline's cut
     block_layers: tuple[bool, ...] = ()   # which of ``layers`` are blocks (the rest: embeddings, the head)
     dtype_bytes: int = 4                  # of the traced activations
+    #: One tensor-parallel rank's traced steps, by (tp, checkpointed), traced when first asked.
+    _rank_series: dict[tuple[int, bool], Optional[StepSeries]] = field(default_factory=dict, compare=False,
+                                                                       repr=False)
 
     @property
     def root_parameters(self) -> int:
         """Parameters outside every block (embeddings, the last norm, the output layer)."""
         return self.parameters - sum(self.block_parameters)
+
+    def rank_series(self, tp: int, checkpointed: bool) -> Optional[StepSeries]:
+        """The step of one sample on one of ``tp`` tensor-parallel ranks, traced on that rank's
+        slices of the layers (:mod:`scaleloop.plan.tplocal`); None where the model's split is not
+        one that can be cut so (then the memory model estimates the share)."""
+        key = (tp, checkpointed)
+        if key not in self._rank_series:
+            dtype = torch.bfloat16 if self.dtype_bytes == 2 else torch.float32
+            traced = _trace(self.spec, dtype, checkpointed, count_flops=False, tp=tp)
+            self._rank_series[key] = traced[0] if traced is not None else None
+        return self._rank_series[key]
 
 
 def _tinygpt(spec: ModelSpec) -> nn.Module:
@@ -164,14 +178,20 @@ def _forward_loss(model: nn.Module, tokens: torch.Tensor) -> Callable[[], torch.
     return run
 
 
-def _trace(spec: ModelSpec, dtype: torch.dtype, checkpointed: bool, count_flops: bool) -> tuple[StepSeries, float]:
-    """One sample's traced step on a fresh fake model (and its FLOPs when asked)."""
+def _trace(spec: ModelSpec, dtype: torch.dtype, checkpointed: bool, count_flops: bool,
+           tp: int = 1) -> Optional[tuple[StepSeries, float]]:
+    """One sample's traced step on a fresh fake model (and its FLOPs when asked); with ``tp`` > 1
+    on one tensor-parallel rank's slices (None when the model's split cannot be cut so)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
+    from scaleloop.plan.tplocal import shrink_to_rank
     from scaleloop.strategies.recompute import checkpoint_blocks
 
-    model = build_meta(spec).to(dtype)
+    model = build_meta(spec)
+    if tp > 1 and not shrink_to_rank(model, tp):
+        return None
+    model = model.to(dtype)
     if checkpointed:
         checkpoint_blocks(model)
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -197,8 +217,8 @@ def profile_model(spec: ModelSpec, low_precision: bool = False) -> ModelProfile:
     hidden, heads = _hidden(model)
     layers = _layers(model)
     dtype = torch.bfloat16 if low_precision else torch.float32
-    series, flops = _trace(spec, dtype, checkpointed=False, count_flops=True)
-    checkpointed = _trace(spec, dtype, checkpointed=True, count_flops=False)[0] if blocks else None
+    series, flops = _trace(spec, dtype, checkpointed=False, count_flops=True)  # type: ignore[misc]
+    checkpointed = _trace(spec, dtype, checkpointed=True, count_flops=False)[0] if blocks else None  # type: ignore[index]
     return ModelProfile(spec=spec, parameters=_count(model), block_parameters=tuple(_count(b) for b in blocks),
                         tp_parameters=_tp_parameters(model), layers=layers,
                         block_layers=tuple(any(layer is b for b in blocks) for layer in layers), hidden=hidden,
