@@ -69,3 +69,24 @@ def test_the_largest_batch_that_fits_is_the_edge(profile) -> None:
     capacity = estimate(profile, layout, Options(37, "fp32", "adam", foreach_optimizer=False)).peak
     assert largest_batch(profile, layout, options, capacity) == 37
     assert largest_batch(profile, layout, options, 1.0) == 0
+
+
+def test_each_collective_costs_at_least_the_targets_least(profile) -> None:
+    # A CPU with more ranks than cores: every collective waits for its peers to be scheduled,
+    # however small it is (Target.collective_s, measured there); GPUs have none (0).
+    from dataclasses import replace
+
+    options = Options(8, "fp32", "adam")
+    cpu = replace(parse_target("h100", 4, 1), overlaps=False, host_latency_s=0.0)
+    slow = replace(cpu, collective_s=5e-3)
+    fsdp = Layout("fsdp", fsdp=4)
+    added = step_time(profile, fsdp, options, slow, 0.4).total_s - step_time(profile, fsdp, options, cpu, 0.4).total_s
+    units = 4 + 1
+    # Each all-gather (forward and backward) and reduce-scatter, and each of the 3 x 4 + 3 agreements,
+    # at 5 ms instead of its (much smaller) ring latency.
+    assert added == pytest.approx(5e-3 * (2 * units + units + 3 * 4 + 3), rel=0.02)
+    # Tensor parallelism: four sums per block, one more when the forward is recomputed.
+    tp, tp_ac = Layout("fsdp x tp", tp=4), Layout("fsdp x tp", tp=4, checkpointing=True)
+    sums = [step_time(profile, layout, options, slow, 0.4).comm_s - step_time(profile, layout, options, cpu, 0.4).comm_s
+            for layout in (tp, tp_ac)]
+    assert sums[1] - sums[0] == pytest.approx(5e-3 * 4, rel=0.02)

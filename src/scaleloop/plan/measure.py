@@ -135,7 +135,9 @@ def measure_worker(spec: dict[str, Any], layout: dict[str, Any], batch_size: int
 
 def _fabric(env: Any) -> dict[str, float]:
     """All-reduce timings of one float and of 4 MiB over the group (best of 10), for
-    ``costmodel.fit_fabric``: the latency and bandwidth of Gloo on this machine."""
+    ``costmodel.fit_fabric``: the latency and bandwidth of Gloo on this machine; and what one
+    small all-reduce adds between bursts of compute (``busy_small_s``), as a step's collectives
+    come: with more ranks than cores, each waits until its peers are scheduled again."""
     import torch
     import torch.distributed as torch_dist
 
@@ -149,7 +151,28 @@ def _fabric(env: Any) -> dict[str, float]:
             torch_dist.all_reduce(x)
             best = min(best, time.perf_counter() - t0)
         out[f"{key}_s"], out[f"{key}_bytes"] = best, 4.0 * numel
+    out["busy_small_s"] = _busy_collective_s(torch, torch_dist)
     return out
+
+
+def _busy_collective_s(torch: Any, torch_dist: Any, rounds: int = 20) -> float:
+    """Seconds one 1-float all-reduce adds to a burst of about 2 ms of compute on every rank: the
+    same bursts timed with and without it (the median of three tries of ``rounds`` each)."""
+    a, x = torch.randn(128, 128), torch.zeros(1)
+
+    def bursts(collective: bool) -> float:
+        torch_dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            for _ in range(10):
+                a @ a
+            if collective:
+                torch_dist.all_reduce(x)
+        torch_dist.barrier()
+        return time.perf_counter() - t0
+
+    added = sorted((bursts(True) - bursts(False)) / rounds for _ in range(3))[1]
+    return max(0.0, added)
 
 
 def measure(spec: ModelSpec, layout: Layout, batch_size: int, steps: int = 5, warmup: int = 2,

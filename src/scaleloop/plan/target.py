@@ -36,6 +36,9 @@ class Target:
     #: Latency per ring step of a small all-reduce on the host's Gloo group (scaleloop's own
     #: agreement between FSDP's ranks, strategies/spmd.py): TCP between processes, an assumption.
     host_latency_s: float = 30e-6
+    #: The least one collective costs inside a step, however small (0: its ring latency). On a CPU
+    #: with more ranks than cores it waits for its peers to be scheduled again: measured there.
+    collective_s: float = 0.0
 
     def flops(self, precision: str) -> float:
         """The peak FLOP/s a run in ``precision`` divides by."""

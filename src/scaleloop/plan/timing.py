@@ -8,7 +8,8 @@ overlaps it. An estimate with its assumptions listed in docs/planning.md.
 - fsdp / hsdp: all-gather of each unit for the forward and again for the backward, and a
   reduce-scatter of its gradients (each (N-1)/N of the bytes over the link), prefetched behind
   the compute; hsdp adds the shards' all-reduce across replicas;
-- tp: four all-reduces of a block's activations per block (two forward, two backward), not hidden;
+- tp: four all-reduces of a block's activations per block (two forward, two backward; one more
+  with checkpointing, in the recomputed forward), not hidden;
 - pp: the 1F1B bubble, (S - 1) / M of the compute added, and the stage's gradient all-reduce
   over replicas after the last backward;
 - offload: the shards cross PCIe twice (forward, backward) and the gradients once, and the
@@ -16,7 +17,9 @@ overlaps it. An estimate with its assumptions listed in docs/planning.md.
 - scaleloop's own agreement between FSDP's ranks (``strategies/spmd.py``): small all-reduces on
   a Gloo group at each unit's forward, backward start and end, and at the pass ends, plus one
   for the parameters no rank used (``strategies/unused.py``): not hidden (they wait);
-- where the target cannot overlap (a CPU: Gloo's threads share the cores), nothing is hidden.
+- where the target cannot overlap (a CPU: Gloo's threads share the cores), nothing is hidden;
+- each collective costs at least the target's ``collective_s`` (a CPU with more ranks than cores:
+  a small all-reduce's cost between bursts of compute, measured; 0 on GPUs).
 """
 from __future__ import annotations
 
@@ -42,12 +45,15 @@ class StepTime:
     samples_per_s: float
 
 
-def _collective_s(link: Interconnect, ranks: int, nbytes: float, factor: float, calls: int) -> float:
+def _collective_s(link: Interconnect, ranks: int, nbytes: float, factor: float, calls: int,
+                  least_s: float = 0.0) -> float:
     """``factor`` x (N-1)/N of ``nbytes`` over ``link`` plus the latency of ``calls`` ring collectives
-    of ``factor`` x (N-1) steps each (an all-reduce: 2, an all-gather or a reduce-scatter: 1)."""
+    of ``factor`` x (N-1) steps each (an all-reduce: 2, an all-gather or a reduce-scatter: 1), each
+    at least ``least_s`` (``Target.collective_s``)."""
     if ranks <= 1:
         return 0.0
-    return factor * (ranks - 1) * (nbytes / ranks / link.bandwidth_Bps + calls * link.latency_s)
+    return factor * (ranks - 1) * nbytes / ranks / link.bandwidth_Bps + calls * max(factor * (ranks - 1)
+                                                                                     * link.latency_s, least_s)
 
 
 def compute_s(profile: ModelProfile, layout: Layout, options: Options, target: Target, mfu: float) -> float:
@@ -68,35 +74,39 @@ def comm_s(profile: ModelProfile, layout: Layout, options: Options, target: Targ
     """(seconds that can hide behind the compute, seconds that cannot) of one step's collectives."""
     params = profile.parameters - profile.tp_parameters * (1 - 1 / layout.tp)
     units = len(profile.block_parameters) + 1
+    least = target.collective_s
     hidden = exposed = 0.0   # hidden: behind the backward (DDP) or the whole compute (FSDP's prefetch)
     if layout.pp > 1:
         stage = params / layout.pp * MASTER_BYTES
         link = target.link(layout.dp, _spans_nodes(layout.dp, 1, target))
-        exposed += _collective_s(link, layout.dp, stage, 2, 1)
+        exposed += _collective_s(link, layout.dp, stage, 2, 1, least)
         if profile.hidden:
             pieces = layout.microbatches * options.accumulate
             act = micro_batch(layout, options) * profile.spec.seq_len * profile.hidden * options.param_bytes
             p2p = target.link(2, _spans_nodes(layout.pp, layout.dp, target))
-            exposed += 2 * pieces * (act / p2p.bandwidth_Bps + p2p.latency_s)
+            exposed += 2 * pieces * (act / p2p.bandwidth_Bps + max(p2p.latency_s, least))
         return hidden, exposed
     if layout.tp > 1 and profile.hidden:
         act = micro_batch(layout, options) * profile.spec.seq_len * profile.hidden * options.param_bytes
-        exposed += 4 * len(profile.block_parameters) * _collective_s(target.inside, layout.tp, act, 2, 1)
+        # Two sums a block forward, two backward; with checkpointing the recomputed forward runs
+        # the first again (it stops once the backward has what it saved: the second is not needed).
+        sums = 4 + (1 if layout.checkpointing else 0)
+        exposed += sums * len(profile.block_parameters) * _collective_s(target.inside, layout.tp, act, 2, 1, least)
     if layout.fsdp > 1:
         link = target.link(layout.fsdp, _spans_nodes(layout.fsdp, layout.tp, target))
         gathered = params * options.param_bytes
-        hidden += _collective_s(link, layout.fsdp, gathered, 2, 2 * units)           # forward and backward
-        hidden += _collective_s(link, layout.fsdp, params * MASTER_BYTES, 1, units)   # reduce-scatter
+        hidden += _collective_s(link, layout.fsdp, gathered, 2, 2 * units, least)          # forward and backward
+        hidden += _collective_s(link, layout.fsdp, params * MASTER_BYTES, 1, units, least)  # reduce-scatter
         if layout.offload:
             hidden += (2 * gathered + params * MASTER_BYTES) / layout.fsdp / target.host_Bps
             exposed += params / layout.fsdp * ADAM_BYTES / target.host_adam_Bps
     if layout.family in FSDP_FAMILIES and layout.world > 1:
         agreements = 3 * len(profile.block_parameters) + 2 + 1
-        exposed += agreements * 2 * (layout.world - 1) * target.host_latency_s
+        exposed += agreements * max(2 * (layout.world - 1) * target.host_latency_s, least)
     if layout.dp > 1:
         shard = params * MASTER_BYTES / layout.fsdp
         link = target.link(layout.dp, _spans_nodes(layout.dp, layout.fsdp * layout.tp, target))
-        hidden += _collective_s(link, layout.dp, shard, 2, max(1, round(shard / (25 * 2**20))))
+        hidden += _collective_s(link, layout.dp, shard, 2, max(1, round(shard / (25 * 2**20))), least)
     return hidden, exposed
 
 

@@ -59,7 +59,7 @@ def cpu_target(fabric: dict[str, float], flops_per_s: float, world: int, cores: 
     link = Interconnect("gloo", "Gloo on this machine", fitted.bandwidth_Bps, fitted.latency_s, "fitted")
     return replace(GPUS["h100"], key="cpu", name="CPU process", memory_bytes=float("inf"), peak_flops=flops_per_s,
                    fp32_flops=flops_per_s * min(1.0, cores / world), inside=link, between=link, per_node=world,
-                   overlaps=False, host_latency_s=fitted.latency_s)
+                   overlaps=False, host_latency_s=fitted.latency_s, collective_s=fabric.get("busy_small_s", 0.0))
 
 
 def one_process_flops(spec: ModelSpec, profile: ModelProfile, micro_batch: int, steps: int = 5) -> float:
