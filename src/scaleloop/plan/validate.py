@@ -130,8 +130,9 @@ def markdown(rows: Sequence[dict[str, Any]], hardware: str, took_s: float, load:
              "Peak: the largest rank's, in MiB; measured with torch's CPU allocator accounting under "
              "`torch.profiler(profile_memory=True)` (`scaleloop/plan/measure.py`), predicted by `scaleloop plan`'s "
              "memory model (fp32, Adam). Step: milliseconds per optimizer step, measured (rank 0, between barriers, "
-             "no profiler) and predicted (compute at the FLOP/s one process reached, halved for 4 processes on 2 "
-             "cores; Gloo's fitted latency and bandwidth). Rank: the layout's place by step time, 1 the fastest.", ""]
+             "no profiler) and predicted (compute at the FLOP/s one process reached, shared by 4 processes on the "
+             "cores; Gloo's fitted latency and bandwidth, each collective at least what a small all-reduce adds "
+             "between bursts of compute). Rank: the layout's place by step time, 1 the fastest.", ""]
     for size in dict.fromkeys(r["size"] for r in rows):
         group = [r for r in rows if r["size"] == size]
         by_measured = sorted(range(len(group)), key=lambda i: group[i]["measured_step_s"])
