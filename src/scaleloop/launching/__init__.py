@@ -7,6 +7,8 @@
 - ``lifeline``: a started process ends with the process that started it (Linux), even on ``kill -9``.
 - ``agent``: torchrun as the launcher runs it, its own messages in ``logs/torchrun.log``.
 - ``worker``: each worker's entry: its log, torchrun's ``record`` with scaleloop's extras, stack dumps.
+- ``siblings``: a forked worker waits until the agent has forked the others (a resolver lock held
+  at a fork would stall it).
 - ``spawn``: ``scaleloop.launch(fn, nproc=N)`` from a script or a notebook.
 - ``rendezvous``: a multi-machine job's c10d rendezvous: this machine's address, and whether it hosts.
 - ``failures``: after a failure, which rank failed first or stalled, and where; the report and

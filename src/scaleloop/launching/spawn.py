@@ -44,6 +44,7 @@ from typing import IO, Any, Callable, Mapping, Optional, Sequence, Union
 from scaleloop.errors import UsageError
 from scaleloop.launching import lifeline
 from scaleloop.launching.failures import ELASTIC_DIR, LOGS_DIR, analyse, read_stack_dump
+from scaleloop.launching.siblings import wait_for_siblings
 
 START_METHODS = ("auto", "fork", "spawn", "forkserver")
 
@@ -134,6 +135,9 @@ class _Worker:
             gc.enable()
         # A killed notebook kernel or script gives the agent no chance to stop its workers.
         lifeline.hold(self.launcher)
+        # Before any name lookup: a fork taken while the agent's store resolved a sibling's address
+        # holds the resolver's lock (scaleloop.launching.siblings).
+        wait_for_siblings()
         # A forked worker inherits the agent's handlers, which turn SIGTERM into a Python
         # exception that cannot interrupt a blocking C++ call (a rendezvous, a collective):
         # stopping it would wait out the agent's 30 s timeout. Start as a fresh process would.

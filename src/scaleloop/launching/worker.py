@@ -39,6 +39,7 @@ from typing import IO, Any, Callable, Optional, Sequence
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from scaleloop.launching import lifeline
+from scaleloop.launching.siblings import wait_for_siblings
 from scaleloop.runtime import preempt
 from scaleloop.errors import EXIT_INTERRUPTED
 from scaleloop.runtime.frames import Frame, FrameKinds, where_of
@@ -316,6 +317,9 @@ def forked(*argv: str) -> None:
     """
     os.setsid()
     lifeline.set_name(f"sl-rank-{os.environ.get('RANK', '')}")   # first: how the agent tells the ranks apart
+    # Before any name lookup: a fork taken while the agent's store resolved a sibling's address
+    # holds the resolver's lock (scaleloop.launching.siblings).
+    wait_for_siblings()
     gc.freeze()
     gc.enable()
     for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
