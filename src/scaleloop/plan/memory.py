@@ -123,8 +123,10 @@ def estimate(profile: ModelProfile, layout: Layout, options: Options) -> Memory:
             act += params * options.param_bytes                  # autocast's low-precision copies, saved for backward
     if layout.tp > 1 and profile.hidden:
         # Tensor parallelism's sums (a rowwise layer's output, a colwise layer's input gradient) are
-        # out of place: while one runs, its input (which the one-rank trace sees) and its output
-        # (which it does not) are both alive. One activation of the micro-batch.
+        # asynchronous: a real group keeps a sum's buffers until it is waited on, which the one-rank
+        # trace does not see. One activation of the micro-batch (measured, not derived: on the CPU's
+        # Gloo groups the tp peaks need it, benchmarks/*_plan-tplocal.md; with a fake group, whose
+        # sums end at once, the prediction is then 4-12% above the measured peak).
         buffers += micro_batch(layout, options) * profile.spec.seq_len * profile.hidden * profile.dtype_bytes
     after = grads_all + _optimizer_temporaries(params / shards, block, options)
     host = 0.0
