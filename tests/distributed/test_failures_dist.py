@@ -290,3 +290,23 @@ def test_a_usage_error_of_the_workers_is_said_once(tmp_path: Path) -> None:
                     "element is the prediction, or a mapping or object with 'logits' (a Hugging Face ModelOutput) "
                     "or with its own 'loss'"], res.stdout + res.stderr
     assert not list(out.glob("usage-error*")), "the workers' messages are taken by the launcher"
+
+
+def test_a_console_whose_reader_goes_away_does_not_stop_the_run(tmp_path: Path) -> None:
+    """`scaleloop train --nproc 2 ... | head -1`: once the reader has gone, rank 0's prints go nowhere
+    (launching.worker.Console); every rank trains on to the end, and the run's files are written.
+    (A BrokenPipeError ended rank 0's run alone, and the other rank then waited for it.)"""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([*TRAIN, "--max-steps", "4", "--out", str(out)], cwd=SCRIPTS, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()            # the launcher's first line: the run is starting
+        proc.stdout.close()                       # the reader goes away, as `head -1` does
+        assert first.startswith(b"scaleloop:")
+        assert proc.wait(timeout=180) == 0
+    finally:
+        kill_group(proc)
+    rows = [line for line in (out / "metrics.csv").read_text().splitlines() if line.startswith("stop,")]
+    assert rows and rows[-1].split(",")[2] == "4"   # the run reached its last step
+    assert (out / "model.pt").is_file() and not (out / "failure.json").exists()

@@ -104,3 +104,12 @@ def test_every_strategy_reads_its_layout_from_its_plan() -> None:
                                   lambda p: torch.optim.SGD(p, lr=0.1))
         assert strategy.recomputed_blocks == 2
         strategy.close()
+
+
+def test_the_header_names_the_steps_in_their_order() -> None:
+    from scaleloop.strategies.parallelize import order_line
+
+    plan = ParallelPlan(MeshSpec(fsdp=2, tp=2), recompute=True)
+    assert order_line(plan) == ["applied in this order: tensor parallel over tp=2, then activation "
+                                "checkpointing, then data parallel over fsdp=2"]
+    assert order_line(ParallelPlan(MeshSpec(fsdp=4))) == []   # one step: the strategy's name says it

@@ -304,6 +304,36 @@ def preload(entry: str) -> None:
         importlib.import_module(name)
 
 
+class Console(io.RawIOBase):
+    """A worker's file descriptor ``fd`` (its console, shared with the launcher) as a raw stream
+    whose writes, once the reader has gone (``scaleloop train ... | head``), go nowhere.
+
+    Why: a ``BrokenPipeError`` raised in one rank's print ends that rank's run alone (the command
+    takes it for a reader that stopped reading), and the other ranks then wait for it in their
+    next collective. Training goes on instead; the logs, metrics and checkpoints are written as
+    always."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd = fd
+        self.gone = False   # the reader went away: nothing more is written
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def write(self, data: Any) -> int:
+        size = len(memoryview(data))
+        if not self.gone:
+            try:
+                return os.write(self.fd, data)
+            except BrokenPipeError:
+                self.gone = True
+        return size
+
+
 def forked(*argv: str) -> None:
     """A worker forked by the agent (``scaleloop.launching.agent``): starts as the fresh
     ``python -u -m scaleloop.launching.worker ARGV`` it stands for, then runs it.
@@ -330,10 +360,10 @@ def forked(*argv: str) -> None:
     for logger in (logging.getLogger(name) for name in ("torch.distributed", "torch.multiprocessing", "py.warnings")):
         logger.handlers, logger.propagate = [], True
     atexit._clear()  # the agent's; this worker's own run at its end, as at a fresh interpreter's
-    sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), write_through=True,
-                                  encoding=sys.stdout.encoding, errors=sys.stdout.errors)
-    sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), write_through=True,
-                                  encoding=sys.stderr.encoding, errors="backslashreplace")
+    sys.stdout = io.TextIOWrapper(Console(1), write_through=True, encoding=sys.stdout.encoding,
+                                  errors=sys.stdout.errors)
+    sys.stderr = io.TextIOWrapper(Console(2), write_through=True, encoding=sys.stderr.encoding,
+                                  errors="backslashreplace")
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         import torch

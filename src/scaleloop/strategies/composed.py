@@ -23,7 +23,7 @@ from scaleloop.runtime.dist import DistEnv
 from scaleloop.runtime.mesh import DIMS, MeshSpec
 from scaleloop.strategies.base import EvalShard
 from scaleloop.strategies.fsdp import FSDP
-from scaleloop.strategies.parallelize import ParallelPlan, default_plan
+from scaleloop.strategies.parallelize import ParallelPlan, default_plan, order_line
 from scaleloop.strategies.precision import Precision
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ class MeshParallel(FSDP):
         return f"mesh {self.spec} ({self.composition()}, {self.units} units, {self.tp_layers} tp layers{offload})"
 
     def details(self) -> list[str]:
-        return self.spec.draw()
+        return self.spec.draw() + order_line(self.plan)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

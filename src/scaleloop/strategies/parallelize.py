@@ -106,6 +106,12 @@ class ParallelPlan:
         return out
 
 
+def order_line(plan: ParallelPlan) -> list[str]:
+    """The header's line naming what :func:`parallelize` applied, in its order (none for one step)."""
+    steps = plan.steps()
+    return [f"applied in this order: {', then '.join(steps)}"] if len(steps) > 1 else []
+
+
 class Parallelizable(Protocol):
     """The steps a strategy supplies to :func:`parallelize` (``Strategy`` has do-nothing defaults)."""
 

@@ -25,7 +25,7 @@ from scaleloop.runtime.dist import DistEnv
 from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.errors import UsageError
 from scaleloop.strategies import distcp
-from scaleloop.strategies.parallelize import ParallelPlan, default_plan
+from scaleloop.strategies.parallelize import ParallelPlan, default_plan, order_line
 from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.base import EvalShard, OptimizerLike, ProcessGroupStrategy
 from scaleloop.strategies.unused import used_anywhere
@@ -402,7 +402,7 @@ class PipelineParallel(ProcessGroupStrategy):
         if self.replicas > 1:
             lines += ["  " + line for line in self.layout.draw()]
             lines.append(f"  each stage's {self.replicas} copies average their gradients after the step's last backward")
-        return lines + self.notes
+        return lines + order_line(self.plan) + self.notes
 
     # --- the schedule -------------------------------------------------------------------
     def _pieces(self, n: int, say: bool = True) -> tuple[int, str]:
