@@ -21,13 +21,16 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train; the launcher's process prints the summary (workers under torchrun print their own)."""
+    from scaleloop.launching.console import kept_console
     from scaleloop.launching.launcher import launch_train
 
     file_values = load_toml(args.config) if args.config else {}
-    # Resuming a run starts from that run's saved settings; flags still override them.
-    result = launch_train(config_for_resume(file_values, flag_values(args)))
-    if result is not None:
-        from scaleloop.loop.summary import format_result
+    # Output piped into `head`: the run trains on once the reader has gone (launching.console).
+    with kept_console():
+        # Resuming a run starts from that run's saved settings; flags still override them.
+        result = launch_train(config_for_resume(file_values, flag_values(args)))
+        if result is not None:
+            from scaleloop.loop.summary import format_result
 
-        print(format_result(result))
+            print(format_result(result))
     return 0

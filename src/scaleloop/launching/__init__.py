@@ -9,6 +9,7 @@
 - ``worker``: each worker's entry: its log, torchrun's ``record`` with scaleloop's extras, stack dumps.
 - ``siblings``: a forked worker waits until the agent has forked the others (a resolver lock held
   at a fork would stall it).
+- ``console``: a run's prints go nowhere once their reader has gone (``| head``); it trains on.
 - ``spawn``: ``scaleloop.launch(fn, nproc=N)`` from a script or a notebook.
 - ``rendezvous``: a multi-machine job's c10d rendezvous: this machine's address, and whether it hosts.
 - ``failures``: after a failure, which rank failed first or stalled, and where; the report and

@@ -24,7 +24,6 @@ import atexit
 import faulthandler
 import gc
 import importlib
-import io
 import logging
 import json
 import os
@@ -39,6 +38,7 @@ from typing import IO, Any, Callable, Optional, Sequence
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from scaleloop.launching import lifeline
+from scaleloop.launching.console import console_stream
 from scaleloop.launching.siblings import wait_for_siblings
 from scaleloop.runtime import preempt
 from scaleloop.errors import EXIT_INTERRUPTED
@@ -304,36 +304,6 @@ def preload(entry: str) -> None:
         importlib.import_module(name)
 
 
-class Console(io.RawIOBase):
-    """A worker's file descriptor ``fd`` (its console, shared with the launcher) as a raw stream
-    whose writes, once the reader has gone (``scaleloop train ... | head``), go nowhere.
-
-    Why: a ``BrokenPipeError`` raised in one rank's print ends that rank's run alone (the command
-    takes it for a reader that stopped reading), and the other ranks then wait for it in their
-    next collective. Training goes on instead; the logs, metrics and checkpoints are written as
-    always."""
-
-    def __init__(self, fd: int) -> None:
-        super().__init__()
-        self.fd = fd
-        self.gone = False   # the reader went away: nothing more is written
-
-    def writable(self) -> bool:
-        return True
-
-    def fileno(self) -> int:
-        return self.fd
-
-    def write(self, data: Any) -> int:
-        size = len(memoryview(data))
-        if not self.gone:
-            try:
-                return os.write(self.fd, data)
-            except BrokenPipeError:
-                self.gone = True
-        return size
-
-
 def forked(*argv: str) -> None:
     """A worker forked by the agent (``scaleloop.launching.agent``): starts as the fresh
     ``python -u -m scaleloop.launching.worker ARGV`` it stands for, then runs it.
@@ -360,10 +330,9 @@ def forked(*argv: str) -> None:
     for logger in (logging.getLogger(name) for name in ("torch.distributed", "torch.multiprocessing", "py.warnings")):
         logger.handlers, logger.propagate = [], True
     atexit._clear()  # the agent's; this worker's own run at its end, as at a fresh interpreter's
-    sys.stdout = io.TextIOWrapper(Console(1), write_through=True, encoding=sys.stdout.encoding,
-                                  errors=sys.stdout.errors)
-    sys.stderr = io.TextIOWrapper(Console(2), write_through=True, encoding=sys.stderr.encoding,
-                                  errors="backslashreplace")
+    # Writes that go nowhere once the console's reader has gone (launching.console).
+    sys.stdout = console_stream(1, sys.stdout, sys.stdout.errors)
+    sys.stderr = console_stream(2, sys.stderr, "backslashreplace")
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         import torch

@@ -1,0 +1,68 @@
+"""The console of a run that keeps training when the reader of its output goes away.
+
+``scaleloop train ... | head``: once ``head`` has stopped reading, the next print raises
+``BrokenPipeError``. In one rank of several that ended the rank's run alone, and the others then
+waited for it in their next collective; in a one-process run it ended the training early, with
+exit code 0. A run's output is also in its files (``metrics.csv``, ``logs/``), so the console's
+writes simply go nowhere from then on, and training goes on.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+from typing import Any, Iterator
+
+
+class Console(io.RawIOBase):
+    """File descriptor ``fd`` as a raw stream whose writes, once its reader has gone, go nowhere."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd = fd
+        self.gone = False   # the reader went away: nothing more is written
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def write(self, data: Any) -> int:
+        size = len(memoryview(data))
+        if not self.gone:
+            try:
+                return os.write(self.fd, data)
+            except BrokenPipeError:
+                self.gone = True
+        return size
+
+
+def console_stream(fd: int, like: Any, errors: str) -> io.TextIOWrapper:
+    """A text stream over ``Console(fd)``, written through, in ``like``'s encoding."""
+    return io.TextIOWrapper(Console(fd), write_through=True, encoding=getattr(like, "encoding", None) or "utf-8",
+                            errors=errors)
+
+
+@contextlib.contextmanager
+def kept_console() -> Iterator[None]:
+    """While the block runs, ``sys.stdout`` and ``sys.stderr`` write through :class:`Console` when
+    they are this process's own file descriptors (left as they are when something captures them)."""
+    saved = sys.stdout, sys.stderr
+    try:
+        out, err = sys.stdout.fileno(), sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):   # io.UnsupportedOperation is an OSError and a ValueError
+        yield
+        return
+    for stream in saved:
+        try:
+            stream.flush()
+        except BrokenPipeError:
+            pass
+    sys.stdout = console_stream(out, saved[0], saved[0].errors or "strict")
+    sys.stderr = console_stream(err, saved[1], "backslashreplace")
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved

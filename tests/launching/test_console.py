@@ -1,0 +1,55 @@
+"""A run's console once its reader has gone (scaleloop.launching.console): writes go nowhere and
+the run trains on (`scaleloop train ... | head`)."""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from scaleloop.launching.console import Console, console_stream, kept_console
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def test_writes_after_the_reader_has_gone_go_nowhere() -> None:
+    read, write = os.pipe()
+    stream = console_stream(write, sys.stdout, "strict")
+    try:
+        stream.write("seen\n")
+        assert os.read(read, 100) == b"seen\n"
+        os.close(read)                       # the reader goes away
+        stream.write("lost\n")               # no BrokenPipeError
+        stream.write("lost too\n")
+        assert isinstance(stream.buffer, Console) and stream.buffer.gone   # type: ignore[attr-defined]
+    finally:
+        os.close(write)
+
+
+def test_captured_streams_are_left_as_they_are() -> None:
+    captured = io.StringIO()               # no file descriptor (as pytest's capsys)
+    saved = sys.stdout
+    sys.stdout = captured
+    try:
+        with kept_console():
+            assert sys.stdout is captured
+            print("kept")
+    finally:
+        sys.stdout = saved
+    assert captured.getvalue() == "kept\n"
+
+
+def test_a_one_process_run_piped_into_head_trains_to_its_end(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    proc = subprocess.Popen([sys.executable, "-m", "scaleloop", "train", "--epochs", "3", "--no-progress",
+                             "--no-tensorboard", "--out", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env=env)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith(b"scaleloop:")
+    proc.stdout.close()                      # as `head -1` does
+    assert proc.wait(timeout=300) == 0
+    epochs = [line for line in (out / "metrics.csv").read_text().splitlines() if line.startswith("epoch,")]
+    assert [row.split(",")[1] for row in epochs] == ["1", "2", "3"]
+    assert (out / "model.pt").is_file() and not (out / "failure.json").exists()
