@@ -53,3 +53,19 @@ def test_a_one_process_run_piped_into_head_trains_to_its_end(tmp_path: Path) -> 
     epochs = [line for line in (out / "metrics.csv").read_text().splitlines() if line.startswith("epoch,")]
     assert [row.split(",")[1] for row in epochs] == ["1", "2", "3"]
     assert (out / "model.pt").is_file() and not (out / "failure.json").exists()
+
+
+def test_a_terminal_stays_a_terminal() -> None:
+    # The progress bar draws only on a terminal: the stream must say it is one when its fd is.
+    import pty
+
+    main_fd, tty_fd = pty.openpty()
+    try:
+        assert console_stream(tty_fd, sys.stdout, "strict").isatty()
+        read, write = os.pipe()
+        assert not console_stream(write, sys.stdout, "strict").isatty()
+        os.close(read)
+        os.close(write)
+    finally:
+        os.close(main_fd)
+        os.close(tty_fd)

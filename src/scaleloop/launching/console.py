@@ -29,6 +29,13 @@ class Console(io.RawIOBase):
     def fileno(self) -> int:
         return self.fd
 
+    def isatty(self) -> bool:
+        # A terminal stays one: the progress bar and the summary's width ask.
+        try:
+            return os.isatty(self.fd)
+        except OSError:
+            return False
+
     def write(self, data: Any) -> int:
         size = len(memoryview(data))
         if not self.gone:
