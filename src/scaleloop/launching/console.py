@@ -2,8 +2,8 @@
 
 ``scaleloop train ... | head``: once ``head`` has stopped reading, the next print raises
 ``BrokenPipeError``. In one rank of several that ended the rank's run alone, and the others then
-waited for it in their next collective; in a one-process run it ended the training early, with
-exit code 0. A run's output is also in its files (``metrics.csv``, ``logs/``), so the console's
+waited for it in their next collective; in a one-process run it ended the training early, as a
+failure (exit code 1, ``failure.json``). A run's output is also in its files (``metrics.csv``, ``logs/``), so the console's
 writes simply go nowhere from then on, and training goes on.
 """
 from __future__ import annotations
