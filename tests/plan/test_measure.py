@@ -1,6 +1,7 @@
-"""The multi-process checks: on 2 CPU processes, the predicted per-rank peak of a tiny fsdp run
-(within 10%) and of a tiny tensor-parallel one with checkpointing (within 15%) against the peak
-measured by the CPU allocator's accounting (the profiler)."""
+"""The plan's peak against the CPU allocator's accounting (the profiler): a tiny fsdp run on 2
+real Gloo processes (within 10%); a tiny tensor-parallel one with checkpointing against the
+same run on a fake process group, whose sums end as they are issued (a peak that is the same
+every run: a real group's moves with the scheduling of Gloo's threads)."""
 from __future__ import annotations
 
 import signal
@@ -31,17 +32,28 @@ def time_limit() -> Iterator[None]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout, d_model, tolerance", [
-    (Layout("fsdp", fsdp=2), 32, 0.10),
-    # The activations traced on one rank's slices of the layers (plan.tplocal). The measured peak
-    # itself moves by about 5% from run to run here (how long the asynchronous sums keep their
-    # buffers), hence the wider bound.
-    (Layout("fsdp x tp", tp=2, checkpointing=True), 64, 0.15)], ids=["fsdp", "tp"])
-def test_the_predicted_peak_of_a_tiny_run_is_close(time_limit: None, layout: Layout, d_model: int,
-                                                   tolerance: float) -> None:
-    spec = ModelSpec(seq_len=32, vocab_size=64, d_model=d_model, n_layers=2, n_heads=4)
+def test_the_predicted_peak_of_a_tiny_fsdp_run_is_close(time_limit: None) -> None:
+    spec = ModelSpec(seq_len=32, vocab_size=64, d_model=32, n_layers=2, n_heads=4)
+    layout = Layout("fsdp", fsdp=2)
     result = measure(spec, layout, batch_size=8, steps=1, warmup=0, timeout_s=60)
     measured = max(result["peaks"])
     predicted = predicted_peak(profile_model(spec), layout, 8)
     assert measured > 0 and len(result["peaks"]) == 2
-    assert abs(predicted / measured - 1) <= tolerance, (predicted, measured)
+    assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
+
+
+def test_the_predicted_tensor_parallel_peak_lies_in_the_band_a_real_group_reaches(time_limit: None) -> None:
+    """The floor: rank 0 on a fake group (no sum in flight). Above it a real Gloo group holds,
+    at its peak, up to four finished sums whose buffers Gloo's thread has not yet let go, each
+    the MLP's hidden slice of the micro-batch (on these 2 cores, 1.93-2.45 MB over 18 runs of
+    this size, the floor and the floor plus four sums). The prediction must lie in that band."""
+    spec = ModelSpec(seq_len=32, vocab_size=64, d_model=64, n_layers=2, n_heads=4)
+    layout, batch = Layout("fsdp x tp", tp=2, checkpointing=True), 8
+    first = measure(spec, layout, batch_size=batch, group="fake")
+    again = measure(spec, layout, batch_size=batch, group="fake")
+    floor = first["peaks"][0]
+    assert floor > 0 and again["peaks"] == first["peaks"]       # the same every run
+    profile = profile_model(spec)
+    one_sum = batch * spec.seq_len * (4 * spec.d_model // layout.tp) * 4   # TinyGPT's MLP is 4 wide
+    predicted = predicted_peak(profile, layout, batch)
+    assert floor <= predicted <= floor + 4 * one_sum, (floor, predicted, one_sum)

@@ -14,6 +14,14 @@ allocates in its own threads.
 **How the step is timed.** Separately, without the profiler (which slows every op): the same
 processes build the model again and run ``warmup`` untimed then ``steps`` timed steps; the time
 is rank 0's wall time per step between two barriers.
+
+**Synchronous sums** (``group="fake"``). On a real Gloo group the peak moves from run to run:
+a finished collective's buffers are freed by whichever thread drops the last reference, the
+caller or Gloo's worker, and a worker thread that is not scheduled at once holds them a while
+(on 2 cores, up to four of tensor parallelism's sums at a time). With ``group="fake"`` one
+process runs rank 0 of the layout on PyTorch's fake process group, whose collectives end as they
+are issued: the peak is then the same every run, the floor of what the real group reaches. Step
+times from it mean nothing.
 """
 from __future__ import annotations
 
@@ -102,18 +110,11 @@ def _peak(prof: Any) -> tuple[int, int]:
     return max(during) - before, during[-1] - before
 
 
-def measure_worker(spec: dict[str, Any], layout: dict[str, Any], batch_size: int, steps: int,
-                   warmup: int, fabric: bool = False, timeout_s: float = 300) -> dict[str, Any]:
-    """One rank's part (run by ``scaleloop.launch`` in every process): its peak and the step time."""
+def _profiled_peak(model_spec: ModelSpec, plan: Layout, env: Any, batch_size: int) -> tuple[int, int]:
+    """This rank's peak and what stays between steps, over two steps after the first."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from scaleloop.runtime.collectives import barrier, gather_object
-    from scaleloop.runtime.dist import DistEnv, init_process_group
-
-    env = DistEnv.from_env()
-    init_process_group(env, timeout_s=timeout_s)
-    model_spec, plan = ModelSpec(**spec), Layout(**layout)
     dataset = _dataset(model_spec, batch_size)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         built = _build(model_spec, plan, env, dataset, batch_size)
@@ -121,7 +122,41 @@ def measure_worker(spec: dict[str, Any], layout: dict[str, Any], batch_size: int
         with torch.profiler.record_function(_MARK):
             _run_steps(*built, 2)
         del built
-    peak, rest = _peak(prof)
+    return _peak(prof)
+
+
+def fake_group_worker(spec: dict[str, Any], layout: dict[str, Any], batch_size: int) -> dict[str, Any]:
+    """Rank 0 of ``layout`` alone, on a fake process group (run in a process of its own: it sets
+    the default group): its peak with collectives that end as they are issued."""
+    import torch
+    import torch.distributed as torch_dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from scaleloop.runtime.dist import DistEnv
+
+    plan = Layout(**layout)
+    ranks = {"RANK": "0", "WORLD_SIZE": str(plan.world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(plan.world)}
+    env = DistEnv.from_env(ranks, device="cpu", backend="fake")
+    torch.set_num_threads(1)
+    torch_dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world)
+    try:
+        peak, rest = _profiled_peak(ModelSpec(**spec), plan, env, batch_size)
+    finally:
+        torch_dist.destroy_process_group()
+    return {"peaks": [peak], "rests": [rest], "step_s": None, "world": plan.world, "fabric": None}
+
+
+def measure_worker(spec: dict[str, Any], layout: dict[str, Any], batch_size: int, steps: int,
+                   warmup: int, fabric: bool = False, timeout_s: float = 300) -> dict[str, Any]:
+    """One rank's part (run by ``scaleloop.launch`` in every process): its peak and the step time."""
+    from scaleloop.runtime.collectives import barrier, gather_object
+    from scaleloop.runtime.dist import DistEnv, init_process_group
+
+    env = DistEnv.from_env()
+    init_process_group(env, timeout_s=timeout_s)
+    model_spec, plan = ModelSpec(**spec), Layout(**layout)
+    peak, rest = _profiled_peak(model_spec, plan, env, batch_size)
+    dataset = _dataset(model_spec, batch_size)
     built = _build(model_spec, plan, env, dataset, batch_size)
     _run_steps(*built, warmup)
     barrier(env)
@@ -176,11 +211,16 @@ def _busy_collective_s(torch: Any, torch_dist: Any, rounds: int = 20) -> float:
 
 
 def measure(spec: ModelSpec, layout: Layout, batch_size: int, steps: int = 5, warmup: int = 2,
-            fabric: bool = False, timeout_s: float = 300) -> dict[str, Any]:
+            fabric: bool = False, timeout_s: float = 300, group: str = "gloo") -> dict[str, Any]:
     """Run ``layout`` on its number of CPU processes; every rank's peak bytes and the step time
     (and, with ``fabric``, all-reduce timings for the link's latency and bandwidth).
-    ``timeout_s``: how long a collective may wait before the group gives up."""
+    ``timeout_s``: how long a collective may wait before the group gives up. ``group="fake"``:
+    rank 0's peak alone, with synchronous collectives, in one process (see the module docstring)."""
     from scaleloop.launching.spawn import launch
 
+    if group == "fake":
+        return launch(fake_group_worker, 1, threads=1, args=(asdict(spec), asdict(layout), batch_size))
+    if group != "gloo":
+        raise ValueError(f"group must be 'gloo' or 'fake', not {group!r}")
     return launch(measure_worker, layout.world, threads=1,
                   args=(asdict(spec), asdict(layout), batch_size, steps, warmup, fabric, timeout_s))

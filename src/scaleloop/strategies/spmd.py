@@ -36,7 +36,10 @@ class UnitOrder:
         self.names = list(units)
         self.step = step                       # the training step in progress (for the message)
         self.root = root
-        self.group = torch_dist.new_group(backend="gloo")   # every rank builds it, in the same order
+        # Every rank builds it, in the same order; on the CPU's own backend when the default group's
+        # is not one (NCCL). A fake group (the plan's synchronous measurement) has no Gloo beside it.
+        default = torch_dist.get_backend()
+        self.group = torch_dist.new_group(backend=None if default in ("gloo", "fake") else "gloo")
         self._end_queued = False
         n = len(self.names)
         # Event codes: unit i's forward i, the forward's end n; the start of unit i's backward n+1+i,
