@@ -1,7 +1,7 @@
-"""The plan's peak against the CPU allocator's accounting (the profiler): a tiny fsdp run on 2
-real Gloo processes (within 10%); a tiny tensor-parallel one with checkpointing against the
-same run on a fake process group, whose sums end as they are issued (a peak that is the same
-every run: a real group's moves with the scheduling of Gloo's threads)."""
+"""The plan's peak against the CPU allocator's accounting (the profiler) on 2 real Gloo
+processes: a tiny fsdp run and a tiny tensor-parallel one with checkpointing, within 10%; and
+the tensor-parallel run's peak the same as on a fake process group, whose collectives end as
+they are issued: the frees that Gloo's threads make are counted (plan/measure.py)."""
 from __future__ import annotations
 
 import signal
@@ -32,28 +32,17 @@ def time_limit() -> Iterator[None]:
 
 
 @pytest.mark.distributed
-def test_the_predicted_peak_of_a_tiny_fsdp_run_is_close(time_limit: None) -> None:
-    spec = ModelSpec(seq_len=32, vocab_size=64, d_model=32, n_layers=2, n_heads=4)
-    layout = Layout("fsdp", fsdp=2)
+@pytest.mark.parametrize("layout, d_model", [(Layout("fsdp", fsdp=2), 32),
+                                             (Layout("fsdp x tp", tp=2, checkpointing=True), 64)], ids=["fsdp", "tp"])
+def test_the_predicted_peak_of_a_tiny_run_is_close(time_limit: None, layout: Layout, d_model: int) -> None:
+    spec = ModelSpec(seq_len=32, vocab_size=64, d_model=d_model, n_layers=2, n_heads=4)
     result = measure(spec, layout, batch_size=8, steps=1, warmup=0, timeout_s=60)
     measured = max(result["peaks"])
     predicted = predicted_peak(profile_model(spec), layout, 8)
     assert measured > 0 and len(result["peaks"]) == 2
     assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
-
-
-def test_the_predicted_tensor_parallel_peak_lies_in_the_band_a_real_group_reaches(time_limit: None) -> None:
-    """The floor: rank 0 on a fake group (no sum in flight). Above it a real Gloo group holds,
-    at its peak, up to four finished sums whose buffers Gloo's thread has not yet let go, each
-    the MLP's hidden slice of the micro-batch (on these 2 cores, 1.93-2.45 MB over 18 runs of
-    this size, the floor and the floor plus four sums). The prediction must lie in that band."""
-    spec = ModelSpec(seq_len=32, vocab_size=64, d_model=64, n_layers=2, n_heads=4)
-    layout, batch = Layout("fsdp x tp", tp=2, checkpointing=True), 8
-    first = measure(spec, layout, batch_size=batch, group="fake")
-    again = measure(spec, layout, batch_size=batch, group="fake")
-    floor = first["peaks"][0]
-    assert floor > 0 and again["peaks"] == first["peaks"]       # the same every run
-    profile = profile_model(spec)
-    one_sum = batch * spec.seq_len * (4 * spec.d_model // layout.tp) * 4   # TinyGPT's MLP is 4 wide
-    predicted = predicted_peak(profile, layout, batch)
-    assert floor <= predicted <= floor + 4 * one_sum, (floor, predicted, one_sum)
+    if layout.tp > 1:
+        # Before the allocator counted the frees in every thread, this run's peak moved by up to
+        # 27% from run to run, always above the fake group's.
+        floor = measure(spec, layout, batch_size=8, group="fake")["peaks"][0]
+        assert result["peaks"] == [floor, floor], (result["peaks"], floor)

@@ -32,6 +32,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd"), help="(default: adam)")
     parser.add_argument("--mfu", type=float, default=0.4,
                         help="model FLOPs utilisation the compute time assumes (default: 0.4)")
+    parser.add_argument("--measure-host", action="store_true",
+                        help="also measure each layout's host work (FSDP's hooks, DTensor's dispatch) on this CPU, "
+                             "at tiny widths on a fake process group: a few seconds more; tinygpt only")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,5 +51,5 @@ def run(args: argparse.Namespace) -> int:
     spec = ModelSpec(args.model, args.seq_len, args.vocab_size, args.d_model, args.n_layers, args.n_heads)
     batch = args.batch_size if args.batch_size is not None else 4 * args.gpus
     options = Options(batch, args.precision, args.optimizer, foreach_optimizer=True)
-    print(plan(spec, target, options, args.mfu, args.data))
+    print(plan(spec, target, options, args.mfu, args.data, measure_host=args.measure_host))
     return 0

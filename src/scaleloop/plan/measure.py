@@ -7,9 +7,16 @@ allocator then keeps a running total of the bytes it handed out and not yet got 
 profiler records that total ("Total Allocated") at every allocation and free, with a
 timestamp. The rank's peak is the highest total during the steps after the first (when the
 optimizer state exists), less the total when the profiler started. It counts every tensor the
-rank's own threads allocate (parameters, gradients, optimizer state, activations, temporaries,
-DDP's buckets, FSDP's gathered units); not torch's libraries, the Python heap, or what Gloo
-allocates in its own threads.
+rank allocates (parameters, gradients, optimizer state, activations, temporaries, DDP's
+buckets, FSDP's gathered units); not torch's libraries or the Python heap.
+
+**Frees in other threads.** The allocator keeps that total only for threads the profiler is
+enabled in, unless c10's flag ``caffe2_report_cpu_memory_usage`` is set: a tensor the main thread
+allocated and Gloo's worker thread freed (the last reference to a finished collective's buffers
+often drops there) was then never taken off, and the total crept up by about one activation a
+step under tensor parallelism, by a different amount every run. The workers set the flag
+(``count_frees_in_every_thread``; it has no other effect at the default log level), and the peak
+is then the same every run.
 
 **How the step is timed.** Separately, without the profiler (which slows every op): the same
 processes build the model again and run ``warmup`` untimed then ``steps`` timed steps; the time
@@ -31,6 +38,22 @@ from typing import Any
 
 from scaleloop.plan.layouts import Layout
 from scaleloop.plan.profile import ModelSpec
+
+
+def count_frees_in_every_thread() -> bool:
+    """Make torch's CPU allocator keep its running total in every thread (see the module
+    docstring); False where this torch has no such flag (the total then misses some frees)."""
+    import ctypes
+    import os
+
+    import torch
+
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+        ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _strategy(layout: Layout, env: Any) -> Any:
@@ -116,6 +139,9 @@ def _profiled_peak(model_spec: ModelSpec, plan: Layout, env: Any, batch_size: in
     from torch.profiler import ProfilerActivity, profile
 
     dataset = _dataset(model_spec, batch_size)
+    if not count_frees_in_every_thread():
+        import warnings
+        warnings.warn("this torch's CPU allocator cannot count frees in other threads: peaks may read high")
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         built = _build(model_spec, plan, env, dataset, batch_size)
         _run_steps(*built, 1)                   # the first step creates the optimizer state
@@ -187,12 +213,17 @@ def _fabric(env: Any) -> dict[str, float]:
             best = min(best, time.perf_counter() - t0)
         out[f"{key}_s"], out[f"{key}_bytes"] = best, 4.0 * numel
     out["busy_small_s"] = _busy_collective_s(torch, torch_dist)
+    if env.world_size >= 4 and env.world_size % 2 == 0:
+        # Pairs, all at once, as a layout's groups of two run (tp=2, hsdp's shards and replicas).
+        pairs = [torch_dist.new_group([r, r + 1]) for r in range(0, env.world_size, 2)]
+        out["busy_pairs_s"] = _busy_collective_s(torch, torch_dist, group=pairs[env.rank // 2])
     return out
 
 
-def _busy_collective_s(torch: Any, torch_dist: Any, rounds: int = 20) -> float:
-    """Seconds one 1-float all-reduce adds to a burst of about 2 ms of compute on every rank: the
-    same bursts timed with and without it (the median of three tries of ``rounds`` each)."""
+def _busy_collective_s(torch: Any, torch_dist: Any, rounds: int = 20, group: Any = None) -> float:
+    """Seconds one 1-float all-reduce over ``group`` (None: all ranks) adds to a burst of about 2 ms
+    of compute on every rank: the same bursts timed with and without it (the median of three
+    tries of ``rounds`` each)."""
     a, x = torch.randn(128, 128), torch.zeros(1)
 
     def bursts(collective: bool) -> float:
@@ -202,7 +233,7 @@ def _busy_collective_s(torch: Any, torch_dist: Any, rounds: int = 20) -> float:
             for _ in range(10):
                 a @ a
             if collective:
-                torch_dist.all_reduce(x)
+                torch_dist.all_reduce(x, group=group)
         torch_dist.barrier()
         return time.perf_counter() - t0
 

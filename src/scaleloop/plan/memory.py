@@ -111,23 +111,16 @@ def estimate(profile: ModelProfile, layout: Layout, options: Options) -> Memory:
     block = max(profile.block_parameters, default=0) / layout.tp
     if layout.family in FSDP_FAMILIES:   # FSDP2 units (a mesh wraps them even when its fsdp size is 1)
         # Gathered: the root unit all step, the current unit and the next (prefetched); the
-        # current unit's unsharded gradient before its reduce-scatter. With checkpointing the
-        # recomputed forward gathers again and prefetches: two more gathered units at the peak
-        # (measured on the CPU, benchmarks/*_plan.md; not derived).
-        gathered = 2 + (2 if layout.checkpointing else 0)
-        buffers = (profile.root_parameters * options.param_bytes + gathered * block * options.param_bytes
+        # current unit's unsharded gradient before its reduce-scatter. (Two more with checkpointing
+        # and one activation for tensor parallelism's sums were once added here, fitted to CPU
+        # peaks that missed the frees made in Gloo's threads: plan/measure.py. Measured right,
+        # neither is there.)
+        buffers = (profile.root_parameters * options.param_bytes + 2 * block * options.param_bytes
                    + block * MASTER_BYTES)
     else:
         buffers = grads_all if layout.dp > 1 else 0.0          # DDP's gradient buckets, a second copy
         if options.param_bytes < MASTER_BYTES:
             act += params * options.param_bytes                  # autocast's low-precision copies, saved for backward
-    if layout.tp > 1 and profile.hidden:
-        # Tensor parallelism's sums (a rowwise layer's output, a colwise layer's input gradient) are
-        # asynchronous: a real group keeps a sum's buffers until it is waited on, which the one-rank
-        # trace does not see. One activation of the micro-batch (measured, not derived: on the CPU's
-        # Gloo groups the tp peaks need it, benchmarks/*_plan-tplocal.md; with a fake group, whose
-        # sums end at once, the prediction is then 4-12% above the measured peak).
-        buffers += micro_batch(layout, options) * profile.spec.seq_len * profile.hidden * profile.dtype_bytes
     after = grads_all + _optimizer_temporaries(params / shards, block, options)
     host = 0.0
     if layout.offload:

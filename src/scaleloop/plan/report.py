@@ -77,8 +77,23 @@ def train_command(profile: ModelProfile, layout: Layout, options: Options, targe
     return shlex.join(argv), notes
 
 
+def host_line(rows: Sequence[Row], profile: ModelProfile, measured: bool) -> str:
+    """What the times say about the host's own work."""
+    if not measured:
+        return "host work (FSDP's hooks, DTensor's dispatch) left out of the times: --measure-host measures it here"
+    bound = [r.layout.label for r in rows if r.time.host_s and r.time.host_s >= r.time.total_s * 0.999]
+    if not any(r.time.host_s for r in rows):
+        return (f"host work not measured for {profile.spec.model}: only tinygpt can be shrunk to tiny widths"
+                if profile.spec.model != "tinygpt" else "host work: nothing to measure (no FSDP or tensor-parallel layout)")
+    if len(bound) > 3:
+        said = f"{len(bound)} of {len(rows)} layouts (the GPU would wait for the host: a small model)"
+    else:
+        said = ", ".join(bound) if bound else "none"
+    return f"host work measured on this machine's CPU at tiny widths (docs/planning.md); host-bound: {said}"
+
+
 def format_plan(profile: ModelProfile, rows: Sequence[Row], options: Options, target: Target, mfu: float,
-                data: str, left_out: Sequence[str] = ()) -> str:
+                data: str, left_out: Sequence[str] = (), measured_host: bool = False) -> str:
     """The whole report ``scaleloop plan`` prints."""
     ranked = rank(rows)
     lines = [f"scaleloop plan: {profile.spec.describe()}: {profile.parameters / 1e9:.3g} B parameters, "
@@ -87,7 +102,8 @@ def format_plan(profile: ModelProfile, rows: Sequence[Row], options: Options, ta
              f"inside a node, {target.between.name} between), {_gb(target.memory_bytes * target.usable)} GB "
              f"usable each ({target.usable:.0%})",
              f"--batch-size {options.batch_size} (global), {options.precision}, {options.optimizer}; compute at "
-             f"{mfu:.0%} MFU (an assumption: --mfu); memory estimated, not measured (docs/planning.md)", ""]
+             f"{mfu:.0%} MFU (an assumption: --mfu); memory estimated, not measured (docs/planning.md)",
+             host_line(rows, profile, measured_host), ""]
     lines += table(ranked, target)
     best = ranked[0] if ranked and ranked[0].fits else None
     if best is None:

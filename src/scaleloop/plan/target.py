@@ -39,12 +39,22 @@ class Target:
     #: The least one collective costs inside a step, however small (0: its ring latency). On a CPU
     #: with more ranks than cores it waits for its peers to be scheduled again: measured there.
     collective_s: float = 0.0
+    #: The same measured for groups of a given size, ((ranks, seconds), ...), where it differs
+    #: from ``collective_s`` (on a CPU a pair waits for fewer peers than the whole group).
+    collective_s_by_ranks: tuple[tuple[int, float], ...] = ()
+    #: How much slower the host's own work runs than in one process alone: on a CPU with more
+    #: ranks than cores, ranks per core (plan.hostwork measures it in one process).
+    host_share: float = 1.0
 
     def flops(self, precision: str) -> float:
         """The peak FLOP/s a run in ``precision`` divides by."""
         if precision in ("bf16", "fp16"):
             return self.peak_flops
         return self.fp32_flops or self.peak_flops / 2
+
+    def least_s(self, ranks: int) -> float:
+        """The least one collective over ``ranks`` ranks costs inside a step."""
+        return dict(self.collective_s_by_ranks).get(ranks, self.collective_s)
 
     @property
     def gpus(self) -> int:

@@ -18,14 +18,22 @@ overlaps it. An estimate with its assumptions listed in docs/planning.md.
   a Gloo group at each unit's forward, backward start and end, and at the pass ends, plus one
   for the parameters no rank used (``strategies/unused.py``): not hidden (they wait);
 - where the target cannot overlap (a CPU: Gloo's threads share the cores), nothing is hidden;
-- each collective costs at least the target's ``collective_s`` (a CPU with more ranks than cores:
-  a small all-reduce's cost between bursts of compute, measured; 0 on GPUs).
+- each collective costs at least the target's ``least_s`` of its group's size (a CPU with more
+  ranks than cores: a small all-reduce's cost between bursts of compute, measured for the whole
+  group and for pairs: a pair waits for fewer peers to be scheduled; 0 on GPUs);
+- the host's own work, where it was measured (:mod:`scaleloop.plan.hostwork`, per micro-batch):
+  on a target that cannot overlap (a CPU) what the layout adds to the plain loop comes on top,
+  slowed by the ranks sharing a core (``Target.host_share``); on a GPU the host works while the
+  device computes, and the step takes at least the host's whole work.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Optional
+
 from scaleloop.bench.costmodel import MIN_GPU_STEP_S, Interconnect
+from scaleloop.plan.hostwork import HostWork
 from scaleloop.plan.layouts import Layout
 from scaleloop.plan.memory import FSDP_FAMILIES, MASTER_BYTES, Options, micro_batch
 from scaleloop.plan.profile import ModelProfile
@@ -43,6 +51,7 @@ class StepTime:
     comm_s: float          # communication that was not hidden
     total_s: float
     samples_per_s: float
+    host_s: float = 0.0    # the host's work the step was given (see the module docstring)
 
 
 def _collective_s(link: Interconnect, ranks: int, nbytes: float, factor: float, calls: int,
@@ -74,44 +83,48 @@ def comm_s(profile: ModelProfile, layout: Layout, options: Options, target: Targ
     """(seconds that can hide behind the compute, seconds that cannot) of one step's collectives."""
     params = profile.parameters - profile.tp_parameters * (1 - 1 / layout.tp)
     units = len(profile.block_parameters) + 1
-    least = target.collective_s
+    least = target.least_s
     hidden = exposed = 0.0   # hidden: behind the backward (DDP) or the whole compute (FSDP's prefetch)
     if layout.pp > 1:
         stage = params / layout.pp * MASTER_BYTES
         link = target.link(layout.dp, _spans_nodes(layout.dp, 1, target))
-        exposed += _collective_s(link, layout.dp, stage, 2, 1, least)
+        exposed += _collective_s(link, layout.dp, stage, 2, 1, least(layout.dp))
         if profile.hidden:
             pieces = layout.microbatches * options.accumulate
             act = micro_batch(layout, options) * profile.spec.seq_len * profile.hidden * options.param_bytes
             p2p = target.link(2, _spans_nodes(layout.pp, layout.dp, target))
-            exposed += 2 * pieces * (act / p2p.bandwidth_Bps + max(p2p.latency_s, least))
+            exposed += 2 * pieces * (act / p2p.bandwidth_Bps + max(p2p.latency_s, least(2)))
         return hidden, exposed
     if layout.tp > 1 and profile.hidden:
         act = micro_batch(layout, options) * profile.spec.seq_len * profile.hidden * options.param_bytes
         # Two sums a block forward, two backward; with checkpointing the recomputed forward runs
         # the first again (it stops once the backward has what it saved: the second is not needed).
         sums = 4 + (1 if layout.checkpointing else 0)
-        exposed += sums * len(profile.block_parameters) * _collective_s(target.inside, layout.tp, act, 2, 1, least)
+        per_sum = _collective_s(target.inside, layout.tp, act, 2, 1, least(layout.tp))
+        exposed += sums * len(profile.block_parameters) * per_sum
     if layout.fsdp > 1:
         link = target.link(layout.fsdp, _spans_nodes(layout.fsdp, layout.tp, target))
         gathered = params * options.param_bytes
-        hidden += _collective_s(link, layout.fsdp, gathered, 2, 2 * units, least)          # forward and backward
-        hidden += _collective_s(link, layout.fsdp, params * MASTER_BYTES, 1, units, least)  # reduce-scatter
+        floor = least(layout.fsdp)
+        hidden += _collective_s(link, layout.fsdp, gathered, 2, 2 * units, floor)          # forward and backward
+        hidden += _collective_s(link, layout.fsdp, params * MASTER_BYTES, 1, units, floor)  # reduce-scatter
         if layout.offload:
             hidden += (2 * gathered + params * MASTER_BYTES) / layout.fsdp / target.host_Bps
             exposed += params / layout.fsdp * ADAM_BYTES / target.host_adam_Bps
     if layout.family in FSDP_FAMILIES and layout.world > 1:
         agreements = 3 * len(profile.block_parameters) + 2 + 1
-        exposed += agreements * max(2 * (layout.world - 1) * target.host_latency_s, least)
+        exposed += agreements * max(2 * (layout.world - 1) * target.host_latency_s, least(layout.world))
     if layout.dp > 1:
         shard = params * MASTER_BYTES / layout.fsdp
         link = target.link(layout.dp, _spans_nodes(layout.dp, layout.fsdp * layout.tp, target))
-        hidden += _collective_s(link, layout.dp, shard, 2, max(1, round(shard / (25 * 2**20))), least)
+        hidden += _collective_s(link, layout.dp, shard, 2, max(1, round(shard / (25 * 2**20))), least(layout.dp))
     return hidden, exposed
 
 
-def step_time(profile: ModelProfile, layout: Layout, options: Options, target: Target, mfu: float) -> StepTime:
-    """The step's predicted seconds and samples per second (see the module docstring)."""
+def step_time(profile: ModelProfile, layout: Layout, options: Options, target: Target, mfu: float,
+              host: Optional[HostWork] = None) -> StepTime:
+    """The step's predicted seconds and samples per second (see the module docstring); ``host``:
+    the host's work measured per layout (None: left out)."""
     # However small the model, an eager step takes some kernel launches (costmodel's floor).
     compute = max(compute_s(profile, layout, options, target, mfu), MIN_GPU_STEP_S)
     if layout.pp > 1:
@@ -122,4 +135,12 @@ def step_time(profile: ModelProfile, layout: Layout, options: Options, target: T
     window = 0.0 if not target.overlaps else compute if layout.fsdp > 1 else compute * 2 / 3
     extra = max(0.0, hidden - window) + exposed
     total = compute + extra
-    return StepTime(compute, extra, total, options.batch_size / total)
+    passes = options.accumulate * layout.microbatches
+    host_s = 0.0
+    if host is not None and not target.overlaps:
+        host_s = host.extra(layout) * passes * target.host_share
+        total += host_s
+    elif host is not None:
+        host_s = host.total(layout) * passes
+        total = max(total, host_s)
+    return StepTime(compute, extra, total, options.batch_size / total, host_s)

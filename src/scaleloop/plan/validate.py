@@ -59,7 +59,9 @@ def cpu_target(fabric: dict[str, float], flops_per_s: float, world: int, cores: 
     link = Interconnect("gloo", "Gloo on this machine", fitted.bandwidth_Bps, fitted.latency_s, "fitted")
     return replace(GPUS["h100"], key="cpu", name="CPU process", memory_bytes=float("inf"), peak_flops=flops_per_s,
                    fp32_flops=flops_per_s * min(1.0, cores / world), inside=link, between=link, per_node=world,
-                   overlaps=False, host_latency_s=fitted.latency_s, collective_s=fabric.get("busy_small_s", 0.0))
+                   overlaps=False, host_latency_s=fitted.latency_s, collective_s=fabric.get("busy_small_s", 0.0),
+                   collective_s_by_ranks=((2, fabric["busy_pairs_s"]),) if "busy_pairs_s" in fabric else (),
+                   host_share=max(1.0, world / cores))
 
 
 def one_process_flops(spec: ModelSpec, profile: ModelProfile, micro_batch: int, steps: int = 5) -> float:
@@ -93,11 +95,12 @@ def concordance(predicted: Sequence[float], measured: Sequence[float]) -> float:
 def validate_size(spec: ModelSpec, batch_size: int, layouts: Sequence[Layout], cores: int,
                   log: Any = print) -> list[dict[str, Any]]:
     """Measure every layout at one size and set the plan's predictions beside the measurements."""
+    from scaleloop.plan.hostwork import measure_host_work, measured_by_fake_group
     from scaleloop.plan.measure import measure
-    from scaleloop.plan.timing import step_time
 
     profile = profile_model(spec)
     flops = one_process_flops(spec, profile, batch_size // 4)
+    host = measure_host_work(spec, layouts)
     rows, fabric = [], None
     for layout in layouts:
         try:
@@ -106,20 +109,41 @@ def validate_size(spec: ModelSpec, batch_size: int, layouts: Sequence[Layout], c
             log(f"  {layout.label:28s} FAILED: {str(exc).splitlines()[0]}")
             continue
         fabric = fabric or result["fabric"]
+        floor = None
+        if measured_by_fake_group(layout):    # the same rank with sums that end at once: the peak's floor
+            floor = measure(spec, layout, batch_size, group="fake")["peaks"][0]
         measured = max(result["peaks"])
         predicted = predicted_peak(profile, layout, batch_size)
         rows.append({"size": spec.describe(), "layout": layout.label, "measured_peak": measured,
                      "predicted_peak": predicted, "error": predicted / measured - 1, "peaks": result["peaks"],
-                     "measured_step_s": result["step_s"], "layout_obj": layout})
+                     "measured_step_s": result["step_s"], "layout_obj": layout, "floor_peak": floor})
         log(f"  {layout.label:28s} peak measured {measured / 2**20:7.2f} MiB, predicted {predicted / 2**20:7.2f} MiB "
             f"({predicted / measured - 1:+.1%}); step {result['step_s'] * 1e3:.1f} ms")
     if fabric is None:
         return rows
-    target = cpu_target(fabric, flops, 4, cores)
     for row in rows:
         row["fabric"], row["one_process_flops"], row["cores"] = fabric, flops, cores
-        row["predicted_step_s"] = step_time(profile, row.pop("layout_obj"), cpu_options(batch_size), target, 1.0).total_s
+        row["host_extra_s"], row["host_plain_s"] = host.extra(row["layout_obj"]), host.plain_s
+        _predict_step(row, profile, row.pop("layout_obj"), batch_size)
     return rows
+
+
+def _predict_step(row: dict[str, Any], profile: ModelProfile, layout: Layout, batch_size: int) -> None:
+    """The row's predicted step time from the inputs it keeps (the link, the FLOP/s, the host's
+    work), and the same without the host's work."""
+    from scaleloop.plan.hostwork import HostWork, key
+    from scaleloop.plan.timing import step_time
+
+    target = cpu_target(row["fabric"], row["one_process_flops"], 4, row["cores"])
+    options = cpu_options(batch_size)
+    row["predicted_step_no_host_s"] = step_time(profile, layout, options, target, 1.0).total_s
+    blocks = profile.spec.n_layers
+    host = HostWork({key(layout): row.get("host_extra_s", 0.0)}, row.get("host_plain_s", 0.0), blocks, blocks)
+    row["predicted_step_s"] = step_time(profile, layout, options, target, 1.0, host).total_s
+
+
+def _mib(n: Optional[float]) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
 
 
 def markdown(rows: Sequence[dict[str, Any]], hardware: str, took_s: float, load: str = "") -> str:
@@ -129,24 +153,34 @@ def markdown(rows: Sequence[dict[str, Any]], hardware: str, took_s: float, load:
              + (f" The {load}." if load else ""), "",
              "Peak: the largest rank's, in MiB; measured with torch's CPU allocator accounting under "
              "`torch.profiler(profile_memory=True)` (`scaleloop/plan/measure.py`), predicted by `scaleloop plan`'s "
-             "memory model (fp32, Adam). Step: milliseconds per optimizer step, measured (rank 0, between barriers, "
-             "no profiler) and predicted (compute at the FLOP/s one process reached, shared by 4 processes on the "
-             "cores; Gloo's fitted latency and bandwidth, each collective at least what a small all-reduce adds "
-             "between bursts of compute). Rank: the layout's place by step time, 1 the fastest.", ""]
+             "memory model (fp32, Adam). Floor: rank 0's peak on a fake process group, whose collectives end as they "
+             "are issued (the same every run; FSDP and tensor parallelism only): a real Gloo group's peak lies above "
+             "it by the finished collectives whose buffers its threads have not yet let go. Step: milliseconds per "
+             "optimizer step, measured (rank 0, between barriers, no profiler) and predicted (compute at the FLOP/s "
+             "one process reached, shared by 4 processes on the cores; Gloo's fitted latency and bandwidth, each "
+             "collective at least what a small all-reduce over its group adds between bursts of compute; the host "
+             "work each layout adds, measured at tiny widths, `scaleloop/plan/hostwork.py`; 'no host': without "
+             "it). Rank: the layout's place by step time, 1 the fastest.", ""]
     for size in dict.fromkeys(r["size"] for r in rows):
         group = [r for r in rows if r["size"] == size]
         by_measured = sorted(range(len(group)), key=lambda i: group[i]["measured_step_s"])
         by_predicted = sorted(range(len(group)), key=lambda i: group[i]["predicted_step_s"])
-        lines += [f"## {size}", "", "| layout | peak measured | peak predicted | error | step measured | "
-                  "step predicted | rank measured | rank predicted |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"## {size}", "", "| layout | peak measured | floor | peak predicted | error | step measured | "
+                  "step predicted | no host | rank measured | rank predicted |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for i, r in enumerate(group):
-            lines.append(f"| {r['layout']} | {r['measured_peak'] / 2**20:.2f} | {r['predicted_peak'] / 2**20:.2f} | "
-                         f"{r['error']:+.1%} | {r['measured_step_s'] * 1e3:.1f} | {r['predicted_step_s'] * 1e3:.1f} | "
+            no_host = r.get("predicted_step_no_host_s")
+            lines.append(f"| {r['layout']} | {_mib(r['measured_peak'])} | {_mib(r.get('floor_peak'))} | "
+                         f"{_mib(r['predicted_peak'])} | {r['error']:+.1%} | {r['measured_step_s'] * 1e3:.1f} | "
+                         f"{r['predicted_step_s'] * 1e3:.1f} | {'-' if no_host is None else f'{no_host * 1e3:.1f}'} | "
                          f"{by_measured.index(i) + 1} | {by_predicted.index(i) + 1} |")
-        agree = concordance([r["predicted_step_s"] for r in group], [r["measured_step_s"] for r in group])
+        measured = [r["measured_step_s"] for r in group]
+        agree = concordance([r["predicted_step_s"] for r in group], measured)
         worst = max(abs(r["error"]) for r in group)
         lines += ["", f"Worst memory error {worst:.1%}; pairs of layouts ordered alike by predicted and measured "
-                      f"step time: {agree:.0%}.", ""]
+                      f"step time: {agree:.0%}"
+                  + (f" (without the host's work: {concordance([r['predicted_step_no_host_s'] for r in group], measured):.0%})"
+                     if all("predicted_step_no_host_s" in r for r in group) else "") + ".", ""]
     return "\n".join(lines)
 
 
@@ -189,7 +223,18 @@ def result_json(rows: Sequence[dict[str, Any]], hw: dict[str, Any]) -> dict[str,
                                       "TinyGPT x 12 layouts on 4 CPU processes",
             "date": datetime.date.today().isoformat(), "hardware_slug": f"cpu-{hw['cores']}core", "hardware": hw,
             "headline": f"peak memory within 10% in {within} of {len(errors)} cases (worst {max(errors, default=0):.1%}); "
-                        "step-time order not predicted at these sizes", "has_png": False, "rows": list(rows)}
+                        f"step-time order: {', '.join(f'{a:.0%}' for a in _agreements(rows))} of the pairs of layouts",
+            "has_png": False, "rows": list(rows)}
+
+
+def _agreements(rows: Sequence[dict[str, Any]]) -> list[float]:
+    """Per size, the share of pairs of layouts the predicted and measured times order alike."""
+    out = []
+    for size in dict.fromkeys(r["size"] for r in rows):
+        group = [r for r in rows if r["size"] == size and "predicted_step_s" in r]
+        if group:
+            out.append(concordance([r["predicted_step_s"] for r in group], [r["measured_step_s"] for r in group]))
+    return out
 
 
 def _rerender(path: Path) -> int:
@@ -207,10 +252,7 @@ def _rerender(path: Path) -> int:
         row["predicted_peak"] = predicted_peak(profile, layout, batch)
         row["error"] = row["predicted_peak"] / row["measured_peak"] - 1
         if "fabric" in row:   # the time model's inputs were kept: its prediction as it is now, too
-            from scaleloop.plan.timing import step_time
-
-            target = cpu_target(row["fabric"], row["one_process_flops"], 4, row["cores"])
-            row["predicted_step_s"] = step_time(profile, layout, cpu_options(batch), target, 1.0).total_s
+            _predict_step(row, profile, layout, batch)
     hw = data["hardware"] if isinstance(data, dict) else describe_hardware()
     result = result_json(rows, hw)
     result["date"] = data.get("date", result["date"]) if isinstance(data, dict) else path.name[:10]
