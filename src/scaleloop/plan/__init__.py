@@ -9,7 +9,9 @@ Small modules, bottom up:
 - ``target``     the GPUs: memory, peak FLOP/s, NVLink inside a node, InfiniBand between (``--gpu``)
 - ``layouts``    the candidates (dp, fsdp, hsdp, fsdp x tp, pp x dp, +ac, +offload) and their train flags
 - ``memory``     a layout's per-rank peak: parameters, gradients, optimizer state, activations, buffers
-- ``timing``     a layout's step time: compute at a stated MFU, communication over the links
+- ``hostwork``   the host's own work per layout (FSDP's hooks, DTensor's dispatch), measured at tiny
+                 widths on a fake process group (``--measure-host``)
+- ``timing``     a layout's step time: compute at a stated MFU, communication over the links, the host's work
 - ``report``     the ranked table, the recommendation with its ``scaleloop train`` line, why the others lost
 - ``planner``    all of it for one model and target (what ``scaleloop plan`` prints)
 - ``published``  the memory model against published figures (ZeRO's Figure 1, Megatron's equation 1)
