@@ -1,7 +1,8 @@
 """The plan's peak against the CPU allocator's accounting (the profiler) on 2 real Gloo
 processes: a tiny fsdp run and a tiny tensor-parallel one with checkpointing, within 10%; and
-the tensor-parallel run's peak the same as on a fake process group, whose collectives end as
-they are issued: the frees that Gloo's threads make are counted (plan/measure.py)."""
+the tensor-parallel run's peak at most two sums above that of a fake process group, whose
+collectives end as they are issued: the frees that Gloo's threads make are counted
+(plan/measure.py)."""
 from __future__ import annotations
 
 import signal
@@ -42,7 +43,10 @@ def test_the_predicted_peak_of_a_tiny_run_is_close(time_limit: None, layout: Lay
     assert measured > 0 and len(result["peaks"]) == 2
     assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
     if layout.tp > 1:
-        # Before the allocator counted the frees in every thread, this run's peak moved by up to
-        # 27% from run to run, always above the fake group's.
+        # The fake group's peak is the floor. Above it, a real group may briefly hold a finished
+        # sum whose last reference Gloo's thread has not yet dropped (3 runs of 15 here held one
+        # at the peak, 12 none). Before the allocator counted the frees in every thread, this
+        # run's peak read up to 8 sums above the floor, differently every run.
         floor = measure(spec, layout, batch_size=8, group="fake")["peaks"][0]
-        assert result["peaks"] == [floor, floor], (result["peaks"], floor)
+        one_sum = 8 * spec.seq_len * spec.d_model * 4
+        assert all(floor <= peak <= floor + 2 * one_sum for peak in result["peaks"]), (result["peaks"], floor)

@@ -16,7 +16,8 @@ allocated and Gloo's worker thread freed (the last reference to a finished colle
 often drops there) was then never taken off, and the total crept up by about one activation a
 step under tensor parallelism, by a different amount every run. The workers set the flag
 (``count_frees_in_every_thread``; it has no other effect at the default log level), and the peak
-is then the same every run.
+is then that of the same rank on a fake group, or now and then one finished sum above it (a
+buffer Gloo's thread has not let go of yet at the peak: 3 runs of 15 of a tiny tp=2 run).
 
 **How the step is timed.** Separately, without the profiler (which slows every op): the same
 processes build the model again and run ``warmup`` untimed then ``steps`` timed steps; the time
