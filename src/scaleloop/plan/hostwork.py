@@ -82,14 +82,14 @@ def tiny_spec(spec: ModelSpec) -> Optional[ModelSpec]:
 def _built(spec: ModelSpec, layout: Optional[Layout], checkpointing: bool, env: Any) -> tuple[Any, ...]:
     """Rank 0 of ``layout`` (None: the plain model, no strategy) ready to step, one sample per
     data-parallel rank, its optimizer state made."""
-    from scaleloop.plan.measure import _build, _dataset, _run_steps
+    from scaleloop.plan.measure import build_run, run_steps, token_dataset
     from scaleloop.runtime.dist import DistEnv
 
     if layout is None:
         env = DistEnv.from_env({"RANK": "0", "WORLD_SIZE": "1"}, device="cpu")
         layout = Layout("dp", dp=1, checkpointing=checkpointing)
-    built = _build(spec, layout, env, _dataset(spec, layout.data_ranks), layout.data_ranks)
-    _run_steps(*built, 1)
+    built = build_run(spec, layout, env, token_dataset(spec, layout.data_ranks), layout.data_ranks)
+    run_steps(*built, 1)
     return built
 
 
@@ -99,19 +99,10 @@ def host_work_worker(spec: dict[str, Any], layouts: list[dict[str, Any]], world:
     drifts (a shared VM's does, by a third) slows them all alike."""
     import statistics
 
-    import torch
-    import torch.distributed as torch_dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from scaleloop.plan.measure import _run_steps
-    from scaleloop.runtime.dist import DistEnv
+    from scaleloop.plan.measure import fake_group, run_steps
 
     tiny = ModelSpec(**spec)
-    torch.set_num_threads(1)
-    ranks = {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(world)}
-    env = DistEnv.from_env(ranks, device="cpu", backend="fake")
-    torch_dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
+    with fake_group(world) as env:
         plans = [Layout(**fields) for fields in layouts]
         baselines = {False} | {p.checkpointing for p in plans}
         runs: dict[Any, tuple[Any, ...]] = {ac: _built(tiny, None, ac, env) for ac in baselines}
@@ -120,13 +111,11 @@ def host_work_worker(spec: dict[str, Any], layouts: list[dict[str, Any]], world:
         for _ in range(rounds):
             for name, built in runs.items():
                 t0 = time.perf_counter()
-                _run_steps(*built, 1)
+                run_steps(*built, 1)
                 times[name].append(time.perf_counter() - t0)
-        median = {name: statistics.median(ts) for name, ts in times.items()}
-        extra = {p.label: max(0.0, median[p.label] - median[p.checkpointing]) for p in plans}
-        return {"extra": extra, "plain": median[False], "plain_checkpointed": median.get(True, 0.0)}
-    finally:
-        torch_dist.destroy_process_group()
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    extra = {p.label: max(0.0, median[p.label] - median[p.checkpointing]) for p in plans}
+    return {"extra": extra, "plain": median[False], "plain_checkpointed": median.get(True, 0.0)}
 
 
 def measure_host_work(spec: ModelSpec, layouts: Sequence[Layout], rounds: int = 7) -> HostWork:

@@ -23,19 +23,17 @@ buffer Gloo's thread has not let go of yet at the peak: 3 runs of 15 of a tiny t
 processes build the model again and run ``warmup`` untimed then ``steps`` timed steps; the time
 is rank 0's wall time per step between two barriers.
 
-**Synchronous sums** (``group="fake"``). On a real Gloo group the peak moves from run to run:
-a finished collective's buffers are freed by whichever thread drops the last reference, the
-caller or Gloo's worker, and a worker thread that is not scheduled at once holds them a while
-(on 2 cores, up to four of tensor parallelism's sums at a time). With ``group="fake"`` one
-process runs rank 0 of the layout on PyTorch's fake process group, whose collectives end as they
-are issued: the peak is then the same every run, the floor of what the real group reaches. Step
-times from it mean nothing.
+**A fake group** (``group="fake"``). One process runs rank 0 of the layout on PyTorch's fake
+process group, whose collectives end as they are issued: no finished collective is ever held
+by another thread, so its peak is the floor of what a real group reaches (FSDP and tensor
+parallelism; DDP and the pipeline do not run on it). Step times from it mean nothing.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from scaleloop.plan.layouts import Layout
 from scaleloop.plan.profile import ModelSpec
@@ -68,7 +66,7 @@ def _strategy(layout: Layout, env: Any) -> Any:
                          activation_checkpointing=layout.checkpointing, cpu_offload=layout.offload)
 
 
-def _dataset(spec: ModelSpec, batch_size: int) -> Any:
+def token_dataset(spec: ModelSpec, batch_size: int) -> Any:
     """Random token windows for a few steps (built before the profiler starts: not counted)."""
     import torch
 
@@ -77,7 +75,9 @@ def _dataset(spec: ModelSpec, batch_size: int) -> Any:
     return torch.utils.data.TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
-def _build(spec: ModelSpec, layout: Layout, env: Any, dataset: Any, batch_size: int) -> tuple[Any, Any, Any, Any]:
+def build_run(spec: ModelSpec, layout: Layout, env: Any, dataset: Any, batch_size: int) -> tuple[Any, Any, Any, Any]:
+    """``spec``'s TinyGPT set up by ``layout``'s strategy on ``env``, with Adam and a loader:
+    (model, optimizer, strategy, loader), what :func:`run_steps` takes."""
     import torch
 
     from scaleloop.models import TinyGPT
@@ -89,7 +89,7 @@ def _build(spec: ModelSpec, layout: Layout, env: Any, dataset: Any, batch_size: 
     return model, optimizer, strategy, strategy.loader(dataset, batch_size=batch_size, shuffle=False)
 
 
-def _run_steps(model: Any, optimizer: Any, strategy: Any, loader: Any, steps: int) -> list[float]:
+def run_steps(model: Any, optimizer: Any, strategy: Any, loader: Any, steps: int) -> list[float]:
     """``steps`` optimizer steps; the time each one ended (perf_counter)."""
     import torch
 
@@ -139,37 +139,45 @@ def _profiled_peak(model_spec: ModelSpec, plan: Layout, env: Any, batch_size: in
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    dataset = _dataset(model_spec, batch_size)
+    dataset = token_dataset(model_spec, batch_size)
     if not count_frees_in_every_thread():
         import warnings
         warnings.warn("this torch's CPU allocator cannot count frees in other threads: peaks may read high")
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        built = _build(model_spec, plan, env, dataset, batch_size)
-        _run_steps(*built, 1)                   # the first step creates the optimizer state
+        built = build_run(model_spec, plan, env, dataset, batch_size)
+        run_steps(*built, 1)                   # the first step creates the optimizer state
         with torch.profiler.record_function(_MARK):
-            _run_steps(*built, 2)
+            run_steps(*built, 2)
         del built
     return _peak(prof)
 
 
-def fake_group_worker(spec: dict[str, Any], layout: dict[str, Any], batch_size: int) -> dict[str, Any]:
-    """Rank 0 of ``layout`` alone, on a fake process group (run in a process of its own: it sets
-    the default group): its peak with collectives that end as they are issued."""
+@contextmanager
+def fake_group(world: int) -> Iterator[Any]:
+    """This process as rank 0 of ``world`` on PyTorch's fake process group (the default group
+    while inside: run it in a process of its own); yields the ``DistEnv`` the strategies take."""
     import torch
     import torch.distributed as torch_dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from scaleloop.runtime.dist import DistEnv
 
-    plan = Layout(**layout)
-    ranks = {"RANK": "0", "WORLD_SIZE": str(plan.world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(plan.world)}
+    ranks = {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(world)}
     env = DistEnv.from_env(ranks, device="cpu", backend="fake")
     torch.set_num_threads(1)
-    torch_dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world)
+    torch_dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        peak, rest = _profiled_peak(ModelSpec(**spec), plan, env, batch_size)
+        yield env
     finally:
         torch_dist.destroy_process_group()
+
+
+def fake_group_worker(spec: dict[str, Any], layout: dict[str, Any], batch_size: int) -> dict[str, Any]:
+    """Rank 0 of ``layout`` alone, on a fake process group: its peak with collectives that end as
+    they are issued."""
+    plan = Layout(**layout)
+    with fake_group(plan.world) as env:
+        peak, rest = _profiled_peak(ModelSpec(**spec), plan, env, batch_size)
     return {"peaks": [peak], "rests": [rest], "step_s": None, "world": plan.world, "fabric": None}
 
 
@@ -183,12 +191,12 @@ def measure_worker(spec: dict[str, Any], layout: dict[str, Any], batch_size: int
     init_process_group(env, timeout_s=timeout_s)
     model_spec, plan = ModelSpec(**spec), Layout(**layout)
     peak, rest = _profiled_peak(model_spec, plan, env, batch_size)
-    dataset = _dataset(model_spec, batch_size)
-    built = _build(model_spec, plan, env, dataset, batch_size)
-    _run_steps(*built, warmup)
+    dataset = token_dataset(model_spec, batch_size)
+    built = build_run(model_spec, plan, env, dataset, batch_size)
+    run_steps(*built, warmup)
     barrier(env)
     t0 = time.perf_counter()
-    _run_steps(*built, steps)
+    run_steps(*built, steps)
     barrier(env)
     step_s = (time.perf_counter() - t0) / steps
     return {"peaks": gather_object(peak, env), "rests": gather_object(rest, env), "step_s": step_s, "world": env.world_size,

@@ -29,7 +29,6 @@ overlaps it. An estimate with its assumptions listed in docs/planning.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import Optional
 
 from scaleloop.bench.costmodel import MIN_GPU_STEP_S, Interconnect
