@@ -40,6 +40,19 @@ def test_a_deeper_model_scales_the_measured_work_by_its_blocks() -> None:
     assert HostWork().total(Layout("fsdp", fsdp=2)) == 0.0
 
 
+def test_checkpointing_adds_its_own_work_beyond_the_recomputed_forward() -> None:
+    # The plain tiny step 6 ms, with checkpointing 10 ms: 8 ms is the forward again (the
+    # compute's 4/3), 2 ms the checkpointing's own, on every layout that checkpoints.
+    host = HostWork({"fsdp fsdp=2 +ac": 0.010}, plain_s=0.006, measured_blocks=4, blocks=8, plain_checkpointed_s=0.010)
+    assert host.checkpointing(Layout("dp", dp=2, checkpointing=True)) == pytest.approx(0.004)   # twice as deep
+    assert host.extra(Layout("dp", dp=2, checkpointing=True)) == pytest.approx(0.004)
+    assert host.extra(Layout("fsdp", fsdp=2, checkpointing=True)) == pytest.approx(0.020 + 0.004)
+    assert host.checkpointing(Layout("pp x dp", pp=2, dp=1, microbatches=4, checkpointing=True)) == pytest.approx(0.002)
+    assert host.checkpointing(Layout("dp", dp=2)) == 0.0
+    assert HostWork({}, 0.006, 4, 4, plain_checkpointed_s=0.007).checkpointing(
+        Layout("dp", dp=2, checkpointing=True)) == 0.0   # less than the forward again: nothing of its own
+
+
 def test_a_cpu_adds_the_layouts_work_and_a_gpu_is_bound_below_by_the_hosts_whole_work() -> None:
     profile = profile_model(SPEC)
     layout, options = Layout("fsdp", fsdp=2), Options(4, "fp32", "adam")

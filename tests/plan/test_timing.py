@@ -82,11 +82,34 @@ def test_each_collective_costs_at_least_the_targets_least(profile) -> None:
     fsdp = Layout("fsdp", fsdp=4)
     added = step_time(profile, fsdp, options, slow, 0.4).total_s - step_time(profile, fsdp, options, cpu, 0.4).total_s
     units = 4 + 1
-    # Each all-gather (forward and backward) and reduce-scatter, and each of the 3 x 4 + 3 agreements,
-    # at 5 ms instead of its (much smaller) ring latency.
-    assert added == pytest.approx(5e-3 * (2 * units + units + 3 * 4 + 3), rel=0.02)
+    # Each all-gather (forward and backward) and reduce-scatter at half of 5 ms (a ring of half an
+    # all-reduce's steps), and each of the 3 x 4 + 3 agreements (all-reduces) at 5 ms, instead of
+    # their (much smaller) ring latency.
+    assert added == pytest.approx(5e-3 / 2 * (2 * units + units) + 5e-3 * (3 * 4 + 3), rel=0.02)
+    # Checkpointing runs each unit's forward again, and its agreement with it.
+    fsdp_ac = Layout("fsdp", fsdp=4, checkpointing=True)
+    assert (step_time(profile, fsdp_ac, options, slow, 0.4).comm_s - step_time(profile, fsdp_ac, options, cpu, 0.4).comm_s
+            - added) == pytest.approx(5e-3 * 4, rel=0.02)
     # Tensor parallelism: four sums per block, one more when the forward is recomputed.
     tp, tp_ac = Layout("fsdp x tp", tp=4), Layout("fsdp x tp", tp=4, checkpointing=True)
     sums = [step_time(profile, layout, options, slow, 0.4).comm_s - step_time(profile, layout, options, cpu, 0.4).comm_s
             for layout in (tp, tp_ac)]
-    assert sums[1] - sums[0] == pytest.approx(5e-3 * 4, rel=0.02)
+    # The recomputed forward: one more sum a block, and one more agreement a block (the mesh
+    # strategy agrees on every unit's forward, tensor-parallel only or not).
+    assert sums[1] - sums[0] == pytest.approx(5e-3 * 4 + 5e-3 * 4, rel=0.02)
+
+
+def test_collectives_that_carry_tensors_wait_more_than_the_agreements(profile) -> None:
+    # On a CPU with more ranks than cores every step of a ring waits for a peer; a 1-float sum
+    # skips its empty steps. FSDP's gathers and reduce-scatters take the data floor; scaleloop's
+    # own agreements (a few numbers) keep the small one.
+    from dataclasses import replace
+
+    options = Options(8, "fp32", "adam")
+    cpu = replace(parse_target("h100", 4, 1), overlaps=False, host_latency_s=0.0, collective_s=2e-3)
+    data = replace(cpu, data_collective_s_by_ranks=((4, 7e-3),))
+    assert (data.least_s(4), data.least_s(4, data=False), data.least_s(2)) == (7e-3, 2e-3, 2e-3)
+    fsdp = Layout("fsdp", fsdp=4)
+    added = step_time(profile, fsdp, options, data, 0.4).total_s - step_time(profile, fsdp, options, cpu, 0.4).total_s
+    units = 4 + 1
+    assert added == pytest.approx((7e-3 - 2e-3) / 2 * (2 * units + units), rel=0.02)

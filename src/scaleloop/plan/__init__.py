@@ -16,5 +16,6 @@ Small modules, bottom up:
 - ``planner``    all of it for one model and target (what ``scaleloop plan`` prints)
 - ``published``  the memory model against published figures (ZeRO's Figure 1, Megatron's equation 1)
 - ``measure``    the plan against measurement: a layout on N CPU processes, each rank's peak and the step time
+- ``interleaved`` the step times of several layouts measured in turns on the same processes (the order's check)
 - ``validate``   the benchmark: three TinyGPT sizes x the 4-process layouts, predicted against measured
 """

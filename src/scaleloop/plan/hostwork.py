@@ -7,6 +7,9 @@ of each layout runs the model's structure at tiny widths (``tiny_spec``) on PyTo
 process group, whose collectives end as they are issued, in one process of its own. What a
 layout adds is its step's time less that of the same tiny model trained without a strategy (with
 activation checkpointing where the layout has it: the recomputed forward is the compute's).
+Checkpointing's own work (its saved-tensor hooks and the recomputed forward's dispatch, which at
+tiny widths doubles a plain step's 7 ms here) is the plain step with it less 4/3 of the plain
+step without: it comes on every layout that checkpoints, DDP's too.
 
 Measured, not derived, and on this machine's CPU: a GPU machine's host may be faster or slower.
 Not measured (0): DDP and the pipeline, which the fake group cannot run (their host work is the
@@ -47,9 +50,19 @@ class HostWork:
             seconds = max(seconds, self.extra_s.get(key(replace(layout, checkpointing=False)), 0.0))
         return seconds
 
+    def checkpointing(self, layout: Layout) -> float:
+        """Activation checkpointing's own work in a micro-batch's step of ``layout`` (0 without
+        it, or where not measured): the plain step with checkpointing less 4/3 of the plain step
+        without (the recomputed forward's share, which the compute already holds), scaled to the
+        depth; a pipeline stage runs its share of the blocks."""
+        if not layout.checkpointing or not self.plain_checkpointed_s:
+            return 0.0
+        return self._deep(max(0.0, self.plain_checkpointed_s - self.plain_s * 4 / 3)) / layout.pp
+
     def extra(self, layout: Layout) -> float:
-        """What ``layout`` adds to a micro-batch's step (0 where not measured), scaled to the depth."""
-        return self._deep(self._measured(layout))
+        """What ``layout`` adds to a micro-batch's step beyond its compute (0 where not measured),
+        scaled to the depth: its strategy's work, and checkpointing's own where it has it."""
+        return self._deep(self._measured(layout)) + self.checkpointing(layout)
 
     def total(self, layout: Layout) -> float:
         """The host's whole work for a micro-batch's step of ``layout`` on one rank (0 where

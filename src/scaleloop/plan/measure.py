@@ -203,11 +203,19 @@ def measure_worker(spec: dict[str, Any], layout: dict[str, Any], batch_size: int
             "fabric": _fabric(env) if fabric else None}
 
 
+#: Floats in the all-reduce that stands for a step's data-carrying collectives: enough that every
+#: step of a ring over a few ranks carries some (Gloo skips the empty ones of a 1-float sum).
+DATA_NUMEL = 16384
+
+
 def _fabric(env: Any) -> dict[str, float]:
     """All-reduce timings of one float and of 4 MiB over the group (best of 10), for
     ``costmodel.fit_fabric``: the latency and bandwidth of Gloo on this machine; and what one
-    small all-reduce adds between bursts of compute (``busy_small_s``), as a step's collectives
-    come: with more ranks than cores, each waits until its peers are scheduled again."""
+    all-reduce adds between bursts of compute, as a step's collectives come: with more ranks
+    than cores, each waits until its peers are scheduled again, once per step of its ring. Of
+    one float (``busy_small_s``: scaleloop's own agreements) and of :data:`DATA_NUMEL` floats
+    (``busy_data_s``: the collectives that carry tensors, whose every ring step waits), over
+    all ranks and (``busy_pairs_*``) over pairs running at once."""
     import torch
     import torch.distributed as torch_dist
 
@@ -222,18 +230,21 @@ def _fabric(env: Any) -> dict[str, float]:
             best = min(best, time.perf_counter() - t0)
         out[f"{key}_s"], out[f"{key}_bytes"] = best, 4.0 * numel
     out["busy_small_s"] = _busy_collective_s(torch, torch_dist)
+    out["busy_data_s"], out["data_bytes"] = _busy_collective_s(torch, torch_dist, numel=DATA_NUMEL), 4.0 * DATA_NUMEL
     if env.world_size >= 4 and env.world_size % 2 == 0:
         # Pairs, all at once, as a layout's groups of two run (tp=2, hsdp's shards and replicas).
         pairs = [torch_dist.new_group([r, r + 1]) for r in range(0, env.world_size, 2)]
-        out["busy_pairs_s"] = _busy_collective_s(torch, torch_dist, group=pairs[env.rank // 2])
+        pair = pairs[env.rank // 2]
+        out["busy_pairs_s"] = _busy_collective_s(torch, torch_dist, group=pair)
+        out["busy_pairs_data_s"] = _busy_collective_s(torch, torch_dist, group=pair, numel=DATA_NUMEL)
     return out
 
 
-def _busy_collective_s(torch: Any, torch_dist: Any, rounds: int = 20, group: Any = None) -> float:
-    """Seconds one 1-float all-reduce over ``group`` (None: all ranks) adds to a burst of about 2 ms
-    of compute on every rank: the same bursts timed with and without it (the median of three
-    tries of ``rounds`` each)."""
-    a, x = torch.randn(128, 128), torch.zeros(1)
+def _busy_collective_s(torch: Any, torch_dist: Any, rounds: int = 20, group: Any = None, numel: int = 1) -> float:
+    """Seconds one all-reduce of ``numel`` floats over ``group`` (None: all ranks) adds to a burst
+    of about 2 ms of compute on every rank: the same bursts timed with and without it (the median
+    of three tries of ``rounds`` each)."""
+    a, x = torch.randn(128, 128), torch.zeros(numel)
 
     def bursts(collective: bool) -> float:
         torch_dist.barrier()

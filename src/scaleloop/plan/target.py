@@ -42,6 +42,10 @@ class Target:
     #: The same measured for groups of a given size, ((ranks, seconds), ...), where it differs
     #: from ``collective_s`` (on a CPU a pair waits for fewer peers than the whole group).
     collective_s_by_ranks: tuple[tuple[int, float], ...] = ()
+    #: The least a collective that carries a tensor costs, by group size, where measured (on a CPU
+    #: with more ranks than cores every step of its ring waits for a peer: more than a 1-float
+    #: sum, whose empty steps Gloo skips); otherwise what ``collective_s_by_ranks`` gives.
+    data_collective_s_by_ranks: tuple[tuple[int, float], ...] = ()
     #: How much slower the host's own work runs than in one process alone: on a CPU with more
     #: ranks than cores, ranks per core (plan.hostwork measures it in one process).
     host_share: float = 1.0
@@ -52,9 +56,11 @@ class Target:
             return self.peak_flops
         return self.fp32_flops or self.peak_flops / 2
 
-    def least_s(self, ranks: int) -> float:
-        """The least one collective over ``ranks`` ranks costs inside a step."""
-        return dict(self.collective_s_by_ranks).get(ranks, self.collective_s)
+    def least_s(self, ranks: int, data: bool = True) -> float:
+        """The least one collective over ``ranks`` ranks costs inside a step; ``data``: one that
+        carries a tensor (False: a few numbers, scaleloop's own agreements)."""
+        measured = dict(self.data_collective_s_by_ranks).get(ranks) if data else None
+        return measured if measured is not None else dict(self.collective_s_by_ranks).get(ranks, self.collective_s)
 
     @property
     def gpus(self) -> int:

@@ -15,12 +15,15 @@ overlaps it. An estimate with its assumptions listed in docs/planning.md.
 - offload: the shards cross PCIe twice (forward, backward) and the gradients once, and the
   optimizer steps on the host (28 bytes of host memory traffic per parameter);
 - scaleloop's own agreement between FSDP's ranks (``strategies/spmd.py``): small all-reduces on
-  a Gloo group at each unit's forward, backward start and end, and at the pass ends, plus one
-  for the parameters no rank used (``strategies/unused.py``): not hidden (they wait);
+  a Gloo group at each unit's forward (again in a checkpointed unit's recomputed forward),
+  backward start and end, and at the pass ends, plus one for the parameters no rank used
+  (``strategies/unused.py``): not hidden (they wait);
 - where the target cannot overlap (a CPU: Gloo's threads share the cores), nothing is hidden;
 - each collective costs at least the target's ``least_s`` of its group's size (a CPU with more
-  ranks than cores: a small all-reduce's cost between bursts of compute, measured for the whole
-  group and for pairs: a pair waits for fewer peers to be scheduled; 0 on GPUs);
+  ranks than cores: an all-reduce's cost between bursts of compute, measured for the whole group
+  and for pairs: a pair waits for fewer peers to be scheduled; of a few numbers for the
+  agreements and a pipeline's sends, of a tensor for the rest, whose every ring step waits;
+  0 on GPUs);
 - the host's own work, where it was measured (:mod:`scaleloop.plan.hostwork`, per micro-batch):
   on a target that cannot overlap (a CPU) what the layout adds to the plain loop comes on top,
   slowed by the ranks sharing a core (``Target.host_share``); on a GPU the host works while the
@@ -57,11 +60,12 @@ def _collective_s(link: Interconnect, ranks: int, nbytes: float, factor: float, 
                   least_s: float = 0.0) -> float:
     """``factor`` x (N-1)/N of ``nbytes`` over ``link`` plus the latency of ``calls`` ring collectives
     of ``factor`` x (N-1) steps each (an all-reduce: 2, an all-gather or a reduce-scatter: 1), each
-    at least ``least_s`` (``Target.collective_s``)."""
+    at least ``least_s`` (``Target.least_s``: an all-reduce's) x ``factor`` / 2: it waits once a
+    ring step, and an all-gather has half an all-reduce's steps."""
     if ranks <= 1:
         return 0.0
-    return factor * (ranks - 1) * nbytes / ranks / link.bandwidth_Bps + calls * max(factor * (ranks - 1)
-                                                                                     * link.latency_s, least_s)
+    return factor * (ranks - 1) * nbytes / ranks / link.bandwidth_Bps + calls * factor * max(
+        (ranks - 1) * link.latency_s, least_s / 2)
 
 
 def compute_s(profile: ModelProfile, layout: Layout, options: Options, target: Target, mfu: float) -> float:
@@ -92,7 +96,7 @@ def comm_s(profile: ModelProfile, layout: Layout, options: Options, target: Targ
             pieces = layout.microbatches * options.accumulate
             act = micro_batch(layout, options) * profile.spec.seq_len * profile.hidden * options.param_bytes
             p2p = target.link(2, _spans_nodes(layout.pp, layout.dp, target))
-            exposed += 2 * pieces * (act / p2p.bandwidth_Bps + max(p2p.latency_s, least(2)))
+            exposed += 2 * pieces * (act / p2p.bandwidth_Bps + max(p2p.latency_s, least(2, False)))
         return hidden, exposed
     if layout.tp > 1 and profile.hidden:
         act = micro_batch(layout, options) * profile.spec.seq_len * profile.hidden * options.param_bytes
@@ -105,14 +109,16 @@ def comm_s(profile: ModelProfile, layout: Layout, options: Options, target: Targ
         link = target.link(layout.fsdp, _spans_nodes(layout.fsdp, layout.tp, target))
         gathered = params * options.param_bytes
         floor = least(layout.fsdp)
-        hidden += _collective_s(link, layout.fsdp, gathered, 2, 2 * units, floor)          # forward and backward
+        hidden += _collective_s(link, layout.fsdp, 2 * gathered, 1, 2 * units, floor)      # forward and backward
         hidden += _collective_s(link, layout.fsdp, params * MASTER_BYTES, 1, units, floor)  # reduce-scatter
         if layout.offload:
             hidden += (2 * gathered + params * MASTER_BYTES) / layout.fsdp / target.host_Bps
             exposed += params / layout.fsdp * ADAM_BYTES / target.host_adam_Bps
     if layout.family in FSDP_FAMILIES and layout.world > 1:
-        agreements = 3 * len(profile.block_parameters) + 2 + 1
-        exposed += agreements * max(2 * (layout.world - 1) * target.host_latency_s, least(layout.world))
+        # Three a unit (its forward, its backward's start and end), one more where checkpointing
+        # runs its forward again, and three a step (the passes' ends, the unused parameters).
+        agreements = (4 if layout.checkpointing else 3) * len(profile.block_parameters) + 2 + 1
+        exposed += agreements * max(2 * (layout.world - 1) * target.host_latency_s, least(layout.world, False))
     if layout.dp > 1:
         shard = params * MASTER_BYTES / layout.fsdp
         link = target.link(layout.dp, _spans_nodes(layout.dp, layout.fsdp * layout.tp, target))

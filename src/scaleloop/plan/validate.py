@@ -32,6 +32,13 @@ SIZES: tuple[tuple[ModelSpec, int], ...] = (
 )
 
 
+#: Rounds of the layouts in turns that the step times are the median of (plan.interleaved).
+ROUNDS = 10
+#: Of the rounds, the share that must order a pair of layouts alike for the pair's order to
+#: count as measured (the rest the machine's noise decides).
+SETTLED = 0.8
+
+
 def layouts_on_4() -> list[Layout]:
     """Every layout the planner considers that runs on 4 CPU processes (offload aside: on the
     CPU it moves nothing)."""
@@ -54,14 +61,20 @@ def predicted_peak(profile: ModelProfile, layout: Layout, batch_size: int) -> fl
 
 
 def cpu_target(fabric: dict[str, float], flops_per_s: float, world: int, cores: int) -> Target:
-    """This machine as a plan's target: ``world`` ranks sharing ``cores`` cores, Gloo links."""
+    """This machine as a plan's target: ``world`` ranks sharing ``cores`` cores, Gloo links, and
+    the least a collective costs between bursts of compute (``measure._fabric``)."""
     fitted = fit_fabric(fabric)
     link = Interconnect("gloo", "Gloo on this machine", fitted.bandwidth_Bps, fitted.latency_s, "fitted")
+    data = []
+    for ranks, key in ((world, "busy_data_s"), (2, "busy_pairs_data_s")):
+        if key in fabric:   # less the bytes' own time, which the bandwidth term adds again
+            data.append((ranks, max(0.0, fabric[key] - 2 * (ranks - 1) / ranks * fabric["data_bytes"]
+                                    / fitted.bandwidth_Bps)))
     return replace(GPUS["h100"], key="cpu", name="CPU process", memory_bytes=float("inf"), peak_flops=flops_per_s,
                    fp32_flops=flops_per_s * min(1.0, cores / world), inside=link, between=link, per_node=world,
                    overlaps=False, host_latency_s=fitted.latency_s, collective_s=fabric.get("busy_small_s", 0.0),
                    collective_s_by_ranks=((2, fabric["busy_pairs_s"]),) if "busy_pairs_s" in fabric else (),
-                   host_share=max(1.0, world / cores))
+                   data_collective_s_by_ranks=tuple(data), host_share=max(1.0, world / cores))
 
 
 def one_process_flops(spec: ModelSpec, profile: ModelProfile, micro_batch: int, steps: int = 5) -> float:
@@ -85,18 +98,35 @@ def one_process_flops(spec: ModelSpec, profile: ModelProfile, micro_batch: int, 
     return profile.flops_per_sample * micro_batch / best
 
 
-def concordance(predicted: Sequence[float], measured: Sequence[float]) -> float:
-    """Share of pairs that the predicted and the measured times put in the same order."""
-    pairs = [(i, j) for i in range(len(predicted)) for j in range(i + 1, len(predicted))]
+def concordance(predicted: Sequence[float], measured: Sequence[float],
+                pairs: Optional[Sequence[tuple[int, int]]] = None) -> float:
+    """Share of pairs (``pairs``: those of indices given; None: all) that the predicted and the
+    measured times put in the same order."""
+    if pairs is None:
+        pairs = [(i, j) for i in range(len(predicted)) for j in range(i + 1, len(predicted))]
     same = sum((predicted[i] - predicted[j]) * (measured[i] - measured[j]) > 0 for i, j in pairs)
     return same / len(pairs) if pairs else 1.0
 
 
+def settled_pairs(rows: Sequence[dict[str, Any]], share: float = SETTLED) -> list[tuple[int, int]]:
+    """The pairs of ``rows`` (indices) whose order at least ``share`` of the rounds agree on; all
+    pairs where the rows keep no rounds (runs before the rounds existed)."""
+    from scaleloop.plan.interleaved import pair_agreement
+
+    pairs = [(i, j) for i in range(len(rows)) for j in range(i + 1, len(rows))]
+    if not all("round_s" in r for r in rows):
+        return pairs
+    return [(i, j) for i, j in pairs if pair_agreement(rows[i]["round_s"], rows[j]["round_s"]) >= share]
+
+
 def validate_size(spec: ModelSpec, batch_size: int, layouts: Sequence[Layout], cores: int,
-                  log: Any = print) -> list[dict[str, Any]]:
-    """Measure every layout at one size and set the plan's predictions beside the measurements."""
+                  log: Any = print, rounds: int = ROUNDS) -> list[dict[str, Any]]:
+    """Measure every layout at one size and set the plan's predictions beside the measurements
+    (the step times: ``rounds`` rounds of the layouts in turns)."""
     from scaleloop.plan.hostwork import measure_host_work, measured_by_fake_group
     from scaleloop.plan.measure import measure
+
+    from scaleloop.plan.interleaved import median_s, time_in_turns
 
     profile = profile_model(spec)
     flops = one_process_flops(spec, profile, batch_size // 4)
@@ -104,7 +134,7 @@ def validate_size(spec: ModelSpec, batch_size: int, layouts: Sequence[Layout], c
     rows, fabric = [], None
     for layout in layouts:
         try:
-            result = measure(spec, layout, batch_size, fabric=fabric is None, timeout_s=120)
+            result = measure(spec, layout, batch_size, steps=2, warmup=1, fabric=fabric is None, timeout_s=120)
         except Exception as exc:   # one failed launch (a busy machine's timeout) is reported, not fatal
             log(f"  {layout.label:28s} FAILED: {str(exc).splitlines()[0]}")
             continue
@@ -116,14 +146,27 @@ def validate_size(spec: ModelSpec, batch_size: int, layouts: Sequence[Layout], c
         predicted = predicted_peak(profile, layout, batch_size)
         rows.append({"size": spec.describe(), "layout": layout.label, "measured_peak": measured,
                      "predicted_peak": predicted, "error": predicted / measured - 1, "peaks": result["peaks"],
-                     "measured_step_s": result["step_s"], "layout_obj": layout, "floor_peak": floor})
+                     "launch_step_s": result["step_s"], "layout_obj": layout, "floor_peak": floor})
         log(f"  {layout.label:28s} peak measured {measured / 2**20:7.2f} MiB, predicted {predicted / 2**20:7.2f} MiB "
-            f"({predicted / measured - 1:+.1%}); step {result['step_s'] * 1e3:.1f} ms")
+            f"({predicted / measured - 1:+.1%})")
     if fabric is None:
         return rows
+    # The step times: every layout in turns on the same 4 processes (plan.interleaved).
+    try:
+        turns = time_in_turns(spec, [row["layout_obj"] for row in rows], batch_size, rounds=rounds, timeout_s=120)
+    except Exception as exc:   # reported; the rows keep their own launch's time
+        log(f"  the layouts in turns FAILED: {str(exc).splitlines()[0]}; step times from one launch each")
+        turns = [None] * len(rows)
+    for row, times in zip(rows, turns):
+        if times is None:
+            row["measured_step_s"] = row["launch_step_s"]
+            continue
+        row["round_s"], row["measured_step_s"] = times, median_s(times)
+        log(f"  {row['layout']:28s} step {row['measured_step_s'] * 1e3:.1f} ms (median of {len(times)} rounds)")
     for row in rows:
         row["fabric"], row["one_process_flops"], row["cores"] = fabric, flops, cores
         row["host_extra_s"], row["host_plain_s"] = host.extra(row["layout_obj"]), host.plain_s
+        row["host_plain_checkpointed_s"] = host.plain_checkpointed_s
         _predict_step(row, profile, row.pop("layout_obj"), batch_size)
     return rows
 
@@ -156,9 +199,12 @@ def markdown(rows: Sequence[dict[str, Any]], hardware: str, took_s: float, load:
              "memory model (fp32, Adam). Floor: rank 0's peak on a fake process group, whose collectives end as they "
              "are issued (the same every run; FSDP and tensor parallelism only): a real Gloo group's peak lies above "
              "it by the finished collectives whose buffers its threads have not yet let go. Step: milliseconds per "
-             "optimizer step, measured (rank 0, between barriers, no profiler) and predicted (compute at the FLOP/s "
+             "optimizer step, measured (rank 0, between barriers, no profiler; every layout of a size built on the "
+             "same 4 processes and stepped in turns, the median of the rounds, `scaleloop/plan/interleaved.py`; "
+             "'rounds q1-q3': the middle half of the rounds) and predicted (compute at the FLOP/s "
              "one process reached, shared by 4 processes on the cores; Gloo's fitted latency and bandwidth, each "
-             "collective at least what a small all-reduce over its group adds between bursts of compute; the host "
+             "collective at least what an all-reduce over its group adds between bursts of compute, of one float for "
+             "scaleloop's agreements and of 64 KiB for the collectives that carry tensors; the host "
              "work each layout adds, measured at tiny widths, `scaleloop/plan/hostwork.py`; 'no host': without "
              "it). Rank: the layout's place by step time, 1 the fastest.", ""]
     for size in dict.fromkeys(r["size"] for r in rows):
@@ -166,22 +212,38 @@ def markdown(rows: Sequence[dict[str, Any]], hardware: str, took_s: float, load:
         by_measured = sorted(range(len(group)), key=lambda i: group[i]["measured_step_s"])
         by_predicted = sorted(range(len(group)), key=lambda i: group[i]["predicted_step_s"])
         lines += [f"## {size}", "", "| layout | peak measured | floor | peak predicted | error | step measured | "
-                  "step predicted | no host | rank measured | rank predicted |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "rounds q1-q3 | step predicted | no host | rank measured | rank predicted |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for i, r in enumerate(group):
             no_host = r.get("predicted_step_no_host_s")
             lines.append(f"| {r['layout']} | {_mib(r['measured_peak'])} | {_mib(r.get('floor_peak'))} | "
                          f"{_mib(r['predicted_peak'])} | {r['error']:+.1%} | {r['measured_step_s'] * 1e3:.1f} | "
+                         f"{_quartiles(r.get('round_s'))} | "
                          f"{r['predicted_step_s'] * 1e3:.1f} | {'-' if no_host is None else f'{no_host * 1e3:.1f}'} | "
                          f"{by_measured.index(i) + 1} | {by_predicted.index(i) + 1} |")
         measured = [r["measured_step_s"] for r in group]
         agree = concordance([r["predicted_step_s"] for r in group], measured)
+        settled = settled_pairs(group)
+        total = len(group) * (len(group) - 1) // 2
         worst = max(abs(r["error"]) for r in group)
         lines += ["", f"Worst memory error {worst:.1%}; pairs of layouts ordered alike by predicted and measured "
-                      f"step time: {agree:.0%}"
+                      f"step time: {agree:.0%} of all {total}"
                   + (f" (without the host's work: {concordance([r['predicted_step_no_host_s'] for r in group], measured):.0%})"
-                     if all("predicted_step_no_host_s" in r for r in group) else "") + ".", ""]
+                     if all("predicted_step_no_host_s" in r for r in group) else "")
+                  + (f"; of the {len(settled)} pairs that at least {SETTLED:.0%} of the rounds ordered alike: "
+                     f"{concordance([r['predicted_step_s'] for r in group], measured, settled):.0%}"
+                     if all("round_s" in r for r in group) else "") + ".", ""]
     return "\n".join(lines)
+
+
+def _quartiles(times: Optional[Sequence[float]]) -> str:
+    """The middle half of a layout's rounds, in ms ("-" without rounds)."""
+    import statistics
+
+    if not times or len(times) < 2:
+        return "-"
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    return f"{q1 * 1e3:.0f}-{q3 * 1e3:.0f}"
 
 
 #: The configuration tune-batch and the plan are compared on (one GPU; make gpu-check).
@@ -223,17 +285,21 @@ def result_json(rows: Sequence[dict[str, Any]], hw: dict[str, Any]) -> dict[str,
                                       "TinyGPT x 12 layouts on 4 CPU processes",
             "date": datetime.date.today().isoformat(), "hardware_slug": f"cpu-{hw['cores']}core", "hardware": hw,
             "headline": f"peak memory within 10% in {within} of {len(errors)} cases (worst {max(errors, default=0):.1%}); "
-                        f"step-time order: {', '.join(f'{a:.0%}' for a in _agreements(rows))} of the pairs of layouts",
+                        f"step-time order: {', '.join(f'{a:.0%}' for a in _agreements(rows))} of the pairs of layouts"
+                        + (f" ({', '.join(f'{a:.0%}' for a in _agreements(rows, settled=True))} of those the rounds "
+                           "ordered alike)" if all("round_s" in r for r in rows) else ""),
             "has_png": False, "rows": list(rows)}
 
 
-def _agreements(rows: Sequence[dict[str, Any]]) -> list[float]:
-    """Per size, the share of pairs of layouts the predicted and measured times order alike."""
+def _agreements(rows: Sequence[dict[str, Any]], settled: bool = False) -> list[float]:
+    """Per size, the share of pairs of layouts the predicted and measured times order alike
+    (``settled``: of the pairs at least :data:`SETTLED` of the rounds ordered alike)."""
     out = []
     for size in dict.fromkeys(r["size"] for r in rows):
         group = [r for r in rows if r["size"] == size and "predicted_step_s" in r]
         if group:
-            out.append(concordance([r["predicted_step_s"] for r in group], [r["measured_step_s"] for r in group]))
+            out.append(concordance([r["predicted_step_s"] for r in group], [r["measured_step_s"] for r in group],
+                                   settled_pairs(group) if settled else None))
     return out
 
 
