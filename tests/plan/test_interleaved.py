@@ -11,7 +11,7 @@ import pytest
 from scaleloop.plan.interleaved import median_s, pair_agreement, time_in_turns
 from scaleloop.plan.layouts import Layout
 from scaleloop.plan.profile import ModelSpec
-from scaleloop.plan.validate import concordance, markdown, settled_pairs
+from scaleloop.plan.validate import concordance, markdown, settled_pairs, share_fabric
 
 TIME_LIMIT_S = 180
 
@@ -45,6 +45,16 @@ def test_only_the_pairs_the_rounds_settle_count_as_measured() -> None:
     # Rows of runs before the rounds: every pair counts, and the report leaves the line out.
     old = [{k: v for k, v in r.items() if k != "round_s"} for r in rows]
     assert len(settled_pairs(old)) == 3 and "rounds ordered alike" not in markdown(old, "test", 1.0)
+
+
+def test_every_size_predicts_with_the_median_of_the_fabric_measurements() -> None:
+    rows = [{"size": size, "fabric": {"busy_data_s": busy, "small_s": 1.0}} for size, busy in
+            (("a", 7.4e-3), ("a", 7.4e-3), ("b", 12.6e-3), ("c", 8.1e-3))]
+    share_fabric(rows)
+    assert all(r["fabric"]["busy_data_s"] == 8.1e-3 for r in rows)
+    assert [r["fabric_measured"]["busy_data_s"] for r in rows] == [7.4e-3, 7.4e-3, 12.6e-3, 8.1e-3]
+    share_fabric(rows)   # again (a report re-rendered): from the rows' own measurements, the same
+    assert all(r["fabric"]["busy_data_s"] == 8.1e-3 for r in rows)
 
 
 @pytest.fixture
