@@ -350,10 +350,8 @@ def _rerender(path: Path) -> int:
     report = path.with_suffix(".md")
     head, _, _ = report.read_text(encoding="utf-8").partition("\n## ")
     head = head.split("\n\nThe measurements are this run's")[0]   # a previous re-render's note
-    note = ("\n\nThe measurements are this run's; the predicted peaks were recomputed afterwards "
-            "(`--from-json`) with the memory model as it is now, which changed after the run (pipelines: all of a "
-            "stage's gradients held while later pieces are in flight, each stage's share of the blocks, "
-            "the receive buffers).")
+    note = ("\n\nThe measurements are this run's; the predictions (peaks, and step times where the run kept the "
+            "time model's inputs) were recomputed afterwards (`--from-json`) with the model as it is now.")
     body = markdown(rows, "", 0).partition("\n## ")[2]
     report.write_text(head.rstrip() + note + "\n\n## " + body, encoding="utf-8")
     print(f"rewrote {report}")
