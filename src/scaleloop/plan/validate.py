@@ -365,24 +365,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from scaleloop.bench.hardware import describe_hardware, hardware_line, usable_cores
 
     parser = argparse.ArgumentParser(prog="python -m scaleloop.plan.validate")
-    parser.add_argument("--out", default="benchmarks")
+    parser.add_argument("--out", default="benchmarks", help="the folder the report goes to (default: benchmarks)")
     parser.add_argument("--sizes", type=int, default=len(SIZES), help="how many of the sizes (smallest first)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help=f"rounds of the layouts in turns that each step time is the median of (default {ROUNDS})")
     parser.add_argument("--against-tune-batch", action="store_true",
                         help="on a GPU: tune-batch's largest batch against the plan's (agree within 10%%)")
     parser.add_argument("--from-json", metavar="FILE",
-                        help="no measuring: the predicted peaks of the memory model as it is now, against the "
-                             "measurements in FILE (an earlier run's JSON); the report says so")
+                        help="no measuring: the predictions of the model as it is now (peaks, and step times where "
+                             "FILE kept their inputs), against the measurements in FILE (an earlier run's JSON); "
+                             "the report says so")
     args = parser.parse_args(argv)
+    if args.rounds < 1 or args.sizes < 1:
+        parser.error("--rounds and --sizes must be positive integers")
     if args.against_tune_batch:
         return _tune_check()
     if args.from_json:
+        if not Path(args.from_json).is_file():
+            parser.error(f"--from-json {args.from_json}: no such file (give an earlier run's JSON from benchmarks/)")
         return _rerender(Path(args.from_json))
     from scaleloop.bench.hardware import load_line
 
     start, rows, hw = time.perf_counter(), [], describe_hardware()
     for spec, batch in SIZES[:args.sizes]:
         print(spec.describe(), flush=True)
-        rows += validate_size(spec, batch, layouts_on_4(), usable_cores())
+        rows += validate_size(spec, batch, layouts_on_4(), usable_cores(), rounds=args.rounds)
     _repredict(rows)
     name = f"{datetime.date.today().isoformat()}_cpu-{hw['cores']}core_plan"
     out = Path(args.out)
