@@ -86,6 +86,11 @@ def test_each_collective_costs_at_least_the_targets_least(profile) -> None:
     # all-reduce's steps), and each of the 3 x 4 + 3 agreements (all-reduces) at 5 ms, instead of
     # their (much smaller) ring latency.
     assert added == pytest.approx(5e-3 / 2 * (2 * units + units) + 5e-3 * (3 * 4 + 3), rel=0.02)
+    # hsdp: the same gathers, reduce-scatters and agreements, and each unit's shard summed across
+    # the replicas on its own (FSDP's, not DDP's buckets).
+    hsdp = Layout("hsdp", dp=2, fsdp=2)
+    hsdp_added = step_time(profile, hsdp, options, slow, 0.4).total_s - step_time(profile, hsdp, options, cpu, 0.4).total_s
+    assert hsdp_added - added == pytest.approx(5e-3 * units, rel=0.02)
     # Checkpointing runs each unit's forward again, and its agreement with it.
     fsdp_ac = Layout("fsdp", fsdp=4, checkpointing=True)
     assert (step_time(profile, fsdp_ac, options, slow, 0.4).comm_s - step_time(profile, fsdp_ac, options, cpu, 0.4).comm_s

@@ -7,7 +7,7 @@ overlaps it. An estimate with its assumptions listed in docs/planning.md.
 - dp: the gradients' ring all-reduce, hidden behind the backward as far as it lasts;
 - fsdp / hsdp: all-gather of each unit for the forward and again for the backward, and a
   reduce-scatter of its gradients (each (N-1)/N of the bytes over the link), prefetched behind
-  the compute; hsdp adds the shards' all-reduce across replicas;
+  the compute; hsdp adds the shards' all-reduce across replicas, one a unit;
 - tp: four all-reduces of a block's activations per block (two forward, two backward; one more
   with checkpointing, in the recomputed forward), not hidden;
 - pp: the 1F1B bubble, (S - 1) / M of the compute added, and the stage's gradient all-reduce
@@ -122,7 +122,9 @@ def comm_s(profile: ModelProfile, layout: Layout, options: Options, target: Targ
     if layout.dp > 1:
         shard = params * MASTER_BYTES / layout.fsdp
         link = target.link(layout.dp, _spans_nodes(layout.dp, layout.fsdp * layout.tp, target))
-        hidden += _collective_s(link, layout.dp, shard, 2, max(1, round(shard / (25 * 2**20))), least(layout.dp))
+        # DDP sums its buckets of 25 MiB; FSDP's replicas (hsdp) sum each unit's shard on its own.
+        calls = units if layout.fsdp > 1 else max(1, round(shard / (25 * 2**20)))
+        hidden += _collective_s(link, layout.dp, shard, 2, calls, least(layout.dp))
     return hidden, exposed
 
 
