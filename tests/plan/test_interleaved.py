@@ -11,7 +11,7 @@ import pytest
 from scaleloop.plan.interleaved import median_s, pair_agreement, time_in_turns
 from scaleloop.plan.layouts import Layout
 from scaleloop.plan.profile import ModelSpec
-from scaleloop.plan.validate import concordance, markdown, settled_pairs, share_fabric
+from scaleloop.plan.validate import concordance, cpu_target, markdown, settled_pairs, share_fabric
 
 TIME_LIMIT_S = 180
 
@@ -55,6 +55,16 @@ def test_every_size_predicts_with_the_median_of_the_fabric_measurements() -> Non
     assert [r["fabric_measured"]["busy_data_s"] for r in rows] == [7.4e-3, 7.4e-3, 12.6e-3, 8.1e-3]
     share_fabric(rows)   # again (a report re-rendered): from the rows' own measurements, the same
     assert all(r["fabric"]["busy_data_s"] == 8.1e-3 for r in rows)
+
+
+def test_the_cpu_target_computes_at_the_rate_the_busy_ranks_reached() -> None:
+    fabric = {"world_size": 4, "small_s": 1e-4, "small_bytes": 4.0, "grad_s": 5e-3, "grad_bytes": 4.0 * 2**20}
+    # Without the busy ranks' rate (runs before it was measured): one process's, shared by 4 on 2 cores.
+    old = cpu_target(fabric, 4e9, world=4, cores=2)
+    assert (old.fp32_flops, old.host_share) == (2e9, 2.0)
+    # With it: that rate, and the host's own work slowed as much as the compute was.
+    busy = cpu_target(fabric, 4e9, world=4, cores=2, busy_flops_per_s=1.6e9)
+    assert busy.fp32_flops == 1.6e9 and busy.host_share == pytest.approx(2.5)
 
 
 @pytest.fixture

@@ -21,7 +21,10 @@ buffer Gloo's thread has not let go of yet at the peak: 3 runs of 15 of a tiny t
 
 **How the step is timed.** Separately, without the profiler (which slows every op): the same
 processes build the model again and run ``warmup`` untimed then ``steps`` timed steps; the time
-is rank 0's wall time per step between two barriers.
+is rank 0's wall time per step between two barriers (validate times the layouts in turns instead,
+:mod:`scaleloop.plan.interleaved`). With ``fabric``, the launch also measures the collectives
+between bursts of compute and the plain model's step while every rank steps at once: what the
+ranks get of the cores.
 
 **A fake group** (``group="fake"``). One process runs rank 0 of the layout on PyTorch's fake
 process group, whose collectives end as they are issued: no finished collective is ever held
@@ -199,8 +202,37 @@ def measure_worker(spec: dict[str, Any], layout: dict[str, Any], batch_size: int
     run_steps(*built, steps)
     barrier(env)
     step_s = (time.perf_counter() - t0) / steps
+    del built
     return {"peaks": gather_object(peak, env), "rests": gather_object(rest, env), "step_s": step_s, "world": env.world_size,
-            "fabric": _fabric(env) if fabric else None}
+            "fabric": _fabric(env) if fabric else None,
+            "busy_step_s": _busy_plain_step_s(model_spec, batch_size // env.world_size, env) if fabric else None}
+
+
+def _busy_plain_step_s(spec: ModelSpec, micro_batch: int, env: Any, steps: int = 5) -> float:
+    """Seconds of the plain model's training step (no strategy, no communication) on
+    ``micro_batch`` samples while every rank steps at once: the compute as the ranks get it when
+    they share the cores (the median of ``steps``, after one)."""
+    import statistics
+
+    import torch
+
+    from scaleloop.models import TinyGPT
+    from scaleloop.runtime.collectives import barrier
+
+    torch.manual_seed(0)
+    model = TinyGPT(spec.vocab_size, spec.seq_len, d_model=spec.d_model, n_layers=spec.n_layers, n_heads=spec.n_heads)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randint(0, spec.vocab_size, (max(1, micro_batch), spec.seq_len))
+    times = []
+    barrier(env)
+    for _ in range(steps + 1):
+        t0 = time.perf_counter()
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    barrier(env)
+    return statistics.median(times[1:])
 
 
 #: Floats in the all-reduce that stands for a step's data-carrying collectives: enough that every

@@ -60,9 +60,13 @@ def predicted_peak(profile: ModelProfile, layout: Layout, batch_size: int) -> fl
     return estimate(profile, layout, cpu_options(batch_size)).peak
 
 
-def cpu_target(fabric: dict[str, float], flops_per_s: float, world: int, cores: int) -> Target:
+def cpu_target(fabric: dict[str, float], flops_per_s: float, world: int, cores: int,
+               busy_flops_per_s: Optional[float] = None) -> Target:
     """This machine as a plan's target: ``world`` ranks sharing ``cores`` cores, Gloo links, and
-    the least a collective costs between bursts of compute (``measure._fabric``)."""
+    the least a collective costs between bursts of compute (``measure._fabric``). The compute:
+    ``busy_flops_per_s``, the FLOP/s one rank reached while all ranks stepped at once, where
+    measured (the host's own work slowed alike); otherwise ``flops_per_s``, one process's alone,
+    shared by the ranks on the cores."""
     fitted = fit_fabric(fabric)
     link = Interconnect("gloo", "Gloo on this machine", fitted.bandwidth_Bps, fitted.latency_s, "fitted")
     data = []
@@ -70,15 +74,19 @@ def cpu_target(fabric: dict[str, float], flops_per_s: float, world: int, cores: 
         if key in fabric:   # less the bytes' own time, which the bandwidth term adds again
             data.append((ranks, max(0.0, fabric[key] - 2 * (ranks - 1) / ranks * fabric["data_bytes"]
                                     / fitted.bandwidth_Bps)))
+    shared = busy_flops_per_s or flops_per_s * min(1.0, cores / world)
     return replace(GPUS["h100"], key="cpu", name="CPU process", memory_bytes=float("inf"), peak_flops=flops_per_s,
-                   fp32_flops=flops_per_s * min(1.0, cores / world), inside=link, between=link, per_node=world,
+                   fp32_flops=shared, inside=link, between=link, per_node=world,
                    overlaps=False, host_latency_s=fitted.latency_s, collective_s=fabric.get("busy_small_s", 0.0),
                    collective_s_by_ranks=((2, fabric["busy_pairs_s"]),) if "busy_pairs_s" in fabric else (),
-                   data_collective_s_by_ranks=tuple(data), host_share=max(1.0, world / cores))
+                   data_collective_s_by_ranks=tuple(data), host_share=max(1.0, flops_per_s / shared))
 
 
 def one_process_flops(spec: ModelSpec, profile: ModelProfile, micro_batch: int, steps: int = 5) -> float:
-    """FLOP/s one process with one thread reaches on ``spec``'s training step (its loop included)."""
+    """FLOP/s one process with one thread reaches on ``spec``'s training step (its loop included),
+    alone on the machine (the median of ``steps``, after one, as the busy ranks' is taken)."""
+    import statistics
+
     import torch
 
     from scaleloop.models import TinyGPT
@@ -88,14 +96,14 @@ def one_process_flops(spec: ModelSpec, profile: ModelProfile, micro_batch: int, 
     model = TinyGPT(spec.vocab_size, spec.seq_len, d_model=spec.d_model, n_layers=spec.n_layers, n_heads=spec.n_heads)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     x = torch.randint(0, spec.vocab_size, (micro_batch, spec.seq_len))
-    best = float("inf")
+    times = []
     for _ in range(steps + 1):
         t0 = time.perf_counter()
         torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        best = min(best, time.perf_counter() - t0)
-    return profile.flops_per_sample * micro_batch / best
+        times.append(time.perf_counter() - t0)
+    return profile.flops_per_sample * micro_batch / statistics.median(times[1:])
 
 
 def concordance(predicted: Sequence[float], measured: Sequence[float],
@@ -131,14 +139,15 @@ def validate_size(spec: ModelSpec, batch_size: int, layouts: Sequence[Layout], c
     profile = profile_model(spec)
     flops = one_process_flops(spec, profile, batch_size // 4)
     host = measure_host_work(spec, layouts)
-    rows, fabric = [], None
+    rows, fabric, busy_step = [], None, None
     for layout in layouts:
         try:
             result = measure(spec, layout, batch_size, steps=2, warmup=1, fabric=fabric is None, timeout_s=120)
         except Exception as exc:   # one failed launch (a busy machine's timeout) is reported, not fatal
             log(f"  {layout.label:28s} FAILED: {str(exc).splitlines()[0]}")
             continue
-        fabric = fabric or result["fabric"]
+        if fabric is None and result["fabric"]:
+            fabric, busy_step = result["fabric"], result.get("busy_step_s")
         floor = None
         if measured_by_fake_group(layout):    # the same rank with sums that end at once: the peak's floor
             floor = measure(spec, layout, batch_size, group="fake")["peaks"][0]
@@ -163,8 +172,10 @@ def validate_size(spec: ModelSpec, batch_size: int, layouts: Sequence[Layout], c
             continue
         row["round_s"], row["measured_step_s"] = times, median_s(times)
         log(f"  {row['layout']:28s} step {row['measured_step_s'] * 1e3:.1f} ms (median of {len(times)} rounds)")
+    # The compute as the 4 ranks get it stepping at once (measured with the fabric).
+    busy = profile.flops_per_sample * (batch_size // 4) / busy_step if busy_step else None
     for row in rows:
-        row["fabric"], row["one_process_flops"], row["cores"] = fabric, flops, cores
+        row["fabric"], row["one_process_flops"], row["cores"], row["busy_flops"] = fabric, flops, cores, busy
         row["host_extra_s"], row["host_plain_s"] = host.extra(row["layout_obj"]), host.plain_s
         row["host_plain_checkpointed_s"] = host.plain_checkpointed_s
         _predict_step(row, profile, row.pop("layout_obj"), batch_size)
@@ -177,7 +188,7 @@ def _predict_step(row: dict[str, Any], profile: ModelProfile, layout: Layout, ba
     from scaleloop.plan.hostwork import HostWork, key
     from scaleloop.plan.timing import step_time
 
-    target = cpu_target(row["fabric"], row["one_process_flops"], 4, row["cores"])
+    target = cpu_target(row["fabric"], row["one_process_flops"], 4, row["cores"], row.get("busy_flops"))
     options = cpu_options(batch_size)
     row["predicted_step_no_host_s"] = step_time(profile, layout, options, target, 1.0).total_s
     blocks = profile.spec.n_layers
