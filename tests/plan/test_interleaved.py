@@ -3,8 +3,7 @@ the rounds are paired, a pair counts as measured only where most rounds agree, a
 2-process run times each layout once a round."""
 from __future__ import annotations
 
-import signal
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -12,8 +11,6 @@ from scaleloop.plan.interleaved import median_s, pair_agreement, time_in_turns
 from scaleloop.plan.layouts import Layout
 from scaleloop.plan.profile import ModelSpec
 from scaleloop.plan.validate import concordance, cpu_target, markdown, settled_pairs, share_fabric
-
-TIME_LIMIT_S = 180
 
 
 def test_a_pairs_agreement_is_the_share_of_rounds_that_order_it_alike() -> None:
@@ -65,20 +62,6 @@ def test_the_cpu_target_computes_at_the_rate_the_busy_ranks_reached() -> None:
     # With it: that rate, and the host's own work slowed as much as the compute was.
     busy = cpu_target(fabric, 4e9, world=4, cores=2, busy_flops_per_s=1.6e9)
     assert busy.fp32_flops == 1.6e9 and busy.host_share == pytest.approx(2.5)
-
-
-@pytest.fixture
-def time_limit() -> Iterator[None]:
-    def too_long(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"test ran over {TIME_LIMIT_S} s")
-
-    previous = signal.signal(signal.SIGALRM, too_long)   # the launcher stops its workers on any exception
-    signal.alarm(TIME_LIMIT_S)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.mark.distributed

@@ -5,31 +5,12 @@ collectives end as they are issued: the frees that Gloo's threads make are count
 (plan/measure.py)."""
 from __future__ import annotations
 
-import signal
-from typing import Any, Iterator
-
 import pytest
 
 from scaleloop.plan.layouts import Layout
 from scaleloop.plan.measure import measure
 from scaleloop.plan.profile import ModelSpec, profile_model
 from scaleloop.plan.validate import predicted_peak
-
-TIME_LIMIT_S = 180
-
-
-@pytest.fixture
-def time_limit() -> Iterator[None]:
-    def too_long(signum: int, frame: Any) -> None:
-        raise TimeoutError(f"test ran over {TIME_LIMIT_S} s")
-
-    previous = signal.signal(signal.SIGALRM, too_long)   # the launcher stops its workers on any exception
-    signal.alarm(TIME_LIMIT_S)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.mark.distributed

@@ -8,7 +8,7 @@ process group, whose collectives end as they are issued, in one process of its o
 layout adds is its step's time less that of the same tiny model trained without a strategy (with
 activation checkpointing where the layout has it: the recomputed forward is the compute's).
 Checkpointing's own work (its saved-tensor hooks and the recomputed forward's dispatch, which at
-tiny widths doubles a plain step's 7 ms here) is the plain step with it less 4/3 of the plain
+tiny widths about doubles a plain step's 6-11 ms here) is the plain step with it less 4/3 of the plain
 step without: it comes on every layout that checkpoints, DDP's too.
 
 Measured, not derived, and on this machine's CPU: a GPU machine's host may be faster or slower.

@@ -1,8 +1,8 @@
 """Step times of several layouts measured in turns, in one process group (the plan's check of
 its step order, :mod:`scaleloop.plan.validate`).
 
-Timed one launch after the other, the same layout's step on this shared 2-core VM read 250 ms
-in one launch and 430 ms in the next: the machine's speed drifts over minutes, and one launch
+Timed one launch after the other, the same layout's step on this shared 2-core VM read 432 ms
+in one launch and 256 ms in the next: the machine's speed drifts over minutes, and one launch
 per layout orders the layouts by when they ran. Here every layout is built once on the same
 processes, and the rounds visit them in turn (the order rotated each round, so that none always
 follows the same one): each visit runs one step untimed (the caches warm again after the
@@ -57,16 +57,13 @@ class _Run:
         self.batches = iter(self.loader)
 
     def step(self) -> None:
-        import torch
-
-        def loss_fn(logits: Any, target: Any) -> Any:
-            return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+        from scaleloop.plan.measure import lm_loss
 
         batch = next(self.batches, None)
         if batch is None:
             self.batches = iter(self.loader)
             batch = next(self.batches)
-        self.strategy.forward_backward(self.model, batch, loss_fn)
+        self.strategy.forward_backward(self.model, batch, lm_loss)
         self.strategy.optimizer_step(self.optimizer)
 
 

@@ -92,18 +92,20 @@ def build_run(spec: ModelSpec, layout: Layout, env: Any, dataset: Any, batch_siz
     return model, optimizer, strategy, strategy.loader(dataset, batch_size=batch_size, shuffle=False)
 
 
-def run_steps(model: Any, optimizer: Any, strategy: Any, loader: Any, steps: int) -> list[float]:
-    """``steps`` optimizer steps; the time each one ended (perf_counter)."""
+def lm_loss(logits: Any, target: Any) -> Any:
+    """The language model's loss the measured steps train on: cross-entropy over every token."""
     import torch
 
-    def loss_fn(logits: Any, target: Any) -> Any:
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
+
+def run_steps(model: Any, optimizer: Any, strategy: Any, loader: Any, steps: int) -> list[float]:
+    """``steps`` optimizer steps; the time each one ended (perf_counter)."""
     ends = []
     batches = iter(loader)
     for _ in range(steps):
         batch = next(batches)
-        strategy.forward_backward(model, batch, loss_fn)
+        strategy.forward_backward(model, batch, lm_loss)
         strategy.optimizer_step(optimizer)
         ends.append(time.perf_counter())
     return ends
@@ -208,31 +210,38 @@ def measure_worker(spec: dict[str, Any], layout: dict[str, Any], batch_size: int
             "busy_step_s": _busy_plain_step_s(model_spec, batch_size // env.world_size, env) if fabric else None}
 
 
-def _busy_plain_step_s(spec: ModelSpec, micro_batch: int, env: Any, steps: int = 5) -> float:
-    """Seconds of the plain model's training step (no strategy, no communication) on
-    ``micro_batch`` samples while every rank steps at once: the compute as the ranks get it when
-    they share the cores (the median of ``steps``, after one)."""
+def plain_step_s(spec: ModelSpec, micro_batch: int, steps: int = 5) -> float:
+    """Seconds of ``spec``'s TinyGPT training step with Adam, no strategy and no communication, on
+    ``micro_batch`` samples in this process (the median of ``steps``, after one)."""
     import statistics
 
     import torch
 
     from scaleloop.models import TinyGPT
-    from scaleloop.runtime.collectives import barrier
 
     torch.manual_seed(0)
     model = TinyGPT(spec.vocab_size, spec.seq_len, d_model=spec.d_model, n_layers=spec.n_layers, n_heads=spec.n_heads)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     x = torch.randint(0, spec.vocab_size, (max(1, micro_batch), spec.seq_len))
     times = []
-    barrier(env)
     for _ in range(steps + 1):
         t0 = time.perf_counter()
         torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-    barrier(env)
     return statistics.median(times[1:])
+
+
+def _busy_plain_step_s(spec: ModelSpec, micro_batch: int, env: Any) -> float:
+    """:func:`plain_step_s` while every rank steps at once: the compute as the ranks get it when
+    they share the cores."""
+    from scaleloop.runtime.collectives import barrier
+
+    barrier(env)
+    seconds = plain_step_s(spec, micro_batch)
+    barrier(env)
+    return seconds
 
 
 #: Floats in the all-reduce that stands for a step's data-carrying collectives: enough that every

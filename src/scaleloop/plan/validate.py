@@ -85,25 +85,12 @@ def cpu_target(fabric: dict[str, float], flops_per_s: float, world: int, cores: 
 def one_process_flops(spec: ModelSpec, profile: ModelProfile, micro_batch: int, steps: int = 5) -> float:
     """FLOP/s one process with one thread reaches on ``spec``'s training step (its loop included),
     alone on the machine (the median of ``steps``, after one, as the busy ranks' is taken)."""
-    import statistics
-
     import torch
 
-    from scaleloop.models import TinyGPT
+    from scaleloop.plan.measure import plain_step_s
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = TinyGPT(spec.vocab_size, spec.seq_len, d_model=spec.d_model, n_layers=spec.n_layers, n_heads=spec.n_heads)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x = torch.randint(0, spec.vocab_size, (micro_batch, spec.seq_len))
-    times = []
-    for _ in range(steps + 1):
-        t0 = time.perf_counter()
-        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    return profile.flops_per_sample * micro_batch / statistics.median(times[1:])
+    return profile.flops_per_sample * micro_batch / plain_step_s(spec, micro_batch, steps)
 
 
 def concordance(predicted: Sequence[float], measured: Sequence[float],
