@@ -53,6 +53,20 @@ def test_checkpointing_adds_its_own_work_beyond_the_recomputed_forward() -> None
         Layout("dp", dp=2, checkpointing=True)) == 0.0   # less than the forward again: nothing of its own
 
 
+def test_a_pipeline_stage_dispatches_its_pieces_beyond_one_plain_pass() -> None:
+    # Each of M pieces runs 1/S of the blocks: M/S plain passes, one of which the compute holds.
+    host = HostWork({}, plain_s=0.006, measured_blocks=4, blocks=8)
+    assert host.pipeline(Layout("pp x dp", pp=2, dp=2, microbatches=4)) == pytest.approx(0.012)
+    assert host.pipeline(Layout("pp x dp", pp=4, microbatches=16)) == pytest.approx(0.036)
+    assert host.pipeline(Layout("pp x dp", pp=4, microbatches=4)) == 0.0
+    assert host.pipeline(Layout("dp", dp=4)) == 0.0 and HostWork().pipeline(Layout("pp x dp", pp=2, microbatches=4)) == 0.0
+    profile, options = profile_model(SPEC), Options(8, "fp32", "adam", accumulate=2)
+    layout = Layout("pp x dp", pp=2, dp=2, microbatches=4)
+    cpu = replace(GPUS["h100"], per_node=4, overlaps=False, host_share=2.0)
+    without, with_host = step_time(profile, layout, options, cpu, 0.4), step_time(profile, layout, options, cpu, 0.4, host)
+    assert with_host.total_s - without.total_s == pytest.approx(0.012 * 2 * 2.0)   # per optimizer step's passes
+
+
 def test_a_cpu_adds_the_layouts_work_and_a_gpu_is_bound_below_by_the_hosts_whole_work() -> None:
     profile = profile_model(SPEC)
     layout, options = Layout("fsdp", fsdp=2), Options(4, "fp32", "adam")

@@ -62,6 +62,13 @@ def test_the_cpu_target_computes_at_the_rate_the_busy_ranks_reached() -> None:
     # With it: that rate, and the host's own work slowed as much as the compute was.
     busy = cpu_target(fabric, 4e9, world=4, cores=2, busy_flops_per_s=1.6e9)
     assert busy.fp32_flops == 1.6e9 and busy.host_share == pytest.approx(2.5)
+    assert (old.cores, old.crossed_s_by_ranks, old.crossed_data_s_by_ranks) == (2, (), ())
+    # Where the run timed the crossing pairs of a 2-D mesh, its groups of two take those floors
+    # (a tensor's less its bytes' time on the fitted link, as the other data floors).
+    crossed = cpu_target({**fabric, "busy_cross_s": 2e-3, "busy_cross_data_s": 3e-3, "data_bytes": 65536.0,
+                          "busy_pairs_s": 1e-3, "busy_pairs_data_s": 2e-3}, 4e9, world=4, cores=2)
+    assert crossed.least_s(2, data=False, crossed=True) == 2e-3 and crossed.least_s(2, data=False) == 1e-3
+    assert 2e-3 < crossed.least_s(2, crossed=True) < 3e-3 and crossed.least_s(2) < 2e-3
 
 
 @pytest.mark.distributed

@@ -31,3 +31,23 @@ def test_the_predicted_peak_of_a_tiny_run_is_close(time_limit: None, layout: Lay
         floor = measure(spec, layout, batch_size=8, group="fake")["peaks"][0]
         one_sum = 8 * spec.seq_len * spec.d_model * 4
         assert all(floor <= peak <= floor + 2 * one_sum for peak in result["peaks"]), (result["peaks"], floor)
+
+
+def _fabric_of_this_rank() -> dict:
+    from scaleloop.plan.measure import _fabric
+    from scaleloop.runtime.dist import DistEnv, init_process_group
+
+    env = DistEnv.from_env()
+    init_process_group(env, timeout_s=60)
+    return _fabric(env)
+
+
+@pytest.mark.distributed
+def test_the_fabric_times_the_crossing_pairs_of_a_2d_mesh(time_limit: None) -> None:
+    from scaleloop.launching.spawn import launch
+
+    # 4 ranks: rows {0,1},{2,3} and columns {0,2},{1,3} in turn; 2 ranks have no mesh to cross.
+    four, two = launch(_fabric_of_this_rank, 4), launch(_fabric_of_this_rank, 2)
+    wanted = {"busy_small_s", "busy_data_s", "busy_pairs_s", "busy_pairs_data_s", "busy_cross_s", "busy_cross_data_s"}
+    assert wanted <= set(four) and all(four[k] >= 0 for k in wanted)
+    assert "busy_cross_s" not in two and "busy_pairs_s" not in two and two["busy_data_s"] >= 0

@@ -63,6 +63,60 @@ def test_the_pipeline_pays_its_bubble(profile) -> None:
                                         * (8 + 3) / 8)
 
 
+def test_on_cores_shared_by_more_ranks_a_waiting_stage_hands_its_core_on(profile) -> None:
+    # 4 ranks on 2 cores: two pipelines of 2 stages keep both cores busy through the bubble (at
+    # least one stage of each has work); one pipeline of 4 stages leaves one core of two idle.
+    from dataclasses import replace
+
+    from scaleloop.plan.timing import bubble
+
+    gpu = parse_target("h100", 4, 1)
+    cpu = replace(gpu, overlaps=False, cores=2)
+    two, four = Layout("pp x dp", pp=2, dp=2, microbatches=4), Layout("pp x dp", pp=4, microbatches=8)
+    assert (bubble(two, gpu), bubble(four, gpu)) == (pytest.approx(1 / 4), pytest.approx(3 / 8))
+    assert (bubble(two, cpu), bubble(four, cpu)) == (0.0, pytest.approx(3 / 8 / 2))
+    assert bubble(four, replace(cpu, cores=4)) == pytest.approx(3 / 8)   # a core each: nothing to hand on
+    options = Options(16, "fp32", "adam")
+    assert step_time(profile, two, options, cpu, 1e-4).compute_s == pytest.approx(
+        compute_s(profile, two, options, cpu, 1e-4))
+
+
+def test_a_middle_stage_sends_and_receives_on_both_sides(profile) -> None:
+    # Each piece's activation and gradient: a 2-stage pipeline's stages have one neighbour (2
+    # transfers a piece), a 4-stage pipeline's middle stages two (4), each at least the floor.
+    from dataclasses import replace
+
+    options = Options(16, "fp32", "adam")
+    cpu = replace(parse_target("h100", 4, 1), overlaps=False, collective_s_by_ranks=((2, 1e-3),))
+    zero = replace(cpu, collective_s_by_ranks=((2, 0.0),))
+    added = {}
+    for layout in (Layout("pp x dp", pp=2, dp=2, microbatches=8), Layout("pp x dp", pp=4, microbatches=8)):
+        added[layout.pp] = step_time(profile, layout, options, cpu, 0.4).comm_s - step_time(profile, layout, options, zero, 0.4).comm_s
+    # pp=2,dp=2 also sums its stage's gradients over the 2 replicas once: one all-reduce's floor.
+    assert added[2] == pytest.approx(2 * 8 * 1e-3 + 1e-3, rel=0.02) and added[4] == pytest.approx(4 * 8 * 1e-3, rel=0.02)
+
+
+def test_the_groups_of_a_2d_mesh_wait_as_crossed_groups(profile) -> None:
+    # Where the target measured crossing pairs, a 2-D layout's pair collectives take that floor;
+    # a 1-D layout's groups, and collectives over every rank, keep their own.
+    from dataclasses import replace
+
+    options = Options(8, "fp32", "adam")
+    cpu = replace(parse_target("h100", 4, 1), overlaps=False, host_latency_s=0.0, collective_s=2e-3,
+                  collective_s_by_ranks=((2, 1e-3),), data_collective_s_by_ranks=((4, 7e-3), (2, 3e-3)))
+    crossed = replace(cpu, crossed_s_by_ranks=((2, 1.5e-3),), crossed_data_s_by_ranks=((2, 5e-3),))
+    assert (crossed.least_s(2, crossed=True), crossed.least_s(2, data=False, crossed=True)) == (5e-3, 1.5e-3)
+    assert (cpu.least_s(2, crossed=True), crossed.least_s(2), crossed.least_s(4, crossed=True)) == (3e-3, 3e-3, 7e-3)
+    for flat in (Layout("fsdp", fsdp=4), Layout("fsdp x tp", tp=4), Layout("pp x dp", pp=4, microbatches=8)):
+        assert step_time(profile, flat, options, crossed, 0.4).total_s == step_time(profile, flat, options, cpu, 0.4).total_s
+    hsdp = Layout("hsdp", dp=2, fsdp=2)
+    added = step_time(profile, hsdp, options, crossed, 0.4).total_s - step_time(profile, hsdp, options, cpu, 0.4).total_s
+    units = 4 + 1
+    # The shards' gathers and reduce-scatters (half a floor each) and the replicas' sums (a whole
+    # one each), one per unit; the agreements over all 4 ranks unchanged.
+    assert added == pytest.approx((5e-3 - 3e-3) * ((2 * units + units) / 2 + units), rel=0.02)
+
+
 def test_the_largest_batch_that_fits_is_the_edge(profile) -> None:
     options = Options(1, "fp32", "adam", foreach_optimizer=False)
     layout = Layout("dp", dp=1)

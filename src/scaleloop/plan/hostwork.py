@@ -13,7 +13,9 @@ step without: it comes on every layout that checkpoints, DDP's too.
 
 Measured, not derived, and on this machine's CPU: a GPU machine's host may be faster or slower.
 Not measured (0): DDP and the pipeline, which the fake group cannot run (their host work is the
-plain loop's, which the compute already holds, plus per-bucket and per-piece calls). Models
+plain loop's, which the compute already holds, plus per-bucket and per-piece calls). A pipeline
+stage's pieces are counted from the plain pass (``HostWork.pipeline``): each of its M pieces runs
+1/S of the blocks, M/S plain passes' dispatch in all. Models
 other than TinyGPT are not measured: only TinyGPT can be shrunk to tiny widths here.
 """
 from __future__ import annotations
@@ -63,6 +65,15 @@ class HostWork:
         """What ``layout`` adds to a micro-batch's step beyond its compute (0 where not measured),
         scaled to the depth: its strategy's work, and checkpointing's own where it has it."""
         return self._deep(self._measured(layout)) + self.checkpointing(layout)
+
+    def pipeline(self, layout: Layout) -> float:
+        """What a pipeline stage's pieces add to the host's work of a step beyond one plain pass
+        (which the compute, measured on the plain step, holds): its ``microbatches`` pieces each
+        run its share of the blocks, the plain pass's dispatch ``microbatches / pp`` times over;
+        scaled to the depth (0 without a pipeline, or where nothing was measured)."""
+        if layout.pp == 1:
+            return 0.0
+        return self._deep(self.plain_s) * max(0.0, layout.microbatches / layout.pp - 1)
 
     def total(self, layout: Layout) -> float:
         """The host's whole work for a micro-batch's step of ``layout`` on one rank (0 where

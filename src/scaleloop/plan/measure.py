@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from scaleloop.plan.layouts import Layout
 from scaleloop.plan.profile import ModelSpec
@@ -256,7 +256,8 @@ def _fabric(env: Any) -> dict[str, float]:
     than cores, each waits until its peers are scheduled again, once per step of its ring. Of
     one float (``busy_small_s``: scaleloop's own agreements) and of :data:`DATA_NUMEL` floats
     (``busy_data_s``: the collectives that carry tensors, whose every ring step waits), over
-    all ranks and (``busy_pairs_*``) over pairs running at once."""
+    all ranks, (``busy_pairs_*``) over pairs running at once, and (``busy_cross_*``, 4 ranks or
+    a multiple) over the crossing pairs of a 2-D mesh, rows and columns in turn."""
     import torch
     import torch.distributed as torch_dist
 
@@ -276,25 +277,33 @@ def _fabric(env: Any) -> dict[str, float]:
         # Pairs, all at once, as a layout's groups of two run (tp=2, hsdp's shards and replicas).
         pairs = [torch_dist.new_group([r, r + 1]) for r in range(0, env.world_size, 2)]
         pair = pairs[env.rank // 2]
-        out["busy_pairs_s"] = _busy_collective_s(torch, torch_dist, group=pair)
-        out["busy_pairs_data_s"] = _busy_collective_s(torch, torch_dist, group=pair, numel=DATA_NUMEL)
+        out["busy_pairs_s"] = _busy_collective_s(torch, torch_dist, groups=(pair,))
+        out["busy_pairs_data_s"] = _busy_collective_s(torch, torch_dist, groups=(pair,), numel=DATA_NUMEL)
+        if env.world_size % 4 == 0:
+            # The pairs of a 2-D mesh (hsdp, fsdp x tp, pp x dp): a rank sums with its row's
+            # partner, then with its column's (rank ^ 2); a late rank holds up both.
+            columns = {r: torch_dist.new_group([r, r ^ 2]) for r in range(env.world_size) if r < r ^ 2}
+            crossed = (pair, columns[min(env.rank, env.rank ^ 2)])
+            out["busy_cross_s"] = _busy_collective_s(torch, torch_dist, groups=crossed)
+            out["busy_cross_data_s"] = _busy_collective_s(torch, torch_dist, groups=crossed, numel=DATA_NUMEL)
     return out
 
 
-def _busy_collective_s(torch: Any, torch_dist: Any, rounds: int = 20, group: Any = None, numel: int = 1) -> float:
-    """Seconds one all-reduce of ``numel`` floats over ``group`` (None: all ranks) adds to a burst
-    of about 2 ms of compute on every rank: the same bursts timed with and without it (the median
-    of three tries of ``rounds`` each)."""
+def _busy_collective_s(torch: Any, torch_dist: Any, rounds: int = 20, groups: Sequence[Any] = (None,),
+                       numel: int = 1) -> float:
+    """Seconds one all-reduce of ``numel`` floats adds to a burst of about 2 ms of compute on every
+    rank: the same bursts timed with and without it (the median of three tries of ``rounds``
+    each). The all-reduces go over ``groups`` in turn (None: all ranks)."""
     a, x = torch.randn(128, 128), torch.zeros(numel)
 
     def bursts(collective: bool) -> float:
         torch_dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(rounds):
+        for i in range(rounds):
             for _ in range(10):
                 a @ a
             if collective:
-                torch_dist.all_reduce(x, group=group)
+                torch_dist.all_reduce(x, group=groups[i % len(groups)])
         torch_dist.barrier()
         return time.perf_counter() - t0
 

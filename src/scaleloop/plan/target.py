@@ -49,6 +49,14 @@ class Target:
     #: How much slower the host's own work runs than in one process alone: on a CPU with more
     #: ranks than cores, ranks per core (plan.hostwork measures it in one process).
     host_share: float = 1.0
+    #: The same two floors measured for groups of a 2-D mesh, whose groups cross (a rank sums
+    #: with its row's peers, then with its column's): a late rank holds up both, and the wait
+    #: spreads over the mesh; an isolated group waits for its own members only.
+    crossed_s_by_ranks: tuple[tuple[int, float], ...] = ()
+    crossed_data_s_by_ranks: tuple[tuple[int, float], ...] = ()
+    #: Cores the ranks share (0: each rank has a device of its own, as on GPUs). Where the ranks
+    #: outnumber them, a rank that waits hands its core to another (a pipeline's bubble).
+    cores: int = 0
 
     def flops(self, precision: str) -> float:
         """The peak FLOP/s a run in ``precision`` divides by."""
@@ -56,9 +64,14 @@ class Target:
             return self.peak_flops
         return self.fp32_flops or self.peak_flops / 2
 
-    def least_s(self, ranks: int, data: bool = True) -> float:
+    def least_s(self, ranks: int, data: bool = True, crossed: bool = False) -> float:
         """The least one collective over ``ranks`` ranks costs inside a step; ``data``: one that
-        carries a tensor (False: a few numbers, scaleloop's own agreements)."""
+        carries a tensor (False: a few numbers, scaleloop's own agreements); ``crossed``: a group
+        of a 2-D mesh (where measured for its size; otherwise as an isolated group's)."""
+        if crossed:
+            measured = dict(self.crossed_data_s_by_ranks if data else self.crossed_s_by_ranks).get(ranks)
+            if measured is not None:
+                return measured
         measured = dict(self.data_collective_s_by_ranks).get(ranks) if data else None
         return measured if measured is not None else dict(self.collective_s_by_ranks).get(ranks, self.collective_s)
 

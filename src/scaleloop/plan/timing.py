@@ -10,8 +10,10 @@ overlaps it. An estimate with its assumptions listed in docs/planning.md.
   the compute; hsdp adds the shards' all-reduce across replicas, one a unit;
 - tp: four all-reduces of a block's activations per block (two forward, two backward; one more
   with checkpointing, in the recomputed forward), not hidden;
-- pp: the 1F1B bubble, (S - 1) / M of the compute added, and the stage's gradient all-reduce
-  over replicas after the last backward;
+- pp: a piece's activation and its gradient to and from each neighbouring stage (a middle
+  stage has two), the 1F1B bubble, (S - 1) / M of the compute added (on cores shared by more ranks, only
+  what the busy stages leave idle: :func:`bubble`), and the stage's gradient all-reduce over
+  replicas after the last backward;
 - offload: the shards cross PCIe twice (forward, backward) and the gradients once, and the
   optimizer steps on the host (28 bytes of host memory traffic per parameter);
 - scaleloop's own agreement between FSDP's ranks (``strategies/spmd.py``): small all-reduces on
@@ -23,10 +25,11 @@ overlaps it. An estimate with its assumptions listed in docs/planning.md.
   ranks than cores: an all-reduce's cost between bursts of compute, measured for the whole group
   and for pairs: a pair waits for fewer peers to be scheduled; of a few numbers for the
   agreements and a pipeline's sends, of a tensor for the rest, whose every ring step waits;
-  0 on GPUs);
+  more for the groups of a 2-D mesh, which cross; 0 on GPUs);
 - the host's own work, where it was measured (:mod:`scaleloop.plan.hostwork`, per micro-batch):
   on a target that cannot overlap (a CPU) what the layout adds to the plain loop comes on top,
-  slowed by the ranks sharing a core (``Target.host_share``); on a GPU the host works while the
+  slowed by the ranks sharing a core (``Target.host_share``), and so does a pipeline stage's
+  dispatch of its pieces beyond one plain pass (``HostWork.pipeline``); on a GPU the host works while the
   device computes, and the step takes at least the host's whole work.
 """
 from __future__ import annotations
@@ -86,7 +89,12 @@ def comm_s(profile: ModelProfile, layout: Layout, options: Options, target: Targ
     """(seconds that can hide behind the compute, seconds that cannot) of one step's collectives."""
     params = profile.parameters - profile.tp_parameters * (1 - 1 / layout.tp)
     units = len(profile.block_parameters) + 1
-    least = target.least_s
+    # A layout of two parallel dimensions or more crosses its groups (Target.least_s).
+    crossed = sum(size > 1 for size in (layout.dp, layout.fsdp, layout.tp, layout.pp)) > 1
+
+    def least(ranks: int, data: bool = True) -> float:
+        return target.least_s(ranks, data, crossed and ranks < layout.world)
+
     hidden = exposed = 0.0   # hidden: behind the backward (DDP) or the whole compute (FSDP's prefetch)
     if layout.pp > 1:
         stage = params / layout.pp * MASTER_BYTES
@@ -96,7 +104,10 @@ def comm_s(profile: ModelProfile, layout: Layout, options: Options, target: Targ
             pieces = layout.microbatches * options.accumulate
             act = micro_batch(layout, options) * profile.spec.seq_len * profile.hidden * options.param_bytes
             p2p = target.link(2, _spans_nodes(layout.pp, layout.dp, target))
-            exposed += 2 * pieces * (act / p2p.bandwidth_Bps + max(p2p.latency_s, least(2, False)))
+            # The busiest stage's transfers a piece: a middle stage receives and sends in both
+            # passes (4); the first and the last have a neighbour on one side only (2).
+            transfers = 2 if layout.pp == 2 else 4
+            exposed += transfers * pieces * (act / p2p.bandwidth_Bps + max(p2p.latency_s, least(2, False)))
         return hidden, exposed
     if layout.tp > 1 and profile.hidden:
         act = micro_batch(layout, options) * profile.spec.seq_len * profile.hidden * options.param_bytes
@@ -128,6 +139,17 @@ def comm_s(profile: ModelProfile, layout: Layout, options: Options, target: Targ
     return hidden, exposed
 
 
+def bubble(layout: Layout, target: Target) -> float:
+    """A pipeline's 1F1B bubble as a share of its compute: (S - 1) / M. Where the ranks outnumber
+    the cores they share, a stage that waits hands its core to another rank; at least one stage
+    of each of the ``dp`` pipelines has work at any time, and only the cores those leave idle are
+    lost (none where ``dp`` ranks fill the cores)."""
+    share = (layout.pp - 1) / layout.microbatches
+    if target.cores and layout.world > target.cores:
+        share *= max(0.0, 1 - layout.dp / target.cores)
+    return share
+
+
 def step_time(profile: ModelProfile, layout: Layout, options: Options, target: Target, mfu: float,
               host: Optional[HostWork] = None) -> StepTime:
     """The step's predicted seconds and samples per second (see the module docstring); ``host``:
@@ -135,7 +157,7 @@ def step_time(profile: ModelProfile, layout: Layout, options: Options, target: T
     # However small the model, an eager step takes some kernel launches (costmodel's floor).
     compute = max(compute_s(profile, layout, options, target, mfu), MIN_GPU_STEP_S)
     if layout.pp > 1:
-        compute *= (layout.microbatches + layout.pp - 1) / layout.microbatches
+        compute *= 1 + bubble(layout, target)
     hidden, exposed = comm_s(profile, layout, options, target)
     # What can hide does so behind the backward (two thirds of the compute; DDP's buckets), or
     # behind all of it where FSDP prefetches the next unit's gather during the forward too.
@@ -145,7 +167,7 @@ def step_time(profile: ModelProfile, layout: Layout, options: Options, target: T
     passes = options.accumulate * layout.microbatches
     host_s = 0.0
     if host is not None and not target.overlaps:
-        host_s = host.extra(layout) * passes * target.host_share
+        host_s = (host.extra(layout) * passes + host.pipeline(layout) * options.accumulate) * target.host_share
         total += host_s
     elif host is not None:
         host_s = host.total(layout) * passes

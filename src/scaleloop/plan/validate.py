@@ -66,20 +66,25 @@ def cpu_target(fabric: dict[str, float], flops_per_s: float, world: int, cores: 
     the least a collective costs between bursts of compute (``measure._fabric``). The compute:
     ``busy_flops_per_s``, the FLOP/s one rank reached while all ranks stepped at once, where
     measured (the host's own work slowed alike); otherwise ``flops_per_s``, one process's alone,
-    shared by the ranks on the cores."""
+    shared by the ranks on the cores. The groups of a 2-D mesh take the crossing pairs' floors
+    where the run measured them (``busy_cross_*``)."""
     fitted = fit_fabric(fabric)
     link = Interconnect("gloo", "Gloo on this machine", fitted.bandwidth_Bps, fitted.latency_s, "fitted")
-    data = []
-    for ranks, key in ((world, "busy_data_s"), (2, "busy_pairs_data_s")):
-        if key in fabric:   # less the bytes' own time, which the bandwidth term adds again
-            data.append((ranks, max(0.0, fabric[key] - 2 * (ranks - 1) / ranks * fabric["data_bytes"]
-                                    / fitted.bandwidth_Bps)))
+
+    def floors(*keys: tuple[int, str]) -> tuple[tuple[int, float], ...]:
+        # A tensor's floor less its bytes' own time, which the bandwidth term adds again.
+        return tuple((ranks, max(0.0, fabric[key] - 2 * (ranks - 1) / ranks * fabric["data_bytes"]
+                                 / fitted.bandwidth_Bps)) for ranks, key in keys if key in fabric)
+
+    data = floors((world, "busy_data_s"), (2, "busy_pairs_data_s"))
     shared = busy_flops_per_s or flops_per_s * min(1.0, cores / world)
     return replace(GPUS["h100"], key="cpu", name="CPU process", memory_bytes=float("inf"), peak_flops=flops_per_s,
                    fp32_flops=shared, inside=link, between=link, per_node=world,
                    overlaps=False, host_latency_s=fitted.latency_s, collective_s=fabric.get("busy_small_s", 0.0),
                    collective_s_by_ranks=((2, fabric["busy_pairs_s"]),) if "busy_pairs_s" in fabric else (),
-                   data_collective_s_by_ranks=tuple(data), host_share=max(1.0, flops_per_s / shared))
+                   data_collective_s_by_ranks=data, host_share=max(1.0, flops_per_s / shared),
+                   crossed_s_by_ranks=((2, fabric["busy_cross_s"]),) if "busy_cross_s" in fabric else (),
+                   crossed_data_s_by_ranks=floors((2, "busy_cross_data_s")), cores=cores)
 
 
 def one_process_flops(spec: ModelSpec, profile: ModelProfile, micro_batch: int, steps: int = 5) -> float:
