@@ -32,8 +32,10 @@ SIZES: tuple[tuple[ModelSpec, int], ...] = (
 )
 
 
-#: Rounds of the layouts in turns that the step times are the median of (plan.interleaved).
-ROUNDS = 10
+#: Rounds of the layouts in turns that the step times are the median of (plan.interleaved). With
+#: 10, two layouts as fast as each other came out 8 or more to 2 in 11% of cases (two-sided,
+#: 56/512): such pairs passed for settled; with 20 rounds, 16 or more to 4 happens in 1.2%.
+ROUNDS = 20
 #: Of the rounds, the share that must order a pair of layouts alike for the pair's order to
 #: count as measured (the rest the machine's noise decides).
 SETTLED = 0.8
@@ -204,11 +206,13 @@ def markdown(rows: Sequence[dict[str, Any]], hardware: str, took_s: float, load:
              "it by the finished collectives whose buffers its threads have not yet let go. Step: milliseconds per "
              "optimizer step, measured (rank 0, between barriers, no profiler; every layout of a size built on the "
              "same 4 processes and stepped in turns, the median of the rounds, `scaleloop/plan/interleaved.py`; "
-             "'rounds q1-q3': the middle half of the rounds) and predicted (compute at the FLOP/s "
-             "one process reached, shared by 4 processes on the cores; Gloo's fitted latency and bandwidth, each "
+             "'rounds q1-q3': the middle half of the rounds) and predicted (compute at the FLOP/s the plain "
+             "step reached while the 4 processes stepped at once; Gloo's fitted latency and bandwidth, each "
              "collective at least what an all-reduce over its group adds between bursts of compute, of one float for "
-             "scaleloop's agreements and of 64 KiB for the collectives that carry tensors; the host "
-             "work each layout adds, measured at tiny widths, `scaleloop/plan/hostwork.py`; 'no host': without "
+             "scaleloop's agreements and of 64 KiB for the collectives that carry tensors, over the crossing pairs "
+             "of a 2-D mesh for its groups of two; a pipeline's bubble only where its busy stages leave a core idle; "
+             "the host work each layout adds, measured at tiny widths, `scaleloop/plan/hostwork.py`, slowed as the "
+             "compute is, and a pipeline stage's pieces counted from the plain step; 'no host': without "
              "it). Rank: the layout's place by step time, 1 the fastest.", ""]
     for size in dict.fromkeys(r["size"] for r in rows):
         group = [r for r in rows if r["size"] == size]
