@@ -29,7 +29,7 @@ _EXPORTS = {
     "make_strategy": "scaleloop.strategies",
     "TrainConfig": "scaleloop.config",
     "train": "scaleloop.loop.training",
-    "RunResult": "scaleloop.loop.training",
+    "RunResult": "scaleloop.loop.result",
     "evaluate": "scaleloop.loop.evaluate",
     "build_model": "scaleloop.models",
     "SimpleNet": "scaleloop.models",

@@ -22,7 +22,7 @@ from scaleloop.data.datasets import infer_info, targets_padded
 from scaleloop.data.tokenfile import TokenFileDataset
 from scaleloop.loop.build import build_run
 from scaleloop.loop.padding import Counting, counting_for
-from scaleloop.loop.step import Step
+from scaleloop.loop.step import Observer, steps_of, train_step
 from scaleloop.loop.training import train
 from scaleloop.runtime.dist import DistEnv
 
@@ -110,18 +110,15 @@ def tinygpt(tmp_path: Path, name: str, **changes: Any) -> TrainConfig:
 def steps(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Each step's loss as the micro-batches report it (read after the step), and the final weights."""
     run = build_run(cfg, CPU)
-    step = Step(run)
     run.model.train()
     run.loader.set_epoch(0)
-    losses, kept = [], []
-    for batch in run.loader:
-        kept.append((step.micro(batch), len(batch)))
-        if batch.last_micro:
-            step.update()
-            losses.append(sum(float(loss) * n for loss, n in kept) / sum(n for _, n in kept))
-            kept = []
-            if len(losses) == cfg.max_steps:
-                break
+    losses = []
+    for micro_batches in steps_of(run.loader):
+        kept = train_step(run, micro_batches, Observer())
+        sizes = [len(batch) for batch in micro_batches]
+        losses.append(sum(float(loss) * n for loss, n in zip(kept, sizes)) / sum(sizes))
+        if len(losses) == cfg.max_steps:
+            break
     return losses, {k: v.clone() for k, v in run.model.state_dict().items()}
 
 
@@ -150,7 +147,7 @@ def test_micro_batches_over_padding_train_what_the_whole_batch_does(tmp_path: Pa
 
 def test_without_padding_nothing_is_counted(tmp_path: Path) -> None:
     run = build_run(tinygpt(tmp_path, "tokens", data="tokens", n_samples=96, seq_len=16, vocab_size=64), CPU)
-    assert run.counting is None and Step(run).count is None
+    assert run.count is None
 
 
 def hf(tmp_path: Path, name: str, **changes: Any) -> tuple[dict[str, torch.Tensor], list[str]]:

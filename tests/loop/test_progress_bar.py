@@ -18,7 +18,7 @@ from typing import Optional
 
 import pytest
 
-from scaleloop.loop.training import BAR_FORMAT, UNSIZED_BAR_FORMAT, _bar_postfix
+from scaleloop.loop.text import BAR_FORMAT, UNSIZED_BAR_FORMAT, bar_postfix as _bar_postfix
 
 ROOT = Path(__file__).resolve().parents[2]
 BAR = re.compile(r"epoch 1/1: +\d+%\|")

@@ -1,22 +1,17 @@
-"""The training step's plain path (scaleloop.loop.step): one process in fp32 takes the strategy's
-calls written out, and must give the very weights, losses and learning rates the strategy's own
-calls give; every other case keeps those calls."""
+"""The training step (scaleloop.loop.step): one function, the same weights as a hand-written step,
+and observers that watch without changing anything."""
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
 
 from scaleloop.config import TrainConfig
+from scaleloop.data.batch import call_model
 from scaleloop.loop.build import build_run
-from scaleloop.loop.step import Observer, Step
+from scaleloop.loop.step import Observer, steps_of, train_step
 from scaleloop.runtime.dist import DistEnv
-from scaleloop.strategies.base import HandWrittenLoop
-from scaleloop.strategies.precision import Precision
-from scaleloop.strategies.single import SingleDevice
 
 CPU = DistEnv()
 
@@ -28,43 +23,91 @@ def small(tmp_path: Path, **changes) -> TrainConfig:
     return TrainConfig(**base).validate()
 
 
-def steps(cfg: TrainConfig, observer: Optional[Observer]) -> tuple[Step, list[float], list[float], dict]:
-    """Every micro-batch and step of one epoch: the losses, the learning rates, the final weights."""
+class Events(Observer):
+    """Records the order of the step's events."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def micro_batch(self, batch) -> None:
+        self.seen.append("micro_batch")
+
+    def forward_done(self, loss) -> None:
+        self.seen.append("forward_done")
+
+    def micro_done(self, batch, loss) -> None:
+        self.seen.append("micro_done")
+
+    def synced(self) -> None:
+        self.seen.append("synced")
+
+    def stepped(self) -> None:
+        self.seen.append("stepped")
+
+
+def by_train_step(cfg: TrainConfig, watch: Observer) -> tuple[list[float], list[float], dict]:
+    """One epoch through ``train_step``: the micro-batches' losses, the learning rates, the weights."""
     run = build_run(cfg, CPU)
-    step = Step(run, observer)
-    losses, lrs = [], []
     run.model.train()
     run.loader.set_epoch(0)
+    losses, lrs = [], []
+    for micro_batches in steps_of(run.loader):
+        lrs.append(run.optimizer.param_groups[0]["lr"])
+        losses += [float(loss) for loss in train_step(run, micro_batches, watch)]
+    return losses, lrs, {k: v.clone() for k, v in run.model.state_dict().items()}
+
+
+def by_hand(cfg: TrainConfig) -> tuple[list[float], list[float], dict]:
+    """The same epoch as a learner writes it: loss, weighted backward, clip, step, zero, schedule."""
+    run = build_run(cfg, CPU)
+    model, optimizer = run.model, run.optimizer
+    model.train()
+    run.loader.set_epoch(0)
+    losses, lrs = [], []
     for batch in run.loader:
-        losses.append(float(step.micro(batch)))
+        x, y = batch
+        loss = run.loss_fn(call_model(model, x), y)
+        scale = batch.plan.loss_scale   # the micro-batch's share of the global step
+        (loss * scale if scale != 1.0 else loss).backward()
+        losses.append(float(loss.detach()))
         if batch.last_micro:
-            lrs.append(step.update())
-    return step, losses, lrs, {k: v.clone() for k, v in run.model.state_dict().items()}
+            lrs.append(optimizer.param_groups[0]["lr"])
+            if cfg.clip_grad is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.scheduler.step()
+    return losses, lrs, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("changes", [{}, {"accumulate": 2}, {"clip_grad": 0.01}, {"n_samples": 197, "batch_size": 66, "accumulate": 3}])
-def test_plain_path_gives_the_strategy_calls_weights_bit_for_bit(tmp_path: Path, changes: dict) -> None:
+@pytest.mark.parametrize("changes", [{}, {"accumulate": 2}, {"clip_grad": 0.01},
+                                     {"n_samples": 197, "batch_size": 66, "accumulate": 3}])
+def test_the_step_is_the_hand_written_step_bit_for_bit(tmp_path: Path, changes: dict) -> None:
     cfg = small(tmp_path, **changes)
-    plain, losses, lrs, weights = steps(cfg, None)
-    general, losses_ref, lrs_ref, weights_ref = steps(cfg, Observer())   # an observer keeps the calls
-    assert plain.micro.__func__ is Step._plain_micro and general.micro.__func__ is Step.micro
+    losses, lrs, weights = by_train_step(cfg, Observer())
+    losses_ref, lrs_ref, weights_ref = by_hand(cfg)
+    assert losses == losses_ref and lrs == lrs_ref
+    assert weights.keys() == weights_ref.keys()
+    assert all(torch.equal(weights[k], weights_ref[k]) for k in weights)
+
+
+def test_an_observer_sees_each_point_in_order_and_changes_nothing(tmp_path: Path) -> None:
+    cfg = small(tmp_path, accumulate=2)
+    events = Events()
+    losses, lrs, weights = by_train_step(cfg, events)
+    losses_ref, lrs_ref, weights_ref = by_train_step(cfg, Observer())
     assert losses == losses_ref and lrs == lrs_ref
     assert all(torch.equal(weights[k], weights_ref[k]) for k in weights)
-    assert plain.gradient_bytes == general.gradient_bytes and plain.gradient_bytes
-    assert plain.take_own_s() == 0.0   # one rank: no one to compare its own time with
+    per_step = ["micro_batch", "forward_done", "micro_done"] * 2 + ["synced", "stepped"]
+    assert len(events.seen) % len(per_step) == 0 and events.seen
+    assert events.seen == per_step * (len(events.seen) // len(per_step))
 
 
-def test_plain_step_only_where_nothing_surrounds_the_calls() -> None:
-    assert SingleDevice(CPU).plain_step()
-    assert not SingleDevice(CPU, Precision("bf16", CPU.device)).plain_step()
-    assert not SingleDevice(CPU, Precision("fp16", CPU.device)).plain_step()
-
-    class NoSync(HandWrittenLoop):   # as DDP's accumulate: a context around the micro-step
-        def accumulate(self, model, batch):
-            return contextlib.nullcontext()
-
-    class Synced(HandWrittenLoop):   # as a manual all-reduce after the backward
-        def _sync_gradients(self) -> None:
-            pass
-
-    assert not NoSync(CPU).plain_step() and not Synced(CPU).plain_step()
+def test_steps_of_groups_the_micro_batches_of_each_step(tmp_path: Path) -> None:
+    run = build_run(small(tmp_path, accumulate=3, n_samples=197, batch_size=66), CPU)
+    run.loader.set_epoch(0)
+    groups = list(steps_of(run.loader))
+    assert [len(g) for g in groups] == [3] * len(groups) and len(groups) == run.loader.plan.steps_per_epoch
+    for g in groups:
+        assert [b.last_micro for b in g] == [False, False, True]
+        assert len({b.step for b in g}) == 1

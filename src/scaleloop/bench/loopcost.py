@@ -6,7 +6,7 @@ against the same torch work done by hand, so what is left is the bookkeeping:
 
 - ``batch objects``: an epoch from scaleloop's loader (``Batch`` with its plan) minus the same
   ``index_select`` calls done by hand, per step;
-- ``step calls``: ``Step.micro`` + ``Step.update`` (strategy, precision, schedule) minus the
+- ``step calls``: ``train_step`` (strategy, precision, schedule) minus the
   hand-written forward, loss, backward and optimizer step on the same one-weight model;
 - ``loss sums``: ``RunningLoss.add`` per step, and its flush at each log row;
 - ``schedule``: one ``scheduler.step()``;
@@ -92,9 +92,9 @@ def _batch_cost(run: Any) -> dict[str, float]:
 
 
 def _step_cost(run: Any) -> dict[str, float]:
-    """``Step.micro`` + ``Step.update`` around a one-weight model, against the same calls by hand."""
+    """``train_step`` around a one-weight model, against the same calls by hand."""
     from scaleloop.loop.schedule import build_scheduler
-    from scaleloop.loop.step import Step
+    from scaleloop.loop.step import Observer, train_step
 
     device = run.env.device
     tiny = torch.nn.Linear(1, 1).to(device)
@@ -105,12 +105,11 @@ def _step_cost(run: Any) -> dict[str, float]:
     small = type(batch)(x, y, batch.plan)
     run.model, run.optimizer, run.loss_fn = tiny, opt, mse
     run.scheduler = build_scheduler(opt, run.cfg.optim, run.total_steps)   # the run's schedule, on this optimizer
-    step = Step(run)
+    one_step, watch = [small], Observer()
 
     def ours(n: int) -> None:
         for _ in range(n):
-            step.micro(small)
-            step.update()
+            train_step(run, one_step, watch)
 
     def raw(n: int) -> None:
         for _ in range(n):
@@ -130,7 +129,7 @@ def _bookkeeping_cost(run: Any) -> dict[str, float]:
     """The running loss sums per step, and a log row spread over the steps between rows."""
     from scaleloop.checkpoint.manager import Checkpointer
     from scaleloop.loop.running import RunningLoss
-    from scaleloop.loop.training import Trainer
+    from scaleloop.loop.trainer import Trainer
 
     loss = torch.zeros((), device=run.env.device)
     running = RunningLoss()
@@ -145,15 +144,15 @@ def _bookkeeping_cost(run: Any) -> dict[str, float]:
         def silent(_msg: str) -> None:
             pass
 
-        # The loop's own log row: the all-reduce, the metrics.csv row and the health checks (its hooks).
+        # The loop's own log row: the all-reduce, the metrics.csv row and the health checks.
         checkpointer = Checkpointer(run.strategy, run.cfg.checkpointing, {}, say=silent)
         trainer = Trainer(run, checkpointer, silent, time.perf_counter(), run_dir=Path(tmp))
-        ledger, running = trainer.ledger, trainer.running
+        result, running = trainer.result, trainer.running
 
         def log_rows(n: int) -> None:
             for _ in range(n):
                 running.add(loss, 64)
-                ledger.step += 1
+                result.steps += 1
                 trainer.log_row(0, 64, time.perf_counter())
 
         pieces[f"log row (every {run.cfg.log_every} steps)"] = _best_us(log_rows, 500) / run.cfg.log_every

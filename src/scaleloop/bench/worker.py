@@ -23,7 +23,7 @@ import torch.distributed as torch_dist
 from scaleloop.bench.breakdown import split_backward
 from scaleloop.bench.stats import interval_union, summarize
 from scaleloop.bench.workload import RunSpec, Workload, grad_bytes
-from scaleloop.loop.step import Observer, Step
+from scaleloop.loop.step import Observer, steps_of, train_step
 from scaleloop.runtime.collectives import barrier, gather_object
 from scaleloop.runtime.dist import DistEnv, destroy_process_group, init_process_group
 from scaleloop.runtime.frames import note_where
@@ -124,90 +124,101 @@ class CommRecorder:
         strategy._sync_gradients = timed  # an instance attribute wins over the method
 
 
-def _endless(loader: Any) -> Iterator[Any]:
+def _endless(loader: Any) -> Iterator[list[Any]]:
+    """The loader's steps (their micro-batches), epoch after epoch."""
     epoch = 0
     while True:
         loader.set_epoch(epoch)
-        yield from loader
+        yield from steps_of(loader)
         epoch += 1
 
 
 class _PhaseTimer(Observer):
-    """Marks the end of the forward pass (the loss is known) inside ``Step.micro``."""
+    """Marks, inside ``train_step``, the phases of a step: its compute's start, the end of the
+    forward pass (the loss is known), the end of the backward and the end of the update. Each
+    mark waits for the device first, so that it reads when the work ended."""
 
-    def __init__(self, sync: Callable[[], None]) -> None:
-        self.sync = sync
-        self.forward_end = (0.0, 0.0)   # (wall, thread CPU time)
+    def __init__(self, device: torch.device, recorder: CommRecorder) -> None:
+        self.device, self.recorder = device, recorder
+        self.start = self.forward_end = self.backward_end = self.update_end = (0.0, 0.0)   # (wall, thread CPU)
+        self.launch: Optional[tuple[float, float]] = None   # the step's last all-reduce launch
+
+    def _mark(self) -> tuple[float, float]:
+        synchronize(self.device)
+        return time.perf_counter(), time.thread_time()
+
+    def micro_batch(self, batch: Any) -> None:
+        self.start = self._mark()
 
     def forward_done(self, loss: torch.Tensor) -> None:
-        self.sync()
-        self.forward_end = (time.perf_counter(), time.thread_time())
+        self.forward_end = self._mark()
+
+    def micro_done(self, batch: Any, loss: Optional[torch.Tensor]) -> None:
+        self.backward_end = self._mark()
+        self.launch = self.recorder.last_launch()
+
+    def stepped(self) -> None:
+        self.update_end = self._mark()
 
 
 class _TimedSteps:
-    """Runs the run's ``Step`` over an endless loader, with or without per-phase timers."""
+    """Runs the run's ``train_step`` over an endless loader, with or without per-phase timers."""
 
     def __init__(self, built: Any, env: DistEnv, recorder: CommRecorder, say: Say, label: str) -> None:
-        self.env, self.recorder, self.say, self.label = env, recorder, say, label
+        self.built, self.env, self.recorder, self.say, self.label = built, env, recorder, say, label
         self.device = env.device
-        self.timer = _PhaseTimer(lambda: synchronize(self.device))
-        self.plain, self.timed = Step(built), Step(built, observer=self.timer)
-        self.batches = _endless(built.loader)
+        self.timer = _PhaseTimer(self.device, recorder)
+        self.steps = _endless(built.loader)
         self.last_loss: Optional[torch.Tensor] = None   # None on a rank that computes no loss (a pipeline stage)
         self.done = 0   # steps run so far, warm-up included: a failure report names the step
 
     def run(self, count: int, phases: bool, what: str) -> tuple[float, list[dict[str, Any]]]:
         """Run ``count`` steps; returns the elapsed seconds and, with ``phases``, per-step timings."""
         device = self.device
-        sync: Callable[[], None] = (lambda: synchronize(device)) if phases else (lambda: None)
-        step = self.timed if phases else self.plain
         records: list[dict[str, Any]] = []
         barrier(self.env)
         synchronize(device)
         started = time.perf_counter()
         marks = {max(1, count * q // 4) for q in range(1, 5)}
         try:
-            self._steps(count, phases, what, step, sync, marks, records)
+            self._steps(count, phases, what, marks, records)
         except Exception as exc:
             note_where(exc, None, self.done + 1)   # the step it failed in, for the launcher's report
             raise
         synchronize(device)
         return time.perf_counter() - started, records
 
-    def _steps(self, count: int, phases: bool, what: str, step: Step, sync: Callable[[], None],
-               marks: set[int], records: list[dict[str, Any]]) -> None:
-        recorder, cpu = self.recorder, time.thread_time
+    def _steps(self, count: int, phases: bool, what: str, marks: set[int], records: list[dict[str, Any]]) -> None:
+        recorder, timer = self.recorder, self.timer
+        watch = timer if phases else Observer()   # the timers synchronise: only where phases are asked for
         for i in range(count):
             t0 = time.perf_counter()
-            batch = next(self.batches)
-            sync()
-            t1, c1 = time.perf_counter(), cpu()
-            loss = step.micro(batch)
-            sync()
-            t3, c3 = time.perf_counter(), cpu()
-            launch = recorder.last_launch()
-            step.update()
-            sync()
-            t4, c4 = time.perf_counter(), cpu()
+            micro_batches = next(self.steps)
+            losses = train_step(self.built, micro_batches, watch)
             recorder.end_step()
-            if loss is not None:
-                self.last_loss = loss
+            if losses[-1] is not None:
+                self.last_loss = losses[-1]
             if phases:
-                t2, c2 = self.timer.forward_end
-                if t2 < t1:
-                    # No loss computed here in this micro-batch (a pipeline's earlier stage, whose
-                    # forwards and backwards interleave in the schedule): the backward column
-                    # holds both.
-                    t2, c2 = t1, c1
-                # CPU time of the compute phases: backward's up to its last all-reduce launch.
-                backward_cpu = (launch[1] if launch is not None and t2 <= launch[0] <= t3 else c3) - c2
-                records.append({"data_s": t1 - t0, "forward_s": t2 - t1, "backward_s": t3 - t2,
-                                "optimizer_s": t4 - t3, "step_s": t4 - t0,
-                                "compute_cpu_s": (c2 - c1) + backward_cpu + (c4 - c3),
-                                "marks": (t2, t3, launch[0] if launch is not None else None)})
+                records.append(_phases(t0, timer))
             if i + 1 in marks:
                 self.say(f"{self.label}: {what} step {i + 1}/{count}")
             self.done += 1
+
+
+def _phases(t0: float, timer: _PhaseTimer) -> dict[str, Any]:
+    """One step's phases from its marks (a step of one micro-batch, as the bench's workloads are)."""
+    (t1, c1), (t2, c2), (t3, c3), (t4, c4) = timer.start, timer.forward_end, timer.backward_end, timer.update_end
+    launch = timer.launch
+    if t2 < t1:
+        # No loss computed here in this micro-batch (a pipeline's earlier stage, whose forwards and
+        # backwards interleave in the schedule): the backward column holds both.
+        t2, c2 = t1, c1
+    # CPU time of the compute phases: backward's up to its last all-reduce launch.
+    backward_cpu = (launch[1] if launch is not None and t2 <= launch[0] <= t3 else c3) - c2
+    return {"data_s": t1 - t0, "forward_s": t2 - t1, "backward_s": t3 - t2,
+            "optimizer_s": t4 - t3, "step_s": t4 - t0,
+            "compute_cpu_s": (c2 - c1) + backward_cpu + (c4 - c3),
+            "marks": (t2, t3, launch[0] if launch is not None else None)}
 
 
 def _attach_comm_recorder(built: Any, run: RunSpec, env: DistEnv, recorder: CommRecorder) -> str:

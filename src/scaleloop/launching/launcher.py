@@ -27,7 +27,7 @@ from scaleloop.runtime import preempt
 from scaleloop.runtime.recovery import clear_faults
 
 if TYPE_CHECKING:
-    from scaleloop.loop.training import RunResult
+    from scaleloop.loop.result import RunResult
 
 
 class Interrupted(Exception):

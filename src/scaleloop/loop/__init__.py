@@ -2,10 +2,14 @@
 
 - ``build``: ``build_run`` makes everything a run needs (data, model, strategy, optimizer,
   schedule, loader, loss) in one fixed order; train, verify, bench and tune-batch share it.
-- ``step``: ``Step``, the one training step (forward, loss, weighted backward, clipping,
-  optimizer and schedule step) with an observer for verify's recorder and bench's timers.
-- ``training``: ``train``, the loop behind ``scaleloop train``; its ``Trainer``, the ``Hook``
-  events it calls (metrics rows, health checks, the stop vote, a recovery report); ``RunResult``.
+- ``step``: ``train_step``, the one training step (micro-batches: forward, loss, weighted
+  backward; then clipping, optimizer and schedule step), watched by an ``Observer`` (the
+  trainer's clock, verify's recorder, bench's timers).
+- ``training``: ``train``, a run's life (build, restore, claim the run directory, the trainer).
+- ``trainer``: ``Trainer``, the loop over epochs and steps, and its log rows. ``pauses``: the
+  evaluations and checkpoints it pauses for. ``rows``: where its rows go (``metrics.csv``, the
+  tracker) and the health checks on them. ``result``: what the loop counts and a finished
+  run's ``RunResult``. ``text``: what the loop prints (the header, the progress bar).
 - ``evaluate``: exact evaluation over ranks. ``evaluations``: what the trainer evaluates and
   when (``--eval-every``, ``--eval-batches``' fixed sample, ``--eval-train``). ``schedule``: learning-rate scaling and schedules
   (``--min-lr``). ``decay``: which tensors weight decay applies to (``--decay-params``).
@@ -18,8 +22,6 @@
 - ``ending``: the record of an ending the loop decides (a non-finite loss, a stop signal, ...).
 - ``preempt``: ``StopVote``, every rank agreeing to stop after the same step on a stop signal.
 - ``summary``: the end-of-run summary ``scaleloop train`` prints.
-- ``hooks``: what the trainer does at a step's end or a row besides training (metrics rows,
-  health checks, the stop vote, the recovery report), each a ``Hook``.
 
 Names are imported lazily: ``import scaleloop.loop`` does not import torch.
 """
@@ -30,16 +32,16 @@ from typing import Any
 
 _EXPORTS = {
     "train": "scaleloop.loop.training",
-    "RunResult": "scaleloop.loop.training",
-    "Trainer": "scaleloop.loop.training",
-    "Hook": "scaleloop.loop.training",
+    "RunResult": "scaleloop.loop.result",
+    "Trainer": "scaleloop.loop.trainer",
     "Run": "scaleloop.loop.build",
     "build_run": "scaleloop.loop.build",
     "preflight": "scaleloop.loop.build",
     "build_data_and_model": "scaleloop.loop.build",
     "build_optimizer": "scaleloop.loop.build",
     "seed_everything": "scaleloop.loop.build",
-    "Step": "scaleloop.loop.step",
+    "train_step": "scaleloop.loop.step",
+    "steps_of": "scaleloop.loop.step",
     "Observer": "scaleloop.loop.step",
 }
 

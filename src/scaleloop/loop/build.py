@@ -22,7 +22,7 @@ from scaleloop.data.streaming import StreamingLoader, declared_length
 from scaleloop.errors import UsageError
 from scaleloop.loop.decay import describe_decay, param_groups
 from scaleloop.loop.evaluations import check_eval_data
-from scaleloop.loop.padding import Counting, counting_for
+from scaleloop.loop.padding import StepCount, counting_for
 from scaleloop.loop.schedule import LearningRate, build_scheduler, scaled_lr
 from scaleloop.loop.speed import speed_up_model
 from scaleloop.loop.tasks import LossFn, MetricFn, resolve_loss, resolve_metrics
@@ -55,7 +55,7 @@ class Run:
     model_bytes: int
     notes: list[str] = field(default_factory=list)   # what --compile/--channels-last did
     weight_decay: str = ""           # which tensors --weight-decay applies to ("" without weight decay)
-    counting: Optional[Counting] = None   # how steps count real targets over -100 padding (loop.padding)
+    count: Optional[StepCount] = None     # the steps' count of real targets over -100 padding (loop.padding)
 
 
 def seed_everything(seed: int) -> None:
@@ -213,7 +213,8 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
                loss_fn=resolve_loss(cfg.loss, datasets.info, given_target=bool(keep_target),
                                     per_sample=counting.per_sample if counting and not counting.tell else None),
                user_loss=cfg.loss is not None, metrics=resolve_metrics(cfg.metrics), lr=lr, total_steps=total_steps,
-               parameters=parameters, model_bytes=model_bytes, notes=notes, weight_decay=decay, counting=counting)
+               parameters=parameters, model_bytes=model_bytes, notes=notes, weight_decay=decay,
+               count=StepCount(counting, env, strategy.layout.data_parallel) if counting is not None else None)
 
 
 def _make_strategy(cfg: TrainConfig, env: DistEnv) -> Strategy:

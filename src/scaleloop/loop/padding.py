@@ -125,10 +125,12 @@ def _told_model(model: nn.Module) -> bool:
 
 
 class StepCount:
-    """One :class:`~scaleloop.loop.step.Step`'s counting over its micro-batches (module docstring).
+    """A run's counting of real targets, step by step (module docstring), for ``loop.step.train_step``.
 
     Every rank calls :meth:`finish` once per step (it holds the all-reduce), whether or not it
-    computed a loss (a pipeline's earlier stages load no target and count none).
+    computed a loss (a pipeline's earlier stages load no target and count none). Once the model
+    turned out not to take the count (:meth:`finish` learns it on every rank at once), the count
+    is off: the run goes on as one without counting, and the calls here change nothing.
     """
 
     def __init__(self, counting: Counting, env: DistEnv, data_parallel: int) -> None:
@@ -143,11 +145,13 @@ class StepCount:
         # micro-batch; one that does not is "refused", and the run goes on as without counting.
         self._confirmed = not counting.tell
         self._refused = False
-        #: The factor the last step's gradients were multiplied by (1.0: none).
-        self.factor = 1.0
+        #: Off after a refusal, on every rank alike: nothing is counted or weighted any more.
+        self.off = False
 
     def batch(self, batch: Batch) -> Batch:
         """Count ``batch``'s real targets; the batch to train on (a told model's inputs get the divisor)."""
+        if self.off:
+            return batch
         x, y = batch
         self._samples = batch.plan.step_samples
         if y is not None:
@@ -159,7 +163,7 @@ class StepCount:
 
     def keep(self, loss: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The micro-batch's loss as the step returns it: a copy, multiplied in :meth:`finish`."""
-        if loss is None:
+        if loss is None or self.off:
             return None
         kept = loss.detach().clone()
         self._losses.append(kept)
@@ -167,7 +171,7 @@ class StepCount:
 
     def checked(self, loss_fn: LossFn) -> LossFn:
         """``loss_fn``, which for a told model also confirms that its loss is the summed one."""
-        if self._confirmed:
+        if self._confirmed or self.off:
             return loss_fn
 
         def confirming(output: Any, target: Any) -> torch.Tensor:
@@ -198,11 +202,13 @@ class StepCount:
         else:
             self._refused = True
 
-    def finish(self, model: nn.Module) -> bool:
+    def finish(self, model: nn.Module) -> float:
         """After the step's last backward (gradients synchronised): sum the count over the ranks and
-        multiply the gradients and the step's losses (module docstring, 2). False when the model
-        turned out not to take the count: the run then goes on without counting, as every rank
-        learns here at once."""
+        multiply the gradients and the step's losses (module docstring, 2); returns the factor
+        (1.0: nothing was multiplied). Where the model turned out not to take the count, every
+        rank learns it here at once and the count is :attr:`off` from then on."""
+        if self.off:
+            return 1.0
         losses, self._losses = self._losses, []
         vector = torch.stack([self._counted.double(),
                               torch.tensor(float(self._holds_target), dtype=torch.float64, device=self.env.device),
@@ -210,26 +216,25 @@ class StepCount:
         self._counted.zero_()
         self._holds_target = False
         counted, holders, refused = sum_over_ranks(vector, self.env).tolist()
-        self.factor = 1.0
         if refused:
             if self.env.is_main:
                 print(f"note: the model's own loss did not follow {ITEMS_KEYWORD} (a mean over each micro-batch's "
                       "real targets, not their sum divided by it): the run goes on without counting real targets, "
                       "and is not exact over -100 padding (docs/models-and-data.md, 'Padding')")
-            return False
+            self.off = True
+            return 1.0
         # Ranks that share a batch share (tensor-parallel ranks; a pipeline's last stages only hold
         # targets) counted the same targets: each share is counted once.
         real = counted * self.data_parallel / holders if holders else 0.0
         if real <= 0:
-            return True   # no real target in the step: its gradients are zero whatever the weight
+            return 1.0   # no real target in the step: its gradients are zero whatever the weight
         factor = self._samples * self.counting.per_sample / real
         if factor != 1.0:
-            self.factor = factor
             with torch.no_grad():
                 for p in model.parameters():
                     if p.grad is not None:
                         p.grad.mul_(factor)
                 for loss in losses:
                     loss.mul_(factor)
-        return True
+        return factor
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 from scaleloop.loop.evaluate import EvalResult
-from scaleloop.loop.training import RunResult
+from scaleloop.loop.result import RunResult
 from scaleloop.output.memory import format_table, summary_line
 from scaleloop.output.metrics import format_rate, format_seconds, format_summary
 from scaleloop.strategies import batch_split_of

@@ -127,6 +127,13 @@ class MetricsLogger:
             writer.writerows(rows)
         tmp.replace(self.csv_path)
 
+    def write(self, kind: str, *, epoch: int, step: int, samples: int, **values: Any) -> None:
+        """Record a row of ``kind``: "step", "epoch", "stop", "eval" or "recovery" (each described
+        by its ``log_*`` method below); ``values`` are keys of :data:`METRIC_COLUMNS`."""
+        if kind not in ("step", "epoch", "stop", "eval", "recovery"):
+            raise ValueError(f"unknown row kind {kind!r}")
+        self._write(kind, epoch=epoch, step=step, samples=samples, values=values)
+
     def log_step(self, step: int, epoch: int, samples: int, **values: float) -> None:
         """Record one optimizer step; ``values`` are keys of :data:`METRIC_COLUMNS`."""
         self._write("step", epoch=epoch, step=step, samples=samples, values=values)

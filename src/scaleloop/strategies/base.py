@@ -189,14 +189,6 @@ class Strategy:
         raise NotImplementedError(f"{type(self).__name__} must implement forward_backward "
                                   "(or derive from HandWrittenLoop)")
 
-    def plain_step(self) -> bool:
-        """True when this strategy's step is the hand-written one-process step and nothing else:
-        ``forward_backward`` is ``loss_fn(model(x), y)`` and a backward on it weighted by the
-        batch's ``loss_scale`` (skipped at 1.0), and ``optimizer_step`` is ``optimizer.step()`` and
-        ``zero_grad(set_to_none=True)``. The training step then makes those calls itself
-        (``scaleloop.loop.step``), without the contexts and hooks that are empty here."""
-        return False
-
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Unscale (fp16) and clip the global gradient norm; returns the norm before clipping."""
         self.precision.unscale_(optimizer)
@@ -333,15 +325,6 @@ class HandWrittenLoop(Strategy):
 
     def _sync_gradients(self) -> None:
         """Hook after the last micro-step's backward (manual gradient synchronisation goes here)."""
-
-    def plain_step(self) -> bool:
-        # Plain unless a subclass overrides one of the calls the step is made of (DDP's
-        # accumulate, a manual all-reduce's _sync_gradients...) or the precision does something.
-        cls = type(self)
-        return (self.precision.plain
-                and all(getattr(cls, name) is getattr(HandWrittenLoop, name)
-                        for name in ("forward_backward", "accumulate", "autocast", "backward", "_sync_gradients",
-                                     "optimizer_step")))
 
     def forward_backward(self, model: nn.Module, batch: Batch, loss_fn: LossFn) -> Optional[torch.Tensor]:
         x, y = batch

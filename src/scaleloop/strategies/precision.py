@@ -32,11 +32,6 @@ class Precision:
         #: Steps the scaler skipped (inf/NaN gradients), counted on the device: None until the first fp16 step.
         self.skipped: Optional[torch.Tensor] = None
 
-    @property
-    def plain(self) -> bool:
-        """True for fp32: no autocast, no loss scaling, the optimizer steps as it is."""
-        return self.dtype is None and self.scaler is None
-
     def autocast(self) -> contextlib.AbstractContextManager:
         """Run the forward pass (and loss) in reduced precision where it is safe."""
         if self.dtype is None:

@@ -1,6 +1,6 @@
 """What one verify run records, on every rank, and how rank 0 writes it down.
 
-The training step (``loop.step.Step``) calls the recorder, its observer, at fixed points of each step. Every
+The training step (``loop.step.train_step``) calls the recorder, its observer, at fixed points of each step. Every
 rank records its own micro-batches (sample indices, a SHA-256 of the data, the local loss) and
 which parameters received a gradient; rank 0 also saves, after every optimizer step, all
 parameters and the synchronised gradients of that step. At the end the ranks' records are

@@ -1,6 +1,6 @@
 """The K training steps a verify run takes: ``scaleloop train``'s own run and step.
 
-The run is built by ``loop.build.build_run`` and trained with ``loop.step.Step``, the code
+The run is built by ``loop.build.build_run`` and trained with ``loop.step.train_step``, the code
 ``scaleloop train`` runs, with the recorder watching as the step's observer; what verify
 proves therefore holds for ``scaleloop train`` with the same settings. Left out is only what
 does not change the weights (evaluation, checkpoints, metrics files).
@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset
 
 from scaleloop.data.info import Datasets
 from scaleloop.loop.build import Run, build_data_and_model, build_run
-from scaleloop.loop.step import Step
+from scaleloop.loop.step import steps_of, train_step
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.verify.data import load_samples
 from scaleloop.verify.recorder import Recorder
@@ -73,7 +73,6 @@ def run_steps(cfg: TrainConfig, env: DistEnv, spec: RunSpec, recorder: Recorder,
         raise UsageError(f"the training set ({plan.n} samples) is smaller than one step of "
                          f"--batch-size {cfg.batch_size} with --drop-last; lower --batch-size")
     recorder.attach(run.strategy, run.model)
-    step = Step(run, observer=recorder)
     run.model.train()
     done, epoch = 0, 0
     if boundary is not None:
@@ -81,14 +80,12 @@ def run_steps(cfg: TrainConfig, env: DistEnv, spec: RunSpec, recorder: Recorder,
     while done < spec.steps:
         run.loader.set_epoch(epoch)
         epoch += 1
-        for batch in run.loader:
-            step.micro(batch)
-            if batch.last_micro:
-                step.update()
-                done += 1
-                if boundary is not None:
-                    boundary(run, done)
-                if done >= spec.steps:
-                    break
+        for micro_batches in steps_of(run.loader):
+            train_step(run, micro_batches, recorder)   # the very step scaleloop train takes
+            done += 1
+            if boundary is not None:
+                boundary(run, done)
+            if done >= spec.steps:
+                break
     recorder.finish(run.loader, epochs_touched=epoch)
     run.strategy.close()

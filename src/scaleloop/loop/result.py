@@ -1,0 +1,122 @@
+"""A run's result (:class:`RunResult`), kept by the loop as it goes, and :func:`finish`: the
+final weights and outputs, and the result completed.
+"""
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import IterableDataset
+
+from scaleloop.checkpoint.manager import Checkpointer, Resumed
+from scaleloop.loop.build import Run
+from scaleloop.loop.evaluate import EvalResult
+from scaleloop.loop.health import Stragglers
+from scaleloop.loop.schedule import describe_schedule
+from scaleloop.output.memory import RankMemory, measure, write_json
+from scaleloop.output.metrics import plot_curves
+from scaleloop.output.rundir import RunDirWriteError, unwritable, write_atomic
+from scaleloop.runtime.collectives import gather_object
+from scaleloop.runtime.devices import describe_device, to_cpu
+
+
+@dataclass
+class RunResult:
+    """What a run reports (the numbers are reduced over all ranks). The loop keeps it as it goes
+    (steps, samples, losses, evaluations: rank 0's copy is the one returned), and :func:`finish`
+    completes it (the run's facts, memory, checkpoints, wall time)."""
+
+    run_dir: Optional[Path] = None
+    device: str = ""
+    strategy: str = ""
+    world_size: int = 1
+    precision: str = ""
+    epochs: int = 0                  # epochs this process trained in (counted from the first, as a resumed one is)
+    steps: int = 0                   # global optimizer steps, a resumed run's earlier ones included
+    samples: int = 0
+    train_loss: float = float("nan")
+    test: Optional[EvalResult] = None
+    samples_per_s: float = 0.0
+    train_s: float = 0.0             # seconds in the epochs' step loops (not evaluations or checkpoints)
+    wall_s: float = 0.0
+    parameters: int = 0
+    dropped_per_epoch: int = 0
+    in_memory_data: bool = False
+    train_samples: int = 0
+    steps_per_epoch: int = 0
+    last_step_samples: int = 0
+    lr: str = ""                     # the learning rate and its schedule, in words
+    weight_decay: str = ""           # which tensors weight decay applied to ("" without it)
+    checkpoints_written: int = 0
+    checkpoint_s: float = 0.0
+    last_checkpoint: Optional[Path] = None
+    resumed_from: Optional[Path] = None
+    memory: tuple[RankMemory, ...] = ()
+    streamed: bool = False           # the training set is a stream (docs/streaming.md)
+    skipped_steps: int = 0           # fp16: optimizer steps the GradScaler skipped (counted in ``steps``)
+    straggler: str = ""              # the worst straggler reported during the run ("" if none)
+    train_loss_over: str = ""        # which steps ``train_loss`` is the mean over ("epoch 2, steps 11-20")
+    window_loss: float = float("nan")   # the last log row's train loss (the mean over its window) ...
+    window_steps: tuple[int, int] = (0, 0)   # ... and that window's first and last global step
+    train_eval: Optional[EvalResult] = None   # --eval-train: the last training loss in evaluation mode ...
+    train_eval_step: int = 0         # ... and the global step it was taken at
+
+    # The loop's own bookkeeping while it runs (not part of the report).
+    started: float = field(default=0.0, repr=False)       # perf_counter() when the process group formed
+    step_lr: float = field(default=0.0, repr=False)       # the learning rate of the last step
+    skipped_before: int = field(default=0, repr=False)    # fp16 steps skipped before this process
+    window_from: int = field(default=0, repr=False)       # the global step the current log window started after
+    out: Optional[Path] = field(default=None, repr=False)  # the run directory, as every rank knows it (for messages)
+    stragglers: Stragglers = field(default_factory=Stragglers, repr=False)
+    eval_row_step: int = field(default=-1, repr=False)    # the step of the last ``eval`` row (one per step at most)
+
+
+def finish(run: Run, result: RunResult, checkpointer: Checkpointer, resumed: Optional[Resumed],
+           gradient_bytes: Optional[int]) -> RunResult:
+    """The end of a run: final weights (the user's own module, unsharded: a collective for a
+    sharded strategy), memory per rank; rank 0 writes ``model.pt``, ``memory.json`` and
+    ``curves.png`` into ``result.run_dir``. Returns ``result``, completed."""
+    env, strategy, plan = run.env, run.strategy, run.loader.plan
+    final_weights = strategy.full_state_dict(run.model)
+    memory = tuple(gather_object(measure(run.model, run.optimizer, env.rank, env.device, gradient_bytes,
+                                         run.model_bytes), env))
+    strategy.close()
+    result.skipped_steps = result.skipped_before + strategy.precision.skipped_steps()
+    if result.run_dir is not None:
+        _write_outputs(run, result.run_dir, checkpointer, final_weights, memory)
+    result.device, result.strategy, result.world_size = describe_device(env.device), strategy.describe(), env.world_size
+    result.precision, result.parameters, result.memory = run.cfg.precision, run.parameters, memory
+    result.samples_per_s = result.samples / max(result.train_s, 1e-9)
+    result.wall_s = time.perf_counter() - result.started
+    result.dropped_per_epoch, result.in_memory_data = plan.dropped_per_epoch, run.loader.in_memory
+    result.train_samples, result.steps_per_epoch = plan.n or 0, plan.steps_per_epoch or 0
+    result.last_step_samples = (len(plan.step_indices(0, plan.steps_per_epoch - 1)) if plan.steps_per_epoch
+                                else 0)
+    result.lr = describe_schedule(run.cfg.optim, run.lr, run.total_steps)
+    result.weight_decay = run.weight_decay
+    result.checkpoints_written, result.checkpoint_s = checkpointer.written, checkpointer.seconds
+    result.last_checkpoint = checkpointer.last_path
+    result.resumed_from = resumed.source if resumed is not None else None
+    result.streamed = isinstance(run.data.train, IterableDataset)
+    worst = result.stragglers.worst
+    result.straggler = worst.describe() if worst is not None else ""
+    return result
+
+
+def _write_outputs(run: Run, run_dir: Path, checkpointer: Checkpointer, final_weights: dict[str, Any],
+                   memory: tuple[RankMemory, ...]) -> None:
+    """Rank 0: ``model.pt``, ``memory.json`` and ``curves.png`` in the run directory."""
+    buf = io.BytesIO()
+    torch.save(to_cpu(final_weights), buf)  # on CPU for every strategy: loads anywhere
+    try:
+        write_atomic(run_dir / "model.pt", buf.getvalue())
+        write_json(run_dir / "memory.json", memory, run.strategy.name)
+        plot_curves(run_dir / "metrics.csv", run_dir / "curves.png")
+    except RunDirWriteError as exc:
+        raise exc.with_hint(checkpointer.continue_hint(exc.once)) from None
+    except OSError as exc:   # memory.json, curves.png
+        raise unwritable(run_dir, exc).with_hint(checkpointer.continue_hint("the disk has space")) from None

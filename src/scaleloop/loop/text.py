@@ -1,0 +1,130 @@
+"""What the loop prints: the run's header, the progress bar, the lines after an evaluation.
+
+Rank 0 prints; the trainer (``loop.trainer``) decides when.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, Optional
+
+from torch.utils.data import Dataset, IterableDataset
+
+from scaleloop.checkpoint.manager import Progress, Resumed
+from scaleloop.config import TrainConfig
+from scaleloop.data.streaming import declared_length
+from scaleloop.loop.build import Run
+from scaleloop.loop.evaluate import EvalResult
+from scaleloop.loop.schedule import describe_schedule
+from scaleloop.loop.tasks import describe_task
+from scaleloop.runtime.devices import describe_device
+from scaleloop.runtime.dist import restart_count
+
+#: Where a line goes: ``print`` on rank 0, nothing on the others.
+Log = Callable[[str], None]
+
+# The bar: how far the epoch is, the time left, then (from the first log row on) the postfix
+# ``_bar_postfix`` writes. tqdm's own step/s is left out: samples/s says it, and without it the
+# line fits 80 columns.
+BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {remaining} left{postfix}"
+# A stream's first pass has no known length: steps so far and the time, no share or time left.
+UNSIZED_BAR_FORMAT = "{desc}: {n_fmt} steps [{elapsed}{postfix}]"
+
+
+def progress_bar(total: Optional[int], initial: int, desc: str, enabled: bool):  # -> tqdm | None
+    if not enabled:
+        return None
+    width = _terminal_width(sys.stderr)
+    if width == 0:
+        # A terminal that reports no width (0 columns): a bar redrawn in place there wraps into
+        # stray lines. The epoch lines say how the run goes.
+        return None
+    from tqdm import tqdm  # imported here: only rank 0 with a progress bar needs it
+
+    # disable=None: a bar on a terminal, plain epoch lines in a log file or CI.
+    return tqdm(total=total, initial=initial, desc=desc, bar_format=BAR_FORMAT if total else UNSIZED_BAR_FORMAT,
+                dynamic_ncols=width is None, ncols=width, leave=True, disable=None)
+
+
+def _terminal_width(stream: Any) -> Optional[int]:
+    """The bar's width on ``stream``: None to follow the terminal (or not a terminal: tqdm shows no
+    bar), a fixed width where the terminal reports 0 columns but ``COLUMNS`` gives one, else 0."""
+    try:
+        if not stream.isatty() or os.get_terminal_size(stream.fileno()).columns > 0:
+            return None
+    except (AttributeError, OSError, ValueError):  # no file descriptor (a captured stream)
+        return None
+    columns = os.environ.get("COLUMNS", "")
+    return int(columns) if columns.isdigit() else 0
+
+
+def bar_postfix(loss: float, steps: int, samples_per_s: float) -> str:
+    """What the bar shows after a log row: the mean loss of the steps since the previous row (not
+    the epoch's running mean, which the epoch line prints), and the samples per second."""
+    return f"loss {loss:.4f} (last {steps} step{'s' if steps != 1 else ''}), {samples_per_s:,.0f} samples/s"
+
+
+def announce(run: Run, resumed: Optional[Resumed], say: Log) -> None:
+    """The run's header: what trains on what, how, and where it continues from."""
+    cfg, env, data, plan = run.cfg, run.env, run.data, run.loader.plan
+    say(f"scaleloop: {cfg.model} ({run.parameters:,} parameters) on {data.info.name} "
+        f"({_size(data.train)} train / {_size(data.test) if data.test is not None else 0} test), "
+        f"{run.strategy.describe()} x {env.world_size} on {describe_device(env.device)}, {cfg.precision}")
+    say(describe_task(data.info, cfg.loss, getattr(run.loader, "keep_target", False)))
+    for line in run.strategy.details() + run.notes:
+        say(line)
+    if cfg.lr_scaling != "none" or cfg.lr_schedule != "constant" or cfg.warmup_steps:
+        say(f"learning rate {describe_schedule(cfg.optim, run.lr, run.total_steps)}")
+    if run.weight_decay:
+        say(f"weight decay {run.weight_decay}")
+    if plan.dropped_per_epoch:
+        say(f"note: the last {plan.dropped_per_epoch} sample(s) of each shuffled epoch are dropped "
+            f"({'--drop-last' if cfg.drop_last else 'too few to give every worker and micro-step one'})")
+    if resumed is not None:
+        at = resumed.progress
+        where = (f"epoch {at.epoch + 1}, step {at.step_in_epoch}"
+                 + (f" of {plan.steps_per_epoch}" if plan.steps_per_epoch is not None else "")
+                 if at.step_in_epoch else f"the end of epoch {at.epoch}")
+        say(f"resuming from {resumed.source} (global step {at.global_step}: {where}); any steps an "
+            "interrupted run took after it are trained again")
+        for note in resumed.notes:
+            say(note)
+    elif restart_count() > 0:
+        say(f"restart {restart_count()}: no checkpoint was written before the failure; starting over")
+
+
+def _size(dataset: Dataset) -> str:
+    """A dataset's size for the header (a stream's is unknown unless it has a ``__len__``)."""
+    n = declared_length(dataset)
+    if not isinstance(dataset, IterableDataset):
+        return f"{n:,}"
+    return "streamed" if n is None else f"{n:,} streamed"
+
+
+def nothing_left(cfg: TrainConfig, at: Progress, say: Log) -> bool:
+    """True (and says so) when the checkpoint already reached the run's end."""
+    if (cfg.max_steps is None or at.global_step < cfg.max_steps) and at.epoch < cfg.epochs:
+        return False
+    say(f"nothing left to train: the checkpoint is at step {at.global_step}, epoch {at.epoch} of {cfg.epochs}"
+        + (f", --max-steps {cfg.max_steps}" if cfg.max_steps is not None else "")
+        + "; raise --epochs or --max-steps to train further")
+    return True
+
+
+def describe_test(test: EvalResult) -> str:
+    """``test loss L, test accuracy A, <metric> V``: what the task has (no accuracy for a regression);
+    `` (sampled: n of N)`` after them for an ``--eval-batches`` sample."""
+    parts = [f"test loss {test.loss:.4f}"]
+    if test.accuracy == test.accuracy:  # not NaN
+        parts.append(f"test accuracy {test.accuracy:.2%}")
+    parts += [f"{name} {value:.4g}" for name, value in test.metrics.items()]
+    return ", ".join(parts) + (f" (sampled: {test.samples:,} of {test.of:,})" if test.of is not None else "")
+
+
+def describe_train_eval(train: EvalResult) -> str:
+    """``train loss (sampled) L``: ``--eval-train``'s training loss in evaluation mode."""
+    return f"train loss ({'sampled' if train.of is not None else 'eval mode'}) {train.loss:.4f}"
+
+
+def describe_evals(test: Optional[EvalResult], train: Optional[EvalResult]) -> list[str]:
+    return ([describe_test(test)] if test else []) + ([describe_train_eval(train)] if train else [])

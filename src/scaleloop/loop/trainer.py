@@ -1,0 +1,259 @@
+"""The loop behind ``scaleloop train``: epochs of steps, a log row every ``--log-every`` steps.
+
+Read :meth:`Trainer.train_epoch` top to bottom: for every step of the epoch ``train_step``
+(``loop.step``), then the step's counts, a log row when due, the stop checks (``--max-steps``,
+a stop signal) and the pauses when due (``loop.pauses``: evaluations, checkpoints); at the
+epoch's end the loss reduced over ranks, the test set, the epoch's row and a checkpoint.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from scaleloop.checkpoint.manager import Checkpointer, Progress, Resumed
+from scaleloop.checkpoint.resume import run_dir_for
+from scaleloop.data.loader import Batch
+from scaleloop.loop.build import Run
+from scaleloop.loop.health import reduce_window
+from scaleloop.loop.pauses import Pauses
+from scaleloop.loop.preempt import StopVote
+from scaleloop.loop.result import RunResult, finish
+from scaleloop.loop.rows import Row, check_health
+from scaleloop.loop.running import RunningLoss
+from scaleloop.loop.step import Observer, steps_of, train_step
+from scaleloop.loop.text import Log, announce, bar_postfix, nothing_left, progress_bar
+from scaleloop.output.memory import gradient_bytes
+from scaleloop.output.metrics import MetricsLogger
+from scaleloop.output.rundir import RunDirWriteError
+from scaleloop.runtime.devices import device_clock
+from scaleloop.runtime.dist import launched_by_torchrun, restart_count
+from scaleloop.runtime.frames import note_where
+from scaleloop.runtime.recovery import RECOVERY_FILE, Recovery
+
+
+class StepClock(Observer):
+    """The trainer's watch on its steps: the gradients' bytes at the first step (they exist only
+    between the backward and the optimizer step), and with several ranks this rank's own seconds:
+    its work (data, forward passes) up to its step's last loss, the part of a step that does not
+    wait for the other ranks, so that the log rows can compare ranks (a straggler). One rank has
+    no one to compare with: its clock is not read."""
+
+    def __init__(self, run: Run, on_batch: Optional[Callable[[Batch], None]]) -> None:
+        self.model, self.on_batch = run.model, on_batch
+        self.clocked = run.env.world_size > 1
+        self.gradient_bytes: Optional[int] = None
+        self.own_s = 0.0   # since the last take_own_s
+        #: ``time.perf_counter()`` when the loop last moved on: the last step's end, or a restart.
+        self.last_progress = self._loss_known = time.perf_counter()
+
+    def restart(self) -> None:
+        """The next step's own time starts now (after a pause: evaluation, checkpoint, a log row)."""
+        if self.clocked:
+            self.last_progress = self._loss_known = time.perf_counter()
+
+    def take_own_s(self) -> float:
+        """This rank's own seconds since the last call (then counted from zero again)."""
+        own, self.own_s = self.own_s, 0.0
+        return own
+
+    def micro_batch(self, batch: Batch) -> None:
+        if self.on_batch is not None:
+            self.on_batch(batch)
+
+    def forward_done(self, loss: torch.Tensor) -> None:
+        if self.clocked:
+            self._loss_known = time.perf_counter()
+
+    def synced(self) -> None:
+        if self.gradient_bytes is None:
+            self.gradient_bytes = gradient_bytes(self.model)
+        if self.clocked:
+            # A rank that computes no loss (a pipeline's earlier stage) counts the step up to here.
+            began = self.last_progress
+            self.own_s += (self._loss_known if self._loss_known > began else time.perf_counter()) - began
+
+    def stepped(self) -> None:
+        if self.clocked:
+            self.last_progress = time.perf_counter()
+
+
+class Trainer:
+    """One run's loop and what it carries from step to step: the run, its checkpointer, the
+    result kept as it goes (:class:`~scaleloop.loop.result.RunResult`), the running loss and the pauses.
+
+    ``on_batch`` (optional) sees every micro-batch this rank trains on, before its forward pass.
+    Making one opens ``metrics.csv`` and the tracker (when ``run_dir`` is given) and nothing else:
+    no line is said and no signal handler installed until :meth:`fit`.
+    """
+
+    def __init__(self, run: Run, checkpointer: Checkpointer, say: Log, started: float, *,
+                 run_dir: Optional[Path] = None, resumed: Optional[Resumed] = None,
+                 on_batch: Optional[Callable[[Batch], None]] = None) -> None:
+        cfg = self.cfg = run.cfg
+        self.run, self.env, self.checkpointer, self.say = run, run.env, checkpointer, say
+        self.run_dir, self.resumed = run_dir, resumed
+        at = self.at = resumed.progress if resumed is not None else Progress()
+        self.metrics: Optional[MetricsLogger] = (
+            MetricsLogger(run_dir, tensorboard=cfg.tensorboard, tracker=cfg.tracker, config=cfg,
+                          keep_until_step=at.global_step if resumed is not None or restart_count() > 0 else None)
+            if run_dir is not None else None)
+        self.result = RunResult(run_dir=run_dir, steps=at.global_step, samples=at.samples, train_s=at.train_s,
+                                epochs=at.epoch, skipped_steps=at.skipped_steps, started=started,
+                                step_lr=run.optimizer.param_groups[0]["lr"], skipped_before=at.skipped_steps,
+                                window_from=at.global_step, out=run_dir or run_dir_for(cfg))
+        self.running = RunningLoss()  # loss x samples and samples, of the epoch and of the log window
+        if resumed is not None:
+            self.running.load(resumed.sums)
+        self.clock = StepClock(run, on_batch)
+        self.pauses = Pauses(run, self.result, self.running, checkpointer, self.emit, self.metrics, say)
+        self.recovery: Optional[Recovery] = None   # a fault's recovery, reported after the first step
+        self.vote: Optional[StopVote] = None       # the preemption stop vote (loop/preempt.py), from fit on
+
+    def emit(self, row: Row) -> None:
+        """Write ``row`` (rank 0: ``metrics.csv`` and the tracker), then check a log row's health on
+        every rank: the row that shows a problem is on disk before the run stops on it."""
+        if self.metrics is not None:
+            self.metrics.write(row.kind, epoch=row.epoch, step=row.step, samples=row.samples, **row.values)
+        if row.totals is not None:
+            check_health(row, row.totals, self.result, self.checkpointer)
+
+    def fit(self, recovery: Optional[Recovery] = None) -> RunResult:
+        """The epochs from the checkpoint's place on; then the final weights and the result.
+
+        ``recovery``: what the attempt before a fault left, reported after the first step.
+        """
+        cfg, result, at = self.cfg, self.result, self.at
+        announce(self.run, self.resumed, self.say)
+        evaluations = self.pauses.evals.describe()
+        if evaluations is not None:
+            self.say(evaluations)
+        done = nothing_left(cfg, at, self.say)
+        self.recovery = recovery
+        vote = self.vote = StopVote(self.env, cfg.signal, torchrun_worker=launched_by_torchrun())
+        self.run.model.train()
+        try:
+            for epoch in range(at.epoch, cfg.epochs):
+                if done:
+                    break
+                done = self.train_epoch(epoch, at.step_in_epoch if epoch == at.epoch else 0)
+            if vote.stopped_after is not None:  # the checkpoint is written: end with how to continue
+                raise vote.preempted(result.out, self.checkpointer.last_step, checkpoints=cfg.checkpoints,
+                                     machines=cfg.nnodes, requeue_job=cfg.requeue)
+        except RunDirWriteError as exc:  # rank 0's own files (metrics.csv): add where the run can go on from
+            note_where(exc, epoch=result.epochs + 1, step=result.steps + 1, during=self.pauses.doing)
+            raise exc.with_hint(self.checkpointer.continue_hint(exc.once)) from None
+        except BaseException as exc:  # where the loop was, for the launcher's failure report
+            note_where(exc, epoch=result.epochs + 1, step=result.steps + 1,
+                       last_progress=time.time() - (time.perf_counter() - self.clock.last_progress),
+                       during=self.pauses.doing)
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.close()
+        if result.test is None:
+            result.test = self.pauses.evals.test()  # nothing trained: the checkpoint's model
+        return finish(self.run, result, self.checkpointer, self.resumed, self.clock.gradient_bytes)
+
+    def train_epoch(self, epoch: int, first_step: int) -> bool:
+        """Epoch ``epoch`` from its step ``first_step`` on, then its end; True when the run stops
+        in it (``--max-steps``, or the stop vote)."""
+        cfg, run, result, clock, pauses = self.cfg, self.run, self.result, self.clock, self.pauses
+        plan = run.loader.plan
+        run.loader.set_epoch(epoch, first_step)
+        if first_step == 0:
+            self.running.new_epoch()
+        in_epoch, done = first_step, False
+        bar = progress_bar(plan.steps_per_epoch, first_step, f"epoch {epoch + 1}/{cfg.epochs}",
+                           cfg.progress and self.env.is_main)
+        # The clock waits for the GPU (device_clock): it runs behind the loop, and a time read
+        # with steps still queued makes samples/s look better than it is. Free on the CPU.
+        epoch_start = window_start = device_clock(self.env.device)
+        window_samples = 0
+        clock.restart()
+        for micro_batches in steps_of(run.loader):
+            result.step_lr = run.optimizer.param_groups[0]["lr"]   # the learning rate this step uses
+            losses = train_step(run, micro_batches, clock)
+            result.steps += 1
+            for batch, loss in zip(micro_batches, losses):
+                if loss is not None:  # None: this rank computes no loss (a pipeline's earlier stage)
+                    self.running.add(loss, len(batch), result.steps)
+            if self.recovery is not None:
+                self._report_recovery(epoch)
+            where = micro_batches[-1].plan
+            in_epoch = where.step + 1
+            result.samples += where.step_samples
+            window_samples += where.step_samples
+            if bar is not None:
+                bar.update(1)
+            if result.steps % cfg.log_every == 0:
+                window_start = self.log_row(epoch, window_samples, window_start, bar)
+                window_samples = 0
+            # Every rank ends at --max-steps, or where the stop vote says so (the same step on all).
+            if ((cfg.max_steps is not None and result.steps >= cfg.max_steps)
+                    or (self.vote is not None and self.vote.after_step(result.steps))):
+                done = True
+                break
+            if pauses.due(result.steps) and not _epoch_complete(plan, in_epoch):
+                paused = pauses.inside(epoch, in_epoch, result.steps, epoch_start)
+                clock.restart()
+                epoch_start += paused   # not training time, as at the epoch's end
+                window_start += paused
+        result.train_s += device_clock(self.env.device) - epoch_start
+        if bar is not None:
+            bar.close()
+        pauses.end_epoch(epoch, in_epoch, finished=_epoch_complete(plan, in_epoch))
+        return done
+
+    def log_row(self, epoch: int, window_samples: int, window_start: float, bar: Any = None) -> float:
+        """The log row of the global loss since the last one (a collective), written and checked;
+        returns the new window's start. ``window_samples`` trained since ``window_start``.
+
+        The same all-reduce gathers each rank's own time, first non-finite step and fp16 skipped
+        steps (``scaleloop.loop.health``), which the health checks read (``loop.rows``).
+        """
+        run, result, running = self.run, self.result, self.running
+        steps = result.steps - result.window_from
+        skipped = run.strategy.precision.skipped
+        totals = reduce_window(run.env, running.window_values(), self.clock.take_own_s(),
+                               running.first_nonfinite_step(), skipped)
+        now = device_clock(run.env.device)
+        rate = window_samples / max(now - window_start, 1e-9)
+        values: dict[str, Any] = dict(train_loss=totals.loss, lr=result.step_lr, samples_per_s=rate,
+                                      wall_s=now - result.started, **totals.skew(steps))
+        if skipped is not None:
+            result.skipped_steps = values["skipped_steps"] = result.skipped_before + totals.skipped
+        if bar is not None:
+            bar.set_postfix_str(bar_postfix(totals.loss, steps, rate))
+        running.new_window()
+        result.window_loss, result.window_steps = totals.loss, (result.window_from + 1, result.steps)
+        result.window_from = result.steps
+        self.emit(Row("step", epoch + 1, result.steps, result.samples, values, totals, steps,
+                           (now - window_start) / max(steps, 1)))
+        self.clock.restart()  # the wait in this all-reduce is no rank's own work
+        return time.perf_counter()
+
+    def _report_recovery(self, epoch: int) -> None:
+        """After a fault, at the first step (the recovery is complete there): a line, a ``recovery``
+        row and an entry of ``recovery.json``. Only a group that torchrun restarted has one."""
+        recovery, self.recovery = self.recovery, None
+        assert recovery is not None
+        recovery.first_step = time.time()
+        self.say(f"scaleloop: {recovery.describe()}")
+        # The row's samples are those trained before the fault's restart, as metrics.csv has always
+        # recorded them (this step's are counted after it).
+        self.emit(Row("recovery", epoch + 1, self.result.steps, self.result.samples,
+                           dict(world_size=recovery.world_after, recovery_s=recovery.phases["total_s"])))
+        if self.run_dir is not None:
+            try:
+                recovery.write(self.run_dir)
+            except OSError as exc:
+                self.say(f"warning: {self.run_dir / RECOVERY_FILE} could not be written: {exc}")
+
+
+def _epoch_complete(plan: Any, in_epoch: int) -> bool:
+    """Whether ``in_epoch`` steps complete the epoch: a stream's plan knows its length only once a
+    reader has reached the stream's end (before the pass's last step trains)."""
+    return plan.steps_per_epoch is not None and in_epoch >= plan.steps_per_epoch
