@@ -404,4 +404,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     (out / f"{name}.json").write_text(json.dumps(result_json(rows, hw), indent=1) + "\n", encoding="utf-8")
     print(f"wrote {out / name}.md")
     return 0
-
