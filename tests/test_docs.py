@@ -380,6 +380,20 @@ def test_every_make_target_the_docs_name_exists() -> None:
     assert not missing, f"make targets the docs name but the Makefile lacks: {sorted(missing)}"
 
 
+def relative_links(text: str) -> list[str]:
+    """The targets of a page's markdown links that are files of this repository (no URLs, no anchors)."""
+    targets = (m.split("#")[0] for m in re.findall(r"\]\(([^)\s]+)\)", text))
+    return [t for t in targets if t and "://" not in t and not t.startswith("mailto:")]
+
+
+def test_every_relative_link_of_the_docs_and_results_resolves() -> None:
+    assert relative_links("[a](../x.md#y), [b](https://e.org), [c](#here), ![d](d.png)") == ["../x.md", "d.png"]
+    pages = [README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").rglob("*.md"))]
+    broken = [f"{page.relative_to(ROOT)}: {target}" for page in pages
+              for target in relative_links(page.read_text(encoding="utf-8")) if not (page.parent / target).exists()]
+    assert not broken, "links to files that do not exist:\n" + "\n".join("  " + b for b in broken)
+
+
 def test_the_readme_first_screen_starts_a_newcomer() -> None:
     """What scaleloop is, where to start reading, how to install, the two commands: in the first 40 lines."""
     first = "\n".join(README.read_text(encoding="utf-8").splitlines()[:40])

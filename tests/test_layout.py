@@ -235,7 +235,11 @@ def test_the_readme_layout_names_every_module() -> None:
             if module not in words:
                 missing.append(f"{key}{module}")
     tools = set(re.findall(r"[\w]+", entries.get("tools/", "")))
-    missing += [f"tools/{p.stem}" for p in sorted((ROOT.parent / "tools").glob("*.py")) if p.stem not in tools]
+    tools_dir = ROOT.parent / "tools"
+    names = {p.relative_to(tools_dir).with_suffix("").as_posix(): p.stem for p in tools_dir.rglob("*.py")
+             if p.name != "__init__.py"}
+    names.update({p.parent.relative_to(tools_dir).as_posix(): p.parent.name for p in tools_dir.rglob("__init__.py")})
+    missing += [f"tools/{path}" for path, name in sorted(names.items()) if name not in tools]
     assert not missing, "modules the README's Layout does not name: " + ", ".join(missing)
 
 

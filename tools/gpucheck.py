@@ -25,6 +25,8 @@ from typing import Any, Optional, Sequence
 from scaleloop.bench.mfu import GPT2_SMALL_FLAGS, MFU_TARGET
 
 SCALELOOP = (sys.executable, "-m", "scaleloop")
+#: The plan's check against measurement (tools/plan_validate, run as a directory).
+PLAN_VALIDATE = Path(__file__).resolve().parent / "plan_validate"
 TRAIN = (*SCALELOOP, "train", "--device", "cuda", "--epochs", "1", "--max-steps", "30", "--no-progress",
          "--no-checkpoints", "--tracker", "none")
 #: The whole plan's budget: half an hour of GPU time, less start-up and installing.
@@ -78,7 +80,7 @@ PLAN: tuple[Check, ...] = (
     # scaleloop plan's memory model against the GPU's own answer (docs/planning.md): the largest
     # per-device batch of TinyGPT (1024 tokens, vocabulary 32,000, bf16, Adam) that fits.
     Check("tune-batch and plan agree within 10% on the largest batch that fits",
-          (sys.executable, "-m", "scaleloop.plan.validate", "--against-tune-batch"), timeout_s=240, estimate_s=30),
+          (sys.executable, str(PLAN_VALIDATE), "--against-tune-batch"), timeout_s=240, estimate_s=30),
     _bench("bench devices", "devices", "gpucheck", estimate_s=90),
     _bench("bench overhead", "overhead", "simplenet", "--device", "cuda", estimate_s=60,
            target="scaleloop's loop at most 1.02x the hand-written CUDA loop"),

@@ -94,3 +94,23 @@ def test_index_lists_real_results_only(tmp_path: Path) -> None:
     assert "-quick" not in text
     assert "| 2026-01-02 | cpu-2core | Demo | head |" in text
     assert "No GPU results yet" in text
+
+
+def test_index_lists_current_results_notes_and_points_at_history(tmp_path: Path) -> None:
+    from scaleloop.bench.index import write_index
+
+    write_report(_report(quick=False), tmp_path)
+    (tmp_path / "2026-01-03_cpu-2core_launch.md").write_text("# Launch time, by hand\n\ntext\n")
+    (tmp_path / "notes.md").write_text("# not a dated result: ignored\n")
+    history = tmp_path / "history"
+    history.mkdir()
+    old = _report(quick=False)
+    old.tag = "first"
+    write_report(old, history)
+    text = write_index(tmp_path).read_text()
+    assert "| 2026-01-03 | cpu-2core | Launch time, by hand | [md](2026-01-03_cpu-2core_launch.md) |" in text
+    assert "notes.md" not in text and "demo-first" not in text
+    assert "1 earlier run that a result above replaced" in text and "[history/](history/README.md)" in text
+    past = (history / "README.md").read_text()
+    assert "# Superseded benchmark results" in past and "[md](2026-01-02_cpu-2core_demo-first.md)" in past
+    assert "history/README.md" not in past

@@ -141,24 +141,16 @@ def test_strategies_table_runs_every_mesh_composition_on_four_workers(tmp_path: 
 
 
 def test_strategies_table(tmp_path: Path) -> None:
-    from scaleloop.strategies import STRATEGY_CLASSES
-
     data, md, _ = bench(tmp_path, "strategies", "--workers", "2")
     rows = {r["label"]: r for r in data["data"]["rows"]}
-    fsdp = "fsdp x 2" if "fsdp" in STRATEGY_CLASSES else "fsdp"
-    assert list(rows) == ["single (1 thread)", "single (2 threads)", "dp", "ddp x 2", "allreduce x 2", fsdp,
+    assert list(rows) == ["single (1 thread)", "single (2 threads)", "dp", "ddp x 2", "allreduce x 2", "fsdp x 2",
                           "tp x 2 (mesh tp=2)", "fsdp x tp", "hsdp", "dp x tp", "pp x dp"]
     assert "needs CUDA" in rows["dp"]["status"]
     # The --mesh rows: BiggerNet has no tp_plan(), and 2-D meshes need 4 workers; each says so.
     assert "BiggerNet has no tp_plan()" in rows["tp x 2 (mesh tp=2)"]["status"]
     assert all(rows[k]["status"] == "needs an even --workers of 4 or more" for k in ("fsdp x tp", "hsdp", "dp x tp", "pp x dp"))
-    ran = ["single (1 thread)", "single (2 threads)", "ddp x 2", "allreduce x 2"]
-    if fsdp == "fsdp":
-        assert rows["fsdp"]["status"] == "not available in this version of scaleloop"
-        assert "not available in this version" in md
-    else:
-        ran.append(fsdp)
-        assert rows[fsdp]["grad_bytes"] is None        # FSDP's collectives are not timed
+    ran = ["single (1 thread)", "single (2 threads)", "ddp x 2", "allreduce x 2", "fsdp x 2"]
+    assert rows["fsdp x 2"]["grad_bytes"] is None        # FSDP's collectives are not timed
     for label in ran:
         row = rows[label]
         assert row["status"] == "ran" and row["samples_per_s"] > 0 and row["global_batch"] == 32

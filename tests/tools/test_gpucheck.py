@@ -6,8 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import gpucheck  # noqa: E402  (tools/ is the repository's tooling, not the installed package)
+import gpucheck  # tools/ (tests/tools/conftest.py puts it on the path)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,6 +38,7 @@ def test_cpu_mode_runs_the_plan_and_writes_the_report(tmp_path: Path, capsys) ->
 def test_cuda_test_files_exist() -> None:
     for name in gpucheck.CUDA_TEST_FILES:
         assert (ROOT / name).is_file(), name
+    assert (gpucheck.PLAN_VALIDATE / "__main__.py").is_file()
 
 
 def test_a_command_that_does_not_parse_fails_the_check(tmp_path: Path) -> None:

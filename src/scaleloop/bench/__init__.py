@@ -16,7 +16,7 @@ One module per job:
 - ``loopcost``   the loop's own cost per step, piece by piece (batch objects, step calls, loss sums, logging)
 - ``devices``, ``scaling``, ``strategies``, ``overhead``, ``mfu``: the bench commands
 - ``plots``      the PNG charts (matplotlib, imported lazily)
-- ``index``      a results directory's README.md, rebuilt from the results' JSON (``scaleloop bench index``)
+- ``index``      a results directory's README.md, current results and those in history/ (``scaleloop bench index``)
 - ``startup``    what ``import scaleloop`` and ``scaleloop --help`` cost (``overhead --mode startup``)
 - ``__main__``   ``python -m scaleloop.bench``; the flags are ``scaleloop.commands.bench``'s
 """

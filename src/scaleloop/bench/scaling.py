@@ -54,18 +54,15 @@ class ScalingOptions:
     command: str = "scaleloop bench scaling"
 
 
-def scaling_strategies() -> tuple[str, ...]:
-    """Strategies with one process per device that this version has (fsdp once it exists)."""
-    from scaleloop.strategies import STRATEGY_CLASSES
-
-    return tuple(s for s in ("ddp", "allreduce", "fsdp") if s in STRATEGY_CLASSES)
+#: The strategies with one process per device, which scaling runs at every worker count.
+SCALING_STRATEGIES = ("ddp", "allreduce", "fsdp")
 
 
 def check_options(opts: ScalingOptions, device_type: str, gpus: int) -> list[str]:
     """Raise UsageError for what cannot run here; return notes about what runs, but is skewed."""
-    if opts.strategy not in scaling_strategies():
+    if opts.strategy not in SCALING_STRATEGIES:
         raise UsageError(f"--strategy {opts.strategy!r} cannot be scaled over workers; choose one of: "
-                         f"{', '.join(scaling_strategies())}")
+                         f"{', '.join(SCALING_STRATEGIES)}")
     if opts.workers[0] != 1:
         raise UsageError("--workers must include 1: efficiency is measured against one worker")
     if opts.strong:

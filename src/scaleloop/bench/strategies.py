@@ -50,9 +50,7 @@ class Planned:
 
 
 def plan_rows(opts: StrategiesOptions, device_type: str, gpus: int) -> list[Planned]:
-    """The rows for this machine and version, in table order."""
-    from scaleloop.strategies import STRATEGY_CLASSES
-
+    """The rows for this machine, in table order."""
     n = opts.workers
     cpu = device_type == "cpu"
     rows = [Planned("single (1 thread)" if cpu else "single (1 GPU)", "single", 1, 1 if cpu else None)]
@@ -60,9 +58,7 @@ def plan_rows(opts: StrategiesOptions, device_type: str, gpus: int) -> list[Plan
         rows.append(Planned(f"single ({n} threads)", "single", 1, n))
     for name in ALL_STRATEGIES[1:]:
         label = f"{name} x {n}"
-        if name not in STRATEGY_CLASSES:
-            rows.append(Planned(name, name, n, None, "not available in this version of scaleloop"))
-        elif name == "dp":
+        if name == "dp":
             if cpu:
                 rows.append(Planned("dp", name, 1, None, "needs CUDA GPUs (nn.DataParallel); none here"))
             else:

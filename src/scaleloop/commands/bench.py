@@ -172,7 +172,8 @@ def _add_index(sub: Any) -> None:
     """``bench index``: a results directory's README.md."""
     index = sub.add_parser("index", help="rebuild <out>/README.md: an index of the results there",
                            description="Rebuild the README.md of a results directory from its JSON files "
-                                       "(quick results are left out).")
+                                       "and its dated markdown-only results (quick results are left out); "
+                                       "where <out>/history/ holds superseded runs, its README.md too.")
     index.add_argument("--out", default="benchmarks", metavar="DIR", help="results directory (default: benchmarks)")
 
 

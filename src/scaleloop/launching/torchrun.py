@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional, Sequence, Union
 
@@ -89,10 +89,6 @@ class WorkerLaunch:
     def agent_log(self) -> Path:
         """Where torchrun's own messages go."""
         return self.logs / AGENT_LOG
-
-    def with_env(self, env: Mapping[str, str]) -> "WorkerLaunch":
-        """The same launch with ``env`` added to its environment."""
-        return replace(self, env={**(os.environ if self.env is None else self.env), **env})
 
     def torchrun_flags(self) -> list[str]:
         """torchrun's own flags: the processes, the machines, the restarts, where they meet."""

@@ -81,17 +81,6 @@ def gradient_bytes(model: nn.Module) -> Optional[int]:
     return tensor_bytes(grads) if grads else None
 
 
-class MemoryProbe:
-    """Remembers the gradient bytes of the first optimizer step (call ``see_gradients`` before it)."""
-
-    def __init__(self) -> None:
-        self.gradients: Optional[int] = None
-
-    def see_gradients(self, model: nn.Module) -> None:
-        if self.gradients is None:
-            self.gradients = gradient_bytes(model)
-
-
 def parameter_bytes(model: nn.Module) -> int:
     """Bytes of all of the model's parameters, unsharded (tied parameters counted once)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())

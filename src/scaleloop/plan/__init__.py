@@ -9,13 +9,13 @@ Small modules, bottom up:
 - ``target``     the GPUs: memory, peak FLOP/s, NVLink inside a node, InfiniBand between (``--gpu``)
 - ``layouts``    the candidates (dp, fsdp, hsdp, fsdp x tp, pp x dp, +ac, +offload) and their train flags
 - ``memory``     a layout's per-rank peak: parameters, gradients, optimizer state, activations, buffers
+- ``stepping``   a layout's TinyGPT built and stepped on the CPU (real or fake process group)
 - ``hostwork``   the host's own work per layout (FSDP's hooks, DTensor's dispatch), measured at tiny
                  widths on a fake process group (``--measure-host``)
 - ``timing``     a layout's step time: compute at a stated MFU, communication over the links, the host's work
 - ``report``     the ranked table, the recommendation with its ``scaleloop train`` line, why the others lost
 - ``planner``    all of it for one model and target (what ``scaleloop plan`` prints)
-- ``published``  the memory model against published figures (ZeRO's Figure 1, Megatron's equation 1)
-- ``measure``    the plan against measurement: a layout on N CPU processes, each rank's peak and the step time
-- ``interleaved`` the step times of several layouts measured in turns on the same processes (the order's check)
-- ``validate``   the benchmark: three TinyGPT sizes x the 4-process layouts, predicted against measured
+
+The plan's check against CPU measurements and published figures is repository tooling, outside
+the package: ``tools/plan_validate``.
 """

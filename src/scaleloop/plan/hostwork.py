@@ -106,7 +106,7 @@ def tiny_spec(spec: ModelSpec) -> Optional[ModelSpec]:
 def _built(spec: ModelSpec, layout: Optional[Layout], checkpointing: bool, env: Any) -> tuple[Any, ...]:
     """Rank 0 of ``layout`` (None: the plain model, no strategy) ready to step, one sample per
     data-parallel rank, its optimizer state made."""
-    from scaleloop.plan.measure import build_run, run_steps, token_dataset
+    from scaleloop.plan.stepping import build_run, run_steps, token_dataset
     from scaleloop.runtime.dist import DistEnv
 
     if layout is None:
@@ -123,7 +123,7 @@ def host_work_worker(spec: dict[str, Any], layouts: list[dict[str, Any]], world:
     drifts (a shared VM's does, by a third) slows them all alike."""
     import statistics
 
-    from scaleloop.plan.measure import fake_group, run_steps
+    from scaleloop.plan.stepping import fake_group, run_steps
 
     tiny = ModelSpec(**spec)
     with fake_group(world) as env:

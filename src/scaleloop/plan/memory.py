@@ -113,7 +113,7 @@ def estimate(profile: ModelProfile, layout: Layout, options: Options) -> Memory:
         # Gathered: the root unit all step, the current unit and the next (prefetched); the
         # current unit's unsharded gradient before its reduce-scatter. (Two more with checkpointing
         # and one activation for tensor parallelism's sums were once added here, fitted to CPU
-        # peaks that missed the frees made in Gloo's threads: plan/measure.py. Measured right,
+        # peaks that missed the frees made in Gloo's threads: tools/plan_validate/measure.py. Measured right,
         # neither is there.)
         buffers = (profile.root_parameters * options.param_bytes + 2 * block * options.param_bytes
                    + block * MASTER_BYTES)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from scaleloop.errors import UsageError
 
@@ -154,8 +154,3 @@ class MeshSpec:
 
         names = tuple(d for d in DIMS if d in dims)
         return init_device_mesh(device_type, tuple(self.sizes[d] for d in names), mesh_dim_names=names)
-
-
-def parse_mesh(text: Optional[str]) -> Optional[MeshSpec]:
-    """``--mesh``'s value as a :class:`MeshSpec` (None when not given)."""
-    return None if text is None else MeshSpec.parse(text)

@@ -44,7 +44,6 @@ _EXPORTS = {
     "build_strategy": "scaleloop.strategies.factory",
     "ParallelPlan": "scaleloop.strategies.parallelize",
     "batch_split_of": "scaleloop.strategies.factory",
-    "STRATEGY_CLASSES": "scaleloop.strategies.factory",
     "ParallelSettings": "scaleloop.strategies.registry",
     "REGISTRY": "scaleloop.strategies.registry",
     "STRATEGIES": "scaleloop.strategies.registry",

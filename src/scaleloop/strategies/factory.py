@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Optional
+from typing import Optional
 
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.runtime.mesh import MeshSpec
@@ -21,11 +21,6 @@ def strategy_class(name: str) -> type[Strategy]:
     """The class registered under ``name`` (imported now: torch)."""
     module, _, attr = REGISTRY[name].cls.partition(":")
     return getattr(importlib.import_module(module), attr)
-
-
-def strategy_classes() -> dict[str, type[Strategy]]:
-    """Every registered strategy's class, by name."""
-    return {name: strategy_class(name) for name in REGISTRY}
 
 
 def batch_split_of(described: str) -> str:
@@ -77,8 +72,3 @@ def class_for(settings: ParallelSettings, plan: ParallelPlan, distributed: bool)
         return "mesh"
     return resolve_strategy_name(settings.strategy, distributed)
 
-
-def __getattr__(name: str) -> Any:
-    if name == "STRATEGY_CLASSES":   # (kept for callers of the old name) every registered class, imported
-        return strategy_classes()
-    raise AttributeError(f"module 'scaleloop.strategies.factory' has no attribute {name!r}")

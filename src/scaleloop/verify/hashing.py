@@ -5,7 +5,6 @@ import hashlib
 from typing import Any
 
 import torch
-from torch import nn
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -44,8 +43,3 @@ def digest(*objs: Any) -> str:
     for obj in objs:
         _update(h, obj)
     return h.hexdigest()
-
-
-def state_digests(module: nn.Module) -> dict[str, str]:
-    """A digest per entry of ``module.state_dict()`` (parameters and buffers), in its order."""
-    return {name: digest(full_tensor(t)) for name, t in module.state_dict().items()}

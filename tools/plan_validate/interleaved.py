@@ -1,5 +1,5 @@
 """Step times of several layouts measured in turns, in one process group (the plan's check of
-its step order, :mod:`scaleloop.plan.validate`).
+its step order, :mod:`plan_validate.validate`).
 
 Timed one launch after the other, the same layout's step on this shared 2-core VM read 432 ms
 in one launch and 256 ms in the next: the machine's speed drifts over minutes, and one launch
@@ -25,7 +25,7 @@ def interleaved_worker(spec: dict[str, Any], layouts: list[dict[str, Any]], batc
                        timeout_s: float) -> list[list[float]]:
     """One rank's part: every layout built, then ``rounds`` rounds of one untimed and one timed
     step each; the timed seconds per layout (rank 0's, between barriers)."""
-    from scaleloop.plan.measure import build_run, token_dataset
+    from scaleloop.plan.stepping import build_run, token_dataset
     from scaleloop.runtime.collectives import barrier
     from scaleloop.runtime.dist import DistEnv, init_process_group
 
@@ -57,7 +57,7 @@ class _Run:
         self.batches = iter(self.loader)
 
     def step(self) -> None:
-        from scaleloop.plan.measure import lm_loss
+        from scaleloop.plan.stepping import lm_loss
 
         batch = next(self.batches, None)
         if batch is None:

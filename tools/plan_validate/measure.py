@@ -22,7 +22,7 @@ buffer Gloo's thread has not let go of yet at the peak: 3 runs of 15 of a tiny t
 **How the step is timed.** Separately, without the profiler (which slows every op): the same
 processes build the model again and run ``warmup`` untimed then ``steps`` timed steps; the time
 is rank 0's wall time per step between two barriers (validate times the layouts in turns instead,
-:mod:`scaleloop.plan.interleaved`). With ``fabric``, the launch also measures the collectives
+:mod:`plan_validate.interleaved`). With ``fabric``, the launch also measures the collectives
 between bursts of compute and the plain model's step while every rank steps at once: what the
 ranks get of the cores.
 
@@ -35,11 +35,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from scaleloop.plan.layouts import Layout
 from scaleloop.plan.profile import ModelSpec
+from scaleloop.plan.stepping import build_run, fake_group, run_steps, token_dataset
 
 
 def count_frees_in_every_thread() -> bool:
@@ -56,59 +56,6 @@ def count_frees_in_every_thread() -> bool:
     except (OSError, ValueError):
         return False
     return True
-
-
-def _strategy(layout: Layout, env: Any) -> Any:
-    from scaleloop.strategies.factory import make_strategy
-
-    flags = layout.train_flags(env.world_size, 1)
-    mesh = flags[flags.index("--mesh") + 1] if "--mesh" in flags else None
-    name = "mesh" if mesh else flags[flags.index("--strategy") + 1]
-    return make_strategy(name, env, "fp32", microbatches=layout.microbatches, mesh=mesh,
-                         pipeline_schedule="1f1b" if layout.pp > 1 else "gpipe",
-                         activation_checkpointing=layout.checkpointing, cpu_offload=layout.offload)
-
-
-def token_dataset(spec: ModelSpec, batch_size: int) -> Any:
-    """Random token windows for a few steps (built before the profiler starts: not counted)."""
-    import torch
-
-    tokens = torch.randint(0, spec.vocab_size, (batch_size * 8, spec.seq_len + 1),
-                           generator=torch.Generator().manual_seed(0))
-    return torch.utils.data.TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-
-
-def build_run(spec: ModelSpec, layout: Layout, env: Any, dataset: Any, batch_size: int) -> tuple[Any, Any, Any, Any]:
-    """``spec``'s TinyGPT set up by ``layout``'s strategy on ``env``, with Adam and a loader:
-    (model, optimizer, strategy, loader), what :func:`run_steps` takes."""
-    import torch
-
-    from scaleloop.models import TinyGPT
-
-    torch.manual_seed(0)
-    model = TinyGPT(spec.vocab_size, spec.seq_len, d_model=spec.d_model, n_layers=spec.n_layers, n_heads=spec.n_heads)
-    strategy = _strategy(layout, env)
-    model, optimizer = strategy.setup(model, lambda params: torch.optim.Adam(params, lr=1e-3))
-    return model, optimizer, strategy, strategy.loader(dataset, batch_size=batch_size, shuffle=False)
-
-
-def lm_loss(logits: Any, target: Any) -> Any:
-    """The language model's loss the measured steps train on: cross-entropy over every token."""
-    import torch
-
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-
-def run_steps(model: Any, optimizer: Any, strategy: Any, loader: Any, steps: int) -> list[float]:
-    """``steps`` optimizer steps; the time each one ended (perf_counter)."""
-    ends = []
-    batches = iter(loader)
-    for _ in range(steps):
-        batch = next(batches)
-        strategy.forward_backward(model, batch, lm_loss)
-        strategy.optimizer_step(optimizer)
-        ends.append(time.perf_counter())
-    return ends
 
 
 _MARK = "scaleloop.plan: measured steps"
@@ -155,26 +102,6 @@ def _profiled_peak(model_spec: ModelSpec, plan: Layout, env: Any, batch_size: in
             run_steps(*built, 2)
         del built
     return _peak(prof)
-
-
-@contextmanager
-def fake_group(world: int) -> Iterator[Any]:
-    """This process as rank 0 of ``world`` on PyTorch's fake process group (the default group
-    while inside: run it in a process of its own); yields the ``DistEnv`` the strategies take."""
-    import torch
-    import torch.distributed as torch_dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from scaleloop.runtime.dist import DistEnv
-
-    ranks = {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(world)}
-    env = DistEnv.from_env(ranks, device="cpu", backend="fake")
-    torch.set_num_threads(1)
-    torch_dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        yield env
-    finally:
-        torch_dist.destroy_process_group()
 
 
 def fake_group_worker(spec: dict[str, Any], layout: dict[str, Any], batch_size: int) -> dict[str, Any]:

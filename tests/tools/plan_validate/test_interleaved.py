@@ -1,4 +1,4 @@
-"""Step times measured in turns (plan/interleaved.py) and how validate counts a pair's order:
+"""Step times measured in turns (tools/plan_validate/interleaved.py) and how validate counts a pair's order:
 the rounds are paired, a pair counts as measured only where most rounds agree, and a real
 2-process run times each layout once a round."""
 from __future__ import annotations
@@ -7,10 +7,11 @@ from typing import Any
 
 import pytest
 
-from scaleloop.plan.interleaved import median_s, pair_agreement, time_in_turns
 from scaleloop.plan.layouts import Layout
 from scaleloop.plan.profile import ModelSpec
-from scaleloop.plan.validate import concordance, cpu_target, markdown, settled_pairs, share_fabric
+
+from plan_validate.interleaved import median_s, pair_agreement, time_in_turns
+from plan_validate.validate import concordance, cpu_target, markdown, settled_pairs, share_fabric
 
 
 def test_a_pairs_agreement_is_the_share_of_rounds_that_order_it_alike() -> None:

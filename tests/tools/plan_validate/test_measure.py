@@ -2,15 +2,16 @@
 processes: a tiny fsdp run and a tiny tensor-parallel one with checkpointing, within 10%; and
 the tensor-parallel run's peak at most two sums above that of a fake process group, whose
 collectives end as they are issued: the frees that Gloo's threads make are counted
-(plan/measure.py)."""
+(tools/plan_validate/measure.py)."""
 from __future__ import annotations
 
 import pytest
 
 from scaleloop.plan.layouts import Layout
-from scaleloop.plan.measure import measure
 from scaleloop.plan.profile import ModelSpec, profile_model
-from scaleloop.plan.validate import predicted_peak
+
+from plan_validate.measure import measure
+from plan_validate.validate import predicted_peak
 
 
 @pytest.mark.distributed
@@ -34,7 +35,7 @@ def test_the_predicted_peak_of_a_tiny_run_is_close(time_limit: None, layout: Lay
 
 
 def _fabric_of_this_rank() -> dict:
-    from scaleloop.plan.measure import _fabric
+    from plan_validate.measure import _fabric
     from scaleloop.runtime.dist import DistEnv, init_process_group
 
     env = DistEnv.from_env()

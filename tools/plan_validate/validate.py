@@ -2,12 +2,12 @@
 
 For each TinyGPT size and each layout that runs on 4 processes, the predicted per-rank peak
 (:func:`scaleloop.plan.memory.estimate`, fp32, Adam stepping tensor by tensor as it does on the
-CPU) against the measured one (:mod:`scaleloop.plan.measure`, the largest over the ranks), and the
+CPU) against the measured one (:mod:`plan_validate.measure`, the largest over the ranks), and the
 predicted step time's order against the measured order. The CPU "target" for the times: every
 rank gets its share of the cores at the FLOP/s one process reached on the same model, and the
 links are Gloo's latency and bandwidth fitted to all-reduces measured in the same run.
 
-``python -m scaleloop.plan.validate --out benchmarks`` writes ``<date>_cpu-<N>core_plan.md``.
+``python tools/plan_validate --out benchmarks`` (from the repository's root) writes ``<date>_cpu-<N>core_plan.md``.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ SIZES: tuple[tuple[ModelSpec, int], ...] = (
 )
 
 
-#: Rounds of the layouts in turns that the step times are the median of (plan.interleaved). With
+#: Rounds of the layouts in turns that the step times are the median of (plan_validate.interleaved). With
 #: 10, two layouts as fast as each other came out 8 or more to 2 in 11% of cases (two-sided,
 #: 56/512): such pairs passed for settled; with 20 rounds, 16 or more to 4 happens in 1.2%.
 ROUNDS = 20
@@ -94,7 +94,7 @@ def one_process_flops(spec: ModelSpec, profile: ModelProfile, micro_batch: int, 
     alone on the machine (the median of ``steps``, after one, as the busy ranks' is taken)."""
     import torch
 
-    from scaleloop.plan.measure import plain_step_s
+    from plan_validate.measure import plain_step_s
 
     torch.set_num_threads(1)
     return profile.flops_per_sample * micro_batch / plain_step_s(spec, micro_batch, steps)
@@ -113,7 +113,7 @@ def concordance(predicted: Sequence[float], measured: Sequence[float],
 def settled_pairs(rows: Sequence[dict[str, Any]], share: float = SETTLED) -> list[tuple[int, int]]:
     """The pairs of ``rows`` (indices) whose order at least ``share`` of the rounds agree on; all
     pairs where the rows keep no rounds (runs before the rounds existed)."""
-    from scaleloop.plan.interleaved import pair_agreement
+    from plan_validate.interleaved import pair_agreement
 
     pairs = [(i, j) for i in range(len(rows)) for j in range(i + 1, len(rows))]
     if not all("round_s" in r for r in rows):
@@ -126,9 +126,8 @@ def validate_size(spec: ModelSpec, batch_size: int, layouts: Sequence[Layout], c
     """Measure every layout at one size and set the plan's predictions beside the measurements
     (the step times: ``rounds`` rounds of the layouts in turns)."""
     from scaleloop.plan.hostwork import measure_host_work, measured_by_fake_group
-    from scaleloop.plan.measure import measure
-
-    from scaleloop.plan.interleaved import median_s, time_in_turns
+    from plan_validate.interleaved import median_s, time_in_turns
+    from plan_validate.measure import measure
 
     profile = profile_model(spec)
     flops = one_process_flops(spec, profile, batch_size // 4)
@@ -154,7 +153,7 @@ def validate_size(spec: ModelSpec, batch_size: int, layouts: Sequence[Layout], c
             f"({predicted / measured - 1:+.1%})")
     if fabric is None:
         return rows
-    # The step times: every layout in turns on the same 4 processes (plan.interleaved).
+    # The step times: every layout in turns on the same 4 processes (plan_validate.interleaved).
     try:
         turns = time_in_turns(spec, [row["layout_obj"] for row in rows], batch_size, rounds=rounds, timeout_s=120)
     except Exception as exc:   # reported; the rows keep their own launch's time
@@ -197,15 +196,15 @@ def _mib(n: Optional[float]) -> str:
 def markdown(rows: Sequence[dict[str, Any]], hardware: str, took_s: float, load: str = "") -> str:
     """The benchmark's report: one table per size, the worst memory error and the order's agreement."""
     lines = ["# scaleloop plan against measurement (CPU, 4 processes)", "",
-             f"Hardware: {hardware}. Written by `python -m scaleloop.plan.validate` in {took_s / 60:.0f} min."
+             f"Hardware: {hardware}. Written by `python tools/plan_validate` in {took_s / 60:.0f} min."
              + (f" The {load}." if load else ""), "",
              "Peak: the largest rank's, in MiB; measured with torch's CPU allocator accounting under "
-             "`torch.profiler(profile_memory=True)` (`scaleloop/plan/measure.py`), predicted by `scaleloop plan`'s "
+             "`torch.profiler(profile_memory=True)` (`tools/plan_validate/measure.py`), predicted by `scaleloop plan`'s "
              "memory model (fp32, Adam). Floor: rank 0's peak on a fake process group, whose collectives end as they "
              "are issued (the same every run; FSDP and tensor parallelism only): a real Gloo group's peak lies above "
              "it by the finished collectives whose buffers its threads have not yet let go. Step: milliseconds per "
              "optimizer step, measured (rank 0, between barriers, no profiler; every layout of a size built on the "
-             "same 4 processes and stepped in turns, the median of the rounds, `scaleloop/plan/interleaved.py`; "
+             "same 4 processes and stepped in turns, the median of the rounds, `tools/plan_validate/interleaved.py`; "
              "'rounds q1-q3': the middle half of the rounds) and predicted (compute at the FLOP/s the plain "
              "step reached while the 4 processes stepped at once; Gloo's fitted latency and bandwidth, each "
              "collective at least what an all-reduce over its group adds between bursts of compute, of one float for "
@@ -371,7 +370,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from scaleloop.bench.hardware import describe_hardware, hardware_line, usable_cores
 
-    parser = argparse.ArgumentParser(prog="python -m scaleloop.plan.validate")
+    parser = argparse.ArgumentParser(prog="python tools/plan_validate")
     parser.add_argument("--out", default="benchmarks", help="the folder the report goes to (default: benchmarks)")
     parser.add_argument("--sizes", type=int, default=len(SIZES), help="how many of the sizes (smallest first)")
     parser.add_argument("--rounds", type=int, default=ROUNDS,
@@ -405,7 +404,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     (out / f"{name}.json").write_text(json.dumps(result_json(rows, hw), indent=1) + "\n", encoding="utf-8")
     print(f"wrote {out / name}.md")
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

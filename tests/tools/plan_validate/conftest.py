@@ -1,4 +1,4 @@
-"""What the plan's tests share: a time limit for the ones that launch real process groups."""
+"""What the plan check's tests share: a time limit for the ones that launch real process groups."""
 from __future__ import annotations
 
 import signal
