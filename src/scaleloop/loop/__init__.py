@@ -13,12 +13,14 @@
 - ``evaluate``: exact evaluation over ranks. ``evaluations``: what the trainer evaluates and
   when (``--eval-every``, ``--eval-batches``' fixed sample, ``--eval-train``). ``schedule``: learning-rate scaling and schedules
   (``--min-lr``). ``decay``: which tensors weight decay applies to (``--decay-params``).
-- ``running``: the running loss sums. ``tasks``: the loss for each task. ``padding``: exact losses
+- ``running``: the running loss sums. ``tasks``: the loss for each task. ``scoring``: how an
+  evaluation scores a model (summed losses, correct counts, ``--metrics``). ``padding``: exact losses
   over -100 padding (a step's loss is the mean over the real targets of the whole step).
 - ``health``: what the log rows learn on their all-reduce: stragglers, a diverging loss,
   fp16 skipped steps.
 - ``startwatch``: a slow start-up step says which it is and where it runs.
-- ``speed``: ``--compile``/``--channels-last`` set-up. ``tune``: the largest batch that fits (``scaleloop tune-batch``).
+- ``speed``: ``--compile``/``--channels-last`` set-up. ``tune``: the largest batch that fits;
+  ``tune_batch``: that search for a run's config (``scaleloop tune-batch``).
 - ``ending``: the record of an ending the loop decides (a non-finite loss, a stop signal, ...).
 - ``preempt``: ``StopVote``, every rank agreeing to stop after the same step on a stop signal.
 - ``summary``: the end-of-run summary ``scaleloop train`` prints.

@@ -25,7 +25,8 @@ from scaleloop.loop.evaluations import check_eval_data
 from scaleloop.loop.padding import StepCount, counting_for
 from scaleloop.loop.schedule import LearningRate, build_scheduler, scaled_lr
 from scaleloop.loop.speed import speed_up_model
-from scaleloop.loop.tasks import LossFn, MetricFn, resolve_loss, resolve_metrics
+from scaleloop.loop.scoring import MetricFn, resolve_metrics
+from scaleloop.loop.tasks import LossFn, resolve_loss
 from scaleloop.models import build_model, count_parameters
 from scaleloop.output.memory import parameter_bytes
 from scaleloop.runtime.dist import DistEnv

@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from scaleloop.data.batch import TargetRoute, first_tensor, move, split, tensors_of
 from scaleloop.data.info import DataInfo
 from scaleloop.data.streaming import StreamEval
-from scaleloop.loop.tasks import LossFn, MetricFn, correct_count, own_loss, prediction_of, task_loss_sum
+from scaleloop.loop.scoring import MetricFn, correct_count, task_loss_sum
+from scaleloop.loop.tasks import LossFn, own_loss, prediction_of
 from scaleloop.runtime.collectives import sum_over_ranks
 from scaleloop.strategies.base import Strategy
 

@@ -32,7 +32,8 @@ from scaleloop.data.info import DataInfo, Datasets
 from scaleloop.data.streaming import declared_length
 from scaleloop.errors import UsageError
 from scaleloop.loop.evaluate import EvalResult, evaluate
-from scaleloop.loop.tasks import LossFn, MetricFn
+from scaleloop.loop.scoring import MetricFn
+from scaleloop.loop.tasks import LossFn
 from scaleloop.strategies.base import Strategy
 
 # Added to --seed for each set's sample: the two samples are drawn independently of each other.
