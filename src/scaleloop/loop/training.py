@@ -19,7 +19,6 @@ rank, a diverging loss; ``scaleloop.loop.health``), the preemption stop vote
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import os
 import sys
@@ -185,7 +184,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     try:
         with StartupWatch(say) if env.is_main else contextlib.nullcontext():   # a slow step says so
             run = build_run(cfg, env)
-            checkpointer = Checkpointer(run.strategy, cfg.checkpointing, dataclasses.asdict(cfg), say=say)
+            checkpointer = Checkpointer(run.strategy, cfg.checkpointing, cfg.flat(), seed=cfg.seed, say=say)
             resumed = checkpointer.restore(run.model, run.optimizer, run.scheduler, restarting=restart_count() > 0)
             _stream_state(run, checkpointer, resumed)
     except BaseException as exc:   # for the launcher's report: before any step
@@ -238,8 +237,8 @@ class Trainer:
         if resumed is not None:
             self.running.load(resumed.sums)
         self.step = Step(run)
-        self.evals = Evaluations(run.model, cfg.evaluation, run.data, run.strategy,
-                                 loss_fn=run.loss_fn if run.user_loss else None,
+        self.evals = Evaluations(run.model, cfg.evaluation, run.data, run.strategy, batch_size=cfg.batch_size,
+                                 seed=cfg.seed, loss_fn=run.loss_fn if run.user_loss else None,
                                  keep_target=run.loader.keep_target, metrics=run.metrics)
         #: What the loop does when not a training step (an evaluation, a checkpoint), for the report.
         self.doing: Optional[str] = None
