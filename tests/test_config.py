@@ -8,11 +8,16 @@ from pathlib import Path
 import pytest
 
 from scaleloop.config import (
+    GROUPS,
     OPTIMIZERS,
     PRECISIONS,
+    SECTIONS,
+    SETTINGS,
     STRATEGIES,
+    OptimSettings,
     TrainConfig,
     coerce,
+    config_for_resume,
     field_types,
     flag,
     load_toml,
@@ -20,6 +25,8 @@ from scaleloop.config import (
     to_toml,
 )
 from scaleloop.errors import UsageError
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 def _write(tmp_path: Path, text: str, name: str = "cfg.toml") -> Path:
@@ -48,7 +55,7 @@ def test_field_types_unwrap_optional() -> None:
     assert types["clip_grad"] is float
     assert types["data_dir"] is str
     assert types["progress"] is bool
-    assert set(types) == {f.name for f in dataclasses.fields(TrainConfig)}
+    assert set(types) == set(SETTINGS)
 
 
 @pytest.mark.parametrize("name", ["hidden_dim", "n_samples", "input_dim", "image_size", "seq_len",
@@ -98,8 +105,7 @@ def test_batch_not_divisible_by_accumulate_names_multiples(batch: int, acc: int,
 @pytest.mark.parametrize("name,value", [("optimizer", "rmsprop"), ("precision", "fp8"),
                                         ("strategy", "magic"), ("optimizer", "ADAM")])
 def test_bad_choices_list_the_choices(name: str, value: str) -> None:
-    choices = dataclasses.fields(TrainConfig)
-    allowed = next(f for f in choices if f.name == name).metadata["choices"]
+    allowed = SETTINGS[name].choices
     with pytest.raises(UsageError) as info:
         TrainConfig(**{name: value}).validate()
     msg = str(info.value)
@@ -273,8 +279,9 @@ def test_to_toml_round_trips(tmp_path: Path, cfg: TrainConfig) -> None:
     path = _write(tmp_path, text)
     back = resolve(load_toml(path), {})
     assert back == cfg
-    for f in dataclasses.fields(cfg):
-        assert type(getattr(back, f.name)) is type(getattr(cfg, f.name)), f.name
+    for name in SETTINGS:
+        assert type(getattr(back, name)) is type(getattr(cfg, name)), name
+    assert [line for line in text.splitlines() if line.startswith("[")] == [f"[{s}]" for s in SECTIONS]
 
 
 def test_to_toml_marks_unset_fields() -> None:
@@ -366,3 +373,87 @@ def test_new_optimizer_settings_round_trip_through_toml(tmp_path: Path) -> None:
     cfg = TrainConfig(optimizer="adamw", betas="0.9,0.95", eps=1e-6, min_lr=1e-4, lr_schedule="cosine",
                       weight_decay=0.1, decay_params="ndim2-no-embeddings").validate()
     assert resolve(load_toml(_write(tmp_path, to_toml(cfg))), {}) == cfg
+
+
+# --- the sections: every setting declared once, the flat view generated from them --------------
+
+def test_every_setting_is_declared_once_with_its_help() -> None:
+    """A flat name in two sections (or named as a section) would make the flat view, the flags and
+    the TOML keys ambiguous; a field without help would be a flag nobody can read about."""
+    owners: dict[str, list[str]] = {}
+    for section in dataclasses.fields(TrainConfig):
+        for f in dataclasses.fields(section.default_factory):
+            owners.setdefault(f.name, []).append(section.name)
+            assert isinstance(f.metadata.get("help"), str) and f.metadata["help"].strip(), f"{section.name}.{f.name}"
+            assert f.metadata["group"] in GROUPS and isinstance(f.metadata["choices"], tuple), f.name
+    assert {name: where for name, where in owners.items() if len(where) > 1} == {}
+    assert not set(owners) & set(SECTIONS)
+    assert set(owners) == set(SETTINGS) and len(SETTINGS) == 80
+    assert all(SETTINGS[name].section == where[0] for name, where in owners.items())
+
+
+def test_the_flat_view_reads_and_replaces_through_the_sections() -> None:
+    cfg = TrainConfig(lr=0.5, nproc=2, strategy="ddp")
+    assert (cfg.lr, cfg.nproc, cfg.strategy) == (cfg.optim.lr, cfg.launch.nproc, cfg.parallel.strategy) == (0.5, 2, "ddp")
+    other = cfg.replace(lr=0.25, nnodes=1, optim=OptimSettings(epochs=3))
+    assert other.optim.lr == 0.25 and other.optim.epochs == 3 and other.launch.nproc == 2
+    assert cfg.optim.lr == 0.5   # the original is untouched
+    assert TrainConfig(optim=OptimSettings(lr=0.5)) == TrainConfig(lr=0.5)
+    assert list(cfg.flat()) == list(SETTINGS) and cfg.flat()["nproc"] == 2
+    with pytest.raises(TypeError, match="no setting 'learning_rate'"):
+        TrainConfig(learning_rate=0.1)
+    with pytest.raises(AttributeError):
+        cfg.learning_rate  # noqa: B018
+
+
+def test_load_sections_as_tables(tmp_path: Path) -> None:
+    path = _write(tmp_path, '[optim]\nepochs = 3\nlr = 0.5\n\n[launch]\nnproc = 2\n\n[model_data]\ndata = "random"\n')
+    assert load_toml(path) == {"epochs": 3, "lr": 0.5, "nproc": 2, "data": "random"}
+
+
+def test_a_key_in_the_wrong_table_says_where_it_belongs(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[launch]\nlr = 0.5\n")
+    with pytest.raises(UsageError, match=r"unknown setting '\[launch\] lr' \(it belongs in \[optim\]\)"):
+        load_toml(path)
+
+
+def test_a_key_given_twice_is_refused(tmp_path: Path) -> None:
+    path = _write(tmp_path, "lr = 0.1\n[optim]\nlr = 0.5\n")
+    with pytest.raises(UsageError, match="lr is given twice"):
+        load_toml(path)
+
+
+def test_a_config_toml_written_by_the_flat_main_still_reads(tmp_path: Path) -> None:
+    """tests/fixtures/config-2026-11-26.toml: written by ``to_toml`` of the main of 2026-11-26, when
+    the config was one flat dataclass and its file flat keys."""
+    cfg = resolve(load_toml(FIXTURES / "config-2026-11-26.toml"), {})
+    assert (cfg.optim.lr, cfg.optim.epochs, cfg.launch.nproc, cfg.parallel.strategy) == (0.05, 3, 2, "ddp")
+    assert (cfg.checkpointing.out, cfg.checkpointing.shared_fs, cfg.evaluation.eval_batches) == ("runs/old", "no", 2)
+    assert (cfg.parallel.precision, cfg.model_data.pin_memory, cfg.optim.decay_params) == ("bf16", False, "all")
+    # and written again in sections, it reads back to the same run
+    assert resolve(load_toml(_write(tmp_path, to_toml(cfg))), {}) == cfg
+
+
+def test_a_bad_value_from_a_file_names_the_file_and_key(tmp_path: Path) -> None:
+    path = _write(tmp_path, "epochs = -3\n")
+    with pytest.raises(UsageError) as info:
+        resolve(load_toml(path), {})
+    assert str(info.value) == f"config file {str(path)!r}: epochs = -3: --epochs must be a positive integer"
+    tabled = _write(tmp_path, "[optim]\nlr = -1.0\n", "tabled.toml")
+    with pytest.raises(UsageError, match=r"^config file .*tabled.toml': \[optim\] lr = -1.0: --lr must be"):
+        resolve(load_toml(tabled), {})
+    # a flag given over the file's value is named as the flag
+    with pytest.raises(UsageError, match="^--epochs must be a positive integer$"):
+        resolve(load_toml(path), {"epochs": 0})
+    resolve(load_toml(path), {"epochs": 2})
+
+
+def test_a_bad_value_in_a_resumed_runs_config_names_that_file(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-1").mkdir(parents=True)
+    (run / "checkpoints" / "step-1" / "manifest.json").write_text("{}")
+    (run / "config.toml").write_text(to_toml(TrainConfig()).replace("epochs = 20", "epochs = -3"))
+    with pytest.raises(UsageError) as info:
+        config_for_resume({}, {"out": str(run)})
+    msg = str(info.value)
+    assert msg.startswith(f"config file {str(run / 'config.toml')!r}: [optim] epochs = -3: --epochs must be")

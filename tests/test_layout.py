@@ -149,7 +149,7 @@ def test_every_package_docstring_maps_its_modules() -> None:
 # other. Left out: the package root (a facade of lazy re-exports) and ``__main__`` modules (entry
 # points: run, never imported, so they stand on the top floor whatever package holds them).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "plugins"),           # one-line errors; user code named as pkg.module:attr
+    ("errors", "plugins", "option"),  # one-line errors; user code named as pkg.module:attr; a setting's declaration
     ("runtime",),                    # ground: this process (DistEnv, devices, collectives, mesh, signals)
     ("data", "models", "output"),    # what is trained on, what is trained, what a run writes
     ("checkpoint",),                 # store, state, resume, replicas; the Checkpointer

@@ -10,7 +10,8 @@ until a name is used. The map:
   resume; ``config``: ``TrainConfig``; ``data``: datasets, samplers, loaders; ``models``: the
   built-in models; ``output``: what a run writes and prints; ``runtime``: the ground floor, this
   process (``DistEnv``, devices, collectives); ``plugins``: user code as ``pkg.module:factory``;
-  ``errors``: ``UsageError``; ``__main__``: ``python -m scaleloop``.
+  ``errors``: ``UsageError``; ``option``: a setting's one declaration (default, help, choices),
+  which every config section uses; ``__main__``: ``python -m scaleloop``.
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ _EXPORTS = {
     "resolve_device": "scaleloop.runtime.devices",
     "Precision": "scaleloop.strategies.precision",
     "Strategy": "scaleloop.strategies",
-    "make_strategy": "scaleloop.strategies",
     "TrainConfig": "scaleloop.config",
     "train": "scaleloop.loop.training",
     "RunResult": "scaleloop.loop.result",
@@ -61,16 +61,17 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS) + ["__version__", "strategy"]
 
 
-def strategy(name: str, env: Any, precision: str = "fp32", accumulate: int = 1, *,
-             sync_batchnorm: bool = False, microbatches: int = 1, find_unused_parameters: bool = False,
-             static_graph: bool = False, pipeline_schedule: str = "gpipe", stages_per_rank: int = 0) -> Any:
-    """Shorthand for ``make_strategy``: ``sl.strategy("ddp", env, precision="bf16")``,
-    ``sl.strategy("pipeline", env, microbatches=4, pipeline_schedule="1f1b")``."""
-    from scaleloop.strategies import make_strategy
+def strategy(name: str, env: Any, **options: Any) -> Any:
+    """A strategy by name on ``env``: ``sl.strategy("ddp", env, precision="bf16", accumulate=2)``,
+    ``sl.strategy("pipeline", env, microbatches=4, pipeline_schedule="1f1b")``,
+    ``sl.strategy("mesh", env, mesh="dp=2,tp=2")``. ``options`` are the fields of the config's
+    parallel section (``scaleloop.strategies.ParallelSettings``: ``precision``, ``accumulate``,
+    ``sync_batchnorm``, ...), whose defaults are ``scaleloop train``'s; ``auto`` picks ddp for a
+    distributed ``env``, else single. Built by ``build_strategy``, as the trainer builds its own."""
+    from scaleloop.strategies.factory import build_strategy
+    from scaleloop.strategies.registry import ParallelSettings
 
-    return make_strategy(name, env, precision, accumulate, sync_batchnorm, microbatches=microbatches,
-                         find_unused_parameters=find_unused_parameters, static_graph=static_graph,
-                         pipeline_schedule=pipeline_schedule, stages_per_rank=stages_per_rank)
+    return build_strategy(ParallelSettings(strategy=name, **options), env)
 
 
 def __dir__() -> list[str]:

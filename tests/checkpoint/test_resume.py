@@ -411,7 +411,7 @@ def test_a_restart_after_rewinding_continues_where_the_failed_attempt_left_off(
 
 def old_saved(cfg: TrainConfig) -> dict:
     """``cfg``'s fields as a run saved before these settings existed (its checkpoint's config)."""
-    return {k: v for k, v in cfg.__dict__.items() if k not in ("betas", "eps", "min_lr", "decay_params")}
+    return {k: v for k, v in cfg.flat().items() if k not in ("betas", "eps", "min_lr", "decay_params")}
 
 
 def test_an_old_runs_config_resumes_with_weight_decay_on_every_tensor(tmp_path: Path) -> None:
@@ -426,7 +426,7 @@ def test_an_old_runs_config_resumes_with_weight_decay_on_every_tensor(tmp_path: 
     cfg = config_for_resume({}, {"out": str(run), "epochs": 30})
     assert (cfg.decay_params, cfg.betas, cfg.eps, cfg.min_lr) == ("all", None, None, 0.0)
     assert cfg.weight_decay == 0.1 and cfg.epochs == 30
-    check_compatible(old_saved(cfg), cfg.__dict__, "old")   # not refused for the settings it lacks
+    check_compatible(old_saved(cfg), cfg.flat(), "old")   # not refused for the settings it lacks
 
 
 @pytest.mark.parametrize("change,needle", [
@@ -445,4 +445,4 @@ def test_an_old_checkpoint_refuses_a_setting_it_did_not_train_with(change: dict,
 def test_without_weight_decay_an_old_checkpoint_resumes_under_any_decay_params() -> None:
     saved = old_saved(TrainConfig())
     for rule in ("ndim2", "ndim2-no-embeddings", "all"):
-        check_compatible(saved, {**TrainConfig(decay_params=rule).__dict__}, "old")
+        check_compatible(saved, TrainConfig(decay_params=rule).flat(), "old")

@@ -5,7 +5,6 @@ columns (argparse wraps at the terminal's width) so that the line counts mean on
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 
 from scaleloop.cli import main
 from scaleloop.commands.verify import VERIFY_COMMON
-from scaleloop.config import TrainConfig, common_fields, flag
+from scaleloop.config import SETTINGS, common_fields, flag
 
 ROOT = Path(__file__).resolve().parents[2]
 SCREEN = 60   # lines: what a newcomer reads before scrolling
@@ -44,7 +43,7 @@ def test_help_shows_the_common_options_on_one_screen(capsys: pytest.CaptureFixtu
     shown = options_in(text)
     assert shown == {"--help", "--help-all", "--config", *(flag(name) for name in common_fields())}
     assert len(text.splitlines()) <= SCREEN, text
-    hidden = len(dataclasses.fields(TrainConfig)) - len(common_fields())
+    hidden = len(SETTINGS) - len(common_fields())
     assert text.splitlines()[-1] == f"{hidden} more options: scaleloop {command} --help-all"
 
 
@@ -63,8 +62,8 @@ def test_the_common_options_are_the_readme_and_tutorial_ones() -> None:
 @pytest.mark.parametrize("command", ["train", "tune-batch", "verify"])
 def test_help_all_lists_every_option_grouped(capsys: pytest.CaptureFixture[str], command: str) -> None:
     text = help_text(capsys, command, "--help-all")
-    for f in dataclasses.fields(TrainConfig):
-        assert flag(f.name) in text, f.name
+    for name in SETTINGS:
+        assert flag(name) in text, name
     for group in ("model and data:", "training:", "hardware:", "speed:", "launch:", "checkpoints:", "output:"):
         assert f"\n{group}\n" in text, group
     assert len(text.splitlines()) > 3 * SCREEN   # the whole list, not the short one

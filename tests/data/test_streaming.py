@@ -290,12 +290,12 @@ def test_evaluating_a_stream_equals_evaluating_the_same_samples_in_memory() -> N
     from scaleloop.data.info import DataInfo
     from scaleloop.loop.evaluate import evaluate
     from scaleloop.models import build_model
-    from scaleloop.strategies import make_strategy
+    import scaleloop
 
     info = DataInfo("stream", "classification", (8,), 2)
     torch.manual_seed(0)
     model = build_model("simplenet", info, hidden_dim=16)
-    strategy = make_strategy("single", DistEnv())
+    strategy = scaleloop.strategy("single", DistEnv())
     stream = Stream(61, seed=1, shuffle=False, dicts=False)
     streamed = evaluate(model, stream, info, strategy, batch_size=16)
     in_memory = evaluate(model, TensorDataset(stream.x, stream.y), info, strategy, batch_size=16)

@@ -256,7 +256,7 @@ def test_an_evaluation_inside_an_epoch_draws_none_of_the_trainings_random_number
     evaluate(model, data, info, SingleDevice(CPU))
     assert not torch.equal(before, torch.get_rng_state())
     evals = Evaluations(model, TrainConfig(eval_every=1, eval_train=True).evaluation, Datasets(data, data, info),
-                        SingleDevice(CPU), loss_fn=None, keep_target=False, metrics={})
+                        SingleDevice(CPU), batch_size=64, seed=0, loss_fn=None, keep_target=False, metrics={})
     before = torch.get_rng_state()
     with own_rng(CPU.device):
         torch.rand(3)

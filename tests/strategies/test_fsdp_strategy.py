@@ -22,7 +22,8 @@ from scaleloop.errors import UsageError
 from scaleloop.loop.training import train
 from scaleloop.output.memory import RankMemory, format_table, summary_line
 from scaleloop.models import BiggerNet, ConvNet, SimpleNet, TinyGPT
-from scaleloop.strategies import FSDP, make_strategy
+import scaleloop
+from scaleloop.strategies import FSDP
 from scaleloop.strategies.fsdp import fsdp_blocks
 
 CPU = DistEnv()
@@ -88,7 +89,7 @@ def test_a_single_layer_is_only_the_root_unit() -> None:
 
 # --- errors ----------------------------------------------------------------------------------
 def test_a_model_without_parameters_is_refused_in_one_line() -> None:
-    strategy = make_strategy("fsdp", CPU)
+    strategy = scaleloop.strategy("fsdp", CPU)
     with pytest.raises(UsageError, match="has none; use --strategy ddp or single") as info:
         strategy.setup(nn.ReLU(), lambda ps: torch.optim.SGD(ps, lr=0.1))
     assert "\n" not in str(info.value)

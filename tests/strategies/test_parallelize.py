@@ -16,7 +16,7 @@ from torch import nn
 from scaleloop.models import TinyGPT
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.runtime.mesh import MeshSpec
-from scaleloop.strategies import make_strategy
+import scaleloop
 from scaleloop.strategies.factory import class_for
 from scaleloop.strategies.parallelize import ParallelPlan, parallelize
 from scaleloop.strategies.registry import ParallelSettings
@@ -29,29 +29,30 @@ def no_group_left() -> Iterator[None]:
         torch_dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("settings, spec, cls", [
-    (ParallelSettings(strategy="ddp", world_size=4), MeshSpec(dp=4), "ddp"),
-    (ParallelSettings(strategy="auto", world_size=1), MeshSpec(dp=1), "single"),
-    (ParallelSettings(strategy="fsdp", world_size=4), MeshSpec(fsdp=4), "fsdp"),
-    (ParallelSettings(strategy="pipeline", world_size=4), MeshSpec(pp=4), "pipeline"),
-    (ParallelSettings(mesh="pp=2,dp=2", world_size=4), MeshSpec(pp=2, dp=2), "pipeline"),
-    (ParallelSettings(mesh="fsdp=2,tp=2", world_size=4), MeshSpec(fsdp=2, tp=2), "mesh"),
-    (ParallelSettings(strategy="mesh", mesh="dp=2,fsdp=2", world_size=4), MeshSpec(dp=2, fsdp=2), "mesh"),
+@pytest.mark.parametrize("settings, world_size, spec, cls", [
+    (ParallelSettings(strategy="ddp"), 4, MeshSpec(dp=4), "ddp"),
+    (ParallelSettings(strategy="auto"), 1, MeshSpec(dp=1), "single"),
+    (ParallelSettings(strategy="fsdp"), 4, MeshSpec(fsdp=4), "fsdp"),
+    (ParallelSettings(strategy="pipeline"), 4, MeshSpec(pp=4), "pipeline"),
+    (ParallelSettings(mesh="pp=2,dp=2"), 4, MeshSpec(pp=2, dp=2), "pipeline"),
+    (ParallelSettings(mesh="fsdp=2,tp=2"), 4, MeshSpec(fsdp=2, tp=2), "mesh"),
+    (ParallelSettings(strategy="mesh", mesh="dp=2,fsdp=2"), 4, MeshSpec(dp=2, fsdp=2), "mesh"),
 ])
-def test_one_plan_gives_the_layout_and_the_class(settings: ParallelSettings, spec: MeshSpec, cls: str) -> None:
-    plan = ParallelPlan.of(settings, rank=0)
+def test_one_plan_gives_the_layout_and_the_class(settings: ParallelSettings, world_size: int, spec: MeshSpec,
+                                                 cls: str) -> None:
+    plan = ParallelPlan.of(settings, world_size, rank=0)
     assert plan.spec == spec
-    assert class_for(settings, plan, distributed=settings.world_size > 1) == cls
+    assert class_for(settings, plan, distributed=world_size > 1) == cls
 
 
 def test_the_data_rank_and_world_follow_the_mesh() -> None:
-    settings = ParallelSettings(mesh="pp=2,dp=2", world_size=4)
-    plans = [ParallelPlan.of(settings, rank) for rank in range(4)]
+    settings = ParallelSettings(mesh="pp=2,dp=2")
+    plans = [ParallelPlan.of(settings, 4, rank) for rank in range(4)]
     # rank p*R + d: stage p of replica d; the stages of a replica share its batch
     assert [p.data_rank for p in plans] == [0, 1, 0, 1]
     assert {p.data_world for p in plans} == {2}
     assert [p.coordinates["pp"] for p in plans] == [0, 0, 1, 1]
-    tp = [ParallelPlan.of(ParallelSettings(mesh="fsdp=2,tp=2", world_size=4), r) for r in range(4)]
+    tp = [ParallelPlan.of(ParallelSettings(mesh="fsdp=2,tp=2"), 4, r) for r in range(4)]
     assert [p.data_rank for p in tp] == [0, 0, 1, 1]   # the tp ranks of a group load the same samples
 
 
@@ -97,7 +98,7 @@ def test_parallelize_applies_tp_then_recompute_then_data_then_the_split() -> Non
 def test_every_strategy_reads_its_layout_from_its_plan() -> None:
     env = DistEnv()
     for name, spec in (("single", MeshSpec(dp=1)), ("fsdp", MeshSpec(fsdp=1)), ("mesh", MeshSpec(tp=1))):
-        strategy = make_strategy(name, env, mesh="tp=1" if name == "mesh" else None, activation_checkpointing=True)
+        strategy = scaleloop.strategy(name, env, mesh="tp=1" if name == "mesh" else None, activation_checkpointing=True)
         assert strategy.layout == strategy.plan.spec == spec
         assert strategy.recompute
         model, _ = strategy.setup(TinyGPT(vocab_size=16, seq_len=8, d_model=16, n_layers=2, n_heads=2),

@@ -11,7 +11,7 @@ from scaleloop.config import TrainConfig
 from scaleloop.data.sampler import StepPlan
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.loop.training import train
-from scaleloop.strategies import make_strategy
+import scaleloop
 from scaleloop.verify.explain import format_explain
 from scaleloop.verify.recorder import RECORD_FILE, Recorder, failure_file, step_file
 from scaleloop.verify.steps import RunSpec, run_steps
@@ -63,7 +63,7 @@ def test_recorder_writes_steps_losses_samples_and_gradients(tmp_path: Path) -> N
 
 def test_failure_is_recorded_with_what_was_known(tmp_path: Path) -> None:
     recorder = Recorder(DistEnv(), tmp_path)
-    strategy = make_strategy("single", DistEnv())
+    strategy = scaleloop.strategy("single", DistEnv())
     recorder.attach(strategy, torch.nn.Linear(2, 1))
     recorder.fail(RuntimeError("Expected to have finished reduction"))
     failure = json.loads(failure_file(tmp_path, 0).read_text())
@@ -72,7 +72,7 @@ def test_failure_is_recorded_with_what_was_known(tmp_path: Path) -> None:
 
 def test_sync_report_names_the_first_diverging_tensor() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
-    result = check_sync(make_strategy("single", DistEnv()), model)
+    result = check_sync(scaleloop.strategy("single", DistEnv()), model)
     assert result is not None and result["parameters"] == 4 and result["buffers"] == 3 and result["diverging"] == []
     result["diverging"] = [{"name": "1.running_mean", "kind": "buffer", "ranks": [1], "max_abs": [[1, 0.25]]},
                            {"name": "1.running_var", "kind": "buffer", "ranks": [1]}]

@@ -145,7 +145,7 @@ def _bookkeeping_cost(run: Any) -> dict[str, float]:
             pass
 
         # The loop's own log row: the all-reduce, the metrics.csv row and the health checks.
-        checkpointer = Checkpointer(run.strategy, run.cfg.checkpointing, {}, say=silent)
+        checkpointer = Checkpointer(run.strategy, run.cfg.checkpointing, {}, seed=run.cfg.seed, say=silent)
         trainer = Trainer(run, checkpointer, silent, time.perf_counter(), run_dir=Path(tmp))
         result, running = trainer.result, trainer.running
 

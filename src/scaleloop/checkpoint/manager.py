@@ -94,9 +94,11 @@ class Checkpointer:
     """Writes checkpoints of one run (rank 0's ``run_dir``) and restores them on every rank."""
 
     def __init__(self, strategy: Stateful, settings: CheckpointSettings, config: Mapping[str, Any], *,
-                 say: Callable[[str], None]) -> None:
+                 seed: int, say: Callable[[str], None]) -> None:
         self.strategy = strategy
         self.settings = settings
+        #: The run's ``--seed``: a rank the saving run did not have seeds its fresh streams from it.
+        self.seed = seed
         #: The run's whole config (flat fields), saved in each checkpoint and compared on resume.
         self.config = dict(config)
         self.say = say
@@ -286,7 +288,7 @@ class Checkpointer:
                          f"of the epoch holds the same samples, now {strategy.batch_split}")
             if env.rank >= len(rngs):
                 # A rank that did not exist gets its own fresh stream, as a new worker would.
-                torch.manual_seed(self.settings.seed + env.rank + 1_000_003 * progress.global_step)
+                torch.manual_seed(self.seed + env.rank + 1_000_003 * progress.global_step)
         sums = state["sums"].to(env.device) if env.is_main else torch.zeros_like(state["sums"], device=env.device)
         if src != 0:
             notes.append(f"note: rank 0's machine held no checkpoint this new; the copy on rank {src}'s machine "

@@ -1,17 +1,16 @@
 """The command line's shared parts, for ``scaleloop`` and its ``bench`` and ``verify`` subcommands.
 
 ``Parser`` reports bad flags in one line with exit code 2; ``add_config_flags`` adds one flag per
-``TrainConfig`` field and ``flag_values`` reads them back; ``help_tiers`` makes ``--help`` show the
+setting of ``TrainConfig``'s sections (generated from their declarations) and ``flag_values`` reads them back; ``help_tiers`` makes ``--help`` show the
 common options and ``--help-all`` every one. No torch here: ``--help`` stays instant.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from typing import Any, Iterable, NoReturn, Optional
 
-from scaleloop.config import TrainConfig, coerce, field_types, flag
+from scaleloop.config import GROUPS, SETTINGS, coerce, field_types, flag
 from scaleloop.errors import EXIT_INTERRUPTED, EXIT_USAGE, UsageError  # (exit codes re-exported)
 
 
@@ -81,28 +80,25 @@ def help_tiers(parser: Parser, common: Iterable[str]) -> None:
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per ``TrainConfig`` field, grouped, each help ending with its default."""
+    """One flag per setting (``config.SETTINGS``), under its group's heading, each help ending with
+    its default; a boolean also gets its ``--no-`` form."""
     types = field_types()
-    groups: dict[str, Any] = {}
-    for f in dataclasses.fields(TrainConfig):
-        meta = f.metadata
-        group_name = meta.get("group", "training")
-        group = groups.get(group_name) or groups.setdefault(group_name, parser.add_argument_group(group_name))
-        default = "not set" if f.default is None else f.default
+    groups = {name: parser.add_argument_group(name) for name in GROUPS}
+    for name, setting in SETTINGS.items():
+        default = "not set" if setting.field.default is None else setting.field.default
         # Help that already explains its default ("default: off") is not given a second one.
-        listed = meta["help"] if not meta.get("choices") else f"{meta['help']} ({'|'.join(meta['choices'])})"
+        listed = setting.help if not setting.choices else f"{setting.help} ({'|'.join(setting.choices)})"
         help_text = listed if "(default:" in listed else f"{listed} (default: {default})"
-        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
-        if types[f.name] is bool:
-            group.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, **kwargs)
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
+        if types[name] is bool:
+            groups[setting.group].add_argument(flag(name), action=argparse.BooleanOptionalAction, **kwargs)
             continue
-        if meta.get("choices"):
-            kwargs["choices"] = meta["choices"]
-        kwargs["metavar"] = f.name.upper()
-        group.add_argument(flag(f.name), **kwargs)
+        if setting.choices:
+            kwargs["choices"] = setting.choices
+        kwargs["metavar"] = name.upper()
+        groups[setting.group].add_argument(flag(name), **kwargs)
 
 
 def flag_values(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``TrainConfig`` flags that were given, as typed values (flags left out are absent)."""
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    return {k: coerce(k, v, flag(k)) for k, v in vars(args).items() if k in names}
+    """The settings' flags that were given, as typed values (flags left out are absent)."""
+    return {k: coerce(k, v, flag(k)) for k, v in vars(args).items() if k in SETTINGS}

@@ -9,7 +9,7 @@ from scaleloop.config import common_fields, config_for_resume, load_toml
 
 
 def register(subparsers: Any) -> None:
-    """Add ``train`` and its flags (one per ``TrainConfig`` field) to the CLI's subparsers."""
+    """Add ``train`` and its flags (one per setting of ``TrainConfig``'s sections) to the CLI's subparsers."""
     parser = subparsers.add_parser(
         "train", help="train a model (defaults: SimpleNet on the bundled digits, best device)",
         description="Train a model. With no flags: SimpleNet on scikit-learn's bundled 8x8 digits, on the "

@@ -5,7 +5,7 @@ import argparse
 from typing import TYPE_CHECKING, Any, Optional
 
 from scaleloop.commands.cmdline import add_config_flags, flag_values, help_tiers
-from scaleloop.config import common_fields, load_toml, resolve
+from scaleloop.config import TrainConfig, common_fields, load_toml, resolve
 
 if TYPE_CHECKING:
     from scaleloop.loop.tune_batch import TuneReport
@@ -39,10 +39,11 @@ def tune_batch_command(cfg: Any) -> str:
     return format_report(cfg, tune_batch(cfg))
 
 
-def format_report(cfg: Any, report: "TuneReport") -> str:
+def format_report(cfg: "TrainConfig", report: "TuneReport") -> str:
     """The text ``tune_batch_command`` prints: every try, the limit, and the ``--batch-size`` to use."""
     search = report.search
-    lines = [f"scaleloop tune-batch: {cfg.model} on {cfg.data}, {cfg.optimizer}, {cfg.precision}, on {report.device}",
+    lines = [f"scaleloop tune-batch: {cfg.model_data.model} on {cfg.model_data.data}, {cfg.optim.optimizer}, "
+             f"{cfg.parallel.precision}, on {report.device}",
              "  per-device batch  training step"]
     for t in search.trials:
         peak = f" (peak {_gib(t.peak_bytes)})" if t.peak_bytes is not None else ""
@@ -59,7 +60,7 @@ def format_report(cfg: Any, report: "TuneReport") -> str:
     lines.append(f"largest per-device batch that fits: {search.max_batch:,}"
                  + (f" (peak {_gib(peak)}{of_total})" if peak is not None else ""))
     lines.append(f"use --batch-size {report.batch_size} (= {split})")
-    if report.workers > 1 or cfg.strategy == "dp":
+    if report.workers > 1 or cfg.parallel.strategy == "dp":
         lines.append("note: measured on one device without DDP, whose gradient buckets hold about one more "
                      "copy of the gradients (and DataParallel gathers outputs on GPU 0): leave some headroom")
     return "\n".join(lines)

@@ -82,25 +82,26 @@ def resolve_verify(args: argparse.Namespace) -> tuple[TrainConfig, VerifyOptions
     if dist.launched_by_torchrun() or dist.launched_by_slurm():
         raise UsageError("scaleloop verify starts its own worker processes; run it as one plain process, "
                          "not under torchrun or srun")
-    values = {**(load_toml(args.config) if args.config else {}), **flag_values(args)}
-    strategy = values.get("strategy", "auto")
+    file_values = load_toml(args.config) if args.config else {}
+    given = {**file_values, **flag_values(args)}
+    forced: dict[str, Any] = {"max_restarts": 0, "progress": False}   # verify's own, whatever was given
+    strategy = given.get("strategy", "auto")
     if strategy == "single":
         raise UsageError("--strategy single has nothing to compare with one process; use ddp, allreduce or dp")
     if strategy != "dp":
         # Verify's defaults where train's do not fit: a comparison needs several processes.
-        mesh = values.get("mesh")
-        if mesh is not None:   # --mesh: its ranks, and the mesh strategy
+        mesh = given.get("mesh")
+        if "nproc" not in given:
             from scaleloop.runtime.mesh import MeshSpec
 
-            values.setdefault("nproc", MeshSpec.parse(mesh).world_size)
-        values.setdefault("nproc", 2)
-        values["strategy"] = ("mesh" if mesh is not None else "ddp") if strategy == "auto" else strategy
-    values.update(max_restarts=0, progress=False)
-    cfg = resolve({}, values)  # checks every value, and that the batch splits over ranks
-    if cfg.nnodes > 1:
+            # --mesh: its ranks, and the mesh strategy
+            forced["nproc"] = MeshSpec.parse(mesh).world_size if mesh is not None else 2
+        forced["strategy"] = ("mesh" if mesh is not None else "ddp") if strategy == "auto" else strategy
+    cfg = resolve(file_values, {**flag_values(args), **forced})  # checks every value, and that the batch splits
+    if cfg.launch.nnodes > 1:
         raise UsageError("scaleloop verify runs on one machine: drop --nnodes (use --nproc N)")
-    if cfg.strategy != "dp" and cfg.nproc < 2:
-        raise UsageError(f"--nproc {cfg.nproc} would compare one process with itself; use --nproc 2 or more")
+    if cfg.parallel.strategy != "dp" and cfg.launch.nproc < 2:
+        raise UsageError(f"--nproc {cfg.launch.nproc} would compare one process with itself; use --nproc 2 or more")
     opts = VerifyOptions(steps=args.steps, checks=parse_checks(args.check), explain_step=args.explain,
                          tolerance=args.tolerance, report=args.report, plot=args.plot).validate()
     return cfg, opts

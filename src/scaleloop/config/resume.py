@@ -6,22 +6,23 @@ from typing import Any, Mapping
 
 from scaleloop.checkpoint.resume import LEGACY_VALUES
 from scaleloop.checkpoint.store import CHECKPOINTS_DIR, list_checkpoints, locate, run_dir_of
-from scaleloop.config.settings import TrainConfig, load_toml, resolve
+from scaleloop.config.settings import FileValues, TrainConfig, load_toml, resolve
 
 
 def config_for_resume(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> TrainConfig:
     """The run's settings: the saved ``config.toml`` of the run being resumed (if any), then
     ``--config`` values, then flags. Without a run to resume: just ``--config`` then flags."""
     cfg = resolve(file_values, flag_values)
-    if cfg.resume == "never":
+    if cfg.checkpointing.resume == "never":
         return cfg
-    source = Path(cfg.out) if cfg.resume == "auto" and cfg.out else None
-    if cfg.resume not in ("auto", "never"):
-        source = run_dir_of(locate(Path(cfg.resume)))
+    settings = cfg.checkpointing
+    source = Path(settings.out) if settings.resume == "auto" and settings.out else None
+    if settings.resume not in ("auto", "never"):
+        source = run_dir_of(locate(Path(settings.resume)))
     if source is None or not (source / "config.toml").is_file() or not list_checkpoints(source / CHECKPOINTS_DIR):
         return cfg
     # A run saved before a setting existed continues as it trained (weight decay on every tensor).
-    saved = {**LEGACY_VALUES, **load_toml(source / "config.toml")}
+    saved = FileValues.layered(LEGACY_VALUES, load_toml(source / "config.toml"))
     # Which checkpoint to take is this invocation's choice, never an old run's.
     saved.pop("resume", None)
     # Without --out the run goes on in the directory it came from.
@@ -32,4 +33,4 @@ def config_for_resume(file_values: Mapping[str, Any], flag_values: Mapping[str, 
         for name in ("microbatches", "pipeline_schedule", "stages_per_rank", "sharded_checkpoints"):
             if name not in {**file_values, **flag_values}:
                 saved.pop(name, None)
-    return resolve({**saved, **file_values}, flag_values)
+    return resolve(FileValues.layered(saved, file_values), flag_values)

@@ -2,53 +2,75 @@
 its evaluations, and the launcher's processes and machines. (Sections owned by the floors below are defined there:
 ``data.settings``, ``output.settings``, ``checkpoint.settings``, ``strategies.registry``.)
 
-Each section is a frozen dataclass of flat ``TrainConfig`` fields, built by ``TrainConfig.section``,
-with its own ``check``. No torch here.
+Each section is a frozen dataclass whose fields are declared once, with their help
+(``scaleloop.option``), and which checks its own values (``check``). No torch here.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 from scaleloop.errors import UsageError
+from scaleloop.option import option, require
 from scaleloop.runtime.preempt import signal_number
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+LR_SCHEDULES = ("constant", "cosine", "step")
+LR_SCALINGS = ("none", "linear", "sqrt")
+DECAY_PARAMS = ("ndim2", "ndim2-no-embeddings", "all")
+BACKENDS = ("gloo", "nccl")
+
+_training = partial(option, group="training")
+_output = partial(option, group="output")
+_launch = partial(option, group="launch")
 
 
 @dataclass(frozen=True)
 class OptimSettings:
-    """How long to train, the batch, the optimizer, the learning rate and its schedule."""
+    """How long to train, the batch, the optimizer, the learning rate and its schedule, the seed."""
 
-    epochs: int = 20
-    max_steps: Optional[int] = None
-    batch_size: int = 64
-    accumulate: int = 1
-    lr: float = 0.01
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    min_lr: float = 0.0
-    lr_scaling: str = "none"
-    base_batch_size: Optional[int] = None
-    optimizer: str = "adam"
-    betas: Optional[str] = None
-    eps: Optional[float] = None
-    weight_decay: float = 0.0
-    decay_params: str = "ndim2"
-    momentum: float = 0.9
-    clip_grad: Optional[float] = None
-    drop_last: bool = False
-    seed: int = 0
+    epochs: int = _training(20, "passes over the training set", common=True)
+    max_steps: Optional[int] = _training(None, "stop after this many optimizer steps (default: no limit)")
+    batch_size: int = _training(64, "GLOBAL batch size: per-device batch = batch_size / (world size x accumulate)",
+                                common=True)
+    lr: float = _training(0.01, "learning rate (at --base-batch-size when --lr-scaling is set)", common=True)
+    lr_schedule: str = _training("constant", "learning-rate schedule over the run's optimizer steps "
+                                 "(step: x0.1 at half and at three quarters of them)", LR_SCHEDULES)
+    warmup_steps: int = _training(0, "optimizer steps of linear learning-rate warm-up from lr/N to lr")
+    min_lr: float = _training(0.0, "the learning rate a decaying --lr-schedule ends at: cosine decays from the peak "
+                              "to it, step's drops stop at it")
+    lr_scaling: str = _training("none", "scale --lr with the global batch: linear (x B/base) or sqrt "
+                                "(x sqrt(B/base)); needs --base-batch-size", LR_SCALINGS)
+    base_batch_size: Optional[int] = _training(None, "the global batch that --lr was tuned for (for --lr-scaling)")
+    optimizer: str = _training("adam", "optimizer", OPTIMIZERS, common=True)
+    betas: Optional[str] = _training(None, "adam and adamw: the moment decay rates B1,B2, e.g. 0.9,0.95 (default: "
+                                     "torch's 0.9,0.999)")
+    eps: Optional[float] = _training(None, "adam and adamw: the term added to the denominator (default: torch's "
+                                     "1e-08)")
+    weight_decay: float = _training(0.0, "weight decay (on the tensors --decay-params names)")
+    decay_params: str = _training("ndim2", "which tensors --weight-decay applies to: ndim2 (those of 2 or more "
+                                  "dimensions: linear and conv weights, embeddings; not biases or norms), "
+                                  "ndim2-no-embeddings (not embeddings either) or all", DECAY_PARAMS)
+    momentum: float = _training(0.9, "momentum (sgd only)")
+    clip_grad: Optional[float] = _training(None, "clip the global gradient norm to this value (default: off)")
+    drop_last: bool = _training(False, "drop the last, smaller step of each epoch instead of training on it")
+    seed: int = _training(0, "random seed (model init, data order, generated data)")
+    fused_optimizer: bool = option(False, "the optimizer's one-kernel implementation (fused=True, on CUDA and the "
+                                   "CPU; foreach=True where there is none): much faster steps, rounding may differ "
+                                   "slightly", group="speed")
 
     def check(self) -> None:
-        for name in ("epochs", "batch_size", "accumulate"):
-            _require(getattr(self, name) >= 1, name, "a positive integer")
-        _require(self.max_steps is None or self.max_steps >= 1, "max_steps", "a positive integer")
-        _require(self.lr > 0, "lr", "a positive number")
-        _require(self.weight_decay >= 0, "weight_decay", "zero or positive")
-        _require(self.momentum >= 0, "momentum", "zero or positive")
-        _require(self.clip_grad is None or self.clip_grad > 0, "clip_grad", "a positive number")
-        _require(self.warmup_steps >= 0, "warmup_steps", "zero or positive")
-        _require(self.base_batch_size is None or self.base_batch_size >= 1, "base_batch_size", "a positive integer")
+        for name in ("epochs", "batch_size"):
+            require(getattr(self, name) >= 1, name, "a positive integer")
+        require(self.max_steps is None or self.max_steps >= 1, "max_steps", "a positive integer")
+        require(self.lr > 0, "lr", "a positive number")
+        require(self.weight_decay >= 0, "weight_decay", "zero or positive")
+        require(self.momentum >= 0, "momentum", "zero or positive")
+        require(self.clip_grad is None or self.clip_grad > 0, "clip_grad", "a positive number")
+        require(self.warmup_steps >= 0, "warmup_steps", "zero or positive")
+        require(self.base_batch_size is None or self.base_batch_size >= 1, "base_batch_size", "a positive integer")
         if self.lr_scaling != "none" and self.base_batch_size is None:
             raise UsageError(f"--lr-scaling {self.lr_scaling} scales --lr from the batch it was tuned for: "
                              "add --base-batch-size N")
@@ -84,7 +106,7 @@ class OptimSettings:
         return b1, b2
 
     def _check_min_lr(self) -> None:
-        _require(self.min_lr >= 0, "min_lr", "zero or positive")
+        require(self.min_lr >= 0, "min_lr", "zero or positive")
         if self.min_lr and self.lr_schedule == "constant":
             raise UsageError(f"--min-lr {self.min_lr:g} is the floor of a decaying schedule, and --lr-schedule "
                              "constant does not decay: add --lr-schedule cosine (or step), or leave out --min-lr")
@@ -100,7 +122,7 @@ class OptimSettings:
                              f"--optimizer {self.optimizer} has no such setting: use --optimizer adamw (or adam), "
                              f"or leave out {flags}")
         self.adam_betas   # (raises for a malformed value)
-        _require(self.eps is None or self.eps > 0, "eps", "a positive number, e.g. 1e-8")
+        require(self.eps is None or self.eps > 0, "eps", "a positive number, e.g. 1e-8")
 
 
 @dataclass(frozen=True)
@@ -109,11 +131,13 @@ class EvalSettings:
     on a fixed sample of ``eval_batches`` batches (None: the whole test set), and with
     ``eval_train`` on a sample of the training set too (``scaleloop.loop.evaluations``)."""
 
-    eval_every: Optional[int] = None
-    eval_batches: Optional[int] = None
-    eval_train: bool = False
-    batch_size: int = 64
-    seed: int = 0
+    eval_every: Optional[int] = _output(None, "also evaluate every N optimizer steps (at global steps N, 2N, ...), "
+                                        "an eval row in metrics.csv each time (default: at epoch ends only)")
+    eval_batches: Optional[int] = _output(None, "evaluate a fixed, seeded sample of K batches (K x --batch-size "
+                                          "samples) of the test set instead of all of it, the same sample every time "
+                                          "and on any number of processes (default: the whole test set)")
+    eval_train: bool = _output(False, "at each evaluation also take the training loss in evaluation mode over a "
+                               "fixed, seeded sample of the training set (--eval-batches batches; all of it without)")
 
     def check(self) -> None:
         if self.eval_every is not None and self.eval_every < 1:
@@ -123,46 +147,67 @@ class EvalSettings:
             raise UsageError(f"--eval-batches must be a positive number of batches, got {self.eval_batches} "
                              "(leave it out to evaluate the whole test set)")
 
-    @property
-    def sample_size(self) -> Optional[int]:
-        """Samples an evaluation reads from each set (None: all of them)."""
-        return None if self.eval_batches is None else self.eval_batches * self.batch_size
+    def sample_size(self, batch_size: int) -> Optional[int]:
+        """Samples an evaluation reads from each set with global batches of ``batch_size`` (the
+        optimizer section's): None for all of them."""
+        return None if self.eval_batches is None else self.eval_batches * batch_size
 
 
 @dataclass(frozen=True)
 class LaunchSettings:
     """How many processes on how many machines, where they meet, and how the launcher treats them."""
 
-    nproc: int = 1
-    nnodes: int = 1
-    min_nnodes: int = 0
-    node_rank: int = 0
-    master_addr: Optional[str] = None
-    master_port: int = 29500
-    rdzv_endpoint: Optional[str] = None
-    rdzv_id: str = "scaleloop"
-    rdzv_conf: Optional[str] = None
-    local_addr: Optional[str] = None
-    max_restarts: int = 0
-    signal: str = "SIGUSR1"
-    requeue: bool = False
-    backend: Optional[str] = None
-    timeout: float = 1800.0
+    device: str = option("auto", "device: auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", group="hardware",
+                         common=True)
+    nproc: int = _launch(1, "worker processes on this machine (one per GPU on CUDA)", common=True)
+    nnodes: int = _launch(1, "machines in the job: N, or MIN:MAX for elastic membership (with --rdzv-endpoint: the "
+                          "job goes on with as few as MIN machines and admits returning ones, up to MAX)")
+    min_nnodes: int = _launch(0, "the fewest machines an elastic job goes on with (set by --nnodes MIN:MAX; "
+                              "0: --nnodes)")
+    node_rank: int = _launch(0, "this machine's index, 0..nnodes-1 (with --master-addr)")
+    master_addr: Optional[str] = _launch(None, "address of node 0 (static rendezvous; default: single-node "
+                                         "standalone)")
+    master_port: int = _launch(29500, "port on node 0 for --master-addr")
+    rdzv_endpoint: Optional[str] = _launch(None, "host:port of a c10d rendezvous (elastic; instead of "
+                                           "--master-addr/--node-rank)")
+    rdzv_id: str = _launch("scaleloop", "job id shared by all nodes of one --rdzv-endpoint job")
+    rdzv_conf: Optional[str] = _launch(None, "torchrun's --rdzv-conf for --rdzv-endpoint, e.g. last_call_timeout=5,"
+                                       "join_timeout=600 (docs/multinode.md, 'Faults')")
+    local_addr: Optional[str] = _launch(None, "this machine's address as the others reach it (default: the address "
+                                        "that routes to --rdzv-endpoint)")
+    max_restarts: int = _launch(0, "times torchrun restarts the worker group after a failure")
+    signal: str = _launch("SIGUSR1", "a signal that, like SIGTERM and SIGUSR1, stops the run after the current step "
+                          "with a checkpoint (preemption; see docs/slurm.md)")
+    requeue: bool = _launch(False, "after such a stop under SLURM, put the job back into the queue (scontrol requeue)")
+    backend: Optional[str] = _launch(None, "process-group backend (default: nccl on CUDA, gloo on CPU)", BACKENDS)
+    timeout: float = _launch(1800.0, "seconds a collective waits for the slowest rank before the run stops with a "
+                             "report naming the rank behind; keep it above your longest first step (torch.compile) "
+                             "and checkpoint save (default: 1800, as torch's own)")
 
     @property
     def elastic(self) -> bool:
         """Whether the job's machines may change while it runs (``--nnodes MIN:MAX``, MIN < MAX)."""
         return 0 < self.min_nnodes < self.nnodes
 
+    @property
+    def elastic_nodes(self) -> Optional[str]:
+        """``MIN:MAX`` for an elastic job, else None."""
+        return f"{self.min_nnodes}:{self.nnodes}" if self.elastic else None
+
+    @property
+    def world_size(self) -> int:
+        """Processes the launch flags ask for (``--nproc`` x ``--nnodes``)."""
+        return self.nproc * self.nnodes
+
     def check(self) -> None:
-        _require(self.nproc >= 1, "nproc", "a positive integer")
-        _require(self.nnodes >= 1, "nnodes", "a positive integer")
-        _require(0 <= self.min_nnodes <= self.nnodes, "min_nnodes", f"in 0..{self.nnodes} (--nnodes MIN:MAX)")
-        _require(0 <= self.node_rank < self.nnodes, "node_rank", f"in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
-        _require(1 <= self.master_port <= 65535, "master_port", "a port number in 1..65535")
-        _require(self.max_restarts >= 0, "max_restarts", "zero or positive")
+        require(self.nproc >= 1, "nproc", "a positive integer")
+        require(self.nnodes >= 1, "nnodes", "a positive integer")
+        require(0 <= self.min_nnodes <= self.nnodes, "min_nnodes", f"in 0..{self.nnodes} (--nnodes MIN:MAX)")
+        require(0 <= self.node_rank < self.nnodes, "node_rank", f"in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
+        require(1 <= self.master_port <= 65535, "master_port", "a port number in 1..65535")
+        require(self.max_restarts >= 0, "max_restarts", "zero or positive")
         signal_number(self.signal)   # a name that is no catchable signal: one line now, not at the stop
-        _require(self.timeout > 0, "timeout", "a positive number of seconds")
+        require(self.timeout > 0, "timeout", "a positive number of seconds")
         if self.nnodes > 1 and not (self.master_addr or self.rdzv_endpoint):
             nnodes = f"{self.min_nnodes}:{self.nnodes}" if self.elastic else str(self.nnodes)
             raise UsageError(f"--nnodes {nnodes} needs where to meet: "
@@ -176,11 +221,6 @@ class LaunchSettings:
         if self.elastic and not self.rdzv_endpoint:
             raise UsageError(f"--nnodes {self.min_nnodes}:{self.nnodes} lets machines leave and join, which needs the "
                              "c10d rendezvous: add --rdzv-endpoint HOST:PORT (instead of --master-addr)")
-
-
-def _require(ok: bool, name: str, what: str) -> None:
-    if not ok:
-        raise UsageError(f"--{name.replace('_', '-')} must be {what}")
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:

@@ -8,7 +8,6 @@ Torch is imported only when a run starts.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import shlex
 import signal
@@ -270,7 +269,7 @@ def _check_resume(cfg: TrainConfig) -> Optional[Path]:
     if info is None:
         return None
     if isinstance(info.meta.get("config"), dict):
-        check_compatible(info.meta["config"], dataclasses.asdict(cfg), str(info.path))
+        check_compatible(info.meta["config"], cfg.flat(), str(info.path))
     return info.path
 
 

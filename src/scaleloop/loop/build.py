@@ -32,7 +32,6 @@ from scaleloop.output.memory import parameter_bytes
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.strategies.factory import build_strategy
 from scaleloop.strategies.base import Strategy
-from scaleloop.strategies.precision import Precision
 
 
 @dataclass
@@ -221,11 +220,11 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
 def _make_strategy(cfg: TrainConfig, env: DistEnv) -> Strategy:
     """The strategy of ``cfg``'s parallel section, on ``env``, with its precision."""
     settings = cfg.parallel
-    if cfg.strategy not in ("auto", "mesh"):
+    if settings.strategy not in ("auto", "mesh"):
         # A config that names another strategy (verify's one-process reference, a bench row)
         # runs that one; the CLI rejects --mesh with another strategy.
         settings = dataclasses.replace(settings, mesh=None)
-    return build_strategy(settings, env, Precision(cfg.precision, env.device))
+    return build_strategy(settings, env)
 
 
 def _total_steps(cfg: TrainConfig, per_epoch: Optional[int]) -> int:

@@ -119,8 +119,11 @@ class Evaluations:
     """
 
     def __init__(self, model: nn.Module, settings: EvalSettings, data: Datasets, strategy: Strategy, *,
-                 loss_fn: Optional[LossFn], keep_target: TargetRoute, metrics: dict[str, MetricFn]) -> None:
+                 batch_size: int, seed: int, loss_fn: Optional[LossFn], keep_target: TargetRoute,
+                 metrics: dict[str, MetricFn]) -> None:
         self.model, self.settings, self.data, self.strategy = model, settings, data, strategy
+        # The run's --batch-size and --seed (the optimizer section's): a sample's size and its draw.
+        self.sample_size, self.seed = settings.sample_size(batch_size), seed
         self.every = settings.eval_every
         self._options: dict[str, Any] = dict(loss_fn=loss_fn, keep_target=keep_target)
         self._metrics = metrics
@@ -160,8 +163,8 @@ class Evaluations:
         if split not in self._sets:
             full = self.data.test if split == "test" else self.data.train
             assert full is not None
-            size = self.settings.sample_size
-            seed = self.settings.seed + (TEST_SAMPLE_SEED if split == "test" else TRAIN_SAMPLE_SEED)
+            size = self.sample_size
+            seed = self.seed + (TEST_SAMPLE_SEED if split == "test" else TRAIN_SAMPLE_SEED)
             chosen = full if size is None else sample_of(full, size, seed)
             n = declared_length(full)
             self._sets[split] = (chosen, n if chosen is not full and n is not None else None)
@@ -181,7 +184,7 @@ class Evaluations:
     def _what(self, split: str) -> str:
         """Which samples of ``split`` an evaluation reads, in words."""
         full = self.data.test if split == "test" else self.data.train
-        size, n = self.settings.sample_size, declared_length(full)
+        size, n = self.sample_size, declared_length(full)
         if size is None:
             return "all of it"
         if isinstance(full, IterableDataset):

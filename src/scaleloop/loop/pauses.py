@@ -33,6 +33,7 @@ class Pauses:
         self.run, self.result, self.running, self.checkpointer = run, result, running, checkpointer
         self.emit, self.metrics, self.say = emit, metrics, say   # emit: the trainer's, which writes and checks a row
         self.evals = Evaluations(run.model, run.cfg.evaluation, run.data, run.strategy,
+                                 batch_size=run.cfg.batch_size, seed=run.cfg.seed,
                                  loss_fn=run.loss_fn if run.user_loss else None,
                                  keep_target=run.loader.keep_target, metrics=run.metrics)
         #: What the loop does when not a training step (an evaluation, a checkpoint), for the report.

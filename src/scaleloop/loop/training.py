@@ -8,7 +8,6 @@ Everything that differs between 1 and N workers is the strategy's (``scaleloop.s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -51,7 +50,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     try:
         with StartupWatch(say) if env.is_main else contextlib.nullcontext():   # a slow step says so
             run = build_run(cfg, env)
-            checkpointer = Checkpointer(run.strategy, cfg.checkpointing, dataclasses.asdict(cfg), say=say)
+            checkpointer = Checkpointer(run.strategy, cfg.checkpointing, cfg.flat(), seed=cfg.seed, say=say)
             resumed = checkpointer.restore(run.model, run.optimizer, run.scheduler, restarting=restart_count() > 0)
             _stream_state(run, checkpointer, resumed)
     except BaseException as exc:   # for the launcher's report: before any step

@@ -242,9 +242,18 @@ def _passing_through(frame: Any) -> Optional[BaseException]:
 
 
 def _as_mapping(config: Any) -> Mapping[str, Any]:
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return dataclasses.asdict(config)
-    return dict(config)
+    """A mapping as it is; a dataclass by its fields, the fields of a section (a dataclass field of
+    ``TrainConfig``) by their own names: the settings as their flags name them (``lr``, not ``optim.lr``)."""
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        return dict(config)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out.update(dataclasses.asdict(value))
+        else:
+            out[f.name] = value
+    return out
 
 
 def read_metrics(csv_path: Path) -> list[dict[str, str]]:

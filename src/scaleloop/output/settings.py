@@ -1,24 +1,28 @@
-"""The config's output section: what a run writes besides its checkpoints, and its own checks."""
+"""The config's output section: what a run writes besides its checkpoints, and its own checks.
+Each field is declared once, here, with its help (``scaleloop.option``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from functools import partial
 
-from scaleloop.errors import UsageError
-from scaleloop.output.trackers import check_installed
+from scaleloop.option import option, require
+from scaleloop.output.trackers import TRACKERS, check_installed
+
+_output = partial(option, group="output")
 
 
 @dataclass(frozen=True)
 class OutputSettings:
-    """The run directory, the metric rows, the progress bar and the tracker."""
+    """The metric rows, the progress bar and the tracker (the run directory is the checkpoint
+    section's ``out``: where a run continues is decided there)."""
 
-    out: Optional[str] = None
-    log_every: int = 10
-    progress: bool = True
-    tracker: str = "tensorboard"
-    tensorboard: bool = True
+    log_every: int = _output(10, "optimizer steps between metric rows in metrics.csv")
+    progress: bool = _output(True, "show a progress bar")
+    tracker: str = _output("tensorboard", "where metrics go besides metrics.csv: TensorBoard events in "
+                           "<run>/tensorboard (if installed), a W&B or MLflow run (see docs/tracking.md), or nowhere",
+                           TRACKERS)
+    tensorboard: bool = _output(True, "write the events of --tracker tensorboard (--no-tensorboard: as --tracker none)")
 
     def check(self) -> None:
-        if self.log_every < 1:
-            raise UsageError("--log-every must be a positive integer")
+        require(self.log_every >= 1, "log_every", "a positive integer")
         check_installed(self.tracker)   # a missing W&B/MLflow package: now, before the run directory exists

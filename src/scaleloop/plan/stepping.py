@@ -18,14 +18,16 @@ from scaleloop.plan.profile import ModelSpec
 
 
 def _strategy(layout: Layout, env: Any) -> Any:
-    from scaleloop.strategies.factory import make_strategy
+    from scaleloop.strategies.factory import build_strategy
+    from scaleloop.strategies.registry import ParallelSettings
 
     flags = layout.train_flags(env.world_size, 1)
     mesh = flags[flags.index("--mesh") + 1] if "--mesh" in flags else None
     name = "mesh" if mesh else flags[flags.index("--strategy") + 1]
-    return make_strategy(name, env, "fp32", microbatches=layout.microbatches, mesh=mesh,
-                         pipeline_schedule="1f1b" if layout.pp > 1 else "gpipe",
-                         activation_checkpointing=layout.checkpointing, cpu_offload=layout.offload)
+    return build_strategy(ParallelSettings(strategy=name, microbatches=layout.microbatches, mesh=mesh,
+                                           pipeline_schedule="1f1b" if layout.pp > 1 else "gpipe",
+                                           activation_checkpointing=layout.checkpointing, cpu_offload=layout.offload),
+                          env)
 
 
 def token_dataset(spec: ModelSpec, batch_size: int) -> Any:

@@ -2,7 +2,7 @@
 
 - ``registry``: every strategy registered once (name, class, processes), and ``ParallelSettings``:
   the config's parallel section and the one place its combinations are checked (no torch);
-  ``factory``: ``make_strategy`` and ``build_strategy``, a strategy from its name and those settings;
+  ``factory``: ``build_strategy``, the one way a strategy is built: from those settings;
   ``parallelize``: the ``ParallelPlan`` built once from the mesh (sizes, this rank's coordinates,
   data rank and data world size, the one ``DeviceMesh``), and ``parallelize``, which applies it in
   one fixed order: tensor parallelism, activation checkpointing, data parallelism, pipeline split.
@@ -40,12 +40,12 @@ _EXPORTS = {
     "MeshParallel": "scaleloop.strategies.composed",
     "MeshSpec": "scaleloop.runtime.mesh",
     "Precision": "scaleloop.strategies.precision",
-    "make_strategy": "scaleloop.strategies.factory",
     "build_strategy": "scaleloop.strategies.factory",
     "ParallelPlan": "scaleloop.strategies.parallelize",
     "batch_split_of": "scaleloop.strategies.factory",
     "ParallelSettings": "scaleloop.strategies.registry",
     "REGISTRY": "scaleloop.strategies.registry",
+    "PRECISIONS": "scaleloop.strategies.registry",
     "STRATEGIES": "scaleloop.strategies.registry",
     "resolve_strategy_name": "scaleloop.strategies.registry",
 }

@@ -62,7 +62,7 @@ class MeshParallel(FSDP):
         self.spec.check(self.env.world_size)
         if self.spec.pp > 1:
             raise UsageError(f"--mesh {self.spec}: a mesh with pp runs as a pipeline (pp x dp only): build it with "
-                             "make_strategy('mesh', env, mesh=...), which picks the pipeline strategy")
+                             "scaleloop.strategy('mesh', env, mesh=...), which picks the pipeline strategy")
         if self._sync_batchnorm:
             raise UsageError("--sync-batchnorm is not offered with --mesh; use --strategy ddp or fsdp")
 

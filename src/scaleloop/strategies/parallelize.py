@@ -3,7 +3,7 @@
 Every strategy holds a :class:`ParallelPlan`: the layout of the ranks as one
 :class:`~scaleloop.runtime.mesh.MeshSpec` (the ``pp``, ``dp``, ``fsdp`` and ``tp`` sizes), this
 rank's place in it, the data-parallel share it trains on, and whether activations are
-recomputed. ``make_strategy`` builds it from the settings (:meth:`ParallelPlan.of`) and picks the
+recomputed. ``build_strategy`` builds it from the settings (:meth:`ParallelPlan.of`) and picks the
 strategy class from it; the loader, the evaluation split and the process groups all read it.
 
 :func:`parallelize` then makes the model parallel in one fixed order (torchtitan's):
@@ -44,17 +44,18 @@ class ParallelPlan:
     _mesh: Any = field(default=None, repr=False)
 
     @classmethod
-    def of(cls, settings: "ParallelSettings", rank: int) -> "ParallelPlan":
-        """The plan of checked ``settings`` (``ParallelSettings.check_layout``): ``--mesh`` as given;
-        else every rank a pipeline stage (pipeline), a data shard (fsdp) or a data replica."""
+    def of(cls, settings: "ParallelSettings", world_size: int, rank: int) -> "ParallelPlan":
+        """The plan of ``settings``, checked for ``world_size`` processes (``ParallelSettings.check_layout``),
+        on ``rank``: ``--mesh`` as given; else every rank a pipeline stage (pipeline), a data shard
+        (fsdp) or a data replica."""
         if settings.mesh is not None:
             spec = MeshSpec.parse(settings.mesh)
         elif settings.strategy == "pipeline":
-            spec = MeshSpec(pp=settings.world_size)
+            spec = MeshSpec(pp=world_size)
         elif settings.strategy == "fsdp":
-            spec = MeshSpec(fsdp=settings.world_size)
+            spec = MeshSpec(fsdp=world_size)
         else:
-            spec = MeshSpec(dp=settings.world_size)
+            spec = MeshSpec(dp=world_size)
         return cls(spec, rank, recompute=settings.activation_checkpointing)
 
     # --- where this rank sits -------------------------------------------------------------

@@ -1,18 +1,21 @@
 """Every strategy, registered once: its name, its class and how many processes it runs, and
-the rules for the settings that lay the ranks out (the config's parallel section). No torch here.
+the config's parallel section: the settings that lay the ranks out and each strategy's options,
+each declared once with its help (``scaleloop.option``), and their rules. No torch here.
 
 ``ParallelSettings.check`` is the one place that refuses a combination that cannot run: the CLI
-calls it through ``TrainConfig.validate`` before any worker starts, and ``make_strategy`` calls
-it for library users. Adding a strategy means one :class:`Registered` entry below.
+calls it through ``TrainConfig.validate`` before any worker starts, and ``build_strategy`` calls
+it (``check_layout``) for library users. Adding a strategy means one :class:`Registered` entry below.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 from scaleloop.data.batching import check_batch_split
 from scaleloop.errors import UsageError
-from scaleloop.strategies.pieces import check_pipeline_schedule
+from scaleloop.option import option, require
+from scaleloop.strategies.pieces import SCHEDULES, check_pipeline_schedule
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,9 @@ REGISTRY: dict[str, Registered] = {r.name: r for r in (
 )}
 #: The names ``--strategy`` accepts: ``auto`` (DDP when there are several processes, else single) and each registered one.
 STRATEGIES = ("auto", *REGISTRY)
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+_hardware = partial(option, group="hardware")
 
 
 def resolve_strategy_name(name: str, distributed: bool) -> str:
@@ -48,51 +54,73 @@ def resolve_strategy_name(name: str, distributed: bool) -> str:
 class ParallelSettings:
     """The config's parallel section: how the ranks are laid out, and each strategy's options."""
 
-    strategy: str = "auto"
-    world_size: int = 1
-    mesh: Optional[str] = None
-    batch_size: int = 64
-    accumulate: int = 1
-    elastic_nodes: Optional[str] = None   # "MIN:MAX" machines when the job is elastic
-    microbatches: int = 1
-    pipeline_schedule: str = "gpipe"
-    stages_per_rank: int = 0
-    sync_batchnorm: bool = False
-    find_unused_parameters: bool = False
-    static_graph: bool = False
-    activation_checkpointing: bool = False
-    cpu_offload: bool = False
-    sharded_checkpoints: bool = False
-    compile: bool = False
+    strategy: str = _hardware("auto", "how to use the hardware", STRATEGIES, common=True)
+    mesh: Optional[str] = _hardware(None, "lay the ranks out on named dimensions, e.g. dp=2,tp=2: dp (replicated), "
+                                    "fsdp or shard (sharded), tp (tensor parallel); their product is the world size; "
+                                    "implies --strategy mesh (docs/strategies.md, '--mesh')")
+    precision: str = _hardware("fp32", "numeric precision (bf16/fp16 use torch.amp autocast; fp16 adds a GradScaler)",
+                               PRECISIONS, common=True)
+    accumulate: int = option(1, "micro-batches accumulated into each optimizer step", group="training")
+    activation_checkpointing: bool = _hardware(False, "keep only each block's input from the forward and recompute "
+                                               "its activations in the backward: less memory, about one more "
+                                               "forward of compute, the same results")
+    cpu_offload: bool = _hardware(False, "fsdp and --mesh: keep the sharded parameters, gradients and optimizer "
+                                  "state in host memory between uses (FSDP2's CPUOffloadPolicy; the optimizer steps "
+                                  "on the CPU)")
+    microbatches: int = _hardware(1, "--strategy pipeline: cut each micro-step's batch into this many pieces that "
+                                  "flow through the stages one after another")
+    pipeline_schedule: str = _hardware("gpipe", "--strategy pipeline: the order of the pieces' forwards and "
+                                       "backwards: gpipe (all forwards, then all backwards), 1f1b (one forward, one "
+                                       "backward: fewer activations held; needs --microbatches >= the stages) or "
+                                       "interleaved (1F1B over several stages per process: a smaller bubble)",
+                                       SCHEDULES)
+    stages_per_rank: int = _hardware(0, "--pipeline-schedule interleaved: model stages per process (0: 2); process r "
+                                     "holds stages r, r+N, r+2N, ...")
+    sync_batchnorm: bool = _hardware(False, "compute BatchNorm statistics over the global batch (all ranks), as one "
+                                     "process would")
+    find_unused_parameters: bool = _hardware(False, "ddp: allow parameters that get no gradient in a step (DDP "
+                                             "searches the graph after every forward; costs time)")
+    static_graph: bool = _hardware(False, "ddp: the set of parameters used is the same every step (unused ones "
+                                   "allowed; cheaper than --find-unused-parameters)")
+    compile: bool = option(False, "torch.compile the model (inductor; on the CPU it needs a C++ compiler); the first "
+                           "steps are slow while it compiles, and rounding may differ slightly from eager",
+                           group="speed")
+    sharded_checkpoints: bool = option(False, "pipelines (--strategy pipeline, --mesh pp=N): every stage writes its "
+                                       "own part of each checkpoint (torch.distributed.checkpoint) instead of sending "
+                                       "it to rank 0, for a model too large to gather; fsdp and --mesh always do",
+                                       group="checkpoints")
 
-    def check(self) -> None:
-        """Refuse, in one line naming the flags, a layout or option that cannot run."""
-        data_ranks = self.check_layout()
-        layout = self.pipeline_layout()
+    def check(self, world_size: int, batch_size: int, elastic_nodes: Optional[str] = None) -> None:
+        """Refuse, in one line naming the flags, a layout or option that cannot run on ``world_size``
+        processes (``elastic_nodes``: ``MIN:MAX`` machines when the job's may change) with global
+        batches of ``batch_size`` (the optimizer section's)."""
+        data_ranks = self.check_layout(world_size, elastic_nodes)
+        layout = self.pipeline_layout(world_size)
         if layout is not None:
-            self._check_pipeline_batch(layout[1])
-        elif not self.elastic_nodes:
-            check_batch_split(self.batch_size, data_ranks, self.accumulate)
-        elif self.batch_size < self.world_size * self.accumulate:
+            self._check_pipeline_batch(layout[1], batch_size)
+        elif not elastic_nodes:
+            check_batch_split(batch_size, data_ranks, self.accumulate)
+        elif batch_size < world_size * self.accumulate:
             # Any world size MIN..MAX runs; an uneven split is weighted (strategies/base.py).
-            raise UsageError(f"--batch-size {self.batch_size} gives some of the up to {self.world_size} workers x "
+            raise UsageError(f"--batch-size {batch_size} gives some of the up to {world_size} workers x "
                              f"{self.accumulate} accumulation step(s) no sample; use at least "
-                             f"{self.world_size * self.accumulate}")
+                             f"{world_size * self.accumulate}")
 
-    def check_layout(self) -> int:
+    def check_layout(self, world_size: int, elastic_nodes: Optional[str] = None) -> int:
         """Everything but the batch size; returns the data-parallel ranks a step's batch is split over."""
         if self.strategy != "auto" and self.strategy not in REGISTRY:
             raise UsageError(f"--strategy {self.strategy!r} is not one of: {', '.join(STRATEGIES)}")
-        _require(self.microbatches >= 1, "--microbatches", "a positive integer")
-        data_ranks = self._check_mesh()
-        concrete = resolve_strategy_name(self.strategy, self.world_size > 1)
-        if concrete in REGISTRY and REGISTRY[concrete].processes == "one" and self.world_size > 1:
-            raise UsageError(_ONE_PROCESS[concrete].format(world=self.world_size))
-        self._check_options(concrete)
-        _require(self.stages_per_rank >= 0, "--stages-per-rank", "zero (the default) or a positive integer")
-        layout = self.pipeline_layout()
+        require(self.accumulate >= 1, "accumulate", "a positive integer")
+        require(self.microbatches >= 1, "microbatches", "a positive integer")
+        data_ranks = self._check_mesh(world_size)
+        concrete = resolve_strategy_name(self.strategy, world_size > 1)
+        if concrete in REGISTRY and REGISTRY[concrete].processes == "one" and world_size > 1:
+            raise UsageError(_ONE_PROCESS[concrete].format(world=world_size))
+        self._check_options(concrete, world_size, elastic_nodes)
+        require(self.stages_per_rank >= 0, "stages_per_rank", "zero (the default) or a positive integer")
+        layout = self.pipeline_layout(world_size)
         if layout is not None:
-            self._check_pipeline(*layout)
+            self._check_pipeline(world_size, *layout)
         elif self.microbatches > 1:
             raise UsageError(f"--microbatches {self.microbatches} applies to --strategy pipeline (or --mesh pp=N) "
                              "only; to split a step's batch with another strategy use --accumulate")
@@ -101,7 +129,7 @@ class ParallelSettings:
             raise UsageError(f"{which} applies to --strategy pipeline only: add --strategy pipeline, or drop it")
         return data_ranks
 
-    def _check_options(self, concrete: str) -> None:
+    def _check_options(self, concrete: str, world_size: int, elastic_nodes: Optional[str]) -> None:
         """Each option only with the strategies that implement it."""
         if (self.find_unused_parameters or self.static_graph) and concrete != "ddp" and self.strategy != "auto":
             which = "--find-unused-parameters" if self.find_unused_parameters else "--static-graph"
@@ -109,7 +137,7 @@ class ParallelSettings:
                              f"(not {self.strategy})")
         if (self.find_unused_parameters or self.static_graph) and self.mesh is not None:
             raise UsageError("--find-unused-parameters and --static-graph do not apply to --mesh")
-        pipelined = self.strategy in ("dp", "pipeline") or self.pipeline_layout() is not None
+        pipelined = self.strategy in ("dp", "pipeline") or self.pipeline_layout(world_size) is not None
         which = f"--strategy {self.strategy}" if self.strategy in ("dp", "pipeline") else "--mesh pp=N"
         if self.compile and pipelined:
             raise UsageError(f"--compile does not support {which} "
@@ -121,35 +149,36 @@ class ParallelSettings:
         if self.activation_checkpointing and pipelined:
             raise UsageError(f"--activation-checkpointing is not offered with {which}; use single, "
                              "ddp, allreduce, fsdp or --mesh without pp")
-        if self.sharded_checkpoints and self.pipeline_layout() is None and self.strategy not in ("fsdp", "mesh"):
+        if self.sharded_checkpoints and self.pipeline_layout(world_size) is None and self.strategy not in ("fsdp", "mesh"):
             raise UsageError(f"--sharded-checkpoints applies to pipelines (fsdp and --mesh always write sharded "
                              f"checkpoints); with --strategy {self.strategy} every rank holds the whole model: drop it")
-        if self.elastic_nodes and (self.mesh is not None or self.strategy in ("pipeline", "mesh", "dp", "single")):
+        if elastic_nodes and (self.mesh is not None or self.strategy in ("pipeline", "mesh", "dp", "single")):
             which = f"--mesh {self.mesh}" if self.mesh is not None else f"--strategy {self.strategy}"
-            raise UsageError(f"--nnodes {self.elastic_nodes}: {which} needs a fixed number of processes; "
+            raise UsageError(f"--nnodes {elastic_nodes}: {which} needs a fixed number of processes; "
                              "an elastic job runs ddp, allreduce or fsdp")
 
-    def _check_mesh(self) -> int:
+    def _check_mesh(self, world_size: int) -> int:
         """The data-parallel ranks a step's batch is split over (all of them without --mesh)."""
         if self.mesh is None:
             if self.strategy == "mesh":
                 raise UsageError("--strategy mesh needs the layout: add --mesh, e.g. --mesh dp=2,tp=2")
-            return self.world_size
+            return world_size
         if self.strategy not in ("auto", "mesh"):
             raise UsageError(f"--mesh lays out the ranks itself: drop --strategy {self.strategy} (or use --strategy mesh)")
         from scaleloop.runtime.mesh import MeshSpec
 
-        spec = MeshSpec.parse(self.mesh).check(self.world_size)
+        spec = MeshSpec.parse(self.mesh).check(world_size)
         if spec.pp > 1 and (spec.fsdp > 1 or spec.tp > 1):
             raise UsageError(f"--mesh {spec}: pp composes with dp only (pipeline x data parallel); drop fsdp/tp, "
                              "or drop pp")
         return spec.data_parallel
 
-    def pipeline_layout(self) -> Optional[tuple[int, int]]:
-        """``(stage processes, replicas)`` when the run is a pipeline (``--strategy pipeline``:
-        every rank a stage; ``--mesh pp=S,dp=R``: S stages, each replicated R times), else None."""
+    def pipeline_layout(self, world_size: int) -> Optional[tuple[int, int]]:
+        """``(stage processes, replicas)`` when the run on ``world_size`` processes is a pipeline
+        (``--strategy pipeline``: every rank a stage; ``--mesh pp=S,dp=R``: S stages, each replicated
+        R times), else None."""
         if self.strategy == "pipeline":
-            return self.world_size, 1
+            return world_size, 1
         if self.mesh is not None and self.strategy in ("auto", "mesh"):
             from scaleloop.runtime.mesh import MeshSpec
 
@@ -158,9 +187,9 @@ class ParallelSettings:
                 return spec.pp, spec.dp
         return None
 
-    def _check_pipeline(self, stages: int, replicas: int) -> None:
+    def _check_pipeline(self, world_size: int, stages: int, replicas: int) -> None:
         """A pipeline needs stages to cut the model into, and data-parallel ranks for SyncBatchNorm."""
-        if self.world_size < 2:
+        if world_size < 2:
             raise UsageError("--strategy pipeline puts the model's layers on several processes, one stage each: "
                              "add --nproc 2 (or more)")
         if self.sync_batchnorm:
@@ -168,12 +197,12 @@ class ParallelSettings:
                              "none (each BatchNorm lives on one stage): drop it")
         check_pipeline_schedule(self.pipeline_schedule, stages, self.microbatches, self.stages_per_rank)
 
-    def _check_pipeline_batch(self, replicas: int) -> None:
+    def _check_pipeline_batch(self, replicas: int, batch_size: int) -> None:
         """A pipeline's stages all see their replica's whole batch: it is split over replicas and
         into micro-steps, not over stages."""
-        micro = check_batch_split(self.batch_size, replicas, self.accumulate)
+        micro = check_batch_split(batch_size, replicas, self.accumulate)
         if micro < self.microbatches:
-            raise UsageError(f"--batch-size {self.batch_size} with --accumulate {self.accumulate} gives micro-steps of "
+            raise UsageError(f"--batch-size {batch_size} with --accumulate {self.accumulate} gives micro-steps of "
                              f"{micro} samples, fewer than --microbatches {self.microbatches}; raise --batch-size "
                              f"or lower --microbatches")
 
@@ -183,8 +212,3 @@ _ONE_PROCESS = {
     "dp": "--strategy dp (nn.DataParallel) runs ONE process that drives all GPUs; drop --nproc/--nnodes, "
           "or use --strategy ddp for one process per GPU",
 }
-
-
-def _require(ok: bool, flag: str, what: str) -> None:
-    if not ok:
-        raise UsageError(f"{flag} must be {what}")

@@ -33,7 +33,8 @@ from scaleloop.data.sampler import StepPlan
 from scaleloop.runtime.devices import resolve_device
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
-from scaleloop.strategies import make_strategy
+from scaleloop.strategies.factory import build_strategy
+from scaleloop.strategies.registry import ParallelSettings
 from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.verify import data as data_check
 from scaleloop.verify.compare import (StateDiff, StepDiff, Tolerance, compare_runs, gradient_ratio, tolerance_for,
@@ -104,7 +105,7 @@ def verify(cfg: TrainConfig, opts: VerifyOptions, say: Say = print) -> int:
         opts.write(root / OPTIONS_FILE)
         device = resolve_device(cfg.device, cfg.nproc)  # as its workers choose (auto: CPU if GPUs are too few)
         if cfg.strategy == "dp":
-            make_strategy("dp", DistEnv(device=device))  # says what to do instead when there are no GPUs
+            build_strategy(ParallelSettings(strategy="dp"), DistEnv(device=device))  # says what to do instead when there are no GPUs
         data, model = build_data_and_model(cfg)
         if isinstance(data.train, IterableDataset):
             raise UsageError(f"--data {cfg.data!r} is a stream (an IterableDataset): scaleloop verify replays "

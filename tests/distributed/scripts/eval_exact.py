@@ -40,7 +40,7 @@ class Plain(Dataset):
 
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, CLASSES)).double()
-strategy = sl.make_strategy("ddp" if world > 1 else "single", env)
+strategy = sl.strategy("ddp" if world > 1 else "single", env)
 model, _ = strategy.setup(net, lambda p: torch.optim.SGD(p, lr=0.1))
 info = DataInfo("eval-exact", "classification", (8,), CLASSES)
 report = {"world": world}

@@ -28,7 +28,8 @@ from scaleloop.data.info import DataInfo
 from scaleloop.loop.evaluate import evaluate
 from scaleloop.models import ConvNet, SimpleNet, TinyGPT
 from scaleloop.runtime.collectives import gather_object
-from scaleloop.strategies import SingleDevice, make_strategy
+import scaleloop
+from scaleloop.strategies import SingleDevice
 
 env = sl.DistEnv.from_env(device="cpu")
 sl.init_process_group(env)
@@ -43,7 +44,7 @@ def shards(model: nn.Module) -> dict:
 
 # 1. accumulation: no reduce-scatter before the last micro-step
 torch.manual_seed(0)
-strategy = make_strategy("fsdp", env, "fp32", accumulate=2)
+strategy = scaleloop.strategy("fsdp", env, precision="fp32", accumulate=2)
 model, opt = strategy.setup(SimpleNet(6, 8, 3), lambda ps: torch.optim.SGD(ps, lr=0.1))
 x = torch.randn(4, 6) + rank
 with strategy.accumulate(model, 0):
@@ -58,7 +59,7 @@ report["accumulate"] = {"no_grad_after_first": all(after_first), "grad_after_las
 
 # 2. fp16: an inf on one rank only -> every rank skips the step
 torch.manual_seed(0)
-strategy = make_strategy("fsdp", env, "fp16")
+strategy = scaleloop.strategy("fsdp", env, precision="fp16")
 model, opt = strategy.setup(SimpleNet(6, 8, 3), lambda ps: torch.optim.SGD(ps, lr=0.1))
 results = []
 for step in range(2):
@@ -83,7 +84,7 @@ report["fp16"] = everyone
 torch.manual_seed(0)
 plain = SimpleNet(6, 8, 3)
 reference = copy.deepcopy(plain)
-strategy = make_strategy("fsdp", env, "fp32")
+strategy = scaleloop.strategy("fsdp", env, precision="fp32")
 model, _ = strategy.setup(plain, lambda ps: torch.optim.SGD(ps, lr=0.1))
 info = DataInfo(name="probe", task="classification", input_shape=(6,), num_classes=3)
 g = torch.Generator().manual_seed(1)
@@ -100,12 +101,12 @@ report["evaluate"] = evals
 # 4. units
 units = {}
 torch.manual_seed(0)
-strategy = make_strategy("fsdp", env, "fp32")
+strategy = scaleloop.strategy("fsdp", env, precision="fp32")
 mlp, _ = strategy.setup(SimpleNet(6, 8, 3), lambda ps: torch.optim.SGD(ps, lr=0.1))
 units["simplenet"] = sorted(n or "<root>" for n, m in mlp.named_modules() if isinstance(m, FSDPModule))
 assert units["simplenet"] == ["<root>", "net.0", "net.2"], units
 assert shards(mlp)["net.0.weight"] == (4, 6), shards(mlp)
-strategy = make_strategy("fsdp", env, "bf16")
+strategy = scaleloop.strategy("fsdp", env, precision="bf16")
 conv, conv_opt = strategy.setup(ConvNet(1, 10, (8, 8), width=4), lambda ps: torch.optim.SGD(ps, lr=0.1))
 units["convnet_bf16"] = sorted(n or "<root>" for n, m in conv.named_modules() if isinstance(m, FSDPModule))
 assert units["convnet_bf16"] == ["<root>", "features", "features.1", "features.5", "head"], units
@@ -113,7 +114,7 @@ out = conv(torch.randn(3, 1, 8, 8))
 assert out.dtype == torch.bfloat16, out.dtype
 strategy.backward(out.float().sum())
 strategy.optimizer_step(conv_opt)
-strategy = make_strategy("fsdp", env, "fp32")
+strategy = scaleloop.strategy("fsdp", env, precision="fp32")
 gpt, _ = strategy.setup(TinyGPT(vocab_size=16, seq_len=8, d_model=16, n_layers=2, n_heads=2),
                         lambda ps: torch.optim.SGD(ps, lr=0.1))
 units["tinygpt"] = sorted(n or "<root>" for n, m in gpt.named_modules() if isinstance(m, FSDPModule))
@@ -142,7 +143,7 @@ conv_test = TensorDataset(torch.randn(10, 1, 8, 8, generator=g), torch.randint(0
 
 def train_conv(name: str) -> tuple:
     torch.manual_seed(0)
-    strategy = make_strategy(name, env, "fp32")
+    strategy = scaleloop.strategy(name, env, precision="fp32")
     model, opt = strategy.setup(ConvNet(1, 10, (8, 8), width=4), lambda ps: torch.optim.SGD(ps, lr=0.1))
     g = torch.Generator().manual_seed(10 + rank)  # each rank its own samples
     for _ in range(3):

@@ -15,7 +15,7 @@ from torch.utils.data import TensorDataset
 import scaleloop as sl
 from scaleloop.models import SimpleNet
 from scaleloop.runtime.collectives import gather_object
-from scaleloop.strategies import make_strategy
+import scaleloop
 from scaleloop.config import TrainConfig
 from scaleloop.loop.training import train
 
@@ -28,7 +28,7 @@ def probe(env: sl.DistEnv) -> dict:
     """What each stage loads, and fp16's skipped steps: an inf in the LAST stage's gradient only
     (step 0) makes every stage skip that step and lower its scale alike; step 1 steps everywhere."""
     torch.manual_seed(0)
-    strategy = make_strategy("pipeline", env, "fp16", microbatches=2)
+    strategy = scaleloop.strategy("pipeline", env, precision="fp16", microbatches=2)
     model, opt = strategy.setup(SimpleNet(6, 8, 3), lambda ps: torch.optim.SGD(ps, lr=0.1))
     data = TensorDataset(torch.randn(16, 6), torch.randint(0, 3, (16,)))
     loader = strategy.loader(data, batch_size=8, shuffle=False)
