@@ -7,7 +7,7 @@ import threading
 import torch
 from torch.utils.data import TensorDataset
 
-from scaleloop.loop.startwatch import StartupWatch, describe
+from scaleloop.loop.startwatch import startup_watch, describe
 
 WAIT_S = 30   # far above the watch's delay; the test ends as soon as the line is seen
 
@@ -29,7 +29,7 @@ def test_a_slow_step_is_named_with_the_users_frame() -> None:
         said.append(line)
         seen.set()
 
-    with StartupWatch(say, after_s=0.01, every_s=60):
+    with startup_watch(say, after_s=0.01, every_s=60):
         slow_user_read(seen)
     assert len(said) == 1
     line = said[0]
@@ -43,7 +43,7 @@ def test_the_step_comes_from_scaleloops_frames_only() -> None:
         said.append(line)
         seen.set()
 
-    with StartupWatch(say, after_s=0.01, every_s=60):
+    with startup_watch(say, after_s=0.01, every_s=60):
         build_data_and_model(seen)   # a user's function of that name is not scaleloop's step
     assert "starting up (now in slow_user_read" in said[0], said
 
@@ -69,6 +69,6 @@ def test_scaleloops_step_is_named() -> None:
 
 def test_a_quick_start_says_nothing() -> None:
     said: list[str] = []
-    with StartupWatch(said.append, after_s=60):
+    with startup_watch(said.append, after_s=60):
         pass
     assert said == []

@@ -3,7 +3,7 @@
 Before the first step a run reads its data, builds the model, makes it parallel, builds the
 optimizer and may restore a checkpoint. Each is quick for the built-in workloads; with a
 user's dataset or a large model one can take minutes, with nothing on the screen. While
-:class:`StartupWatch` is open, a thread looks at the main thread's stack once start-up has
+:func:`startup_watch` is open, a thread looks at the main thread's stack once start-up has
 taken ``after_s`` seconds, and every ``every_s`` after, and says which step runs and where::
 
     start-up: 12 s so far: reading the data and building the model (now in CharWindows.__getitem__, charcorpus.py:30)
@@ -13,12 +13,13 @@ start-up is quick prints nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
 from pathlib import Path
-from types import FrameType, TracebackType
-from typing import Callable, Optional
+from types import FrameType
+from typing import Callable, Iterator
 
 #: scaleloop's start-up functions, innermost first, and the step each is, in words.
 STEPS = (
@@ -32,37 +33,27 @@ STEPS = (
 _PACKAGE = str(Path(__file__).resolve().parents[1])
 
 
-class StartupWatch:
-    """A context manager: says (``say``) what start-up is doing once it is slow (module docstring)."""
+@contextlib.contextmanager
+def startup_watch(say: Callable[[str], None], after_s: float = 5.0, every_s: float = 15.0) -> Iterator[None]:
+    """While open, says (``say``) what start-up is doing once it is slow (module docstring)."""
+    main, done, start = threading.get_ident(), threading.Event(), time.perf_counter()
 
-    def __init__(self, say: Callable[[str], None], after_s: float = 5.0, every_s: float = 15.0) -> None:
-        self.say, self.after_s, self.every_s = say, after_s, every_s
-        self._main = threading.get_ident()
-        self._done = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._start = 0.0
-
-    def __enter__(self) -> "StartupWatch":
-        self._start = time.perf_counter()
-        self._thread = threading.Thread(target=self._watch, name="scaleloop-startwatch", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
-                 tb: Optional[TracebackType]) -> None:
-        self._done.set()
-        if self._thread is not None:
-            self._thread.join()
-
-    def _watch(self) -> None:
-        wait = self.after_s
-        while not self._done.wait(wait):
-            frame = sys._current_frames().get(self._main)
+    def watch() -> None:
+        wait = after_s
+        while not done.wait(wait):
+            frame = sys._current_frames().get(main)
             if frame is None:
                 return
-            elapsed = time.perf_counter() - self._start
-            self.say(f"start-up: {elapsed:.0f} s so far: {describe(frame)}")
-            wait = self.every_s
+            say(f"start-up: {time.perf_counter() - start:.0f} s so far: {describe(frame)}")
+            wait = every_s
+
+    thread = threading.Thread(target=watch, name="scaleloop-startwatch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def describe(frame: FrameType) -> str:

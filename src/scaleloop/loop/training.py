@@ -21,7 +21,7 @@ from scaleloop.data.streaming import StreamingLoader
 from scaleloop.loop.build import Run, build_run
 from scaleloop.loop.ending import record_ending
 from scaleloop.loop.result import RunResult
-from scaleloop.loop.startwatch import StartupWatch
+from scaleloop.loop.startwatch import startup_watch
 from scaleloop.loop.text import Log
 from scaleloop.loop.trainer import Trainer
 from scaleloop.output.memory import reset_peak
@@ -48,7 +48,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     if env.is_main:
         refuse_if_in_use(run_dir_for(cfg))   # before its checkpoints are read: "in use" is the reason
     try:
-        with StartupWatch(say) if env.is_main else contextlib.nullcontext():   # a slow step says so
+        with startup_watch(say) if env.is_main else contextlib.nullcontext():   # a slow step says so
             run = build_run(cfg, env)
             checkpointer = Checkpointer(run.strategy, cfg.checkpointing, cfg.flat(), seed=cfg.seed, say=say)
             resumed = checkpointer.restore(run.model, run.optimizer, run.scheduler, restarting=restart_count() > 0)
