@@ -175,7 +175,8 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     strategy = _make_strategy(cfg, env)
     lr = scaled_lr(cfg.optim)
     notes = speed_up_model(model, cfg, env.device) + padding_notes
-    # The strategy makes the model parallel in torchtitan's order: TP, activation checkpointing, FSDP/DDP.
+    # The strategy makes the model parallel in its fixed order (strategies/parallelize.py): TP, activation
+    # checkpointing, data parallelism (FSDP2/DDP/all-reduce), the pipeline split.
     # The optimizer is made after that, from ``placed``'s modules as they then are.
     placed = model
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(cfg, params, lr.peak, model=placed))

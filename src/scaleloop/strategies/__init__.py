@@ -3,7 +3,7 @@
 - ``registry``: every strategy registered once (name, class, processes), and ``ParallelSettings``:
   the config's parallel section and the one place its combinations are checked (no torch);
   ``factory``: ``make_strategy`` and ``build_strategy``, a strategy from its name and those settings;
-  ``parallelize``: the ``ParallelPlan`` built once from the mesh (sizes, this rank's coordinates,
+  ``parallelize``: the ``Parallelism`` built once from the mesh (sizes, this rank's coordinates,
   data rank and data world size, the one ``DeviceMesh``), and ``parallelize``, which applies it in
   one fixed order: tensor parallelism, activation checkpointing, data parallelism, pipeline split.
 - ``base``: the ``Strategy`` contract, and ``HandWrittenLoop``: the hand-written loop's calls;
@@ -42,7 +42,7 @@ _EXPORTS = {
     "Precision": "scaleloop.strategies.precision",
     "make_strategy": "scaleloop.strategies.factory",
     "build_strategy": "scaleloop.strategies.factory",
-    "ParallelPlan": "scaleloop.strategies.parallelize",
+    "Parallelism": "scaleloop.strategies.parallelize",
     "batch_split_of": "scaleloop.strategies.factory",
     "ParallelSettings": "scaleloop.strategies.registry",
     "REGISTRY": "scaleloop.strategies.registry",

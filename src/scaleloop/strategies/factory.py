@@ -12,7 +12,7 @@ from typing import Optional
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.strategies.base import Strategy
-from scaleloop.strategies.parallelize import ParallelPlan
+from scaleloop.strategies.parallelize import Parallelism
 from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.registry import REGISTRY, ParallelSettings, resolve_strategy_name
 
@@ -55,18 +55,19 @@ def make_strategy(name: str, env: DistEnv, precision: Optional[Precision | str] 
 
 
 def build_strategy(settings: ParallelSettings, env: DistEnv, precision: Precision) -> Strategy:
-    """The strategy of the parallel section ``settings`` on ``env``: checked, its plan built once
-    (``strategies.parallelize``), and the class that runs the plan made from both."""
+    """The strategy of the parallel section ``settings`` on ``env``: checked, its ``Parallelism`` built once
+    (``strategies.parallelize``), and the class that runs it made from both."""
     settings = dataclasses.replace(settings, world_size=env.world_size)
     settings.check_layout()
-    plan = ParallelPlan.of(settings, env.rank)
-    return strategy_class(class_for(settings, plan, env.is_distributed)).build(env, precision, settings, plan)
+    parallelism = Parallelism.of(settings, env.rank)
+    return strategy_class(class_for(settings, parallelism, env.is_distributed)).build(env, precision, settings,
+                                                                                        parallelism)
 
 
-def class_for(settings: ParallelSettings, plan: ParallelPlan, distributed: bool) -> str:
-    """The registered strategy that runs ``plan``: a pipeline whenever it has pipeline stages (``--mesh
+def class_for(settings: ParallelSettings, parallelism: Parallelism, distributed: bool) -> str:
+    """The registered strategy that runs ``parallelism``: a pipeline whenever it has pipeline stages (``--mesh
     pp=S,dp=R`` too), the mesh strategy for any other ``--mesh``, else the one named."""
-    if plan.spec.pp > 1:
+    if parallelism.spec.pp > 1:
         return "pipeline"
     if settings.mesh is not None:
         return "mesh"

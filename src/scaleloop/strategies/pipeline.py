@@ -25,7 +25,7 @@ from scaleloop.runtime.dist import DistEnv
 from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.errors import UsageError
 from scaleloop.strategies import distcp
-from scaleloop.strategies.parallelize import ParallelPlan, default_plan, order_line
+from scaleloop.strategies.parallelize import Parallelism, default_parallelism, order_line
 from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.base import EvalShard, OptimizerLike, ProcessGroupStrategy
 from scaleloop.strategies.unused import used_anywhere
@@ -217,20 +217,20 @@ class PipelineParallel(ProcessGroupStrategy):
 
     @classmethod
     def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings",
-              plan: ParallelPlan) -> "PipelineParallel":
-        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, plan=plan,
+              parallelism: Parallelism) -> "PipelineParallel":
+        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, parallelism=parallelism,
                    microbatches=settings.microbatches, schedule=settings.pipeline_schedule,
                    stages_per_rank=settings.stages_per_rank, sharded_checkpoints=settings.sharded_checkpoints)
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
                  sync_batchnorm: bool = False, *, microbatches: int = 1, schedule: str = "gpipe",
                  stages_per_rank: int = 0, sharded_checkpoints: bool = False,
-                 plan: Optional[ParallelPlan] = None) -> None:
+                 parallelism: Optional[Parallelism] = None) -> None:
         self.microbatches = microbatches
         #: Each stage writes its own part of a checkpoint (DCP) rather than sending it to rank 0.
         self.sharded_checkpoints = sharded_checkpoints
         self.schedule = schedule
-        super().__init__(env, precision, accumulate, sync_batchnorm, plan=plan)
+        super().__init__(env, precision, accumulate, sync_batchnorm, parallelism=parallelism)
         self.stages_per_rank = check_pipeline_schedule(schedule, self.positions, microbatches, stages_per_rank)
         self._pp_group: Any = None   # this replica's pipeline ranks (None: all ranks)
         self._dp_group: Any = None   # the ranks holding this rank's stages (replicas > 1)
@@ -254,18 +254,18 @@ class PipelineParallel(ProcessGroupStrategy):
         self._noted_uneven: set[int] = set()
         self.notes: list[str] = []
 
-    def _default_plan(self) -> ParallelPlan:
-        return default_plan(self.env.world_size, self.env.rank, MeshSpec(pp=self.env.world_size))
+    def _default_parallelism(self) -> Parallelism:
+        return default_parallelism(self.env.world_size, self.env.rank, MeshSpec(pp=self.env.world_size))
 
     @property
     def replicas(self) -> int:
-        """Copies of each stage (the plan's ``dp``: pipeline x data parallel)."""
-        return self.plan.spec.dp
+        """Copies of each stage (the mesh's ``dp``: pipeline x data parallel)."""
+        return self.parallelism.spec.dp
 
     @property
     def positions(self) -> int:
-        """Pipeline positions: processes per replica (the plan's ``pp``)."""
-        return self.plan.spec.pp
+        """Pipeline positions: processes per replica (the mesh's ``pp``)."""
+        return self.parallelism.spec.pp
 
     @property
     def writes_sharded(self) -> bool:
@@ -273,7 +273,7 @@ class PipelineParallel(ProcessGroupStrategy):
 
     def _check(self) -> None:
         super()._check()
-        spec = self.plan.spec
+        spec = self.parallelism.spec
         if spec.fsdp > 1 or spec.tp > 1 or spec.world_size != self.env.world_size:
             raise UsageError(f"a pipeline lays its {self.env.world_size} ranks out as pp x dp, not as {spec}")
         if self.positions < 2:
@@ -311,10 +311,10 @@ class PipelineParallel(ProcessGroupStrategy):
 
     def _data_parallel(self, model: nn.Module) -> nn.Module:
         """With replicas: a process group per pipeline (the stages talk in it) and one per stage
-        position (its copies average their gradients in it after each step), from the plan's
+        position (its copies average their gradients in it after each step), from the
         ``(pp, dp)`` device mesh. The model is cut into stages in the next step."""
         if self.replicas > 1 and self._pp_group is None:
-            mesh = self.plan.device_mesh(self.env.device.type, self.mesh_dims)
+            mesh = self.parallelism.device_mesh(self.env.device.type, self.mesh_dims)
             self._pp_group, self._dp_group = mesh.get_group("pp"), mesh.get_group("dp")
         return model
 
@@ -402,7 +402,7 @@ class PipelineParallel(ProcessGroupStrategy):
         if self.replicas > 1:
             lines += ["  " + line for line in self.layout.draw()]
             lines.append(f"  each stage's {self.replicas} copies average their gradients after the step's last backward")
-        return lines + order_line(self.plan) + self.notes
+        return lines + order_line(self.parallelism) + self.notes
 
     # --- the schedule -------------------------------------------------------------------
     def _pieces(self, n: int, say: bool = True) -> tuple[int, str]:
