@@ -194,7 +194,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     in_order = getattr(datasets.train, "in_order", False) is True
     loader = strategy.loader(datasets.train, cfg.batch_size, shuffle=not in_order, seed=cfg.seed,
                              drop_last=cfg.drop_last, num_workers=cfg.num_workers, uneven=cfg.elastic)
-    notes += _batch_beyond_the_data(cfg, declared_length(datasets.train), loader.plan.steps_per_epoch)
+    notes += _batch_beyond_the_data(cfg, declared_length(datasets.train), loader.sampler.steps_per_epoch)
     pieces = env.world_size * cfg.accumulate
     if cfg.elastic and cfg.batch_size % pieces:
         low = cfg.batch_size // pieces
@@ -208,7 +208,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
         loader.keep_target = keep_target
     except ValueError as exc:
         raise UsageError(f"--data-on-device: {exc}" if cfg.data_on_device else str(exc)) from None
-    total_steps = _total_steps(cfg, loader.plan.steps_per_epoch)
+    total_steps = _total_steps(cfg, loader.sampler.steps_per_epoch)
     return Run(cfg=cfg, env=env, data=datasets, model=model, strategy=strategy, optimizer=optimizer,
                scheduler=build_scheduler(optimizer, cfg.optim, total_steps), loader=loader,
                loss_fn=resolve_loss(cfg.loss, datasets.info, given_target=bool(keep_target),

@@ -26,8 +26,8 @@ import scaleloop.strategies.distcp as distcp
 from scaleloop.data.batch import call_model
 from scaleloop.data.batching import check_batch_split
 from scaleloop.data.loader import Batch, ShardedLoader
-from scaleloop.data.sampler import StepPlan
-from scaleloop.data.streaming import StreamingLoader, StreamPlan, declared_length
+from scaleloop.data.sampler import StepSampler
+from scaleloop.data.streaming import StreamingLoader, StreamSampler, declared_length
 from scaleloop.runtime.collectives import gather_object, shard_indices
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.runtime.mesh import MeshSpec
@@ -152,7 +152,7 @@ class Strategy:
         rule of ``data.streaming``, in its own order. The one loader of every strategy.
 
         ``uneven``: a batch that does not split evenly over the ranks is not refused; the ranks'
-        shares then differ by one sample and each is weighted by its share (``StepPlan``), so a step
+        shares then differ by one sample and each is weighted by its share (``StepSampler``), so a step
         is still the mean over the global batch (an elastic job on whatever world size it has).
         """
         world, rank = self.parallelism.data_world, self.parallelism.data_rank
@@ -162,13 +162,13 @@ class Strategy:
         pin, load = self.env.device.type == "cuda", self._loads()
         if stream:
             self._check_stream()
-            return StreamingLoader(dataset, StreamPlan(batch_size, world_size=world, rank=rank,
-                                                       accumulate=self.accumulate_steps, seed=seed, drop_last=drop_last,
-                                                       n=declared_length(dataset)),
+            return StreamingLoader(dataset, StreamSampler(batch_size, world_size=world, rank=rank,
+                                                          accumulate=self.accumulate_steps, seed=seed,
+                                                          drop_last=drop_last, n=declared_length(dataset)),
                                    self.env.device, num_workers=num_workers, env=self.env, pin_memory=pin, load=load)
-        plan = StepPlan(len(dataset), batch_size, world_size=world, rank=rank,
-                        accumulate=self.accumulate_steps, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        return ShardedLoader(dataset, plan, self.env.device, num_workers=num_workers, pin_memory=pin, load=load)
+        sampler = StepSampler(len(dataset), batch_size, world_size=world, rank=rank,
+                              accumulate=self.accumulate_steps, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        return ShardedLoader(dataset, sampler, self.env.device, num_workers=num_workers, pin_memory=pin, load=load)
 
     def _loads(self) -> tuple[bool, bool]:
         """Whether this rank loads the inputs and the targets (a pipeline's middle stages need neither)."""

@@ -29,7 +29,7 @@ from torch.utils.data import IterableDataset
 from scaleloop.config import TrainConfig, to_toml
 from scaleloop.data.batch import first_sample, keeps_target, target_key
 from scaleloop.data.info import Datasets
-from scaleloop.data.sampler import StepPlan
+from scaleloop.data.sampler import StepSampler
 from scaleloop.runtime.devices import resolve_device
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
@@ -550,14 +550,14 @@ def _data(s: Session, r: Records) -> bool:
         s.say("  steps: " + ("each step's samples over all ranks are exactly those 1 process trains on"
                              if not r.step_problems else f"MISMATCH: {r.step_problems[0]}"))
     passed = not mismatches and not r.step_problems
-    planned = StepPlan(n, s.cfg.batch_size, world_size=data_world, accumulate=s.cfg.accumulate,
-                       drop_last=s.cfg.drop_last).dropped_per_epoch
+    dropped = StepSampler(n, s.cfg.batch_size, world_size=data_world, accumulate=s.cfg.accumulate,
+                          drop_last=s.cfg.drop_last).dropped_per_epoch
     s.say("coverage: which samples each epoch used, over all ranks"
           + (" (pipeline: stage 0's, which every stage walks)" if _pipeline(s.cfg) else ""))
     for epoch in sorted({m["epoch"] for rank in data_ranks for m in rank["audit"]}):
         cov = data_check.coverage((m["indices"] for rank in data_ranks for m in rank["audit"]
                                    if m["epoch"] == epoch), n, epoch)
-        ok, line = data_check.format_coverage(cov, data_world, planned)
+        ok, line = data_check.format_coverage(cov, data_world, dropped)
         passed &= ok
         s.say(line)
     if data_world > 1:
