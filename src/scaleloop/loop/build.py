@@ -272,8 +272,8 @@ def preflight(cfg: TrainConfig) -> None:
         # The cut into stages is known before any worker starts: a model too shallow for
         # its stages fails here, in one line, rather than in every worker.
         from scaleloop.strategies.pieces import check_pipeline_schedule
-        from scaleloop.strategies.pipeline import pipeline_layers, plan_stages
+        from scaleloop.strategies.pipeline import pipeline_layers, cut_stages
 
         per_rank = check_pipeline_schedule(cfg.pipeline_schedule, layout[0], cfg.microbatches, cfg.stages_per_rank)
         _, model = build_data_and_model(cfg)
-        plan_stages(pipeline_layers(model), layout[0] * per_rank, cfg.model, per_rank)
+        cut_stages(pipeline_layers(model), layout[0] * per_rank, cfg.model, per_rank)

@@ -53,7 +53,7 @@ def pipeline_layers(model: nn.Module) -> list[nn.Module]:
 
 
 @dataclass(frozen=True)
-class StagePlan:
+class StageAssignment:
     """Which layers each stage runs, and how many parameter elements it holds."""
 
     layers: tuple[range, ...]
@@ -72,8 +72,8 @@ def _own_parameter_count(layer: nn.Module) -> int:
     return sum(p.numel() for p in layer.parameters())
 
 
-def plan_stages(layers: list[nn.Module], n_stages: int, model_name: str = "the model",
-                per_rank: int = 1) -> StagePlan:
+def cut_stages(layers: list[nn.Module], n_stages: int, model_name: str = "the model",
+               per_rank: int = 1) -> StageAssignment:
     """Cut ``layers`` into ``n_stages`` contiguous stages, each with parameters, balancing them
     (``per_rank``: stages per process, for the error's advice)."""
     counts = [_own_parameter_count(layer) for layer in layers]
@@ -90,9 +90,9 @@ def plan_stages(layers: list[nn.Module], n_stages: int, model_name: str = "the m
     unit_cost = [sum(counts[bounds[u]:bounds[u + 1]]) for u in range(len(starts))]
     cuts = _balanced_cuts(unit_cost, n_stages)
     spans = tuple(range(bounds[a], bounds[b]) for a, b in zip(cuts[:-1], cuts[1:]))
-    return StagePlan(layers=spans,
-                     parameters=tuple(sum(counts[i] for i in span) for span in spans),
-                     names=tuple(tuple(type(layers[i]).__name__ for i in span) for span in spans))
+    return StageAssignment(layers=spans,
+                           parameters=tuple(sum(counts[i] for i in span) for span in spans),
+                           names=tuple(tuple(type(layers[i]).__name__ for i in span) for span in spans))
 
 
 def _balanced_cuts(costs: list[int], parts: int) -> list[int]:
@@ -242,7 +242,7 @@ class PipelineParallel(ProcessGroupStrategy):
 
             self.precision.scaler = ShardedGradScaler(self.env.device.type, process_group=None)
         #: Which layers each stage runs (the cut), once ``setup`` made it.
-        self.stage_plan: Optional[StagePlan] = None
+        self.stage_assignment: Optional[StageAssignment] = None
         self._module: Optional[StageModule] = None
         self._schedules: dict[tuple[str, int], Any] = {}
         self._piece_counts: dict[tuple[str, int], int] = {}
@@ -336,7 +336,8 @@ class PipelineParallel(ProcessGroupStrategy):
         """This rank's stages of ``model`` (the other stages' layers are not kept)."""
         layers = pipeline_layers(model)
         n_ranks = self.positions
-        self.stage_plan = plan_stages(layers, n_ranks * self.stages_per_rank, type(model).__name__, self.stages_per_rank)
+        self.stage_assignment = cut_stages(layers, n_ranks * self.stages_per_rank, type(model).__name__,
+                                           self.stages_per_rank)
         names_of: dict[int, list[str]] = {}
         full_state = model.state_dict(keep_vars=True)
         for key, tensor in full_state.items():
@@ -345,7 +346,7 @@ class PipelineParallel(ProcessGroupStrategy):
         index = {id(p): i for i, p in enumerate(params)}
         holders: dict[int, list[int]] = {}   # parameter -> the positions holding it, in stage order
         stages_of: dict[int, list[int]] = {}   # parameter -> the stages using it
-        for s, span in enumerate(self.stage_plan.layers):
+        for s, span in enumerate(self.stage_assignment.layers):
             for i in span:
                 for p in layers[i].parameters():
                     ranks = holders.setdefault(index[id(p)], [])
@@ -354,7 +355,7 @@ class PipelineParallel(ProcessGroupStrategy):
                     if s not in stages_of.setdefault(index[id(p)], []):
                         stages_of[index[id(p)]].append(s)
 
-        chunks = [[layers[i] for i in self.stage_plan.layers[s]] for s in self._stage_indices()]
+        chunks = [[layers[i] for i in self.stage_assignment.layers[s]] for s in self._stage_indices()]
         stage = StageModule(chunks, self.precision)
         for key, tensor in stage.state_dict(keep_vars=True).items():
             stage.global_keys[key] = names_of.get(id(tensor), [])
@@ -394,8 +395,8 @@ class PipelineParallel(ProcessGroupStrategy):
         return f"pipeline ({stages} stages{per_rank}{replicas}, {self.microbatches} micro-batch(es), {name})"
 
     def details(self) -> list[str]:
-        lines = self.stage_plan.describe() if self.stage_plan is not None else []
-        if self.stage_plan is not None and self.stages_per_rank > 1:
+        lines = self.stage_assignment.describe() if self.stage_assignment is not None else []
+        if self.stage_assignment is not None and self.stages_per_rank > 1:
             n = self.positions
             lines += [f"  position {p}: stages {', '.join(str(p + k * n) for k in range(self.stages_per_rank))}"
                       for p in range(n)]
@@ -656,7 +657,7 @@ class PipelineParallel(ProcessGroupStrategy):
         distcp.load_named(self._module, optimizer, directory, self._module.global_keys, self._module.param_names)
 
 
-__all__ = ["PipelineParallel", "StageModule", "StagePlan", "pipeline_layers", "plan_stages"]
+__all__ = ["PipelineParallel", "StageModule", "StageAssignment", "pipeline_layers", "cut_stages"]
 
 
 def _check_one_tensor(x: Any, y: Any) -> None:

@@ -45,7 +45,7 @@ from scaleloop.launching.failures import Failure
 from scaleloop.verify.launch import failure_report, start_workers, worker_errors
 from scaleloop.verify.layout import (CONFIG_FILE, OPTIONS_FILE, distributed_dir, lockstep_dir, reference_dir,
                                      states_dir)
-from scaleloop.verify.lockstep import StateSaver, Teacher, saved_steps
+from scaleloop.verify.lockstep import StateLoader, StateSaver, saved_steps
 from scaleloop.loop.padding import counting_for
 from scaleloop.loop.tasks import resolve_loss
 from scaleloop.verify.options import VerifyOptions
@@ -258,16 +258,16 @@ def _run_lockstep(s: Session) -> Optional[Lockstep]:
         return None
     env = DistEnv(device=s.device)
     recorder = Recorder(env, lockstep_dir(s.root))
-    teacher = Teacher(states_dir(s.root))
+    state_loader = StateLoader(states_dir(s.root))
     try:
-        run_steps(s.cfg, env, RunSpec("single", s.ref_accumulate, steps), recorder, boundary=teacher)
+        run_steps(s.cfg, env, RunSpec("single", s.ref_accumulate, steps), recorder, boundary=state_loader)
     except Exception as exc:  # noqa: BLE001 - the user's model that cannot take a saved state back: said
         s.say(f"  lock-step comparison not possible ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); "
               "the verdict falls back to the free-running comparison")
         return None
     record = _load(lockstep_dir(s.root) / RECORD_FILE)
     assert record is not None
-    return Lockstep(record["losses"], teacher.diffs)
+    return Lockstep(record["losses"], state_loader.diffs)
 
 
 # --- the report --------------------------------------------------------------------------
