@@ -25,7 +25,7 @@ from scaleloop.data.settings import DataSettings
 from scaleloop.errors import UsageError
 from scaleloop.output.settings import OutputSettings
 from scaleloop.output.trackers import TRACKERS
-from scaleloop.strategies.pieces import SCHEDULES as PIPELINE_SCHEDULES
+from scaleloop.strategies.pipeline_schedules import SCHEDULES as PIPELINE_SCHEDULES
 from scaleloop.strategies.registry import STRATEGIES, ParallelSettings
 
 S = TypeVar("S")

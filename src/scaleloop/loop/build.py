@@ -271,7 +271,7 @@ def preflight(cfg: TrainConfig) -> None:
     if layout is not None:
         # The cut into stages is known before any worker starts: a model too shallow for
         # its stages fails here, in one line, rather than in every worker.
-        from scaleloop.strategies.pieces import check_pipeline_schedule
+        from scaleloop.strategies.pipeline_schedules import check_pipeline_schedule
         from scaleloop.strategies.pipeline import pipeline_layers, cut_stages
 
         per_rank = check_pipeline_schedule(cfg.pipeline_schedule, layout[0], cfg.microbatches, cfg.stages_per_rank)

@@ -58,7 +58,7 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         self._reached: list[bool] = []          # which of them a backward reached since the last step
         self._hooked: set[int] = set()          # the gathered parameters hooked (their ids)
         self._steps = 0                         # optimizer steps this process has run (for messages)
-        self._order: Any = None                 # the units' order, checked (strategies.spmd)
+        self._order: Any = None                 # the units' order, checked (strategies.fsdp_agreement)
         self._blocks: Optional[list[nn.Module]] = None   # the units, found before anything replaced parameters
         self.tp_layers = 0                      # layers tensor parallelism split (--mesh tp=N)
 
@@ -152,7 +152,7 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
 
     def _watch_gradients(self, model: nn.Module, units: dict[str, nn.Module]) -> None:
         """Prepare for parameters that get no gradient on some ranks or steps (``strategies.unused``),
-        and check that the ranks run the same ``units`` (the sub-units, by name: ``strategies.spmd``).
+        and check that the ranks run the same ``units`` (the sub-units, by name: ``strategies.fsdp_agreement``).
 
         A unit reduce-scatters the gradients of its parameters, and every rank must hand it the
         same ones: FSDP is told to put in zeros for a parameter this rank did not use. Which
@@ -161,7 +161,7 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         """
         model.set_reduce_scatter_unused_params(True)
         if self.env.is_distributed and units:
-            from scaleloop.strategies.spmd import UnitOrder
+            from scaleloop.strategies.fsdp_agreement import UnitOrder
 
             self._order = UnitOrder(model, units, step=lambda: self._steps + 1)
         self._params = list(model.parameters())   # the sharded parameters the optimizer steps

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from scaleloop.strategies.pieces import check_pipeline_schedule, pipeline_pieces
+from scaleloop.strategies.pipeline_schedules import check_pipeline_schedule, pipeline_pieces
 from scaleloop.data.loader import Batch
 from scaleloop.data.sampler import split_sizes
 from scaleloop.runtime.dist import DistEnv
