@@ -128,7 +128,7 @@ def _step_cost(run: Any) -> dict[str, float]:
 def _bookkeeping_cost(run: Any) -> dict[str, float]:
     """The running loss sums per step, and a log row spread over the steps between rows."""
     from scaleloop.checkpoint.manager import Checkpointer
-    from scaleloop.loop.running import RunningLoss
+    from scaleloop.loop.running_loss import RunningLoss
     from scaleloop.loop.trainer import Trainer
 
     loss = torch.zeros((), device=run.env.device)

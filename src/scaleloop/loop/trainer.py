@@ -22,7 +22,7 @@ from scaleloop.loop.pauses import Pauses
 from scaleloop.loop.preempt import StopVote
 from scaleloop.loop.result import RunResult, finish
 from scaleloop.loop.rows import Row, check_health
-from scaleloop.loop.running import RunningLoss
+from scaleloop.loop.running_loss import RunningLoss
 from scaleloop.loop.step import Observer, steps_of, train_step
 from scaleloop.loop.text import Log, announce, bar_postfix, nothing_left, progress_bar
 from scaleloop.output.memory import gradient_bytes

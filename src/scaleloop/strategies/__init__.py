@@ -11,7 +11,8 @@
   ``allreduce``: the gradient all-reduce written out by hand; ``fsdp``: FSDP2 sharding;
   ``pipeline``: layers cut into stages, one per process (or several: interleaved), and
   ``pipeline_schedules``: how a micro-step is cut into pieces and which schedules run them;
-  ``mesh_parallel``: ``--mesh``, tensor parallelism with FSDP or HSDP (``tensor``: a model's TP plan; the mesh itself is ``scaleloop.runtime.mesh``).
+  ``mesh_parallel``: ``--mesh``, tensor parallelism with FSDP or HSDP (``tensor``: a model's TP plan;
+  the mesh itself is ``scaleloop.runtime.mesh``).
 - ``precision``: autocast and the fp16 GradScaler; ``syncbn``: BatchNorm over all ranks on any
   device; ``distcp``: sharded state through ``torch.distributed.checkpoint``; ``recompute``:
   ``--activation-checkpointing``, each block's activations recomputed in the backward; ``blocks``:

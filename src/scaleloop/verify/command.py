@@ -42,9 +42,9 @@ from scaleloop.verify.diagnose import (Cause, buffer_cause, fallback, failure_ca
                                        piece_groups, rank_code_cause, scale_cause)
 from scaleloop.verify.explain import format_explain
 from scaleloop.launching.failures import Failure
+from scaleloop.verify.dirs import (CONFIG_FILE, OPTIONS_FILE, distributed_dir, lockstep_dir, reference_dir,
+                                   states_dir)
 from scaleloop.verify.launch import failure_report, start_workers, worker_errors
-from scaleloop.verify.layout import (CONFIG_FILE, OPTIONS_FILE, distributed_dir, lockstep_dir, reference_dir,
-                                     states_dir)
 from scaleloop.verify.lockstep import StateLoader, StateSaver, saved_steps
 from scaleloop.loop.padding import counting_for
 from scaleloop.loop.tasks import resolve_loss
