@@ -55,7 +55,7 @@ for epoch in range(100):
             with strategy.autocast():                                       # new
                 loss = criterion(model(x), y)
             strategy.backward(loss, batch)            # weighted by the micro-batch's share
-        step_loss += loss.detach().float() * len(batch) / batch.plan.step_samples  # new
+        step_loss += loss.detach().float() * len(batch) / batch.place.step_samples  # new
         if batch.last_micro:
             strategy.optimizer_step(optimizer)
             step += 1

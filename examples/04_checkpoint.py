@@ -97,7 +97,7 @@ for epoch in range(start_epoch, 100):                                           
             with strategy.autocast():
                 loss = criterion(model(x), y)
             strategy.backward(loss, batch)
-        step_loss += loss.detach().float() * len(batch) / batch.plan.step_samples
+        step_loss += loss.detach().float() * len(batch) / batch.place.step_samples
         if batch.last_micro:
             strategy.optimizer_step(optimizer)
             step += 1

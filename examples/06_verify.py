@@ -55,7 +55,7 @@ def train(strategy_name: str) -> dict:                                  # new: t
             with strategy.accumulate(model, batch):
                 loss = criterion(model(x), y)
                 strategy.backward(loss, batch)
-            step_loss += loss.detach() * len(batch) / batch.plan.step_samples
+            step_loss += loss.detach() * len(batch) / batch.place.step_samples
             if batch.last_micro:
                 strategy.optimizer_step(optimizer)
                 step += 1

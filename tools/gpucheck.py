@@ -1,14 +1,14 @@
 """``make gpu-check``: every CUDA path of the project in one short run, and one dated report.
 
 A GPU machine is lent for half an hour, with its own torch and no package index. This module
-holds the plan (:data:`PLAN`: what to run, what it needs) and runs it: each check is a command
+holds the checks (:data:`CHECKS`: what to run, what it needs) and runs them: each check is a command
 (``scaleloop ...`` or pytest) in its own process with a time limit, and the report under
 ``benchmarks/`` says for each what passed, what failed (with the last lines it printed), what
 was skipped because this machine lacks what it needs, and what one GPU cannot show at all.
 
-``python tools/gpucheck.py --cpu`` runs the same plan where there is no GPU (CI): it
+``python tools/gpucheck.py --cpu`` runs the same checks where there is no GPU (CI): it
 checks that every command parses, runs those that need no CUDA, skips the rest by name, and
-writes the same report, so that the plan and the report cannot rot between GPU runs.
+writes the same report, so that the checks and the report cannot rot between GPU runs.
 """
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ from typing import Any, Optional, Sequence
 from scaleloop.bench.mfu import GPT2_SMALL_FLAGS, MFU_TARGET
 
 SCALELOOP = (sys.executable, "-m", "scaleloop")
-#: The plan's check against measurement (tools/plan_validate, run as a directory).
+#: scaleloop plan's check against measurement (tools/plan_validate, run as a directory).
 PLAN_VALIDATE = Path(__file__).resolve().parent / "plan_validate"
 TRAIN = (*SCALELOOP, "train", "--device", "cuda", "--epochs", "1", "--max-steps", "30", "--no-progress",
          "--no-checkpoints", "--tracker", "none")
-#: The whole plan's budget: half an hour of GPU time, less start-up and installing.
+#: The checks' whole budget: half an hour of GPU time, less start-up and installing.
 BUDGET_S = 20 * 60
 #: Test files that hold the CUDA tests (they skip without a GPU, so on a GPU they run).
 CUDA_TEST_FILES = ("tests/runtime/test_devices.py", "tests/data/test_loader.py", "tests/loop/test_speed_options.py",
@@ -40,13 +40,13 @@ CUDA_TEST_FILES = ("tests/runtime/test_devices.py", "tests/data/test_loader.py",
 
 @dataclass(frozen=True)
 class Check:
-    """One step of the plan: a command, whether it needs CUDA, and its time limit."""
+    """One check: a command, whether it needs CUDA, and its time limit."""
 
     name: str
     argv: tuple[str, ...]
     needs_cuda: bool = True
     timeout_s: int = 300
-    estimate_s: int = 20           # expected seconds on one H100 (the plan's sum stays under BUDGET_S)
+    estimate_s: int = 20           # expected seconds on one H100 (the checks' sum stays under BUDGET_S)
     figures: Optional[str] = None  # the bench JSON it writes (a glob under {out}/bench): its figures go in the report
     target: Optional[str] = None   # what the figures are measured against, printed next to them
 
@@ -64,7 +64,7 @@ def _train(name: str, *flags: str, estimate_s: int = 15) -> Check:
 
 # Estimates: a train check is ~8 s of start-up (import, CUDA context, NCCL) and 30 short steps;
 # compile adds about a minute; the CUDA tests include two 2-process CPU runs.
-PLAN: tuple[Check, ...] = (
+CHECKS: tuple[Check, ...] = (
     Check("scaleloop env", (*SCALELOOP, "env"), needs_cuda=False, timeout_s=60, estimate_s=5),
     Check("CUDA tests", (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *CUDA_TEST_FILES),
           timeout_s=480, estimate_s=240),
@@ -110,15 +110,15 @@ class Outcome:
     tail: list[str] = field(default_factory=list)
 
 
-def run_plan(out: Path, cuda: bool, plan: Sequence[Check] = PLAN, budget_s: float = BUDGET_S) -> list[Outcome]:
-    """Run ``plan`` (the CUDA checks only when ``cuda``; else their command lines are parsed).
+def run_checks(out: Path, cuda: bool, checks: Sequence[Check] = CHECKS, budget_s: float = BUDGET_S) -> list[Outcome]:
+    """Run ``checks`` (the CUDA ones only when ``cuda``; else their command lines are parsed).
 
     Each check runs under its own limit, cut to what is left of ``budget_s``; once the budget
     is spent, the checks left are reported as not run, never as passed.
     """
     outcomes = []
     began = time.monotonic()
-    for check in plan:
+    for check in checks:
         argv = [a.replace("{out}", str(out)) for a in check.argv]
         command = " ".join(shlex.quote(a) for a in argv)
         if check.needs_cuda and not cuda:
@@ -129,7 +129,7 @@ def run_plan(out: Path, cuda: bool, plan: Sequence[Check] = PLAN, budget_s: floa
             continue
         left = budget_s - (time.monotonic() - began)
         if left < 10:
-            outcomes.append(Outcome(check.name, f"not run: the plan's {budget_s / 60:.0f}-minute budget was spent",
+            outcomes.append(Outcome(check.name, f"not run: the checks' {budget_s / 60:.0f}-minute budget was spent",
                                     command=command))
             continue
         started = time.monotonic()
@@ -143,7 +143,7 @@ def run_plan(out: Path, cuda: bool, plan: Sequence[Check] = PLAN, budget_s: floa
 def parse_problem(argv: Sequence[str]) -> Optional[str]:
     """None if a ``scaleloop`` command's flags parse (without running it), else what is wrong."""
     if tuple(argv[:3]) != SCALELOOP:
-        return None   # pytest: its files are checked to exist by the test of this plan
+        return None   # pytest: its files are checked to exist by the test of these checks
     from scaleloop.cli import build_parser
     from scaleloop.errors import UsageError
 
@@ -171,9 +171,9 @@ def format_report(outcomes: Sequence[Outcome], device: str, cuda: bool, date: st
     """The markdown report: a table of checks, what one GPU cannot show, and failures' output."""
     passed = sum(o.status == "passed" for o in outcomes)
     failed = [o for o in outcomes if o.status.startswith("failed")]
-    estimate = sum(c.estimate_s for c in PLAN)
+    estimate = sum(c.estimate_s for c in CHECKS)
     lines = [f"# GPU check, {date}", "", f"- device: {device}",
-             f"- plan: {len(PLAN)} checks, estimated {estimate / 60:.0f} min on one H100, "
+             f"- {len(CHECKS)} checks, estimated {estimate / 60:.0f} min on one H100, "
              f"budget {BUDGET_S / 60:.0f} min; took {sum(o.seconds for o in outcomes) / 60:.1f} min",
              f"- mode: {'on CUDA' if cuda else 'CPU only (--cpu): CUDA checks skipped, their command lines checked'}",
              f"- {passed} passed, {len(failed)} failed, "
@@ -188,12 +188,12 @@ def format_report(outcomes: Sequence[Outcome], device: str, cuda: bool, date: st
     return "\n".join(lines) + "\n"
 
 
-def figures_of(plan: Sequence[Check], outcomes: Sequence[Outcome], bench_dir: Path) -> list[str]:
+def figures_of(checks: Sequence[Check], outcomes: Sequence[Outcome], bench_dir: Path) -> list[str]:
     """The report's figures: for each bench check that passed, its JSON's headline and tables
     (the numbers as the command wrote them, never scraped from its output), and its target."""
     lines: list[str] = []
     status = {o.name: o.status for o in outcomes}
-    for check in plan:
+    for check in checks:
         if check.figures is None:
             continue
         lines += [f"### {check.name}", ""]
@@ -248,12 +248,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = Path(args.out)
     work = out / "gpu-check-work"
     work.mkdir(parents=True, exist_ok=True)
-    outcomes = run_plan(work, cuda)
+    outcomes = run_checks(work, cuda)
     hw = describe_hardware()
     date = time.strftime("%Y-%m-%d")
     device = torch.cuda.get_device_name(0) if cuda else "CPU (no CUDA)"
     report = out / f"{date}_{hardware_slug(hw, 'cuda' if cuda else 'cpu')}_gpu-check.md"
-    report.write_text(format_report(outcomes, device, cuda, date, figures_of(PLAN, outcomes, work / "bench")))
+    report.write_text(format_report(outcomes, device, cuda, date, figures_of(CHECKS, outcomes, work / "bench")))
     (report.with_suffix(".json")).write_text(json.dumps([o.__dict__ for o in outcomes], indent=1))
     print(f"gpu-check: wrote {report}")
     return 1 if any(o.status.startswith("failed") or "DOES NOT PARSE" in o.status for o in outcomes) else 0

@@ -11,7 +11,7 @@ from torch.utils.data import Dataset, TensorDataset
 from scaleloop.data.batch import (DictTensorDataset, call_model, first_tensor, keeps_target, move, split,
                                   takes_keyword, tensors_of)
 from scaleloop.data.loader import ShardedLoader
-from scaleloop.data.sampler import StepPlan
+from scaleloop.data.sampler import StepSampler
 from scaleloop.errors import UsageError
 
 CPU = torch.device("cpu")
@@ -116,9 +116,9 @@ def test_a_pair_s_target_reaches_a_forward_that_names_a_target_keyword() -> None
     assert not keeps_target(Plain(), data) and not keeps_target(AnyKeywords(), data)
     inputs, target = split((x, y), route)
     assert inputs.keys() == {"idx", "targets"} and inputs["targets"] is y and target is y
-    plan = StepPlan(6, 3, world_size=1, rank=0, seed=0)
+    sampler = StepSampler(6, 3, world_size=1, rank=0, seed=0)
     for ds in (data, Items((x, y))):
-        loader = ShardedLoader(ds, plan, CPU, keep_target=route)
+        loader = ShardedLoader(ds, sampler, CPU, keep_target=route)
         loader.set_epoch(0)
         for batch in loader:
             given, target = batch
@@ -180,12 +180,12 @@ def test_fast_path_and_dataloader_path_agree_for_several_and_named_tensors(named
                                                                            accumulate: int) -> None:
     g = torch.Generator().manual_seed(0)
     a, b, y = torch.randn(37, 3, generator=g), torch.randint(0, 9, (37, 4), generator=g), torch.randint(0, 5, (37,), generator=g)
-    plan = StepPlan(37, 12, world_size=world, rank=rank, accumulate=accumulate, seed=3)
+    sampler = StepSampler(37, 12, world_size=world, rank=rank, accumulate=accumulate, seed=3)
     if named:
         fast_ds, slow_ds = DictTensorDataset(a=a, b=b, labels=y), Items({"a": a, "b": b, "labels": y})
     else:
         fast_ds, slow_ds = TensorDataset(a, b, y), Items((a, b, y))
-    fast, slow = (ShardedLoader(ds, plan, CPU, keep_target=keep_target) for ds in (fast_ds, slow_ds))
+    fast, slow = (ShardedLoader(ds, sampler, CPU, keep_target=keep_target) for ds in (fast_ds, slow_ds))
     assert fast.in_memory and not slow.in_memory
     for epoch in (0, 1):
         fast.set_epoch(epoch)
@@ -210,10 +210,10 @@ def test_uneven_micro_batches_of_named_tensors_weigh_by_samples() -> None:
     data = DictTensorDataset(a=torch.randn(n, 2), labels=torch.zeros(n))
     per_step: dict[int, list[tuple[int, float]]] = {}
     for rank in range(world):
-        plan = StepPlan(n, batch, world_size=world, rank=rank, accumulate=accumulate, seed=0)
-        for b in ShardedLoader(data, plan, CPU):
+        sampler = StepSampler(n, batch, world_size=world, rank=rank, accumulate=accumulate, seed=0)
+        for b in ShardedLoader(data, sampler, CPU):
             per_step.setdefault(b.step, []).append((len(b), b.loss_scale))
-    assert sum(size for pieces in per_step.values() for size, _ in pieces) == n - plan.dropped_per_epoch
+    assert sum(size for pieces in per_step.values() for size, _ in pieces) == n - sampler.dropped_per_epoch
     assert any(len({size for size, _ in pieces}) > 1 for pieces in per_step.values())  # uneven pieces
     for pieces in per_step.values():
         total = sum(size for size, _ in pieces)

@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from scaleloop.data.loader import Batch, ShardedLoader, tensors_of
-from scaleloop.data.sampler import StepPlan
+from scaleloop.data.sampler import StepSampler
 
 CPU = torch.device("cpu")
 
@@ -46,10 +46,10 @@ def _collect(loader: ShardedLoader) -> list[tuple[torch.Tensor, torch.Tensor, li
 @pytest.mark.parametrize("world,rank,acc", [(1, 0, 1), (1, 0, 3), (2, 1, 2), (3, 2, 1)])
 def test_fast_path_and_dataloader_path_agree(world: int, rank: int, acc: int) -> None:
     x, y = _data()
-    plan = StepPlan(len(x), 12, world_size=world, rank=rank, accumulate=acc, seed=4)
-    fast = ShardedLoader(TensorDataset(x, y), plan, CPU)
+    sampler = StepSampler(len(x), 12, world_size=world, rank=rank, accumulate=acc, seed=4)
+    fast = ShardedLoader(TensorDataset(x, y), sampler, CPU)
     slow_ds = PlainDataset(x, y)
-    slow = ShardedLoader(slow_ds, plan, CPU)
+    slow = ShardedLoader(slow_ds, sampler, CPU)
     assert fast.in_memory is True
     assert slow.in_memory is False
     for epoch in (0, 1):
@@ -66,8 +66,8 @@ def test_fast_path_and_dataloader_path_agree(world: int, rank: int, acc: int) ->
 
 def test_batch_unpacks_and_exposes_its_plan() -> None:
     x, y = _data(20)
-    plan = StepPlan(20, 8, accumulate=2, shuffle=False)
-    batches = list(ShardedLoader(TensorDataset(x, y), plan, CPU))
+    sampler = StepSampler(20, 8, accumulate=2, shuffle=False)
+    batches = list(ShardedLoader(TensorDataset(x, y), sampler, CPU))
     first = batches[0]
     assert isinstance(first, Batch)
     bx, by = first
@@ -78,14 +78,14 @@ def test_batch_unpacks_and_exposes_its_plan() -> None:
     assert batches[1].last_micro is True
     # the last step holds 4 samples (20 = 2 * 8 + 4): two micro-batches of 2, each half the step
     last = batches[-1]
-    assert last.step == 2 and len(last) == 2 and last.plan.step_samples == 4
+    assert last.step == 2 and len(last) == 2 and last.place.step_samples == 4
     assert last.loss_scale == pytest.approx(0.5)
     assert sum(len(b) for b in batches) == 20
 
 
 def test_set_epoch_changes_the_order() -> None:
     x, y = _data(40)
-    loader = ShardedLoader(TensorDataset(x, y), StepPlan(40, 10, seed=1), CPU)
+    loader = ShardedLoader(TensorDataset(x, y), StepSampler(40, 10, seed=1), CPU)
     loader.set_epoch(0)
     e0 = [b.indices.tolist() for b in loader]
     again = [b.indices.tolist() for b in loader]
@@ -98,7 +98,7 @@ def test_set_epoch_changes_the_order() -> None:
 
 def test_set_epoch_with_start_step_resumes() -> None:
     x, y = _data(40)
-    loader = ShardedLoader(TensorDataset(x, y), StepPlan(40, 8, accumulate=2, seed=1), CPU)
+    loader = ShardedLoader(TensorDataset(x, y), StepSampler(40, 8, accumulate=2, seed=1), CPU)
     loader.set_epoch(2)
     full = [b.indices.tolist() for b in loader]
     loader.set_epoch(2, start_step=3)
@@ -114,15 +114,15 @@ def test_set_epoch_with_start_step_resumes() -> None:
 def test_len_matches_batches_yielded(n: int, batch: int, world: int, acc: int, drop: bool) -> None:
     x, y = _data(n)
     for rank in range(world):
-        plan = StepPlan(n, batch, world_size=world, rank=rank, accumulate=acc, drop_last=drop)
+        sampler = StepSampler(n, batch, world_size=world, rank=rank, accumulate=acc, drop_last=drop)
         for ds in (TensorDataset(x, y), PlainDataset(x, y)):
-            loader = ShardedLoader(ds, plan, CPU)
-            assert len(loader) == len(list(loader)) == plan.steps_per_epoch * acc
+            loader = ShardedLoader(ds, sampler, CPU)
+            assert len(loader) == len(list(loader)) == sampler.steps_per_epoch * acc
 
 
 def test_tensordataset_subclass_with_its_own_getitem_is_read_through_it() -> None:
     x, y = _data(10)
-    loader = ShardedLoader(Doubled(x, y), StepPlan(10, 5, shuffle=False), CPU)
+    loader = ShardedLoader(Doubled(x, y), StepSampler(10, 5, shuffle=False), CPU)
     assert loader.in_memory is False
     bx, _ = next(iter(loader))
     assert torch.equal(bx, x[:5] * 2)
@@ -160,8 +160,8 @@ def test_fast_path_gives_the_per_item_batches_of_the_tutorial_dataset(world: int
     fast_ds = RandomDataset(203, input_dim=20, generator=torch.Generator().manual_seed(0))
     slow_ds = TutorialDataset(fast_ds.X, fast_ds.y)
     for rank in range(world):
-        plan = StepPlan(len(fast_ds), 24, world_size=world, rank=rank, accumulate=acc, seed=7)
-        fast, slow = ShardedLoader(fast_ds, plan, CPU), ShardedLoader(slow_ds, plan, CPU)
+        sampler = StepSampler(len(fast_ds), 24, world_size=world, rank=rank, accumulate=acc, seed=7)
+        fast, slow = ShardedLoader(fast_ds, sampler, CPU), ShardedLoader(slow_ds, sampler, CPU)
         assert fast.in_memory and not slow.in_memory
         for epoch, start in ((0, 0), (1, 0), (3, 2)):
             fast.set_epoch(epoch, start)
@@ -183,7 +183,7 @@ def test_fast_path_draws_the_permutation_of_a_seeded_dataloader_shuffle() -> Non
     ds = TensorDataset(x, y)
     g = torch.Generator()
     tutorial = DataLoader(ds, batch_size=16, sampler=RandomSampler(ds, generator=g))
-    loader = ShardedLoader(ds, StepPlan(50, 16, seed=3), CPU)
+    loader = ShardedLoader(ds, StepSampler(50, 16, seed=3), CPU)
     for epoch in (0, 1, 2):
         g.manual_seed(3 + epoch)
         loader.set_epoch(epoch)
@@ -194,23 +194,23 @@ def test_fast_path_draws_the_permutation_of_a_seeded_dataloader_shuffle() -> Non
 def test_options_leave_the_batches_unchanged() -> None:
     x = torch.randn(30, 3, 4, 4, generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 4, (30,), generator=torch.Generator().manual_seed(2))
-    plan = StepPlan(30, 8, seed=2)
-    plain = _collect(ShardedLoader(TensorDataset(x, y), plan, CPU))
-    fast = ShardedLoader(TensorDataset(x, y), plan, CPU, on_device=True, channels_last=True, pin_memory=True)
+    sampler = StepSampler(30, 8, seed=2)
+    plain = _collect(ShardedLoader(TensorDataset(x, y), sampler, CPU))
+    fast = ShardedLoader(TensorDataset(x, y), sampler, CPU, on_device=True, channels_last=True, pin_memory=True)
     assert fast.pin_memory is False          # pinning is for CUDA copies only
     for (xa, ya, ia), (xb, yb, ib) in zip(plain, _collect(fast), strict=True):
         assert ia == ib and torch.equal(xa, xb) and torch.equal(ya, yb)
         assert xb.is_contiguous(memory_format=torch.channels_last)
-    slow = ShardedLoader(PlainDataset(x, y), plan, CPU, channels_last=True)
+    slow = ShardedLoader(PlainDataset(x, y), sampler, CPU, channels_last=True)
     for (xa, _, _), (xb, _, _) in zip(plain, _collect(slow), strict=True):
         assert torch.equal(xa, xb) and xb.is_contiguous(memory_format=torch.channels_last)
 
 
 def test_persistent_workers_give_every_epoch_its_own_order() -> None:
     x, y = _data(24)
-    plan = StepPlan(24, 8, seed=5)
-    once = ShardedLoader(PlainDataset(x, y), plan, CPU, num_workers=1)
-    kept = ShardedLoader(PlainDataset(x, y), plan, CPU, num_workers=1, persistent_workers=True)
+    sampler = StepSampler(24, 8, seed=5)
+    once = ShardedLoader(PlainDataset(x, y), sampler, CPU, num_workers=1)
+    kept = ShardedLoader(PlainDataset(x, y), sampler, CPU, num_workers=1, persistent_workers=True)
     for epoch in (0, 1, 2):
         once.set_epoch(epoch)
         kept.set_epoch(epoch)
@@ -223,19 +223,19 @@ def test_persistent_workers_give_every_epoch_its_own_order() -> None:
 def test_options_this_dataset_cannot_use_are_refused() -> None:
     x, y = _data(10)
     with pytest.raises(ValueError, match="in-memory tensors"):
-        ShardedLoader(PlainDataset(x, y), StepPlan(10, 5), CPU, on_device=True)
+        ShardedLoader(PlainDataset(x, y), StepSampler(10, 5), CPU, on_device=True)
     with pytest.raises(ValueError, match="num_workers > 0"):
-        ShardedLoader(PlainDataset(x, y), StepPlan(10, 5), CPU, persistent_workers=True)
+        ShardedLoader(PlainDataset(x, y), StepSampler(10, 5), CPU, persistent_workers=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_pinned_and_on_device_batches_equal_the_cpu_ones() -> None:
     x, y = _data(100)
-    plan = StepPlan(100, 16, seed=1)
+    sampler = StepSampler(100, 16, seed=1)
     cuda = torch.device("cuda")
-    ref = _collect(ShardedLoader(TensorDataset(x, y), plan, CPU))
+    ref = _collect(ShardedLoader(TensorDataset(x, y), sampler, CPU))
     for options in (dict(pin_memory=True), dict(pin_memory=False), dict(on_device=True)):
-        loader = ShardedLoader(TensorDataset(x, y), plan, cuda, **options)
+        loader = ShardedLoader(TensorDataset(x, y), sampler, cuda, **options)
         got = _collect(loader)
         torch.cuda.synchronize()
         for (xa, ya, ia), (xb, yb, ib) in zip(ref, got, strict=True):
@@ -248,10 +248,10 @@ def test_a_rank_loads_only_the_parts_it_uses(load: tuple[bool, bool]) -> None:
     """A pipeline's first stage loads the inputs, its last the targets, a middle one neither:
     the part left out is None on both paths, the rest and the sample counts as with both."""
     x, y = _data()
-    plan = StepPlan(len(x), 12, world_size=1, rank=0, accumulate=2, seed=4)
-    whole = _collect(ShardedLoader(TensorDataset(x, y), plan, CPU))
+    sampler = StepSampler(len(x), 12, world_size=1, rank=0, accumulate=2, seed=4)
+    whole = _collect(ShardedLoader(TensorDataset(x, y), sampler, CPU))
     for dataset in (TensorDataset(x, y), PlainDataset(x, y)):
-        batches = list(ShardedLoader(dataset, plan, CPU, load=load))
+        batches = list(ShardedLoader(dataset, sampler, CPU, load=load))
         assert [len(b) for b in batches] == [len(i) for _, _, i in whole]
         for batch, (xw, yw, _) in zip(batches, whole):
             got_x, got_y = batch
@@ -269,6 +269,6 @@ def test_a_part_that_is_not_a_tensor_is_kept_so_every_rank_sees_the_batch_shape(
         def __getitem__(self, i: int):
             return {"a": torch.tensor([float(i)])}, torch.tensor(i)
 
-    plan = StepPlan(8, 4, world_size=1, rank=0, accumulate=1, seed=0, shuffle=False)
-    x, y = next(iter(ShardedLoader(Named(), plan, CPU, load=(False, False))))
+    sampler = StepSampler(8, 4, world_size=1, rank=0, accumulate=1, seed=0, shuffle=False)
+    x, y = next(iter(ShardedLoader(Named(), sampler, CPU, load=(False, False))))
     assert isinstance(x, dict) and y is None

@@ -1,4 +1,4 @@
-"""Tests for scaleloop.data.sampler: the global-batch StepPlan (see the module docstring)."""
+"""Tests for scaleloop.data.sampler: the global-batch StepSampler (see the module docstring)."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -6,16 +6,16 @@ from collections import defaultdict
 import pytest
 import torch
 
-from scaleloop.data.sampler import MicroBatch, StepPlan, split_sizes
+from scaleloop.data.sampler import MicroBatch, StepSampler, split_sizes
 
 
-def plans(n: int, batch: int, world: int, acc: int, **kw) -> list[StepPlan]:
-    return [StepPlan(n, batch, world_size=world, rank=r, accumulate=acc, **kw) for r in range(world)]
+def samplers(n: int, batch: int, world: int, acc: int, **kw) -> list[StepSampler]:
+    return [StepSampler(n, batch, world_size=world, rank=r, accumulate=acc, **kw) for r in range(world)]
 
 
 def all_micro(n: int, batch: int, world: int, acc: int, epoch: int = 0, **kw) -> list[tuple[int, MicroBatch]]:
     """(rank, micro-batch) for every rank of the job."""
-    return [(r, mb) for r, p in enumerate(plans(n, batch, world, acc, **kw)) for mb in p.micro_batches(epoch)]
+    return [(r, mb) for r, p in enumerate(samplers(n, batch, world, acc, **kw)) for mb in p.micro_batches(epoch)]
 
 
 def by_step(micro: list[tuple[int, MicroBatch]]) -> dict[int, list[int]]:
@@ -45,15 +45,15 @@ def test_split_sizes(n: int, parts: int, expected: list[int]) -> None:
 @pytest.mark.parametrize("n,batch", SIZES)
 @pytest.mark.parametrize("world,acc", LAYOUTS)
 def test_every_sample_once_per_epoch(n: int, batch: int, world: int, acc: int) -> None:
-    plan = StepPlan(n, batch, world_size=world, accumulate=acc)
+    sampler = StepSampler(n, batch, world_size=world, accumulate=acc)
     for epoch in (0, 1):
         seen = [i for _, mb in all_micro(n, batch, world, acc, epoch) for i in mb.indices.tolist()]
-        assert len(seen) == len(set(seen)) == plan.used_per_epoch  # nothing twice
-        assert plan.used_per_epoch + plan.dropped_per_epoch == n
+        assert len(seen) == len(set(seen)) == sampler.used_per_epoch  # nothing twice
+        assert sampler.used_per_epoch + sampler.dropped_per_epoch == n
         assert set(seen) <= set(range(n))
         tail = n % batch
         expect_dropped = tail if 0 < tail < world * acc else 0
-        assert plan.dropped_per_epoch == expect_dropped
+        assert sampler.dropped_per_epoch == expect_dropped
         if not expect_dropped:
             assert sorted(seen) == list(range(n))  # every sample exactly once
 
@@ -99,7 +99,7 @@ def test_step_is_cut_into_micro_steps_then_rank_blocks() -> None:
 @pytest.mark.parametrize("world,acc", LAYOUTS)
 def test_ranks_are_disjoint(world: int, acc: int) -> None:
     per_rank = [set(i for mb in p.micro_batches(0) for i in mb.indices.tolist())
-                for p in plans(100, 24, world, acc)]
+                for p in samplers(100, 24, world, acc)]
     for a in range(world):
         for b in range(a + 1, world):
             assert not per_rank[a] & per_rank[b]
@@ -123,14 +123,14 @@ def _group_steps(micro: list[tuple[int, MicroBatch]]) -> dict[int, list[tuple[in
 # --- order ------------------------------------------------------------------------------
 
 def test_same_permutation_on_every_rank() -> None:
-    orders = [p.order(5) for p in plans(50, 10, 3, 1, seed=7)]
+    orders = [p.order(5) for p in samplers(50, 10, 3, 1, seed=7)]
     for o in orders[1:]:
         assert torch.equal(o, orders[0])
 
 
 def test_order_is_a_permutation_that_changes_per_epoch() -> None:
-    plan = StepPlan(50, 10, seed=1)
-    o0, o1 = plan.order(0), plan.order(1)
+    sampler = StepSampler(50, 10, seed=1)
+    o0, o1 = sampler.order(0), sampler.order(1)
     assert sorted(o0.tolist()) == list(range(50))
     assert sorted(o1.tolist()) == list(range(50))
     assert not torch.equal(o0, o1)
@@ -138,7 +138,7 @@ def test_order_is_a_permutation_that_changes_per_epoch() -> None:
 
 
 def test_order_is_deterministic_per_seed() -> None:
-    a, b, c = StepPlan(50, 10, seed=3), StepPlan(50, 10, seed=3), StepPlan(50, 10, seed=4)
+    a, b, c = StepSampler(50, 10, seed=3), StepSampler(50, 10, seed=3), StepSampler(50, 10, seed=4)
     assert torch.equal(a.order(2), b.order(2))
     assert not torch.equal(a.order(2), c.order(2))
     # the micro-batches, not only the order, repeat
@@ -147,11 +147,11 @@ def test_order_is_deterministic_per_seed() -> None:
 
 
 def test_no_shuffle_is_arange_order() -> None:
-    plan = StepPlan(10, 4, shuffle=False)
-    assert torch.equal(plan.order(0), torch.arange(10))
-    assert torch.equal(plan.order(9), torch.arange(10))
-    assert [mb.indices.tolist() for mb in plan.micro_batches(0)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    rank1 = StepPlan(10, 4, shuffle=False, world_size=2, rank=1)
+    sampler = StepSampler(10, 4, shuffle=False)
+    assert torch.equal(sampler.order(0), torch.arange(10))
+    assert torch.equal(sampler.order(9), torch.arange(10))
+    assert [mb.indices.tolist() for mb in sampler.micro_batches(0)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    rank1 = StepSampler(10, 4, shuffle=False, world_size=2, rank=1)
     assert [mb.indices.tolist() for mb in rank1.micro_batches(0)] == [[2, 3], [6, 7], [9]]
 
 
@@ -175,73 +175,73 @@ def test_loss_scale_weights(n: int, batch: int, world: int, acc: int) -> None:
 
 
 def test_last_micro_flags() -> None:
-    plan = StepPlan(40, 8, accumulate=4)
-    micro = list(plan.micro_batches(0))
+    sampler = StepSampler(40, 8, accumulate=4)
+    micro = list(sampler.micro_batches(0))
     assert [mb.micro for mb in micro[:4]] == [0, 1, 2, 3]
     assert [mb.last_micro for mb in micro] == [m == 3 for m in [mb.micro for mb in micro]]
-    assert sum(mb.last_micro for mb in micro) == plan.steps_per_epoch == 5
+    assert sum(mb.last_micro for mb in micro) == sampler.steps_per_epoch == 5
 
 
 # --- tails ------------------------------------------------------------------------------
 
 def test_small_tail_is_dropped_and_reported() -> None:
     # 50 = 2 * 24 + 2; with 2 ranks x 2 micro-steps a 2-sample tail cannot feed every piece
-    plan = StepPlan(50, 24, world_size=2, accumulate=2)
-    assert plan.steps_per_epoch == 2
-    assert plan.dropped_per_epoch == 2 and plan.used_per_epoch == 48
+    sampler = StepSampler(50, 24, world_size=2, accumulate=2)
+    assert sampler.steps_per_epoch == 2
+    assert sampler.dropped_per_epoch == 2 and sampler.used_per_epoch == 48
     # with one worker and no accumulation the same tail is kept
-    single = StepPlan(50, 24)
+    single = StepSampler(50, 24)
     assert single.steps_per_epoch == 3 and single.dropped_per_epoch == 0
     assert len(single.step_indices(0, 2)) == 2
 
 
 def test_tail_equal_to_pieces_is_kept() -> None:
-    plan = StepPlan(52, 24, world_size=2, accumulate=2)  # tail 4 = W*K
-    assert plan.steps_per_epoch == 3 and plan.dropped_per_epoch == 0
+    sampler = StepSampler(52, 24, world_size=2, accumulate=2)  # tail 4 = W*K
+    assert sampler.steps_per_epoch == 3 and sampler.dropped_per_epoch == 0
     sizes = [len(mb.indices) for r in range(2)
-             for mb in StepPlan(52, 24, world_size=2, rank=r, accumulate=2).micro_batches(0) if mb.step == 2]
+             for mb in StepSampler(52, 24, world_size=2, rank=r, accumulate=2).micro_batches(0) if mb.step == 2]
     assert sizes == [1, 1, 1, 1]
 
 
 def test_drop_last_drops_the_partial_step() -> None:
-    plan = StepPlan(100, 24, drop_last=True)
-    assert plan.steps_per_epoch == 4
-    assert plan.dropped_per_epoch == 4 and plan.used_per_epoch == 96
-    assert all(mb.step_samples == 24 for mb in plan.micro_batches(0))
-    exact = StepPlan(96, 24, drop_last=True)
+    sampler = StepSampler(100, 24, drop_last=True)
+    assert sampler.steps_per_epoch == 4
+    assert sampler.dropped_per_epoch == 4 and sampler.used_per_epoch == 96
+    assert all(mb.step_samples == 24 for mb in sampler.micro_batches(0))
+    exact = StepSampler(96, 24, drop_last=True)
     assert exact.steps_per_epoch == 4 and exact.dropped_per_epoch == 0
 
 
 def test_dataset_smaller_than_the_pieces_yields_nothing() -> None:
-    plan = StepPlan(3, 24, world_size=2, accumulate=2)
-    assert plan.steps_per_epoch == 0 and plan.dropped_per_epoch == 3
-    assert list(plan.micro_batches(0)) == []
+    sampler = StepSampler(3, 24, world_size=2, accumulate=2)
+    assert sampler.steps_per_epoch == 0 and sampler.dropped_per_epoch == 3
+    assert list(sampler.micro_batches(0)) == []
 
 
 def test_empty_dataset_is_an_error() -> None:
     with pytest.raises(ValueError):
-        StepPlan(0, 8)
+        StepSampler(0, 8)
 
 
 # --- resuming ---------------------------------------------------------------------------
 
 def test_start_step_resumes_at_the_right_step() -> None:
-    plan = StepPlan(100, 16, world_size=2, rank=1, accumulate=2, seed=9)
-    full = list(plan.micro_batches(4))
-    resumed = list(plan.micro_batches(4, start_step=3))
+    sampler = StepSampler(100, 16, world_size=2, rank=1, accumulate=2, seed=9)
+    full = list(sampler.micro_batches(4))
+    resumed = list(sampler.micro_batches(4, start_step=3))
     assert resumed[0].step == 3 and resumed[0].micro == 0
     tail = [mb for mb in full if mb.step >= 3]
     assert [(mb.step, mb.micro, mb.indices.tolist()) for mb in resumed] == \
         [(mb.step, mb.micro, mb.indices.tolist()) for mb in tail]
-    assert plan.micro_batches_per_epoch() == len(full) == plan.steps_per_epoch * 2
-    assert plan.micro_batches_per_epoch(3) == len(resumed)
-    assert plan.micro_batches_per_epoch(99) == 0
-    assert list(plan.micro_batches(4, start_step=plan.steps_per_epoch)) == []
+    assert sampler.micro_batches_per_epoch() == len(full) == sampler.steps_per_epoch * 2
+    assert sampler.micro_batches_per_epoch(3) == len(resumed)
+    assert sampler.micro_batches_per_epoch(99) == 0
+    assert list(sampler.micro_batches(4, start_step=sampler.steps_per_epoch)) == []
 
 
 def test_step_indices_match_the_micro_batches() -> None:
-    plan = StepPlan(70, 16, seed=2)
-    for s in range(plan.steps_per_epoch):
-        joined = torch.cat([mb.indices for mb in plan.micro_batches(1) if mb.step == s])
-        assert torch.equal(plan.step_indices(1, s), joined)
-        assert torch.equal(joined, plan.order(1)[s * 16:(s + 1) * 16])
+    sampler = StepSampler(70, 16, seed=2)
+    for s in range(sampler.steps_per_epoch):
+        joined = torch.cat([mb.indices for mb in sampler.micro_batches(1) if mb.step == s])
+        assert torch.equal(sampler.step_indices(1, s), joined)
+        assert torch.equal(joined, sampler.order(1)[s * 16:(s + 1) * 16])

@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import IterableDataset
 
 from scaleloop.config import TrainConfig
-from scaleloop.data.sampler import StepPlan
-from scaleloop.data.streaming import StreamingLoader, StreamPlan
+from scaleloop.data.sampler import StepSampler
+from scaleloop.data.streaming import StreamingLoader, StreamSampler
 from scaleloop.errors import UsageError
 from scaleloop.loop.training import train
 from scaleloop.loop.summary import describe_epoch
@@ -25,9 +25,9 @@ from scaleloop.runtime.dist import DistEnv
 from stream_data import N_TRAIN, SizedStream, Stream, sample_id
 
 
-def read_all(plan: StreamPlan, stream, start_step: int = 0, worker: int = 0, workers: int = 1):
-    """``plan.read``'s micro-batches as a list, and the length it returns."""
-    out, gen = [], plan.read(stream, start_step, worker, workers)
+def read_all(sampler: StreamSampler, stream, start_step: int = 0, worker: int = 0, workers: int = 1):
+    """``sampler.read``'s micro-batches as a list, and the length it returns."""
+    out, gen = [], sampler.read(stream, start_step, worker, workers)
     while True:
         try:
             out.append(next(gen))
@@ -39,8 +39,8 @@ def micro_batches(n: int, batch: int, world: int, accumulate: int, workers: int,
     """Every (rank, worker)'s micro-batches of one pass over the stream ``0, 1, ..., n-1``."""
     got = {}
     for rank, worker in itertools.product(range(world), range(workers)):
-        plan = StreamPlan(batch, world_size=world, rank=rank, accumulate=accumulate, drop_last=drop_last)
-        got[rank, worker], length = read_all(plan, range(n), 0, worker, workers)
+        sampler = StreamSampler(batch, world_size=world, rank=rank, accumulate=accumulate, drop_last=drop_last)
+        got[rank, worker], length = read_all(sampler, range(n), 0, worker, workers)
         assert length == n
     return got
 
@@ -56,8 +56,8 @@ def test_every_sample_is_used_once_per_pass_over_ranks_and_workers(world: int, a
     batch = 12 if 12 % (world * accumulate) == 0 else 24
     for n in SIZES:
         got = micro_batches(n, batch, world, accumulate, workers, drop_last)
-        # The same steps, and the same dropped tail, as the map-style plan (sampler.StepPlan).
-        reference = StepPlan(n, batch, world_size=world, accumulate=accumulate, drop_last=drop_last)
+        # The same steps, and the same dropped tail, as the map-style sampler (sampler.StepSampler).
+        reference = StepSampler(n, batch, world_size=world, accumulate=accumulate, drop_last=drop_last)
         used = n - reference.dropped_per_epoch
         flat = [(p, samples) for items in got.values() for p, samples in items]
         positions = [i for p, _ in flat for i in p.indices.tolist()]
@@ -78,7 +78,7 @@ def test_every_sample_is_used_once_per_pass_over_ranks_and_workers(world: int, a
                 assert p.pass_samples == (n if step == reference.steps_per_epoch - 1 else None)
         # A micro-step holds the same samples whatever the world size (rule 2; one process may
         # keep a tail too small for W ranks).
-        alone = [(p.step, p.micro, i) for p, _ in read_all(StreamPlan(batch, accumulate=accumulate,
+        alone = [(p.step, p.micro, i) for p, _ in read_all(StreamSampler(batch, accumulate=accumulate,
                                                                       drop_last=drop_last), range(n))[0]
                  for i in p.indices.tolist() if i < used]
         assert sorted(alone) == sorted((p.step, p.micro, i) for p, _ in flat for i in p.indices.tolist())
@@ -92,12 +92,12 @@ def test_workers_share_a_rank_s_micro_batches_in_turn() -> None:
 
 
 def test_the_plan_reports_a_pass_once_its_length_is_known() -> None:
-    plan = StreamPlan(12, world_size=2, accumulate=2)
-    assert plan.steps_per_epoch is None and plan.dropped_per_epoch == 0
-    plan.n = 27   # 2 full steps and 3 samples: fewer than 4 pieces, dropped
-    assert (plan.steps_per_epoch, plan.dropped_per_epoch) == (2, 3)
-    plan.n = 28
-    assert (plan.steps_per_epoch, plan.dropped_per_epoch, len(plan.step_indices(0, 2))) == (3, 0, 4)
+    sampler = StreamSampler(12, world_size=2, accumulate=2)
+    assert sampler.steps_per_epoch is None and sampler.dropped_per_epoch == 0
+    sampler.n = 27   # 2 full steps and 3 samples: fewer than 4 pieces, dropped
+    assert (sampler.steps_per_epoch, sampler.dropped_per_epoch) == (2, 3)
+    sampler.n = 28
+    assert (sampler.steps_per_epoch, sampler.dropped_per_epoch, len(sampler.step_indices(0, 2))) == (3, 0, 4)
 
 
 @pytest.mark.parametrize("world, accumulate, workers", [(1, 1, 1), (2, 2, 3), (3, 1, 2)])
@@ -105,10 +105,10 @@ def test_a_resumed_pass_continues_with_exactly_the_remaining_micro_batches(world
                                                                             workers: int) -> None:
     n, batch = 61, 12
     for rank, worker in itertools.product(range(world), range(workers)):
-        plan = StreamPlan(batch, world_size=world, rank=rank, accumulate=accumulate)
-        everything = [p for p, _ in read_all(plan, range(n))[0]]
+        sampler = StreamSampler(batch, world_size=world, rank=rank, accumulate=accumulate)
+        everything = [p for p, _ in read_all(sampler, range(n))[0]]
         for start in range(7):   # from every step of the pass (5 or 6 of them), and from past its end
-            resumed, length = read_all(plan, range(n), start, worker, workers)
+            resumed, length = read_all(sampler, range(n), start, worker, workers)
             assert length == n
             units = [(p.step, p.micro) for p, _ in resumed]
             # This worker's share of the remaining micro-batches, counted from the resumed step.
@@ -142,23 +142,23 @@ def test_the_loader_gives_each_rank_its_share_in_order_with_dataloader_workers(w
     seen = Counter()
     for epoch in (0, 1):
         for rank in range(world):
-            plan = StreamPlan(batch, world_size=world, rank=rank, accumulate=accumulate)
-            loader = StreamingLoader(data, plan, torch.device("cpu"), num_workers=workers)
+            sampler = StreamSampler(batch, world_size=world, rank=rank, accumulate=accumulate)
+            loader = StreamingLoader(data, sampler, torch.device("cpu"), num_workers=workers)
             loader.set_epoch(epoch)
             batches = list(loader)
-            assert [(b.step, b.plan.micro) for b in batches] == [(s, m) for s in range(6) for m in range(2)]
+            assert [(b.step, b.place.micro) for b in batches] == [(s, m) for s in range(6) for m in range(2)]
             order = data.order(epoch)
             for b in batches:
                 x, y = b
                 # The samples are the stream's at the batch's positions, read in this epoch's order.
                 assert y.tolist() == [order[i] for i in b.indices.tolist()] == x[:, 0].long().tolist()
                 seen.update((epoch, int(i)) for i in y)
-            assert plan.n == 45 and plan.steps_per_epoch == 6   # learned at the pass's end
+            assert sampler.n == 45 and sampler.steps_per_epoch == 6   # learned at the pass's end
     assert seen == Counter({(epoch, i): 1 for epoch in (0, 1) for i in range(45)})
 
 
 def test_a_stream_cannot_stay_on_the_device_nor_keep_its_workers() -> None:
-    loader = StreamingLoader(Numbers(4), StreamPlan(2), torch.device("cpu"), num_workers=1)
+    loader = StreamingLoader(Numbers(4), StreamSampler(2), torch.device("cpu"), num_workers=1)
     with pytest.raises(ValueError, match="in-memory tensors"):
         loader.configure(on_device=True)
     with pytest.raises(ValueError, match="start again every pass"):
@@ -168,7 +168,7 @@ def test_a_stream_cannot_stay_on_the_device_nor_keep_its_workers() -> None:
 @pytest.mark.parametrize("declared, said", [(200, "200"), (250, "250")])
 def test_a_pass_that_differs_from_the_stream_s_len_stops_the_run(declared: int, said: str) -> None:
     data = SizedStream(declared=declared)
-    loader = StreamingLoader(data, StreamPlan(16, n=declared), torch.device("cpu"))
+    loader = StreamingLoader(data, StreamSampler(16, n=declared), torch.device("cpu"))
     with pytest.raises(UsageError, match=f"held 203 samples in epoch 1, but its __len__ says {said}"):
         for _ in loader:
             pass

@@ -18,7 +18,7 @@ import torch
 from scaleloop.config import TrainConfig
 from scaleloop.data.datasets import build_datasets
 from scaleloop.data.loader import ShardedLoader
-from scaleloop.data.sampler import StepPlan
+from scaleloop.data.sampler import StepSampler
 from scaleloop.data.tokenfile import TokenFileDataset
 from scaleloop.errors import UsageError
 from scaleloop.loop.training import train
@@ -157,11 +157,11 @@ def test_every_step_holds_the_same_windows_on_1_and_2_ranks(tmp_path: Path, name
     shuffle = not ds.in_order
 
     def steps(world: int) -> dict[int, torch.Tensor]:
-        """Each step's windows over all ranks, rank by rank (the plan cuts a step in rank order)."""
+        """Each step's windows over all ranks, rank by rank (the sampler cuts a step in rank order)."""
         out: dict[int, list[torch.Tensor]] = {}
         for rank in range(world):
-            plan = StepPlan(len(ds), 24, world_size=world, rank=rank, shuffle=shuffle, seed=1)
-            loader = ShardedLoader(ds, plan, torch.device("cpu"))
+            sampler = StepSampler(len(ds), 24, world_size=world, rank=rank, shuffle=shuffle, seed=1)
+            loader = ShardedLoader(ds, sampler, torch.device("cpu"))
             loader.set_epoch(1)
             for batch in loader:
                 out.setdefault(batch.step, [None] * world)[rank] = batch[0]

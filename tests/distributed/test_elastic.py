@@ -28,7 +28,7 @@ import torch
 from procs import SRC, child_env, kill_group, run
 from scaleloop.commands.doctor import diagnose
 
-from scaleloop.data.sampler import StepPlan
+from scaleloop.data.sampler import StepSampler
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -49,13 +49,13 @@ def recorded(record_dir: Path, rank: int, restart: int) -> list[int]:
     return [int(line) for line in path.read_text().split()] if path.exists() else []
 
 
-def planned(rank: int, from_step: int = 0) -> list[int]:
-    """The indices rank ``rank`` loads from global step ``from_step`` to the end, by the plan."""
-    plan = StepPlan(N, BATCH, world_size=2, rank=rank, seed=0)
+def sampled(rank: int, from_step: int = 0) -> list[int]:
+    """The indices rank ``rank`` loads from global step ``from_step`` to the end, by the sampler."""
+    sampler = StepSampler(N, BATCH, world_size=2, rank=rank, seed=0)
     out: list[int] = []
     for epoch in range(EPOCHS):
-        start = max(0, from_step - epoch * plan.steps_per_epoch)
-        for mb in plan.micro_batches(epoch, start):
+        start = max(0, from_step - epoch * sampler.steps_per_epoch)
+        for mb in sampler.micro_batches(epoch, start):
             out += mb.indices.tolist()
     return out
 
@@ -112,12 +112,12 @@ def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path: Path, whole: P
     for rank in (0, 1):
         first, second = recorded(records, rank, 0), recorded(records, rank, 1)
         # Nothing skipped, nothing extra: attempt 1 up to the checkpoint, then attempt 2 to the end.
-        done_before = len(planned(rank)) - len(planned(rank, step))
+        done_before = len(sampled(rank)) - len(sampled(rank, step))
         # (>=: rank 0 renames the checkpoint into place before the save's last collective, so the
         # kill can land before any rank loads the next step's samples.)
         assert len(first) >= done_before, f"rank {rank}: the kill came before the checkpoint's step"
-        assert first[:done_before] == planned(rank)[:done_before], f"rank {rank}: first attempt off plan"
-        assert second == planned(rank, step), f"rank {rank}: the resumed attempt did not continue exactly"
+        assert first[:done_before] == sampled(rank)[:done_before], f"rank {rank}: first attempt off the sampler's order"
+        assert second == sampled(rank, step), f"rank {rank}: the resumed attempt did not continue exactly"
         assert first[:done_before] + second == recorded(whole / "whole-records", rank, 0)
 
 
@@ -142,7 +142,7 @@ def test_sigterm_stops_after_a_step_with_a_checkpoint_and_continues_exactly(tmp_
     stops = STOP_LINE.findall(output)
     assert len(stops) == 1 and "Traceback" not in output, output
     step, checkpoint, command = int(stops[0][0]), Path(stops[0][1]), stops[0][2]
-    total = EPOCHS * StepPlan(N, BATCH, world_size=2, rank=0, seed=0).steps_per_epoch
+    total = EPOCHS * StepSampler(N, BATCH, world_size=2, rank=0, seed=0).steps_per_epoch
     assert 4 <= step < total, output
     assert checkpoint == tmp_path / "run" / "checkpoints" / f"step-{step:08d}" and checkpoint.is_dir()
     assert not (tmp_path / "run" / "model.pt").exists()
@@ -151,8 +151,8 @@ def test_sigterm_stops_after_a_step_with_a_checkpoint_and_continues_exactly(tmp_
     assert told.checkpoint is not None and told.checkpoint.step == step and told.continue_with == command
     # Every rank stopped after the same step, and loaded no sample after it.
     for rank in (0, 1):
-        done = len(planned(rank)) - len(planned(rank, step))
-        assert recorded(records, rank, 0) == planned(rank)[:done], f"rank {rank} did not stop after step {step}"
+        done = len(sampled(rank)) - len(sampled(rank, step))
+        assert recorded(records, rank, 0) == sampled(rank)[:done], f"rank {rank} did not stop after step {step}"
 
     # The printed command continues the run to its end, exactly.
     again = tmp_path / "records-again"
@@ -161,7 +161,7 @@ def test_sigterm_stops_after_a_step_with_a_checkpoint_and_continues_exactly(tmp_
     assert f"resuming from {checkpoint}" in res.stdout, res.stdout
     assert_same_weights(whole / "whole", tmp_path / "run")
     for rank in (0, 1):
-        assert recorded(again, rank, 0) == planned(rank, step), f"rank {rank}: the continued run is off plan"
+        assert recorded(again, rank, 0) == sampled(rank, step), f"rank {rank}: the continued run is off the sampler's order"
 
 
 def test_an_elastic_job_splits_a_batch_unevenly_and_says_so(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ Each run must finish on the machines that are left. Its final weights must equal
 a reference that changes world size at the same step through the ordinary resume path (an
 uninterrupted run on the first world size keeps every checkpoint; the one of that step is
 resumed with the new world size), and the samples each worker recorded must be exactly the
-plan's: the first attempt's up to the checkpoint, the next attempt's from it, so that every
+sampler's: the first attempt's up to the checkpoint, the next attempt's from it, so that every
 sample of every epoch is trained once in the run's result. The recovery is reported (output,
 ``recovery.json``, ``metrics.csv``, ``scaleloop doctor``). Namespaces and processes are always
 removed.
@@ -34,7 +34,7 @@ import torch
 from netns import Host, can_make_namespaces, cut, hosts, kill_inside, reconnect
 from procs import SRC, child_env, kill_group, run
 
-from scaleloop.data.sampler import StepPlan
+from scaleloop.data.sampler import StepSampler
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -73,13 +73,13 @@ def recorded(records: Path, rank: int, restart: int | None = None) -> list[int]:
     return [int(line) for path in paths for line in path.read_text().split()]
 
 
-def planned(world: int, rank: int, from_step: int = 0, to_step: int | None = None) -> list[int]:
+def sampled(world: int, rank: int, from_step: int = 0, to_step: int | None = None) -> list[int]:
     """The indices ``rank`` of ``world`` loads from global step ``from_step`` up to ``to_step``."""
-    plan = StepPlan(N, BATCH, world_size=world, rank=rank, seed=0)
+    sampler = StepSampler(N, BATCH, world_size=world, rank=rank, seed=0)
     out: list[int] = []
     for epoch in range(EPOCHS):
-        for mb in plan.micro_batches(epoch, max(0, from_step - epoch * plan.steps_per_epoch)):
-            if to_step is not None and epoch * plan.steps_per_epoch + mb.step >= to_step:
+        for mb in sampler.micro_batches(epoch, max(0, from_step - epoch * sampler.steps_per_epoch)):
+            if to_step is not None and epoch * sampler.steps_per_epoch + mb.step >= to_step:
                 return out
             out += mb.indices.tolist()
     return out
@@ -87,23 +87,23 @@ def planned(world: int, rank: int, from_step: int = 0, to_step: int | None = Non
 
 def assert_attempts(records: Path, before: int, after: int, step: int, first: tuple[int, int | None],
                     second: tuple[int, int | None]) -> None:
-    """A machine's worker loaded, as ``first`` (rank, restart) of ``before``, the plan up to ``step``
-    (and maybe more, trained again), then as ``second`` of ``after`` exactly the plan from it."""
+    """A machine's worker loaded, as ``first`` (rank, restart) of ``before``, the sampler's indices up to ``step``
+    (and maybe more, trained again), then as ``second`` of ``after`` exactly the sampler's from it."""
     loaded, resumed = recorded(records, *first), recorded(records, *second)
-    done = planned(before, first[0], 0, step)
-    assert loaded[:len(done)] == done, f"{records.name}: the attempt before the fault is off plan"
-    assert resumed == planned(after, second[0], step), f"{records.name}: the new group did not continue exactly"
+    done = sampled(before, first[0], 0, step)
+    assert loaded[:len(done)] == done, f"{records.name}: the attempt before the fault is off the sampler's order"
+    assert resumed == sampled(after, second[0], step), f"{records.name}: the new group did not continue exactly"
 
 
 def assert_every_sample_once(before: int, after: int, step: int) -> None:
     """World ``before`` up to ``step``, then ``after``: every epoch trains each sample exactly once."""
-    per_epoch = StepPlan(N, BATCH, world_size=before, seed=0).steps_per_epoch
+    per_epoch = StepSampler(N, BATCH, world_size=before, seed=0).steps_per_epoch
     for epoch in range(EPOCHS):
         lo, hi = epoch * per_epoch, (epoch + 1) * per_epoch
         got: list[int] = []
         for world, a, b in ((before, lo, min(hi, step)), (after, max(lo, step), hi)):
             if a < b:
-                got += [i for r in range(world) for i in planned(world, r, a, b)]
+                got += [i for r in range(world) for i in sampled(world, r, a, b)]
         assert sorted(got) == list(range(N)), f"epoch {epoch + 1}: samples skipped or repeated"
 
 
@@ -284,7 +284,7 @@ def test_a_machine_comes_back_and_joins_at_the_next_restart(cluster: Cluster, re
     # agents restart the group for a joining machine without counting a restart.
     assert_attempts(cluster.records(1), 2, 3, step, (0, None), (1, None))
     assert_attempts(cluster.records(2), 2, 3, step, (1, None), (2, None))
-    assert recorded(cluster.records(0), 0) == planned(3, 0, step)
+    assert recorded(cluster.records(0), 0) == sampled(3, 0, step)
     assert_every_sample_once(2, 3, step)
 
 

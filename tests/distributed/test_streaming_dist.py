@@ -21,7 +21,7 @@ import torch
 
 from procs import run
 from scaleloop.config import TrainConfig
-from scaleloop.data.streaming import StreamPlan
+from scaleloop.data.streaming import StreamSampler
 from scaleloop.loop.training import train
 from scaleloop.runtime.dist import DistEnv
 
@@ -82,8 +82,8 @@ def test_every_sample_is_trained_on_once_per_pass_over_two_ranks_and_two_workers
         assert ids == [order[i] for i in positions], f"epoch {epoch}: a sample is not the stream's at its position"
         for rank in (0, 1):
             # In step order, micro-step by micro-step, exactly the share the rule gives this rank.
-            plan = StreamPlan(16, world_size=2, rank=rank, accumulate=2)
-            expected = [[p.step, p.micro, p.indices.tolist()] for p, _ in plan.read(range(N_TRAIN))]
+            sampler = StreamSampler(16, world_size=2, rank=rank, accumulate=2)
+            expected = [[p.step, p.micro, p.indices.tolist()] for p, _ in sampler.read(range(N_TRAIN))]
             assert [mb[:3] for mb in ranks[rank][epoch]] == expected
 
 

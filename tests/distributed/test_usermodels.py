@@ -142,14 +142,14 @@ def test_the_conditional_runs_leave_a_parameter_unused_on_every_rank_and_on_one(
         data, _ = build_data_and_model(TrainConfig(**{**BASE, **CONDITIONAL["expert-fsdp-adam"]}))
     finally:
         sys.path.remove(str(SCRIPTS))
-    from scaleloop.data.sampler import StepPlan
+    from scaleloop.data.sampler import StepSampler
 
     seen = set()
     for accumulate in (1, 2):   # the expert runs with and without accumulation
         used = [[False] * BASE["max_steps"] for _ in range(2)]
         for rank in range(2):
-            plan = StepPlan(len(data.train), BASE["batch_size"], world_size=2, rank=rank, accumulate=accumulate)
-            for micro in plan.micro_batches(0):
+            sampler = StepSampler(len(data.train), BASE["batch_size"], world_size=2, rank=rank, accumulate=accumulate)
+            for micro in sampler.micro_batches(0):
                 if micro.step < BASE["max_steps"]:
                     x = torch.stack([data.train[int(i)][0] for i in micro.indices])
                     used[rank][micro.step] |= _routed(x.flatten(1)).numel() > 0

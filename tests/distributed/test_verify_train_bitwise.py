@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from procs import run, scaleloop
-from scaleloop.verify.layout import distributed_dir, reference_dir
+from scaleloop.verify.dirs import distributed_dir, reference_dir
 from scaleloop.verify.recorder import step_file
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -12,7 +12,7 @@ import torch
 
 from scaleloop.config import TrainConfig
 from scaleloop.loop.health import Diverged, Stragglers, blocks, first_bad, per_rank_vector
-from scaleloop.loop.running import RunningLoss
+from scaleloop.loop.running_loss import RunningLoss
 from scaleloop.loop.training import train
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.strategies import precision

@@ -67,7 +67,7 @@ def by_hand(cfg: TrainConfig) -> tuple[list[float], list[float], dict]:
     for batch in run.loader:
         x, y = batch
         loss = run.loss_fn(call_model(model, x), y)
-        scale = batch.plan.loss_scale   # the micro-batch's share of the global step
+        scale = batch.place.loss_scale   # the micro-batch's share of the global step
         (loss * scale if scale != 1.0 else loss).backward()
         losses.append(float(loss.detach()))
         if batch.last_micro:
@@ -107,7 +107,7 @@ def test_steps_of_groups_the_micro_batches_of_each_step(tmp_path: Path) -> None:
     run = build_run(small(tmp_path, accumulate=3, n_samples=197, batch_size=66), CPU)
     run.loader.set_epoch(0)
     groups = list(steps_of(run.loader))
-    assert [len(g) for g in groups] == [3] * len(groups) and len(groups) == run.loader.plan.steps_per_epoch
+    assert [len(g) for g in groups] == [3] * len(groups) and len(groups) == run.loader.sampler.steps_per_epoch
     for g in groups:
         assert [b.last_micro for b in g] == [False, False, True]
         assert len({b.step for b in g}) == 1

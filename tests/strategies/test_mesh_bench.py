@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from scaleloop.bench.strategies import Planned, _per_worker_batch, mesh_rows
+from scaleloop.bench.strategies import BenchRow, _per_worker_batch, mesh_rows
 from scaleloop.commands.cmdline import Parser, add_config_flags
 from scaleloop.commands.verify import add_parser, resolve_verify
 
@@ -22,10 +22,10 @@ def test_two_workers_keep_the_2d_rows_with_the_reason() -> None:
 
 
 def test_tp_ranks_share_their_batch_in_the_table() -> None:
-    assert _per_worker_batch(Planned("tp", "mesh:tp=4", 4, 1), 8, 2) == 8
-    assert _per_worker_batch(Planned("hsdp", "mesh:dp=2,fsdp=2", 4, 1), 8, 2) == 2
-    assert _per_worker_batch(Planned("pp x dp", "mesh:pp=2,dp=2", 4, 1), 8, 4) == 4   # a replica's stages share
-    assert _per_worker_batch(Planned("ddp", "ddp", 4, 1), 8, 2) == 2
+    assert _per_worker_batch(BenchRow("tp", "mesh:tp=4", 4, 1), 8, 2) == 8
+    assert _per_worker_batch(BenchRow("hsdp", "mesh:dp=2,fsdp=2", 4, 1), 8, 2) == 2
+    assert _per_worker_batch(BenchRow("pp x dp", "mesh:pp=2,dp=2", 4, 1), 8, 4) == 4   # a replica's stages share
+    assert _per_worker_batch(BenchRow("ddp", "ddp", 4, 1), 8, 2) == 2
 
 
 def test_verify_takes_the_mesh_and_its_world_size() -> None:

@@ -9,7 +9,7 @@ from scaleloop.config import TrainConfig
 from scaleloop.data.info import DataInfo
 from scaleloop.errors import UsageError
 from scaleloop.models import build_model
-from scaleloop.strategies.pipeline import _balanced_cuts, pipeline_layers, plan_stages
+from scaleloop.strategies.pipeline import _balanced_cuts, pipeline_layers, cut_stages
 
 DIGITS = DataInfo(name="digits", task="classification", input_shape=(1, 8, 8), num_classes=10)
 TOKENS = DataInfo(name="tokens", task="lm", input_shape=(16,), num_classes=64)
@@ -36,12 +36,12 @@ def test_every_built_in_model_flattens_to_the_same_computation(name: str, info: 
 
 def test_stages_balance_parameters_and_keep_parameter_free_layers_with_the_layer_before() -> None:
     model = build_model("biggernet", DIGITS, hidden_dim=64)
-    plan = plan_stages(pipeline_layers(model), 2, "BiggerNet")
+    assignment = cut_stages(pipeline_layers(model), 2, "BiggerNet")
     # Flatten, Linear(64,64), ReLU | Linear(64,64), ReLU, Linear(64,10)
-    assert plan.layers == (range(0, 3), range(3, 6))
-    assert sum(plan.parameters) == sum(p.numel() for p in model.parameters())
-    assert plan.names[0] == ("Flatten", "Linear", "ReLU")
-    assert "stage 1: layers 3-5 (Linear, ReLU, Linear)" in "\n".join(plan.describe())
+    assert assignment.layers == (range(0, 3), range(3, 6))
+    assert sum(assignment.parameters) == sum(p.numel() for p in model.parameters())
+    assert assignment.names[0] == ("Flatten", "Linear", "ReLU")
+    assert "stage 1: layers 3-5 (Linear, ReLU, Linear)" in "\n".join(assignment.describe())
 
 
 def test_balanced_cuts_minimise_the_largest_stage() -> None:
@@ -53,7 +53,7 @@ def test_balanced_cuts_minimise_the_largest_stage() -> None:
 def test_a_model_too_shallow_for_the_stages_is_refused() -> None:
     model = build_model("simplenet", DIGITS)
     with pytest.raises(UsageError, match="2 layer\\(s\\) with parameters, so it cannot be cut into 3 pipeline stages"):
-        plan_stages(pipeline_layers(model), 3, "SimpleNet")
+        cut_stages(pipeline_layers(model), 3, "SimpleNet")
 
 
 def test_a_model_without_a_layer_order_is_refused_with_what_to_do() -> None:

@@ -1,5 +1,5 @@
-"""``make gpu-check``'s plan and report, on a CPU (CI): CUDA checks skipped by name, every
-command line parsed, the rest run, the report written - so the plan cannot rot between GPU runs."""
+"""``make gpu-check``'s checks and report, on a CPU (CI): CUDA checks skipped by name, every
+command line parsed, the rest run, the report written - so the checks cannot rot between GPU runs."""
 from __future__ import annotations
 
 import json
@@ -16,10 +16,10 @@ def test_cpu_mode_runs_the_plan_and_writes_the_report(tmp_path: Path, capsys) ->
     [report] = tmp_path.glob("*_gpu-check.md")
     text = report.read_text()
     outcomes = json.loads(report.with_suffix(".json").read_text())
-    assert [o["name"] for o in outcomes] == [c.name for c in gpucheck.PLAN]
+    assert [o["name"] for o in outcomes] == [c.name for c in gpucheck.CHECKS]
     by_name = {o["name"]: o["status"] for o in outcomes}
     assert by_name["scaleloop env"] == "passed"
-    for check in gpucheck.PLAN:
+    for check in gpucheck.CHECKS:
         if check.needs_cuda:
             assert by_name[check.name] == "skipped: needs CUDA; its command line parses", check.name
     for needed in ("train single-fp32", "train dp-bf16", "train ddp-fp16", "train fsdp-bf16", "train compile",
@@ -43,27 +43,27 @@ def test_cuda_test_files_exist() -> None:
 
 def test_a_command_that_does_not_parse_fails_the_check(tmp_path: Path) -> None:
     bad = gpucheck.Check("train typo", (*gpucheck.SCALELOOP, "train", "--epoch", "3"))
-    [outcome] = gpucheck.run_plan(tmp_path, cuda=False, plan=[bad])
+    [outcome] = gpucheck.run_checks(tmp_path, cuda=False, checks=[bad])
     assert outcome.status.startswith("skipped: needs CUDA; ITS COMMAND LINE DOES NOT PARSE: ")
     failing = gpucheck.Check("fails", (sys.executable, "-c", "raise SystemExit(3)"), needs_cuda=False)
-    [outcome] = gpucheck.run_plan(tmp_path, cuda=False, plan=[failing])
+    [outcome] = gpucheck.run_checks(tmp_path, cuda=False, checks=[failing])
     assert outcome.status == "failed: exit 3"
 
 
 def test_the_plan_fits_its_budget_and_every_bench_writes_json_it_can_find() -> None:
-    assert sum(c.estimate_s for c in gpucheck.PLAN) <= gpucheck.BUDGET_S
-    tags = [c.figures for c in gpucheck.PLAN if c.figures is not None]
-    assert len(tags) == len(set(tags)) == sum(" bench " in f" {c.name} " for c in gpucheck.PLAN)
-    cl = next(c for c in gpucheck.PLAN if c.name == "bench overhead convnet channels-last compile")
+    assert sum(c.estimate_s for c in gpucheck.CHECKS) <= gpucheck.BUDGET_S
+    tags = [c.figures for c in gpucheck.CHECKS if c.figures is not None]
+    assert len(tags) == len(set(tags)) == sum(" bench " in f" {c.name} " for c in gpucheck.CHECKS)
+    cl = next(c for c in gpucheck.CHECKS if c.name == "bench overhead convnet channels-last compile")
     assert "--channels-last" in cl.argv and "--compile" in cl.argv
-    gpt2 = next(c for c in gpucheck.PLAN if c.name == "bench mfu gpt2-small")
+    gpt2 = next(c for c in gpucheck.CHECKS if c.name == "bench mfu gpt2-small")
     assert {"--compile", "bf16", "1024"} <= set(gpt2.argv) and "40%" in (gpt2.target or "")
 
 
 def test_checks_past_the_budget_are_not_run(tmp_path: Path) -> None:
     quick = gpucheck.Check("quick", (sys.executable, "-c", "pass"), needs_cuda=False)
-    [first, second] = gpucheck.run_plan(tmp_path, cuda=False, plan=[quick, quick], budget_s=5)
-    assert first.status == second.status == "not run: the plan's 0-minute budget was spent"
+    [first, second] = gpucheck.run_checks(tmp_path, cuda=False, checks=[quick, quick], budget_s=5)
+    assert first.status == second.status == "not run: the checks' 0-minute budget was spent"
 
 
 def _mfu_json(bench: Path, mfu: float, gpu: str) -> None:
@@ -76,7 +76,7 @@ def _mfu_json(bench: Path, mfu: float, gpu: str) -> None:
 
 
 def test_figures_come_from_the_json_with_the_target_next_to_them(tmp_path: Path) -> None:
-    gpt2 = next(c for c in gpucheck.PLAN if c.name == "bench mfu gpt2-small")
+    gpt2 = next(c for c in gpucheck.CHECKS if c.name == "bench mfu gpt2-small")
     passed = [gpucheck.Outcome(gpt2.name, "passed")]
     for mfu, gpu, verdict in ((0.45, "NVIDIA H100 80GB HBM3", "measured 45.0%: met"),
                               (0.31, "NVIDIA H100 80GB HBM3", "measured 31.0%: NOT met"),

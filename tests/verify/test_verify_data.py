@@ -5,7 +5,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from scaleloop.data.loader import ShardedLoader
-from scaleloop.data.sampler import StepPlan
+from scaleloop.data.sampler import StepSampler
 from scaleloop.verify.data import (content_mismatches, coverage, distributed_sampler_coverage, expected_digest,
                                    format_coverage, format_sampler_comparison, step_mismatches)
 from scaleloop.verify.hashing import digest
@@ -16,7 +16,7 @@ def test_distributed_sampler_padding_is_listed_as_duplicates() -> None:
     padded = distributed_sampler_coverage(10, 3, seed=0)
     assert not padded.exact and padded.used == 12 and padded.missing == []
     assert len(padded.duplicates) == 2 and set(padded.duplicates.values()) == {2}
-    ok, line = format_coverage(padded, 3, planned_drop=0)
+    ok, line = format_coverage(padded, 3, dropped_by_design=0)
     assert not ok and "2 used more than once" in line
     dropped = distributed_sampler_coverage(10, 3, drop_last=True)
     assert len(dropped.missing) == 1 and dropped.duplicates == {}
@@ -28,13 +28,13 @@ def test_distributed_sampler_padding_is_listed_as_duplicates() -> None:
 def test_scaleloop_plan_uses_every_sample_exactly_once_over_ranks() -> None:
     # 1000 samples, global batch 64, 2 ranks x 2 micro-steps: the 40-sample tail is kept.
     lists = [mb.indices.tolist() for rank in range(2)
-             for mb in StepPlan(1000, 64, world_size=2, rank=rank, accumulate=2, seed=3).micro_batches(epoch=1)]
+             for mb in StepSampler(1000, 64, world_size=2, rank=rank, accumulate=2, seed=3).micro_batches(epoch=1)]
     cov = coverage(lists, 1000, epoch=1)
     assert cov.exact and cov.used == 1000
-    assert format_coverage(cov, 2, planned_drop=0) == (True, "  epoch 2: 1,000 samples over 2 ranks: each used "
+    assert format_coverage(cov, 2, dropped_by_design=0) == (True, "  epoch 2: 1,000 samples over 2 ranks: each used "
                                                              "exactly once, no duplicates, no padding")
     short = coverage(lists[:-1], 1000)
-    assert short.missing and not format_coverage(short, 2, planned_drop=0)[0]
+    assert short.missing and not format_coverage(short, 2, dropped_by_design=0)[0]
 
 
 def _record(rank: int, micro: list[tuple[int, list[int]]], dataset: Dataset) -> dict:
@@ -68,8 +68,8 @@ class Squares(Dataset):
 
 def test_expected_digest_matches_what_the_loader_yields_on_both_paths() -> None:
     for dataset in (Squares(), TensorDataset(torch.randn(12, 2), torch.arange(12))):
-        plan = StepPlan(12, 4, world_size=2, rank=1, seed=5)
-        for batch in ShardedLoader(dataset, plan, torch.device("cpu")):
+        sampler = StepSampler(12, 4, world_size=2, rank=1, seed=5)
+        for batch in ShardedLoader(dataset, sampler, torch.device("cpu")):
             x, y = batch
             assert digest(x, y) == expected_digest(dataset, batch.indices.tolist())
 

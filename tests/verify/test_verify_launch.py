@@ -4,8 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from scaleloop.config import TrainConfig
+from scaleloop.verify.dirs import LOG_FILE
 from scaleloop.verify.launch import worker_command, worker_errors
-from scaleloop.verify.layout import LOG_FILE
 from scaleloop.verify.options import VerifyOptions
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from scaleloop.config import TrainConfig
-from scaleloop.data.sampler import StepPlan
+from scaleloop.data.sampler import StepSampler
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.loop.training import train
 import scaleloop
@@ -45,8 +45,8 @@ def test_recorder_writes_steps_losses_samples_and_gradients(tmp_path: Path) -> N
     assert rec["steps_done"] == 3 and len(rec["losses"]) == 3 and rec["accumulate"] == 2
     assert rec["first_param"] == "net.0.weight" and rec["n_samples"] == 96
     (rank,) = rec["ranks"]
-    plan = StepPlan(96, 32, accumulate=2, seed=0)
-    want = [mb.indices.tolist() for mb in plan.micro_batches(0)]
+    sampler = StepSampler(96, 32, accumulate=2, seed=0)
+    want = [mb.indices.tolist() for mb in sampler.micro_batches(0)]
     assert [m["indices"] for m in rank["micro"]] == want  # 3 steps x 2 micro-steps, in order
     assert [m["indices"] for m in rank["audit"]] == want  # one whole epoch audited
     assert all(v == [] for v in rank["no_grad"].values())

@@ -7,7 +7,7 @@ package: ``scaleloop.plan.stepping`` and ``scaleloop.plan.hostwork``.
 
 - ``measure``      a layout on N CPU processes (real Gloo groups, the real strategies): each rank's
                    peak tensor memory under the profiler, the step time, the fabric's timings
-- ``interleaved``  the step times of several layouts measured in turns on the same processes
+- ``turns``        the step times of several layouts measured in turns on the same processes
 - ``validate``     the benchmark: three TinyGPT sizes x the 4-process layouts, predicted against
                    measured, written to ``benchmarks/``; and ``--against-tune-batch`` on a GPU
 - ``published``    the memory model against published figures (ZeRO's Figure 1, Megatron's

@@ -22,7 +22,7 @@ buffer Gloo's thread has not let go of yet at the peak: 3 runs of 15 of a tiny t
 **How the step is timed.** Separately, without the profiler (which slows every op): the same
 processes build the model again and run ``warmup`` untimed then ``steps`` timed steps; the time
 is rank 0's wall time per step between two barriers (validate times the layouts in turns instead,
-:mod:`plan_validate.interleaved`). With ``fabric``, the launch also measures the collectives
+:mod:`plan_validate.turns`). With ``fabric``, the launch also measures the collectives
 between bursts of compute and the plain model's step while every rank steps at once: what the
 ranks get of the cores.
 

@@ -32,7 +32,7 @@ SIZES: tuple[tuple[ModelSpec, int], ...] = (
 )
 
 
-#: Rounds of the layouts in turns that the step times are the median of (plan_validate.interleaved). With
+#: Rounds of the layouts in turns that the step times are the median of (plan_validate.turns). With
 #: 10, two layouts as fast as each other came out 8 or more to 2 in 11% of cases (two-sided,
 #: 56/512): such pairs passed for settled; with 20 rounds, 16 or more to 4 happens in 1.2%.
 ROUNDS = 20
@@ -113,7 +113,7 @@ def concordance(predicted: Sequence[float], measured: Sequence[float],
 def settled_pairs(rows: Sequence[dict[str, Any]], share: float = SETTLED) -> list[tuple[int, int]]:
     """The pairs of ``rows`` (indices) whose order at least ``share`` of the rounds agree on; all
     pairs where the rows keep no rounds (runs before the rounds existed)."""
-    from plan_validate.interleaved import pair_agreement
+    from plan_validate.turns import pair_agreement
 
     pairs = [(i, j) for i in range(len(rows)) for j in range(i + 1, len(rows))]
     if not all("round_s" in r for r in rows):
@@ -126,7 +126,7 @@ def validate_size(spec: ModelSpec, batch_size: int, layouts: Sequence[Layout], c
     """Measure every layout at one size and set the plan's predictions beside the measurements
     (the step times: ``rounds`` rounds of the layouts in turns)."""
     from scaleloop.plan.hostwork import measure_host_work, measured_by_fake_group
-    from plan_validate.interleaved import median_s, time_in_turns
+    from plan_validate.turns import median_s, time_in_turns
     from plan_validate.measure import measure
 
     profile = profile_model(spec)
@@ -153,7 +153,7 @@ def validate_size(spec: ModelSpec, batch_size: int, layouts: Sequence[Layout], c
             f"({predicted / measured - 1:+.1%})")
     if fabric is None:
         return rows
-    # The step times: every layout in turns on the same 4 processes (plan_validate.interleaved).
+    # The step times: every layout in turns on the same 4 processes (plan_validate.turns).
     try:
         turns = time_in_turns(spec, [row["layout_obj"] for row in rows], batch_size, rounds=rounds, timeout_s=120)
     except Exception as exc:   # reported; the rows keep their own launch's time
@@ -204,7 +204,7 @@ def markdown(rows: Sequence[dict[str, Any]], hardware: str, took_s: float, load:
              "are issued (the same every run; FSDP and tensor parallelism only): a real Gloo group's peak lies above "
              "it by the finished collectives whose buffers its threads have not yet let go. Step: milliseconds per "
              "optimizer step, measured (rank 0, between barriers, no profiler; every layout of a size built on the "
-             "same 4 processes and stepped in turns, the median of the rounds, `tools/plan_validate/interleaved.py`; "
+             "same 4 processes and stepped in turns, the median of the rounds, `tools/plan_validate/turns.py`; "
              "'rounds q1-q3': the middle half of the rounds) and predicted (compute at the FLOP/s the plain "
              "step reached while the 4 processes stepped at once; Gloo's fitted latency and bandwidth, each "
              "collective at least what an all-reduce over its group adds between bursts of compute, of one float for "

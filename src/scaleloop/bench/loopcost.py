@@ -4,7 +4,7 @@ Each piece is timed on its own, many times over, and the fastest of several roun
 (the least disturbed by other work on the machine). Pieces that do torch work are timed
 against the same torch work done by hand, so what is left is the bookkeeping:
 
-- ``batch objects``: an epoch from scaleloop's loader (``Batch`` with its plan) minus the same
+- ``batch objects``: an epoch from scaleloop's loader (``Batch`` with its place) minus the same
   ``index_select`` calls done by hand, per step;
 - ``step calls``: ``train_step`` (strategy, precision, schedule) minus the
   hand-written forward, loss, backward and optimizer step on the same one-weight model;
@@ -53,7 +53,7 @@ def _best_pair_us(first: Bench, second: Any, n: int, rounds: int) -> tuple[float
 
 
 def measure_loop_cost(cfg: Any, device: torch.device) -> dict[str, Any]:
-    """The loop's own cost per step for ``cfg``'s batch and plan (tiny model: bookkeeping only)."""
+    """The loop's own cost per step for ``cfg``'s batch and its split (tiny model: bookkeeping only)."""
     from scaleloop.loop.build import build_run
     from scaleloop.runtime.dist import DistEnv
 
@@ -67,15 +67,15 @@ def _batch_cost(run: Any) -> dict[str, float]:
     """An epoch of scaleloop's batches against the same ``index_select`` calls by hand, per step."""
     from scaleloop.data.batch import take
     from scaleloop.data.loader import ShardedLoader, tensors_of
-    from scaleloop.data.sampler import StepPlan
+    from scaleloop.data.sampler import StepSampler
 
-    dataset, steps = run.data.train, run.loader.plan.steps_per_epoch
+    dataset, steps = run.data.train, run.loader.sampler.steps_per_epoch
     tensors = tensors_of(dataset)
     if tensors is None or not steps:
         return {}
-    plan = StepPlan(len(dataset), run.cfg.batch_size, seed=run.cfg.seed)
-    loader = ShardedLoader(dataset, plan, run.env.device)
-    index_lists = [plan.step_indices(0, s) for s in range(steps)]
+    sampler = StepSampler(len(dataset), run.cfg.batch_size, seed=run.cfg.seed)
+    loader = ShardedLoader(dataset, sampler, run.env.device)
+    index_lists = [sampler.step_indices(0, s) for s in range(steps)]
 
     def ours(n: int) -> None:
         for _ in range(n):
@@ -88,7 +88,7 @@ def _batch_cost(run: Any) -> dict[str, float]:
             for idx in index_lists:
                 take(tensors, idx)   # one index_select per tensor, as a hand-written loop gathers
 
-    return {"batch objects (epoch plan, Batch)": _extra_us(ours, raw, 20) / steps}
+    return {"batch objects (epoch split, Batch)": _extra_us(ours, raw, 20) / steps}
 
 
 def _step_cost(run: Any) -> dict[str, float]:
@@ -102,7 +102,7 @@ def _step_cost(run: Any) -> dict[str, float]:
     x, y = torch.ones(2, 1, device=device), torch.ones(2, 1, device=device)
     mse = torch.nn.functional.mse_loss
     batch = next(iter(run.loader))
-    small = type(batch)(x, y, batch.plan)
+    small = type(batch)(x, y, batch.place)
     run.model, run.optimizer, run.loss_fn = tiny, opt, mse
     run.scheduler = build_scheduler(opt, run.cfg.optim, run.total_steps)   # the run's schedule, on this optimizer
     one_step, watch = [small], Observer()
@@ -128,7 +128,7 @@ def _step_cost(run: Any) -> dict[str, float]:
 def _bookkeeping_cost(run: Any) -> dict[str, float]:
     """The running loss sums per step, and a log row spread over the steps between rows."""
     from scaleloop.checkpoint.manager import Checkpointer
-    from scaleloop.loop.running import RunningLoss
+    from scaleloop.loop.running_loss import RunningLoss
     from scaleloop.loop.trainer import Trainer
 
     loss = torch.zeros((), device=run.env.device)

@@ -209,7 +209,7 @@ def _notes(opts: OverheadOptions, raw_cfg: Any, data_path: str, weights_diff: fl
             same,
             "Same data path on both sides: each batch is one index_select per tensor from the in-memory "
             "dataset (scaleloop's fast path; the raw loop does the same by hand), so the ratio measures the "
-            "loop: sampler plan, Batch objects, strategy calls, loss bookkeeping, learning-rate schedule, logging.",
+            "loop: the sampler, Batch objects, strategy calls, loss bookkeeping, learning-rate schedule, logging.",
             "Timed span, for both: the epochs' batch loops (scaleloop's RunResult.train_s). scaleloop also logs "
             "a global loss every 10 steps inside that span (a reduction and a CSV row), which the raw loop does not.",
         ]
@@ -233,7 +233,7 @@ def _data_only(cfg: Any, device: torch.device, opts: OverheadOptions, say: Say) 
     from scaleloop.data.batch import move, split
     from scaleloop.data.datasets import build_datasets
     from scaleloop.data.loader import ShardedLoader
-    from scaleloop.data.sampler import StepPlan
+    from scaleloop.data.sampler import StepSampler
 
     data = build_datasets(cfg.data, n_samples=cfg.n_samples, input_dim=cfg.input_dim, image_size=cfg.image_size,
                           seq_len=cfg.seq_len, vocab_size=cfg.vocab_size, test_fraction=cfg.test_fraction,
@@ -241,11 +241,11 @@ def _data_only(cfg: Any, device: torch.device, opts: OverheadOptions, say: Say) 
     dataset = data.train
     g = torch.Generator()
     tutorial = DataLoader(dataset, batch_size=cfg.batch_size, sampler=RandomSampler(dataset, generator=g))
-    plan = StepPlan(len(dataset), cfg.batch_size, seed=cfg.seed)
-    loaders = {"scaleloop fast path (index_select)": ShardedLoader(dataset, plan, device,
+    sampler = StepSampler(len(dataset), cfg.batch_size, seed=cfg.seed)
+    loaders = {"scaleloop fast path (index_select)": ShardedLoader(dataset, sampler, device,
                                                                      pin_memory=device.type == "cuda")}
     if device.type != "cpu":
-        loaders["scaleloop fast path, data kept on the device"] = ShardedLoader(dataset, plan, device, on_device=True)
+        loaders["scaleloop fast path, data kept on the device"] = ShardedLoader(dataset, sampler, device, on_device=True)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def tutorial_epoch(epoch: int) -> float:
@@ -266,9 +266,9 @@ def _data_only(cfg: Any, device: torch.device, opts: OverheadOptions, say: Say) 
         sync()
         return time.perf_counter() - start
 
-    # The same batches: the tutorial's sampler, seeded per epoch, draws the plan's permutation.
+    # The same batches: the tutorial's RandomSampler, seeded per epoch, draws StepSampler's permutation.
     g.manual_seed(cfg.seed)
-    ours = ShardedLoader(dataset, plan, torch.device("cpu"))
+    ours = ShardedLoader(dataset, sampler, torch.device("cpu"))
     same = all(_equal(split(a, ours.keep_target), (b[0], b[1])) for a, b in zip(tutorial, ours))
     names = ["tutorial DataLoader(shuffle=True)", *loaders]
     times: dict[str, list[float]] = {n: [] for n in names}
@@ -282,7 +282,7 @@ def _data_only(cfg: Any, device: torch.device, opts: OverheadOptions, say: Say) 
             times[name].append(tutorial_epoch(i) if name == names[0] else loader_epoch(loaders[name], i))
     stats = {n: summarize(v) for n, v in times.items()}
     base = stats[names[0]]["median"]
-    batches = plan.steps_per_epoch
+    batches = sampler.steps_per_epoch
     rows = [{"path": n, "median_ms": 1e3 * s["median"], "per_batch_us": 1e6 * s["median"] / batches,
              "spread": s["spread"], "speedup": base / s["median"]} for n, s in stats.items()]
     table = Table("One epoch of batches alone, interleaved repetitions", [

@@ -11,7 +11,7 @@ library; they differ only in how batches are made:
   ``DataLoader(dataset, batch_size=B, shuffle=True)``, which reads every sample through
   ``__getitem__`` and collates them, and ``running_loss += loss.item() * len(x)``. The sampler
   is the one ``shuffle=True`` builds (``RandomSampler``) with a generator of its own, re-seeded
-  every epoch so that it draws the same permutation as scaleloop's plan.
+  every epoch so that it draws the same permutation as scaleloop's sampler.
 
 Either way the loop trains the same model on the same data in the same order as
 ``scaleloop train`` with one process, so both end with the same weights: the bench checks that

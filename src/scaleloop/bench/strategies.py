@@ -39,7 +39,7 @@ class StrategiesOptions:
 
 
 @dataclass(frozen=True)
-class Planned:
+class BenchRow:
     """One row of the table: what runs (or why it does not)."""
 
     label: str
@@ -49,40 +49,40 @@ class Planned:
     skip: Optional[str] = None
 
 
-def plan_rows(opts: StrategiesOptions, device_type: str, gpus: int) -> list[Planned]:
+def table_rows(opts: StrategiesOptions, device_type: str, gpus: int) -> list[BenchRow]:
     """The rows for this machine, in table order."""
     n = opts.workers
     cpu = device_type == "cpu"
-    rows = [Planned("single (1 thread)" if cpu else "single (1 GPU)", "single", 1, 1 if cpu else None)]
+    rows = [BenchRow("single (1 thread)" if cpu else "single (1 GPU)", "single", 1, 1 if cpu else None)]
     if cpu and n > 1:
-        rows.append(Planned(f"single ({n} threads)", "single", 1, n))
+        rows.append(BenchRow(f"single ({n} threads)", "single", 1, n))
     for name in ALL_STRATEGIES[1:]:
         label = f"{name} x {n}"
         if name == "dp":
             if cpu:
-                rows.append(Planned("dp", name, 1, None, "needs CUDA GPUs (nn.DataParallel); none here"))
+                rows.append(BenchRow("dp", name, 1, None, "needs CUDA GPUs (nn.DataParallel); none here"))
             else:
-                rows.append(Planned(f"dp ({gpus} GPUs, 1 process)", name, 1, None))
+                rows.append(BenchRow(f"dp ({gpus} GPUs, 1 process)", name, 1, None))
         else:
-            rows.append(Planned(label, name, n, 1 if cpu else None))
+            rows.append(BenchRow(label, name, n, 1 if cpu else None))
     return rows + mesh_rows(n, 1 if cpu else None)
 
 
-def mesh_rows(n: int, threads: Optional[int]) -> list[Planned]:
+def mesh_rows(n: int, threads: Optional[int]) -> list[BenchRow]:
     """The ``--mesh`` compositions on ``n`` workers (the model needs a ``tp_plan()``: TinyGPT):
     tensor parallelism alone, then, from 4 workers, FSDP x TP, HSDP, replicated x TP and pipeline
     x data parallel (2 stages, each replicated; the model needs an ``as_sequential()``)."""
-    rows = [Planned(f"tp x {n} (mesh tp={n})", f"mesh:tp={n}", n, threads,
+    rows = [BenchRow(f"tp x {n} (mesh tp={n})", f"mesh:tp={n}", n, threads,
                     None if n > 1 else "tensor parallelism needs --workers 2 or more")]
     half = n // 2
     for label, mesh in (("fsdp x tp", f"fsdp={half},tp=2"), ("hsdp", f"dp=2,fsdp={half}"),
                         ("dp x tp", f"dp={half},tp=2"), ("pp x dp", f"pp=2,dp={half}")):
         skip = None if n >= 4 and n % 2 == 0 else "needs an even --workers of 4 or more"
-        rows.append(Planned(f"{label} (mesh {mesh})" if skip is None else label, f"mesh:{mesh}", n, threads, skip))
+        rows.append(BenchRow(f"{label} (mesh {mesh})" if skip is None else label, f"mesh:{mesh}", n, threads, skip))
     return rows
 
 
-def _per_worker_batch(row: Planned, global_batch: int, measured: int) -> int:
+def _per_worker_batch(row: BenchRow, global_batch: int, measured: int) -> int:
     """Samples each worker's forward sees: a mesh's tp ranks share theirs (the batch is split over dp x fsdp)."""
     if not row.strategy.startswith("mesh:"):
         return measured
@@ -100,12 +100,12 @@ def run_strategies(opts: StrategiesOptions, say: Say) -> BenchReport:
                          f"use a multiple of {opts.workers}")
     if device.type == "cuda" and opts.workers > gpus:
         raise UsageError(f"--workers {opts.workers} needs {opts.workers} GPUs, this machine has {gpus}")
-    planned = plan_rows(opts, device.type, gpus)
+    wanted = table_rows(opts, device.type, gpus)
     results: dict[str, dict[str, Any]] = {}
     # Rows with the same process count share one launch (one torchrun for all N-process rows):
     # fewer start-ups, and the runs still start from fresh models in sequence.
-    for procs in sorted({p.processes for p in planned if p.skip is None}):
-        group = [p for p in planned if p.skip is None and p.processes == procs]
+    for procs in sorted({p.processes for p in wanted if p.skip is None}):
+        group = [p for p in wanted if p.skip is None and p.processes == procs]
         say(f"strategies: {', '.join(p.label for p in group)} ({procs} process(es))")
         runs = [RunSpec(p.label, p.strategy, opts.batch_size, p.threads) for p in group]
         for r in run_workers(opts.workload, runs, procs, say, allreduce_reps=opts.allreduce_reps):
@@ -114,8 +114,8 @@ def run_strategies(opts: StrategiesOptions, say: Say) -> BenchReport:
                 say(f"  {r['label']}: {r['samples_per_s']:,.0f} samples/s")
 
     rows = []
-    base = results.get(planned[0].label)
-    for p in planned:
+    base = results.get(wanted[0].label)
+    for p in wanted:
         r = results.get(p.label, {})
         row: dict[str, Any] = {"label": p.label, "strategy": p.strategy, "processes": p.processes,
                                "threads": p.threads, "global_batch": opts.batch_size}
@@ -133,7 +133,7 @@ def run_strategies(opts: StrategiesOptions, say: Say) -> BenchReport:
     table = Table("Strategies: same workload, same global batch", [
         Column("label", "strategy"), Column("processes", "processes"), Column("threads", "threads / process"),
         Column("per_worker_batch", "per-worker batch"), Column("samples_per_s", "samples/s", fmt_rate),
-        Column("speedup", f"vs {planned[0].label}", fmt_ratio), Column("step_s", "step ms", fmt_ms),
+        Column("speedup", f"vs {wanted[0].label}", fmt_ratio), Column("step_s", "step ms", fmt_ms),
         Column("backward_s", "backward ms (with comm)", fmt_ms), Column("comm_s", "all-reduce in flight ms", fmt_ms),
         Column("grad_bytes", "bytes reduced / step", fmt_bytes), Column("status", "status")], rows,
         f"{opts.workload.describe()}, global batch {opts.batch_size}, {opts.workload.steps} timed steps "
@@ -147,7 +147,7 @@ def run_strategies(opts: StrategiesOptions, say: Say) -> BenchReport:
                   "device": device.type},
         tables=[table], quick=opts.quick, data={"rows": rows, "runs": results})
     report.headline = (f"fastest: {best['label']} at {best['samples_per_s']:,.0f} samples/s"
-                       + (f" ({best['speedup']:.2f}x {planned[0].label})" if best.get("speedup") else ""))
+                       + (f" ({best['speedup']:.2f}x {wanted[0].label})" if best.get("speedup") else ""))
     if device.type == "cpu":
         report.notes.append("No GPU was available for this run: dp needs CUDA, and every process runs on the CPU "
                             "(Gloo).")

@@ -30,7 +30,7 @@ from scaleloop.data.settings import TASKS, DataSettings
 from scaleloop.errors import UsageError
 from scaleloop.option import GROUPS, flag
 from scaleloop.output.settings import OutputSettings
-from scaleloop.strategies.pieces import SCHEDULES as PIPELINE_SCHEDULES
+from scaleloop.strategies.pipeline_schedules import SCHEDULES as PIPELINE_SCHEDULES
 from scaleloop.strategies.registry import PRECISIONS, STRATEGIES, ParallelSettings
 
 __all__ = ["TrainConfig", "Setting", "SETTINGS", "SECTIONS", "FileValues", "GROUPS", "flag", "common_fields",

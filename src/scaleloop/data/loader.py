@@ -1,10 +1,10 @@
-"""Batches for one rank, following a ``StepPlan``.
+"""Batches for one rank, following a ``StepSampler``.
 
 Two paths give the same batches:
 
 - in-memory tensors (``TensorDataset``, ``DictTensorDataset`` and every built-in dataset): a
   batch is one ``index_select`` per tensor — no per-sample ``__getitem__`` and no collation;
-- any other ``Dataset``: a ``torch.utils.data.DataLoader`` driven by the plan's index lists
+- any other ``Dataset``: a ``torch.utils.data.DataLoader`` driven by the sampler's index lists
   (so worker processes and custom collate functions still work).
 
 Options for accelerators (all leave the batches' values unchanged):
@@ -30,12 +30,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from scaleloop.data.batch import Columns, TargetRoute, move, split, take, tensors_of
-from scaleloop.data.sampler import MicroBatch, StepPlan
+from scaleloop.data.sampler import MicroBatch, StepSampler
 
 
 class Batch(tuple):
-    """``(inputs, target)`` that also knows where it sits in the plan (``batch.step``,
-    ``batch.loss_scale``...).
+    """``(inputs, target)`` that also knows where it sits in the epoch (``batch.place``: its step,
+    micro-step, the step's samples; shortcuts ``batch.step``, ``batch.loss_scale``...).
 
     It unpacks like a tuple, so ``for x, y in loader`` works. ``inputs`` is what the model is
     called with (a tensor, a tuple of positional inputs or a mapping of keyword inputs, see
@@ -44,31 +44,36 @@ class Batch(tuple):
     a smaller last micro-batch exactly; ``len(batch)`` is its number of samples.
     """
 
-    plan: MicroBatch
+    place: MicroBatch
 
-    def __new__(cls, x: Any, y: Any, plan: MicroBatch) -> "Batch":
+    def __new__(cls, x: Any, y: Any, place: MicroBatch) -> "Batch":
         obj = tuple.__new__(cls, (x, y))
-        obj.plan = plan
+        obj.place = place
         return obj
 
     @property
+    def plan(self) -> MicroBatch:
+        """The old name of ``place``, kept for scripts written before it was renamed."""
+        return self.place
+
+    @property
     def step(self) -> int:
-        return self.plan.step
+        return self.place.step
 
     @property
     def last_micro(self) -> bool:
-        return self.plan.last_micro
+        return self.place.last_micro
 
     @property
     def loss_scale(self) -> float:
-        return self.plan.loss_scale
+        return self.place.loss_scale
 
     @property
     def indices(self) -> torch.Tensor:
-        return self.plan.indices
+        return self.place.indices
 
     def __len__(self) -> int:  # tuple length is 2; len(batch) means samples
-        return int(self.plan.indices.numel())
+        return int(self.place.indices.numel())
 
 
 class _EpochBatches:
@@ -88,13 +93,13 @@ class _EpochBatches:
 class ShardedLoader:
     """Iterates this rank's micro-batches for the current epoch, already on ``device``."""
 
-    def __init__(self, dataset: Dataset, plan: StepPlan, device: torch.device, *,
+    def __init__(self, dataset: Dataset, sampler: StepSampler, device: torch.device, *,
                  num_workers: int = 0, collate_fn: Optional[Callable[[list], Any]] = None,
                  pin_memory: bool = False, persistent_workers: bool = False, on_device: bool = False,
                  channels_last: bool = False, keep_target: TargetRoute = False,
                  load: tuple[bool, bool] = (True, True)) -> None:
         self.dataset = dataset
-        self.plan = plan
+        self.sampler = sampler
         self.device = device
         self.num_workers = num_workers
         self.collate_fn = collate_fn
@@ -150,7 +155,7 @@ class ShardedLoader:
         self.start_step = start_step
 
     def __len__(self) -> int:
-        return self.plan.micro_batches_per_epoch(self.start_step)
+        return self.sampler.micro_batches_per_epoch(self.start_step)
 
     def __iter__(self) -> Iterator[Batch]:
         # The fast path's generator itself, not one that delegates to it: a ``yield from`` is one
@@ -161,13 +166,13 @@ class ShardedLoader:
 
     def _loaded(self) -> Iterator[Batch]:
         """The DataLoader path: any map-style dataset, read sample by sample."""
-        plans = list(self.plan.micro_batches(self.epoch, self.start_step))
+        places = list(self.sampler.micro_batches(self.epoch, self.start_step))
         # A generator of its own: otherwise each DataLoader iterator draws its worker seed from
         # the global torch RNG, and a run resumed mid-epoch (one extra iterator) would drift
         # from the uninterrupted run's dropout and augmentation randomness.
         seeds = torch.Generator()
-        seeds.manual_seed(hash((self.plan.seed, self.epoch, self.start_step, self.plan.rank)) & 0x7FFF_FFFF_FFFF)
-        batches = [p.indices.tolist() for p in plans]
+        seeds.manual_seed(hash((self.sampler.seed, self.epoch, self.start_step, self.sampler.rank)) & 0x7FFF_FFFF_FFFF)
+        batches = [p.indices.tolist() for p in places]
         if self.persistent_workers:
             # Built once: its workers stay alive and re-read the batch sampler every epoch (their
             # random state then runs on from epoch to epoch instead of being re-seeded).
@@ -180,7 +185,7 @@ class ShardedLoader:
         else:
             loader = DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers,
                                 collate_fn=self.collate_fn, pin_memory=self.pin_memory, generator=seeds)
-        for p, sample in zip(plans, loader):
+        for p, sample in zip(places, loader):
             x, y = self._moved(split(sample, self.keep_target))
             if self.channels_last:
                 x = _channels_last(x)
@@ -193,39 +198,39 @@ class ShardedLoader:
 
     def _gathered(self) -> Iterator[Batch]:
         """The fast path: each batch is one ``index_select`` per tensor."""
-        plans = list(self.plan.micro_batches(self.epoch, self.start_step))
+        places = list(self.sampler.micro_batches(self.epoch, self.start_step))
         if self._source is None:
             source = self._tensors
             if self.on_device:
                 source = move(source, self.device)
             self._source = source
         if not (isinstance(self._source, tuple) and len(self._source) == 2) or isinstance(self.keep_target, tuple):
-            yield from self._gathered_columns(plans)   # (a target the model takes: split() makes its call)
+            yield from self._gathered_columns(places)   # (a target the model takes: split() makes its call)
             return
         x_all, y_all = self._source
         if self.load != (True, True):
-            yield from self._gathered_parts(plans, x_all, y_all)
+            yield from self._gathered_parts(places, x_all, y_all)
             return
         # (A plain loop below: its cost per batch is part of every training step.)
         if x_all.device.type == y_all.device.type == self.device.type:
             # Gathered where the data already is: on the CPU, or kept on the GPU.
-            pieces = [p.indices for p in plans]
-            if plans and self.device.type != "cpu":
+            pieces = [p.indices for p in places]
+            if places and self.device.type != "cpu":
                 # The epoch's indices go to the device in one copy, not one per batch.
                 pieces = torch.cat(pieces).to(x_all.device).split([len(i) for i in pieces])
-                for p, idx in zip(plans, pieces):
+                for p, idx in zip(places, pieces):
                     x, y = x_all.index_select(0, idx).to(self.device), y_all.index_select(0, idx).to(self.device)
                     yield Batch(_channels_last(x) if self.channels_last else x, y, p)
                 return
             if self.channels_last:
-                for p, idx in zip(plans, pieces):   # the CPU: nothing to move
+                for p, idx in zip(places, pieces):   # the CPU: nothing to move
                     yield Batch(_channels_last(x_all.index_select(0, idx)), y_all.index_select(0, idx), p)
                 return
-            for p, idx in zip(plans, pieces):
+            for p, idx in zip(places, pieces):
                 yield Batch(x_all.index_select(0, idx), y_all.index_select(0, idx), p)
             return
         pinned = self.pin_memory
-        for p in plans:
+        for p in places:
             idx = p.indices
             if pinned:
                 # Page-locked memory (from PyTorch's caching host allocator, which keeps a block
@@ -237,22 +242,22 @@ class ShardedLoader:
             x, y = x.to(self.device, non_blocking=pinned), y.to(self.device, non_blocking=pinned)
             yield Batch(_channels_last(x) if self.channels_last else x, y, p)
 
-    def _gathered_parts(self, plans: list[MicroBatch], x_all: torch.Tensor, y_all: torch.Tensor) -> Iterator[Batch]:
+    def _gathered_parts(self, places: list[MicroBatch], x_all: torch.Tensor, y_all: torch.Tensor) -> Iterator[Batch]:
         """The fast path for a rank that loads only the inputs, only the target, or neither."""
         want_x, want_y = self.load
         pinned = self.pin_memory
-        for p in plans:
+        for p in places:
             idx = p.indices
             x = x_all.index_select(0, idx.to(x_all.device)).to(self.device, non_blocking=pinned) if want_x else None
             y = y_all.index_select(0, idx.to(y_all.device)).to(self.device, non_blocking=pinned) if want_y else None
             yield Batch(_channels_last(x) if self.channels_last and x is not None else x, y, p)
 
-    def _gathered_columns(self, plans: list[MicroBatch]) -> Iterator[Batch]:
+    def _gathered_columns(self, places: list[MicroBatch]) -> Iterator[Batch]:
         """The fast path for more than two tensors, or named ones: every column gathered, then
         cut into inputs and target like a collated batch."""
         assert self._source is not None
         here = next(iter(_values(self._source))).device
-        for p in plans:
+        for p in places:
             sample = take(self._source, p.indices.to(here))
             x, y = self._moved(split(sample, self.keep_target))
             yield Batch(_channels_last(x) if self.channels_last else x, y, p)

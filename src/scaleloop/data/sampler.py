@@ -1,6 +1,6 @@
-"""Which samples each rank sees, in which micro-batch, for every optimizer step.
+"""Which samples each rank sees, in which micro-batch, for every optimizer step (:class:`StepSampler`).
 
-The plan is defined on the GLOBAL batch so that the maths does not depend on the world size:
+The split is defined on the GLOBAL batch so that the maths does not depend on the world size:
 
 1. Each epoch has one permutation of ``range(n)``, drawn from ``seed + epoch`` (the same on
    every rank, like ``DistributedSampler.set_epoch``).
@@ -31,7 +31,8 @@ from scaleloop.runtime.collectives import split_sizes  # (re-exported: the data 
 # per micro-step inside the timed loop (slots: 0.6 us instead of 1.5 us each). Treat it as read-only.
 @dataclass(slots=True)
 class MicroBatch:
-    """The indices one rank trains on in one micro-step, and how to weight its loss."""
+    """The indices one rank trains on in one micro-step, where that micro-step sits (step, micro,
+    last micro, the step's samples), and how to weight its loss. A ``Batch`` carries it as ``batch.place``."""
 
     step: int            # optimizer step within the epoch
     micro: int           # micro-step within the optimizer step, 0..K-1
@@ -41,8 +42,9 @@ class MicroBatch:
     loss_scale: float    # multiply the micro-batch's mean loss by this before backward
 
 
-class StepPlan:
-    """The per-epoch, per-rank, per-micro-step sample plan described in the module docstring."""
+class StepSampler:
+    """Each epoch's samples cut into steps, micro-steps and rank shares, as the module docstring
+    describes: this rank's ``MicroBatch``es, epoch by epoch."""
 
     def __init__(self, n: int, global_batch: int, *, world_size: int = 1, rank: int = 0,
                  accumulate: int = 1, shuffle: bool = True, seed: int = 0,

@@ -4,13 +4,13 @@ workers so that every sample is used once per pass, and a pass resumes where it 
 The rule (docs/streaming.md), on the stream's samples in order ``s0, s1, ...`` (positions):
 
 1. Step ``s`` takes positions ``[s*B, (s+1)*B)`` for the GLOBAL batch ``B``, whatever the world
-   size W or accumulation A, as the map-style plan (``sampler.StepPlan``) does with its order.
+   size W or accumulation A, as the map-style sampler (``sampler.StepSampler``) does with its order.
 2. Inside a step, position offset ``j`` goes to micro-step ``j % A`` and, in it, to rank
    ``(j // A) % W`` (strided, like ``DistributedSampler``). A micro-step's samples are therefore
    the same whatever W is (BatchNorm statistics synchronised over ranks agree with one process),
    and a step's samples are spread within one sample over the W x A pieces.
 3. A last step with fewer than B samples is trained on, weighted exactly (``loss_scale``) like
-   the map-style plan's; with fewer than W x A samples (some piece would be empty), or with
+   the map-style sampler's; with fewer than W x A samples (some piece would be empty), or with
    ``drop_last``, it is dropped, and reported.
 4. Every rank reads the whole stream, in the same order, and keeps its share; so every rank
    knows each step's size without a collective, and learns the stream's end when it reads it.
@@ -77,8 +77,9 @@ def declared_length(dataset: Dataset) -> Optional[int]:
         return None
 
 
-class StreamPlan:
-    """The rule of the module docstring for one rank, and what is known of a pass's length."""
+class StreamSampler:
+    """The rule of the module docstring for one rank (which stream positions each step, micro-step
+    and rank takes: ``sampler.StepSampler``'s job for a stream), and what is known of a pass's length."""
 
     shuffle = False   # a stream's order is its own (``set_epoch``)
 
@@ -163,7 +164,7 @@ class StreamPlan:
                 continue
             held = mine.pop((step, micro))
             # Each rank's gradient is averaged over W ranks, so a micro-batch holding share
-            # len/size of the step is weighted W * len / size (as in sampler.StepPlan).
+            # len/size of the step is weighted W * len / size (as in sampler.StepSampler).
             yield (StreamMicroBatch(step, micro, micro == A - 1, torch.tensor([p for p, _ in held]), size,
                                     self.world_size * len(held) / size, pass_samples,
                                     stream_state if micro == A - 1 else None),
@@ -171,12 +172,12 @@ class StreamPlan:
 
 
 class _Reader(IterableDataset):
-    """One pass of one rank (of one of its workers): ``(unit, plan, collated samples)`` for each
+    """One pass of one rank (of one of its workers): ``(unit, micro-batch, collated samples)`` for each
     micro-batch, then ``(None, None, samples in the stream)``."""
 
-    def __init__(self, dataset: IterableDataset, plan: StreamPlan, epoch: int, start_step: int,
+    def __init__(self, dataset: IterableDataset, sampler: StreamSampler, epoch: int, start_step: int,
                  collate_fn: Optional[Callable[[list], Any]], state: Any = None) -> None:
-        self.dataset, self.plan, self.epoch, self.start_step = dataset, plan, epoch, start_step
+        self.dataset, self.sampler, self.epoch, self.start_step = dataset, sampler, epoch, start_step
         self.collate = collate_fn or default_collate
         self.state = state   # a stateful stream's state at ``start_step``: load it, re-read nothing
 
@@ -191,7 +192,7 @@ class _Reader(IterableDataset):
         # A snapshot of the state at every step's end (not only at checkpoints): a checkpoint may
         # come at any step, when a stop signal arrives, and the reader runs ahead of the loop.
         snapshot = (lambda: copy.deepcopy(self.dataset.state_dict())) if stateful else None   # type: ignore[attr-defined]
-        micro_batches = self.plan.read(self.dataset, self.start_step, worker, workers,
+        micro_batches = self.sampler.read(self.dataset, self.start_step, worker, workers,
                                        from_state=self.state is not None, snapshot=snapshot)
         while True:
             try:
@@ -199,7 +200,7 @@ class _Reader(IterableDataset):
             except StopIteration as end:   # the stream ended; ``read`` returns its length
                 yield None, None, end.value
                 return
-            yield p.step * self.plan.accumulate + p.micro, p, self.collate(samples)
+            yield p.step * self.sampler.accumulate + p.micro, p, self.collate(samples)
 
 
 def _as_is(item: Any) -> Any:
@@ -208,17 +209,17 @@ def _as_is(item: Any) -> Any:
 
 class StreamingLoader:
     """Iterates this rank's micro-batches of the current pass over a stream, already on ``device``;
-    the loop uses it as it uses ``loader.ShardedLoader`` (``plan``, ``set_epoch``, ``Batch``es)."""
+    the loop uses it as it uses ``loader.ShardedLoader`` (``sampler``, ``set_epoch``, ``Batch``es)."""
 
     in_memory = False   # read sample by sample, never gathered from tensors
 
-    def __init__(self, dataset: IterableDataset, plan: StreamPlan, device: torch.device, *,
+    def __init__(self, dataset: IterableDataset, sampler: StreamSampler, device: torch.device, *,
                  num_workers: int = 0, collate_fn: Optional[Callable[[list], Any]] = None,
                  pin_memory: bool = False, persistent_workers: bool = False, on_device: bool = False,
                  channels_last: bool = False, keep_target: TargetRoute = False, env: Any = None,
                  load: tuple[bool, bool] = (True, True)) -> None:
         self.dataset = dataset
-        self.plan = plan
+        self.sampler = sampler
         self.device = device
         self.num_workers = num_workers
         self.collate_fn = collate_fn
@@ -276,17 +277,17 @@ class StreamingLoader:
         return saved["state"]
 
     def __iter__(self) -> Iterator[Batch]:
-        plan = self.plan
+        sampler = self.sampler
         # Worker seeds from the pass (not from the global RNG, nor from where it resumes): a
         # resumed pass's workers draw the same random numbers as the uninterrupted pass's.
         seeds = torch.Generator()
-        seeds.manual_seed(hash((plan.seed, self.epoch, plan.rank)) & 0x7FFF_FFFF_FFFF)
-        reader = _Reader(self.dataset, plan, self.epoch, self.start_step, self.collate_fn, self._resume_state())
+        seeds.manual_seed(hash((sampler.seed, self.epoch, sampler.rank)) & 0x7FFF_FFFF_FFFF)
+        reader = _Reader(self.dataset, sampler, self.epoch, self.start_step, self.collate_fn, self._resume_state())
         self._state = None
         loader = DataLoader(reader, batch_size=None, num_workers=self.num_workers, collate_fn=_as_is,
                             pin_memory=self.pin_memory, generator=seeds)
         waiting: dict[int, tuple[StreamMicroBatch, Any]] = {}
-        want = self.start_step * plan.accumulate   # the next micro-batch, in step order
+        want = self.start_step * sampler.accumulate   # the next micro-batch, in step order
         n = 0
         for unit, p, sample in loader:
             if unit is None:   # a reader reached the stream's end
@@ -310,12 +311,12 @@ class StreamingLoader:
 
     def _learn(self, n: int) -> None:
         """The pass held ``n`` samples: the first pass to end sets the length, later ones must match it."""
-        if self.plan.n is None:
-            self.plan.n = n
-        elif n != self.plan.n:
+        if self.sampler.n is None:
+            self.sampler.n = n
+        elif n != self.sampler.n:
             said = "its __len__ says" if declared_length(self.dataset) is not None else "an earlier pass held"
             raise UsageError(f"the training stream held {n:,} samples in epoch {self.epoch + 1}, but {said} "
-                             f"{self.plan.n:,}: a stream must yield the same samples in every pass "
+                             f"{self.sampler.n:,}: a stream must yield the same samples in every pass "
                              "(docs/streaming.md)")
 
     def _agree(self, n: int) -> None:

@@ -9,7 +9,7 @@ window ``i`` of ``--seq-len`` L is ``x = tokens[s:s+L]``, ``y = tokens[s+1:s+L+1
   (the dataset says ``in_order``: the training loop does not shuffle them);
 - random: ``s`` is drawn uniformly from every start that fits, by a seeded hash of ``(seed, i)``
   (random windows with replacement, as nanoGPT samples them). Window ``i`` is fixed, so the
-  sampler's plan (``sampler.StepPlan``) gives every step the same windows on 1 or N ranks and
+  sampler (``sampler.StepSampler``) gives every step the same windows on 1 or N ranks and
   after a resume, with no generator state to save; each epoch draws the same windows in a new order.
 
 Both have ``(tokens - 1) // L`` windows, so an epoch reads about as many tokens as the file holds.

@@ -13,7 +13,7 @@
 - ``evaluate``: exact evaluation over ranks. ``evaluations``: what the trainer evaluates and
   when (``--eval-every``, ``--eval-batches``' fixed sample, ``--eval-train``). ``schedule``: learning-rate scaling and schedules
   (``--min-lr``). ``decay``: which tensors weight decay applies to (``--decay-params``).
-- ``running``: the running loss sums. ``tasks``: the loss for each task. ``scoring``: how an
+- ``running_loss``: the running loss sums. ``tasks``: the loss for each task. ``scoring``: how an
   evaluation scores a model (summed losses, correct counts, ``--metrics``). ``padding``: exact losses
   over -100 padding (a step's loss is the mean over the real targets of the whole step).
 - ``health``: what the log rows learn on their all-reduce: stragglers, a diverging loss,

@@ -175,7 +175,8 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     strategy = _make_strategy(cfg, env)
     lr = scaled_lr(cfg.optim)
     notes = speed_up_model(model, cfg, env.device) + padding_notes
-    # The strategy makes the model parallel in torchtitan's order: TP, activation checkpointing, FSDP/DDP.
+    # The strategy makes the model parallel in its fixed order (strategies/parallelize.py): TP, activation
+    # checkpointing, data parallelism (FSDP2/DDP/all-reduce), the pipeline split.
     # The optimizer is made after that, from ``placed``'s modules as they then are.
     placed = model
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(cfg, params, lr.peak, model=placed))
@@ -193,7 +194,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     in_order = getattr(datasets.train, "in_order", False) is True
     loader = strategy.loader(datasets.train, cfg.batch_size, shuffle=not in_order, seed=cfg.seed,
                              drop_last=cfg.drop_last, num_workers=cfg.num_workers, uneven=cfg.elastic)
-    notes += _batch_beyond_the_data(cfg, declared_length(datasets.train), loader.plan.steps_per_epoch)
+    notes += _batch_beyond_the_data(cfg, declared_length(datasets.train), loader.sampler.steps_per_epoch)
     pieces = env.world_size * cfg.accumulate
     if cfg.elastic and cfg.batch_size % pieces:
         low = cfg.batch_size // pieces
@@ -207,7 +208,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
         loader.keep_target = keep_target
     except ValueError as exc:
         raise UsageError(f"--data-on-device: {exc}" if cfg.data_on_device else str(exc)) from None
-    total_steps = _total_steps(cfg, loader.plan.steps_per_epoch)
+    total_steps = _total_steps(cfg, loader.sampler.steps_per_epoch)
     return Run(cfg=cfg, env=env, data=datasets, model=model, strategy=strategy, optimizer=optimizer,
                scheduler=build_scheduler(optimizer, cfg.optim, total_steps), loader=loader,
                loss_fn=resolve_loss(cfg.loss, datasets.info, given_target=bool(keep_target),
@@ -270,9 +271,9 @@ def preflight(cfg: TrainConfig) -> None:
     if layout is not None:
         # The cut into stages is known before any worker starts: a model too shallow for
         # its stages fails here, in one line, rather than in every worker.
-        from scaleloop.strategies.pieces import check_pipeline_schedule
-        from scaleloop.strategies.pipeline import pipeline_layers, plan_stages
+        from scaleloop.strategies.pipeline_schedules import check_pipeline_schedule
+        from scaleloop.strategies.pipeline import pipeline_layers, cut_stages
 
         per_rank = check_pipeline_schedule(cfg.pipeline_schedule, layout[0], cfg.microbatches, cfg.stages_per_rank)
         _, model = build_data_and_model(cfg)
-        plan_stages(pipeline_layers(model), layout[0] * per_rank, cfg.model, per_rank)
+        cut_stages(pipeline_layers(model), layout[0] * per_rank, cfg.model, per_rank)

@@ -153,12 +153,12 @@ class StepCount:
         if self.off:
             return batch
         x, y = batch
-        self._samples = batch.plan.step_samples
+        self._samples = batch.place.step_samples
         if y is not None:
             self._counted += self.counting.count(y)
             self._holds_target = True
         if self.counting.tell and not self._refused and isinstance(x, dict):
-            return Batch({**x, ITEMS_KEYWORD: self.counting.divisor(len(batch))}, y, batch.plan)
+            return Batch({**x, ITEMS_KEYWORD: self.counting.divisor(len(batch))}, y, batch.place)
         return batch
 
     def keep(self, loss: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

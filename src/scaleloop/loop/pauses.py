@@ -19,7 +19,7 @@ from scaleloop.loop.evaluations import Evaluations
 from scaleloop.loop.health import diverged, reduce_checked
 from scaleloop.loop.result import RunResult
 from scaleloop.loop.rows import Row
-from scaleloop.loop.running import RunningLoss
+from scaleloop.loop.running_loss import RunningLoss
 from scaleloop.loop.text import Log, describe_evals
 from scaleloop.output.metrics import MetricsLogger
 from scaleloop.runtime.devices import device_clock

@@ -80,7 +80,7 @@ def finish(run: Run, result: RunResult, checkpointer: Checkpointer, resumed: Opt
     """The end of a run: final weights (the user's own module, unsharded: a collective for a
     sharded strategy), memory per rank; rank 0 writes ``model.pt``, ``memory.json`` and
     ``curves.png`` into ``result.run_dir``. Returns ``result``, completed."""
-    env, strategy, plan = run.env, run.strategy, run.loader.plan
+    env, strategy, sampler = run.env, run.strategy, run.loader.sampler
     final_weights = strategy.full_state_dict(run.model)
     memory = tuple(gather_object(measure(run.model, run.optimizer, env.rank, env.device, gradient_bytes,
                                          run.model_bytes), env))
@@ -92,10 +92,10 @@ def finish(run: Run, result: RunResult, checkpointer: Checkpointer, resumed: Opt
     result.precision, result.parameters, result.memory = run.cfg.precision, run.parameters, memory
     result.samples_per_s = result.samples / max(result.train_s, 1e-9)
     result.wall_s = time.perf_counter() - result.started
-    result.dropped_per_epoch, result.in_memory_data = plan.dropped_per_epoch, run.loader.in_memory
-    result.train_samples, result.steps_per_epoch = plan.n or 0, plan.steps_per_epoch or 0
-    result.last_step_samples = (len(plan.step_indices(0, plan.steps_per_epoch - 1)) if plan.steps_per_epoch
-                                else 0)
+    result.dropped_per_epoch, result.in_memory_data = sampler.dropped_per_epoch, run.loader.in_memory
+    result.train_samples, result.steps_per_epoch = sampler.n or 0, sampler.steps_per_epoch or 0
+    result.last_step_samples = (len(sampler.step_indices(0, sampler.steps_per_epoch - 1))
+                                if sampler.steps_per_epoch else 0)
     result.lr = describe_schedule(run.cfg.optim, run.lr, run.total_steps)
     result.weight_decay = run.weight_decay
     result.checkpoints_written, result.checkpoint_s = checkpointer.written, checkpointer.seconds

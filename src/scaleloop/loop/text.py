@@ -66,7 +66,7 @@ def bar_postfix(loss: float, steps: int, samples_per_s: float) -> str:
 
 def announce(run: Run, resumed: Optional[Resumed], say: Log) -> None:
     """The run's header: what trains on what, how, and where it continues from."""
-    cfg, env, data, plan = run.cfg, run.env, run.data, run.loader.plan
+    cfg, env, data, sampler = run.cfg, run.env, run.data, run.loader.sampler
     say(f"scaleloop: {cfg.model} ({run.parameters:,} parameters) on {data.info.name} "
         f"({_size(data.train)} train / {_size(data.test) if data.test is not None else 0} test), "
         f"{run.strategy.describe()} x {env.world_size} on {describe_device(env.device)}, {cfg.precision}")
@@ -77,13 +77,13 @@ def announce(run: Run, resumed: Optional[Resumed], say: Log) -> None:
         say(f"learning rate {describe_schedule(cfg.optim, run.lr, run.total_steps)}")
     if run.weight_decay:
         say(f"weight decay {run.weight_decay}")
-    if plan.dropped_per_epoch:
-        say(f"note: the last {plan.dropped_per_epoch} sample(s) of each shuffled epoch are dropped "
+    if sampler.dropped_per_epoch:
+        say(f"note: the last {sampler.dropped_per_epoch} sample(s) of each shuffled epoch are dropped "
             f"({'--drop-last' if cfg.drop_last else 'too few to give every worker and micro-step one'})")
     if resumed is not None:
         at = resumed.progress
         where = (f"epoch {at.epoch + 1}, step {at.step_in_epoch}"
-                 + (f" of {plan.steps_per_epoch}" if plan.steps_per_epoch is not None else "")
+                 + (f" of {sampler.steps_per_epoch}" if sampler.steps_per_epoch is not None else "")
                  if at.step_in_epoch else f"the end of epoch {at.epoch}")
         say(f"resuming from {resumed.source} (global step {at.global_step}: {where}); any steps an "
             "interrupted run took after it are trained again")

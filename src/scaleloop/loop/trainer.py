@@ -22,7 +22,7 @@ from scaleloop.loop.pauses import Pauses
 from scaleloop.loop.preempt import StopVote
 from scaleloop.loop.result import RunResult, finish
 from scaleloop.loop.rows import Row, check_health
-from scaleloop.loop.running import RunningLoss
+from scaleloop.loop.running_loss import RunningLoss
 from scaleloop.loop.step import Observer, steps_of, train_step
 from scaleloop.loop.text import Log, announce, bar_postfix, nothing_left, progress_bar
 from scaleloop.output.memory import gradient_bytes
@@ -161,12 +161,12 @@ class Trainer:
         """Epoch ``epoch`` from its step ``first_step`` on, then its end; True when the run stops
         in it (``--max-steps``, or the stop vote)."""
         cfg, run, result, clock, pauses = self.cfg, self.run, self.result, self.clock, self.pauses
-        plan = run.loader.plan
+        sampler = run.loader.sampler
         run.loader.set_epoch(epoch, first_step)
         if first_step == 0:
             self.running.new_epoch()
         in_epoch, done = first_step, False
-        bar = progress_bar(plan.steps_per_epoch, first_step, f"epoch {epoch + 1}/{cfg.epochs}",
+        bar = progress_bar(sampler.steps_per_epoch, first_step, f"epoch {epoch + 1}/{cfg.epochs}",
                            cfg.progress and self.env.is_main)
         # The clock waits for the GPU (device_clock): it runs behind the loop, and a time read
         # with steps still queued makes samples/s look better than it is. Free on the CPU.
@@ -182,7 +182,7 @@ class Trainer:
                     self.running.add(loss, len(batch), result.steps)
             if self.recovery is not None:
                 self._report_recovery(epoch)
-            where = micro_batches[-1].plan
+            where = micro_batches[-1].place
             in_epoch = where.step + 1
             result.samples += where.step_samples
             window_samples += where.step_samples
@@ -196,7 +196,7 @@ class Trainer:
                     or (self.vote is not None and self.vote.after_step(result.steps))):
                 done = True
                 break
-            if pauses.due(result.steps) and not _epoch_complete(plan, in_epoch):
+            if pauses.due(result.steps) and not _epoch_complete(sampler, in_epoch):
                 paused = pauses.inside(epoch, in_epoch, result.steps, epoch_start)
                 clock.restart()
                 epoch_start += paused   # not training time, as at the epoch's end
@@ -204,7 +204,7 @@ class Trainer:
         result.train_s += device_clock(self.env.device) - epoch_start
         if bar is not None:
             bar.close()
-        pauses.end_epoch(epoch, in_epoch, finished=_epoch_complete(plan, in_epoch))
+        pauses.end_epoch(epoch, in_epoch, finished=_epoch_complete(sampler, in_epoch))
         return done
 
     def log_row(self, epoch: int, window_samples: int, window_start: float, bar: Any = None) -> float:
@@ -253,7 +253,7 @@ class Trainer:
                 self.say(f"warning: {self.run_dir / RECOVERY_FILE} could not be written: {exc}")
 
 
-def _epoch_complete(plan: Any, in_epoch: int) -> bool:
-    """Whether ``in_epoch`` steps complete the epoch: a stream's plan knows its length only once a
+def _epoch_complete(sampler: Any, in_epoch: int) -> bool:
+    """Whether ``in_epoch`` steps complete the epoch: a stream's sampler knows its length only once a
     reader has reached the stream's end (before the pass's last step trains)."""
-    return plan.steps_per_epoch is not None and in_epoch >= plan.steps_per_epoch
+    return sampler.steps_per_epoch is not None and in_epoch >= sampler.steps_per_epoch

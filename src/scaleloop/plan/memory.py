@@ -84,11 +84,11 @@ def _peak_over(series: StepSeries, act_scale: float, grad_bytes: float) -> tuple
 
 def stage_parameters(profile: ModelProfile, stages: int) -> list[tuple[int, int]]:
     """Each pipeline stage's (parameters, blocks), cut as the pipeline strategy cuts them."""
-    from scaleloop.strategies.pipeline import plan_stages
+    from scaleloop.strategies.pipeline import cut_stages
 
-    plan = plan_stages(list(profile.layers), stages)
+    assignment = cut_stages(list(profile.layers), stages)
     blocks = profile.block_layers if any(profile.block_layers) else (True,) * len(profile.layers)
-    return [(count, sum(blocks[i] for i in span)) for count, span in zip(plan.parameters, plan.layers)]
+    return [(count, sum(blocks[i] for i in span)) for count, span in zip(assignment.parameters, assignment.layers)]
 
 
 def _rank_parameters(profile: ModelProfile, layout: Layout) -> float:

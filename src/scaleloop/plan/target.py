@@ -34,7 +34,7 @@ class Target:
     #: a CPU, whose Gloo threads take the same cores as the compute: nothing hides there.
     overlaps: bool = True
     #: Latency per ring step of a small all-reduce on the host's Gloo group (scaleloop's own
-    #: agreement between FSDP's ranks, strategies/spmd.py): TCP between processes, an assumption.
+    #: agreement between FSDP's ranks, strategies/fsdp_agreement.py): TCP between processes, an assumption.
     host_latency_s: float = 30e-6
     #: The least one collective costs inside a step, however small (0: its ring latency). On a CPU
     #: with more ranks than cores it waits for its peers to be scheduled again: measured there.

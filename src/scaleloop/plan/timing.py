@@ -16,7 +16,7 @@ overlaps it. An estimate with its assumptions listed in docs/planning.md.
   replicas after the last backward;
 - offload: the shards cross PCIe twice (forward, backward) and the gradients once, and the
   optimizer steps on the host (28 bytes of host memory traffic per parameter);
-- scaleloop's own agreement between FSDP's ranks (``strategies/spmd.py``): small all-reduces on
+- scaleloop's own agreement between FSDP's ranks (``strategies/fsdp_agreement.py``): small all-reduces on
   a Gloo group at each unit's forward (again in a checkpointed unit's recomputed forward),
   backward start and end, and at the pass ends, plus one for the parameters no rank used
   (``strategies/unused.py``): not hidden (they wait);

@@ -3,21 +3,23 @@
 - ``registry``: every strategy registered once (name, class, processes), and ``ParallelSettings``:
   the config's parallel section and the one place its combinations are checked (no torch);
   ``factory``: ``build_strategy``, the one way a strategy is built: from those settings;
-  ``parallelize``: the ``ParallelPlan`` built once from the mesh (sizes, this rank's coordinates,
+  ``parallelize``: the ``Parallelism`` built once from the mesh (sizes, this rank's coordinates,
   data rank and data world size, the one ``DeviceMesh``), and ``parallelize``, which applies it in
   one fixed order: tensor parallelism, activation checkpointing, data parallelism, pipeline split.
 - ``base``: the ``Strategy`` contract, and ``HandWrittenLoop``: the hand-written loop's calls;
   ``single``: one device; ``dataparallel``: ``nn.DataParallel``; ``ddp``: DistributedDataParallel;
   ``allreduce``: the gradient all-reduce written out by hand; ``fsdp``: FSDP2 sharding;
-  ``pipeline``: layers cut into stages, one per process (or several: interleaved), and ``pieces``:
-  how a micro-step is cut into pieces for them; ``composed``: ``--mesh``, tensor parallelism
-  with FSDP or HSDP (``tensor``: a model's TP plan; the mesh itself is ``scaleloop.runtime.mesh``).
+  ``pipeline``: layers cut into stages, one per process (or several: interleaved), and
+  ``pipeline_schedules``: how a micro-step is cut into pieces and which schedules run them;
+  ``mesh_parallel``: ``--mesh``, tensor parallelism with FSDP or HSDP (``tensor``: a model's TP plan;
+  the mesh itself is ``scaleloop.runtime.mesh``).
 - ``precision``: autocast and the fp16 GradScaler; ``syncbn``: BatchNorm over all ranks on any
   device; ``distcp``: sharded state through ``torch.distributed.checkpoint``; ``recompute``:
   ``--activation-checkpointing``, each block's activations recomputed in the backward; ``blocks``:
   which modules are a model's blocks (FSDP's units, the recomputed ones); ``unused``: parameters
   that get no gradient in a step, trained as one process trains them (the rule, and the
-  all-reduce that tells the ranks which); ``spmd``: FSDP's ranks checked to run the same units.
+  all-reduce that tells the ranks which); ``fsdp_agreement``: FSDP's ranks checked to run the same
+  units.
 
 Names are imported lazily: the config reads ``registry`` without importing torch.
 """
@@ -37,11 +39,11 @@ _EXPORTS = {
     "ManualAllReduce": "scaleloop.strategies.allreduce",
     "FSDP": "scaleloop.strategies.fsdp",
     "PipelineParallel": "scaleloop.strategies.pipeline",
-    "MeshParallel": "scaleloop.strategies.composed",
+    "MeshParallel": "scaleloop.strategies.mesh_parallel",
     "MeshSpec": "scaleloop.runtime.mesh",
     "Precision": "scaleloop.strategies.precision",
     "build_strategy": "scaleloop.strategies.factory",
-    "ParallelPlan": "scaleloop.strategies.parallelize",
+    "Parallelism": "scaleloop.strategies.parallelize",
     "batch_split_of": "scaleloop.strategies.factory",
     "ParallelSettings": "scaleloop.strategies.registry",
     "REGISTRY": "scaleloop.strategies.registry",

@@ -26,12 +26,12 @@ import scaleloop.strategies.distcp as distcp
 from scaleloop.data.batch import call_model
 from scaleloop.data.batching import check_batch_split
 from scaleloop.data.loader import Batch, ShardedLoader
-from scaleloop.data.sampler import StepPlan
-from scaleloop.data.streaming import StreamingLoader, StreamPlan, declared_length
+from scaleloop.data.sampler import StepSampler
+from scaleloop.data.streaming import StreamingLoader, StreamSampler, declared_length
 from scaleloop.runtime.collectives import gather_object, shard_indices
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.runtime.mesh import MeshSpec
-from scaleloop.strategies.parallelize import ParallelPlan, default_plan, parallelize
+from scaleloop.strategies.parallelize import Parallelism, default_parallelism, parallelize
 from scaleloop.strategies.precision import Precision
 
 if TYPE_CHECKING:
@@ -59,40 +59,40 @@ class Strategy:
     mesh_dims: tuple[str, ...] = ()
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
-                 sync_batchnorm: bool = False, *, plan: Optional[ParallelPlan] = None) -> None:
+                 sync_batchnorm: bool = False, *, parallelism: Optional[Parallelism] = None) -> None:
         self.env = env
         self.precision = precision or Precision("fp32", env.device)
         self.accumulate_steps = accumulate
         self._sync_batchnorm = sync_batchnorm
         #: The ranks' layout and what ``setup`` applies (``strategies.parallelize``), built once.
-        self.plan = plan if plan is not None else self._default_plan()
+        self.parallelism = parallelism if parallelism is not None else self._default_parallelism()
         self._check()
 
     @classmethod
     def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings",
-              plan: ParallelPlan) -> "Strategy":
-        """This strategy for checked ``settings`` (``strategies.registry``) and the ``plan`` built
+              parallelism: Parallelism) -> "Strategy":
+        """This strategy for checked ``settings`` (``strategies.registry``) and the ``parallelism`` built
         from them, taking the options it has."""
-        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, plan=plan)
+        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, parallelism=parallelism)
 
-    def _default_plan(self) -> ParallelPlan:
-        """The plan of a strategy built without one: every rank a data replica."""
-        return default_plan(self.env.world_size, self.env.rank)
+    def _default_parallelism(self) -> Parallelism:
+        """The parallelism of a strategy built without one: every rank a data replica."""
+        return default_parallelism(self.env.world_size, self.env.rank)
 
     @property
     def recompute(self) -> bool:
         """``--activation-checkpointing``: each block keeps only its input and recomputes its
-        activations in the backward (the plan's; ``setup`` counts the blocks)."""
-        return self.plan.recompute
+        activations in the backward (``parallelism.recompute``; ``setup`` counts the blocks)."""
+        return self.parallelism.recompute
 
     @recompute.setter
     def recompute(self, on: bool) -> None:
-        self.plan.recompute = on
+        self.parallelism.recompute = on
 
     @property
     def recomputed_blocks(self) -> int:
         """How many blocks ``setup`` checkpointed."""
-        return self.plan.recomputed_blocks
+        return self.parallelism.recomputed_blocks
 
     @property
     def writes_sharded(self) -> bool:
@@ -118,7 +118,7 @@ class Strategy:
 
     # --- set-up -------------------------------------------------------------------------
     def _parallelize(self, model: nn.Module) -> nn.Module:
-        """The model made parallel by the plan, in its fixed order (``strategies.parallelize``)."""
+        """The model made parallel as ``parallelism`` says, in its fixed order (``strategies.parallelize``)."""
         return parallelize(model, self)
 
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -138,11 +138,11 @@ class Strategy:
 
     @property
     def layout(self) -> MeshSpec:
-        """How the ranks are laid out, as a mesh (the plan's).
+        """How the ranks are laid out, as a mesh (``parallelism.spec``).
 
         The loader follows it: a step's batch is split over ``layout.data_parallel`` ranks, and this
         rank trains on share ``layout.data_rank(rank)`` (tp and pp ranks of one group share theirs)."""
-        return self.plan.spec
+        return self.parallelism.spec
 
     def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                drop_last: bool = False, num_workers: int = 0,
@@ -152,23 +152,23 @@ class Strategy:
         rule of ``data.streaming``, in its own order. The one loader of every strategy.
 
         ``uneven``: a batch that does not split evenly over the ranks is not refused; the ranks'
-        shares then differ by one sample and each is weighted by its share (``StepPlan``), so a step
+        shares then differ by one sample and each is weighted by its share (``StepSampler``), so a step
         is still the mean over the global batch (an elastic job on whatever world size it has).
         """
-        world, rank = self.plan.data_world, self.plan.data_rank
+        world, rank = self.parallelism.data_world, self.parallelism.data_rank
         stream = isinstance(dataset, IterableDataset)
         if not (uneven and not stream and batch_size >= world * self.accumulate_steps):
             check_batch_split(batch_size, world, self.accumulate_steps)
         pin, load = self.env.device.type == "cuda", self._loads()
         if stream:
             self._check_stream()
-            return StreamingLoader(dataset, StreamPlan(batch_size, world_size=world, rank=rank,
-                                                       accumulate=self.accumulate_steps, seed=seed, drop_last=drop_last,
-                                                       n=declared_length(dataset)),
+            return StreamingLoader(dataset, StreamSampler(batch_size, world_size=world, rank=rank,
+                                                          accumulate=self.accumulate_steps, seed=seed,
+                                                          drop_last=drop_last, n=declared_length(dataset)),
                                    self.env.device, num_workers=num_workers, env=self.env, pin_memory=pin, load=load)
-        plan = StepPlan(len(dataset), batch_size, world_size=world, rank=rank,
-                        accumulate=self.accumulate_steps, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        return ShardedLoader(dataset, plan, self.env.device, num_workers=num_workers, pin_memory=pin, load=load)
+        sampler = StepSampler(len(dataset), batch_size, world_size=world, rank=rank,
+                              accumulate=self.accumulate_steps, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        return ShardedLoader(dataset, sampler, self.env.device, num_workers=num_workers, pin_memory=pin, load=load)
 
     def _loads(self) -> tuple[bool, bool]:
         """Whether this rank loads the inputs and the targets (a pipeline's middle stages need neither)."""

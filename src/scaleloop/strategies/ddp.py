@@ -13,7 +13,7 @@ from scaleloop.errors import UsageError
 from scaleloop.runtime.dist import DistEnv, release_reducer
 from scaleloop.strategies.base import HandWrittenLoop, ProcessGroupStrategy
 from scaleloop.strategies.precision import Precision
-from scaleloop.strategies.parallelize import ParallelPlan
+from scaleloop.strategies.parallelize import Parallelism
 from scaleloop.strategies.syncbn import convert_batchnorm
 from scaleloop.strategies.unused import names_of
 
@@ -31,13 +31,13 @@ class DDP(HandWrittenLoop, ProcessGroupStrategy):
     name = "ddp"
 
     @classmethod
-    def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings", plan: ParallelPlan) -> "DDP":
-        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, plan=plan,
+    def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings", parallelism: Parallelism) -> "DDP":
+        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, parallelism=parallelism,
                    find_unused_parameters=settings.find_unused_parameters, static_graph=settings.static_graph)
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
                  sync_batchnorm: bool = False, *, find_unused_parameters: bool = False,
-                 static_graph: bool = False, plan: Optional[ParallelPlan] = None) -> None:
+                 static_graph: bool = False, parallelism: Optional[Parallelism] = None) -> None:
         #: DDP's own options for models whose parameters do not all get a gradient every step.
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
@@ -45,7 +45,7 @@ class DDP(HandWrittenLoop, ProcessGroupStrategy):
         self._steps = 0                        # optimizer steps this process has run (for messages)
         #: with accumulation: the parameters the current micro-step's backward reached (emptied as each begins)
         self._reached: Optional[set[int]] = None
-        super().__init__(env, precision, accumulate, sync_batchnorm, plan=plan)
+        super().__init__(env, precision, accumulate, sync_batchnorm, parallelism=parallelism)
 
     def _data_parallel(self, model: nn.Module) -> nn.Module:
         if not self.env.is_distributed:

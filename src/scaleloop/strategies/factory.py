@@ -9,7 +9,7 @@ import importlib
 
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.strategies.base import Strategy
-from scaleloop.strategies.parallelize import ParallelPlan
+from scaleloop.strategies.parallelize import Parallelism
 from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.registry import REGISTRY, ParallelSettings, resolve_strategy_name
 
@@ -29,19 +29,20 @@ def batch_split_of(described: str) -> str:
 
 def build_strategy(settings: ParallelSettings, env: DistEnv) -> Strategy:
     """The strategy of the parallel section ``settings`` on ``env``: checked for ``env``'s world
-    size, its plan built once (``strategies.parallelize``), and the class that runs the plan made
+    size, its ``Parallelism`` built once (``strategies.parallelize``), and the class that runs it made
     from both, with ``settings.precision`` on ``env``'s device. The one way a strategy is built: the
     trainer hands it the config's section, ``scaleloop.strategy`` a section made of its keywords."""
     settings.check_layout(env.world_size)
-    plan = ParallelPlan.of(settings, env.world_size, env.rank)
+    parallelism = Parallelism.of(settings, env.world_size, env.rank)
     precision = Precision(settings.precision, env.device)
-    return strategy_class(class_for(settings, plan, env.is_distributed)).build(env, precision, settings, plan)
+    return strategy_class(class_for(settings, parallelism, env.is_distributed)).build(
+        env, precision, settings, parallelism)
 
 
-def class_for(settings: ParallelSettings, plan: ParallelPlan, distributed: bool) -> str:
-    """The registered strategy that runs ``plan``: a pipeline whenever it has pipeline stages (``--mesh
+def class_for(settings: ParallelSettings, parallelism: Parallelism, distributed: bool) -> str:
+    """The registered strategy that runs ``parallelism``: a pipeline whenever it has pipeline stages (``--mesh
     pp=S,dp=R`` too), the mesh strategy for any other ``--mesh``, else the one named."""
-    if plan.spec.pp > 1:
+    if parallelism.spec.pp > 1:
         return "pipeline"
     if settings.mesh is not None:
         return "mesh"

@@ -25,7 +25,7 @@ from scaleloop.runtime.devices import indexed
 from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.strategies.base import EvalShard, HandWrittenLoop, ProcessGroupStrategy
 from scaleloop.strategies.blocks import _has_params, fsdp_blocks, untied_units  # noqa: F401 (re-exported)
-from scaleloop.strategies.parallelize import ParallelPlan, default_plan
+from scaleloop.strategies.parallelize import Parallelism, default_parallelism
 from scaleloop.strategies.tensor import apply_tensor_parallel, fsdp_placement
 from scaleloop.strategies.syncbn import convert_batchnorm
 from scaleloop.strategies.unused import used_anywhere
@@ -44,8 +44,8 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
     _shards_what = "--strategy fsdp shards"
 
     @classmethod
-    def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings", plan: ParallelPlan) -> "FSDP":
-        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, plan=plan,
+    def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings", parallelism: Parallelism) -> "FSDP":
+        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, parallelism=parallelism,
                    cpu_offload=settings.cpu_offload)
 
     def __init__(self, *args: Any, cpu_offload: bool = False, **kwargs: Any) -> None:
@@ -58,12 +58,12 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         self._reached: list[bool] = []          # which of them a backward reached since the last step
         self._hooked: set[int] = set()          # the gathered parameters hooked (their ids)
         self._steps = 0                         # optimizer steps this process has run (for messages)
-        self._order: Any = None                 # the units' order, checked (strategies.spmd)
+        self._order: Any = None                 # the units' order, checked (strategies.fsdp_agreement)
         self._blocks: Optional[list[nn.Module]] = None   # the units, found before anything replaced parameters
         self.tp_layers = 0                      # layers tensor parallelism split (--mesh tp=N)
 
-    def _default_plan(self) -> ParallelPlan:
-        return default_plan(self.env.world_size, self.env.rank, MeshSpec(fsdp=self.env.world_size))
+    def _default_parallelism(self) -> Parallelism:
+        return default_parallelism(self.env.world_size, self.env.rank, MeshSpec(fsdp=self.env.world_size))
 
     @property
     def writes_sharded(self) -> bool:
@@ -129,17 +129,17 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
 
     def _tensor_parallel(self, model: nn.Module) -> None:
         """The layers of the model's ``tp_plan()`` split over the plan's ``tp`` ranks (``--mesh tp=N``)."""
-        if self.plan.spec.tp == 1:
+        if self.parallelism.spec.tp == 1:
             return
         self._prepare(model)   # the units are found before TP replaces their parameters
-        mesh = self.plan.device_mesh(self.env.device.type, self.mesh_dims)
+        mesh = self.parallelism.device_mesh(self.env.device.type, self.mesh_dims)
         self.tp_layers = apply_tensor_parallel(model, mesh["tp"])
 
     def _data_parallel(self, model: nn.Module) -> nn.Module:
-        """FSDP2 over the plan's data dimensions (``fsdp``, or ``(dp, fsdp)``: HSDP)."""
+        """FSDP2 over the mesh's data dimensions (``fsdp``, or ``(dp, fsdp)``: HSDP)."""
         if self._blocks is None:
             model = self._prepare(model)
-        mesh = self.plan.data_mesh(self.plan.device_mesh(self.env.device.type, self.mesh_dims))
+        mesh = self.parallelism.data_mesh(self.parallelism.device_mesh(self.env.device.type, self.mesh_dims))
         # BatchNorm's parameters stay in full precision under a low-precision policy.
         mixed = self.precision.dtype is not None
         norms = [m for m in model.modules()
@@ -152,7 +152,7 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
 
     def _watch_gradients(self, model: nn.Module, units: dict[str, nn.Module]) -> None:
         """Prepare for parameters that get no gradient on some ranks or steps (``strategies.unused``),
-        and check that the ranks run the same ``units`` (the sub-units, by name: ``strategies.spmd``).
+        and check that the ranks run the same ``units`` (the sub-units, by name: ``strategies.fsdp_agreement``).
 
         A unit reduce-scatters the gradients of its parameters, and every rank must hand it the
         same ones: FSDP is told to put in zeros for a parameter this rank did not use. Which
@@ -161,7 +161,7 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         """
         model.set_reduce_scatter_unused_params(True)
         if self.env.is_distributed and units:
-            from scaleloop.strategies.spmd import UnitOrder
+            from scaleloop.strategies.fsdp_agreement import UnitOrder
 
             self._order = UnitOrder(model, units, step=lambda: self._steps + 1)
         self._params = list(model.parameters())   # the sharded parameters the optimizer steps

@@ -1,22 +1,31 @@
-"""Parallelism applied in one place: the plan built once from the mesh, and the fixed order.
+"""Parallelism applied in one place: the ranks' layout built once from the mesh, and the fixed order.
 
-Every strategy holds a :class:`ParallelPlan`: the layout of the ranks as one
+Every strategy holds a :class:`Parallelism`: the layout of the ranks as one
 :class:`~scaleloop.runtime.mesh.MeshSpec` (the ``pp``, ``dp``, ``fsdp`` and ``tp`` sizes), this
 rank's place in it, the data-parallel share it trains on, and whether activations are
-recomputed. ``build_strategy`` builds it from the settings (:meth:`ParallelPlan.of`) and picks the
+recomputed. ``build_strategy`` builds it from the settings (:meth:`Parallelism.of`) and picks the
 strategy class from it; the loader, the evaluation split and the process groups all read it.
 
-:func:`parallelize` then makes the model parallel in one fixed order (torchtitan's):
+:func:`parallelize` then makes the model parallel in one fixed order:
 
-1. tensor parallelism over ``tp`` (the model's ``tp_plan()``);
-2. activation checkpointing of each block;
+1. tensor parallelism over ``tp`` (the model's ``tp_plan()``), first: its layers are named as
+   in the user's module, before any wrapper, and FSDP2 then shards the split weights over the
+   data dimensions (torch's 2-D composition: tensor parallel inside, data parallel outside);
+2. activation checkpointing of each block, in place (parameter names unchanged);
 3. data parallelism over ``dp`` and ``fsdp``: FSDP2 (sharded, or replicated over ``dp`` in HSDP),
    DDP, a hand-written all-reduce, or for a pipeline the replicas' process groups;
 4. the pipeline split over ``pp``: this rank keeps its stages.
 
+The pipeline split comes last, where torchtitan splits first and then applies the rest to each
+stage. Here a pipeline composes with ``dp`` only (``ParallelSettings.check_layout`` refuses pp
+with fsdp or tp), and its data-parallel step wraps nothing: it builds the process groups that the
+stages then talk and average gradients in. So cutting last gives the same stages, and the cut is
+made from the whole model, whose parameter names every stage keeps for whole-model checkpoints.
+
 A strategy supplies the steps (``_tensor_parallel``, ``_data_parallel``, ``_pipeline_split``) and
 names the mesh dimensions it builds a ``DeviceMesh`` over (``mesh_dims``); pipeline x dp and
-fsdp x tp go through the same plan and the same order. docs/architecture.md, "Parallelism".
+fsdp x tp go through the same :class:`Parallelism` and the same order. docs/architecture.md,
+"The flow of one run", step 8.
 """
 from __future__ import annotations
 
@@ -32,7 +41,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class ParallelPlan:
+class Parallelism:
     """The ranks' layout, this rank's place in it, and what :func:`parallelize` applies."""
 
     spec: MeshSpec
@@ -44,8 +53,8 @@ class ParallelPlan:
     _mesh: Any = field(default=None, repr=False)
 
     @classmethod
-    def of(cls, settings: "ParallelSettings", world_size: int, rank: int) -> "ParallelPlan":
-        """The plan of ``settings``, checked for ``world_size`` processes (``ParallelSettings.check_layout``),
+    def of(cls, settings: "ParallelSettings", world_size: int, rank: int) -> "Parallelism":
+        """The parallelism of ``settings``, checked for ``world_size`` processes (``ParallelSettings.check_layout``),
         on ``rank``: ``--mesh`` as given; else every rank a pipeline stage (pipeline), a data shard
         (fsdp) or a data replica."""
         if settings.mesh is not None:
@@ -107,16 +116,16 @@ class ParallelPlan:
         return out
 
 
-def order_line(plan: ParallelPlan) -> list[str]:
+def order_line(parallelism: Parallelism) -> list[str]:
     """The header's line naming what :func:`parallelize` applied, in its order (none for one step)."""
-    steps = plan.steps()
+    steps = parallelism.steps()
     return [f"applied in this order: {', then '.join(steps)}"] if len(steps) > 1 else []
 
 
 class Parallelizable(Protocol):
     """The steps a strategy supplies to :func:`parallelize` (``Strategy`` has do-nothing defaults)."""
 
-    plan: ParallelPlan
+    parallelism: Parallelism
 
     def _tensor_parallel(self, model: "nn.Module") -> None: ...
 
@@ -129,16 +138,16 @@ def parallelize(model: "nn.Module", strategy: Parallelizable) -> "nn.Module":
     """``model`` (already on its device) made parallel by ``strategy``'s steps in the fixed order of
     the module docstring: tensor parallelism, activation checkpointing, data parallelism, the
     pipeline split. Returns what this rank trains (the wrapper, or its stages)."""
-    plan = strategy.plan
+    parallelism = strategy.parallelism
     strategy._tensor_parallel(model)
-    if plan.recompute:
+    if parallelism.recompute:
         from scaleloop.strategies.recompute import checkpoint_blocks
 
-        plan.recomputed_blocks = checkpoint_blocks(model)
+        parallelism.recomputed_blocks = checkpoint_blocks(model)
     model = strategy._data_parallel(model)
     return strategy._pipeline_split(model)
 
 
-def default_plan(world_size: int, rank: int, spec: Optional[MeshSpec] = None) -> ParallelPlan:
+def default_parallelism(world_size: int, rank: int, spec: Optional[MeshSpec] = None) -> Parallelism:
     """A strategy built without settings: every rank a data replica (or ``spec``)."""
-    return ParallelPlan(spec if spec is not None else MeshSpec(dp=world_size), rank)
+    return Parallelism(spec if spec is not None else MeshSpec(dp=world_size), rank)

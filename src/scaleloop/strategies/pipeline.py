@@ -18,14 +18,14 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from scaleloop.strategies.pieces import check_pipeline_schedule, pipeline_pieces
+from scaleloop.strategies.pipeline_schedules import check_pipeline_schedule, pipeline_pieces
 from scaleloop.data.loader import Batch
 from scaleloop.data.sampler import split_sizes
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.errors import UsageError
 from scaleloop.strategies import distcp
-from scaleloop.strategies.parallelize import ParallelPlan, default_plan, order_line
+from scaleloop.strategies.parallelize import Parallelism, default_parallelism, order_line
 from scaleloop.strategies.precision import Precision
 from scaleloop.strategies.base import EvalShard, OptimizerLike, ProcessGroupStrategy
 from scaleloop.strategies.unused import used_anywhere
@@ -53,7 +53,7 @@ def pipeline_layers(model: nn.Module) -> list[nn.Module]:
 
 
 @dataclass(frozen=True)
-class StagePlan:
+class StageAssignment:
     """Which layers each stage runs, and how many parameter elements it holds."""
 
     layers: tuple[range, ...]
@@ -72,8 +72,8 @@ def _own_parameter_count(layer: nn.Module) -> int:
     return sum(p.numel() for p in layer.parameters())
 
 
-def plan_stages(layers: list[nn.Module], n_stages: int, model_name: str = "the model",
-                per_rank: int = 1) -> StagePlan:
+def cut_stages(layers: list[nn.Module], n_stages: int, model_name: str = "the model",
+               per_rank: int = 1) -> StageAssignment:
     """Cut ``layers`` into ``n_stages`` contiguous stages, each with parameters, balancing them
     (``per_rank``: stages per process, for the error's advice)."""
     counts = [_own_parameter_count(layer) for layer in layers]
@@ -90,9 +90,9 @@ def plan_stages(layers: list[nn.Module], n_stages: int, model_name: str = "the m
     unit_cost = [sum(counts[bounds[u]:bounds[u + 1]]) for u in range(len(starts))]
     cuts = _balanced_cuts(unit_cost, n_stages)
     spans = tuple(range(bounds[a], bounds[b]) for a, b in zip(cuts[:-1], cuts[1:]))
-    return StagePlan(layers=spans,
-                     parameters=tuple(sum(counts[i] for i in span) for span in spans),
-                     names=tuple(tuple(type(layers[i]).__name__ for i in span) for span in spans))
+    return StageAssignment(layers=spans,
+                           parameters=tuple(sum(counts[i] for i in span) for span in spans),
+                           names=tuple(tuple(type(layers[i]).__name__ for i in span) for span in spans))
 
 
 def _balanced_cuts(costs: list[int], parts: int) -> list[int]:
@@ -217,20 +217,20 @@ class PipelineParallel(ProcessGroupStrategy):
 
     @classmethod
     def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings",
-              plan: ParallelPlan) -> "PipelineParallel":
-        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, plan=plan,
+              parallelism: Parallelism) -> "PipelineParallel":
+        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, parallelism=parallelism,
                    microbatches=settings.microbatches, schedule=settings.pipeline_schedule,
                    stages_per_rank=settings.stages_per_rank, sharded_checkpoints=settings.sharded_checkpoints)
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
                  sync_batchnorm: bool = False, *, microbatches: int = 1, schedule: str = "gpipe",
                  stages_per_rank: int = 0, sharded_checkpoints: bool = False,
-                 plan: Optional[ParallelPlan] = None) -> None:
+                 parallelism: Optional[Parallelism] = None) -> None:
         self.microbatches = microbatches
         #: Each stage writes its own part of a checkpoint (DCP) rather than sending it to rank 0.
         self.sharded_checkpoints = sharded_checkpoints
         self.schedule = schedule
-        super().__init__(env, precision, accumulate, sync_batchnorm, plan=plan)
+        super().__init__(env, precision, accumulate, sync_batchnorm, parallelism=parallelism)
         self.stages_per_rank = check_pipeline_schedule(schedule, self.positions, microbatches, stages_per_rank)
         self._pp_group: Any = None   # this replica's pipeline ranks (None: all ranks)
         self._dp_group: Any = None   # the ranks holding this rank's stages (replicas > 1)
@@ -242,7 +242,7 @@ class PipelineParallel(ProcessGroupStrategy):
 
             self.precision.scaler = ShardedGradScaler(self.env.device.type, process_group=None)
         #: Which layers each stage runs (the cut), once ``setup`` made it.
-        self.stage_plan: Optional[StagePlan] = None
+        self.stage_assignment: Optional[StageAssignment] = None
         self._module: Optional[StageModule] = None
         self._schedules: dict[tuple[str, int], Any] = {}
         self._piece_counts: dict[tuple[str, int], int] = {}
@@ -254,18 +254,18 @@ class PipelineParallel(ProcessGroupStrategy):
         self._noted_uneven: set[int] = set()
         self.notes: list[str] = []
 
-    def _default_plan(self) -> ParallelPlan:
-        return default_plan(self.env.world_size, self.env.rank, MeshSpec(pp=self.env.world_size))
+    def _default_parallelism(self) -> Parallelism:
+        return default_parallelism(self.env.world_size, self.env.rank, MeshSpec(pp=self.env.world_size))
 
     @property
     def replicas(self) -> int:
-        """Copies of each stage (the plan's ``dp``: pipeline x data parallel)."""
-        return self.plan.spec.dp
+        """Copies of each stage (the mesh's ``dp``: pipeline x data parallel)."""
+        return self.parallelism.spec.dp
 
     @property
     def positions(self) -> int:
-        """Pipeline positions: processes per replica (the plan's ``pp``)."""
-        return self.plan.spec.pp
+        """Pipeline positions: processes per replica (the mesh's ``pp``)."""
+        return self.parallelism.spec.pp
 
     @property
     def writes_sharded(self) -> bool:
@@ -273,7 +273,7 @@ class PipelineParallel(ProcessGroupStrategy):
 
     def _check(self) -> None:
         super()._check()
-        spec = self.plan.spec
+        spec = self.parallelism.spec
         if spec.fsdp > 1 or spec.tp > 1 or spec.world_size != self.env.world_size:
             raise UsageError(f"a pipeline lays its {self.env.world_size} ranks out as pp x dp, not as {spec}")
         if self.positions < 2:
@@ -311,10 +311,10 @@ class PipelineParallel(ProcessGroupStrategy):
 
     def _data_parallel(self, model: nn.Module) -> nn.Module:
         """With replicas: a process group per pipeline (the stages talk in it) and one per stage
-        position (its copies average their gradients in it after each step), from the plan's
+        position (its copies average their gradients in it after each step), from the
         ``(pp, dp)`` device mesh. The model is cut into stages in the next step."""
         if self.replicas > 1 and self._pp_group is None:
-            mesh = self.plan.device_mesh(self.env.device.type, self.mesh_dims)
+            mesh = self.parallelism.device_mesh(self.env.device.type, self.mesh_dims)
             self._pp_group, self._dp_group = mesh.get_group("pp"), mesh.get_group("dp")
         return model
 
@@ -336,7 +336,8 @@ class PipelineParallel(ProcessGroupStrategy):
         """This rank's stages of ``model`` (the other stages' layers are not kept)."""
         layers = pipeline_layers(model)
         n_ranks = self.positions
-        self.stage_plan = plan_stages(layers, n_ranks * self.stages_per_rank, type(model).__name__, self.stages_per_rank)
+        self.stage_assignment = cut_stages(layers, n_ranks * self.stages_per_rank, type(model).__name__,
+                                           self.stages_per_rank)
         names_of: dict[int, list[str]] = {}
         full_state = model.state_dict(keep_vars=True)
         for key, tensor in full_state.items():
@@ -345,7 +346,7 @@ class PipelineParallel(ProcessGroupStrategy):
         index = {id(p): i for i, p in enumerate(params)}
         holders: dict[int, list[int]] = {}   # parameter -> the positions holding it, in stage order
         stages_of: dict[int, list[int]] = {}   # parameter -> the stages using it
-        for s, span in enumerate(self.stage_plan.layers):
+        for s, span in enumerate(self.stage_assignment.layers):
             for i in span:
                 for p in layers[i].parameters():
                     ranks = holders.setdefault(index[id(p)], [])
@@ -354,7 +355,7 @@ class PipelineParallel(ProcessGroupStrategy):
                     if s not in stages_of.setdefault(index[id(p)], []):
                         stages_of[index[id(p)]].append(s)
 
-        chunks = [[layers[i] for i in self.stage_plan.layers[s]] for s in self._stage_indices()]
+        chunks = [[layers[i] for i in self.stage_assignment.layers[s]] for s in self._stage_indices()]
         stage = StageModule(chunks, self.precision)
         for key, tensor in stage.state_dict(keep_vars=True).items():
             stage.global_keys[key] = names_of.get(id(tensor), [])
@@ -394,15 +395,15 @@ class PipelineParallel(ProcessGroupStrategy):
         return f"pipeline ({stages} stages{per_rank}{replicas}, {self.microbatches} micro-batch(es), {name})"
 
     def details(self) -> list[str]:
-        lines = self.stage_plan.describe() if self.stage_plan is not None else []
-        if self.stage_plan is not None and self.stages_per_rank > 1:
+        lines = self.stage_assignment.describe() if self.stage_assignment is not None else []
+        if self.stage_assignment is not None and self.stages_per_rank > 1:
             n = self.positions
             lines += [f"  position {p}: stages {', '.join(str(p + k * n) for k in range(self.stages_per_rank))}"
                       for p in range(n)]
         if self.replicas > 1:
             lines += ["  " + line for line in self.layout.draw()]
             lines.append(f"  each stage's {self.replicas} copies average their gradients after the step's last backward")
-        return lines + order_line(self.plan) + self.notes
+        return lines + order_line(self.parallelism) + self.notes
 
     # --- the schedule -------------------------------------------------------------------
     def _pieces(self, n: int, say: bool = True) -> tuple[int, str]:
@@ -656,7 +657,7 @@ class PipelineParallel(ProcessGroupStrategy):
         distcp.load_named(self._module, optimizer, directory, self._module.global_keys, self._module.param_names)
 
 
-__all__ = ["PipelineParallel", "StageModule", "StagePlan", "pipeline_layers", "plan_stages"]
+__all__ = ["PipelineParallel", "StageModule", "StageAssignment", "pipeline_layers", "cut_stages"]
 
 
 def _check_one_tensor(x: Any, y: Any) -> None:

@@ -15,7 +15,7 @@ from typing import Optional
 from scaleloop.data.batching import check_batch_split
 from scaleloop.errors import UsageError
 from scaleloop.option import option, require
-from scaleloop.strategies.pieces import SCHEDULES, check_pipeline_schedule
+from scaleloop.strategies.pipeline_schedules import SCHEDULES, check_pipeline_schedule
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ REGISTRY: dict[str, Registered] = {r.name: r for r in (
     Registered("allreduce", "scaleloop.strategies.allreduce:ManualAllReduce", "many"),
     Registered("fsdp", "scaleloop.strategies.fsdp:FSDP", "many"),
     Registered("pipeline", "scaleloop.strategies.pipeline:PipelineParallel", "many"),
-    Registered("mesh", "scaleloop.strategies.composed:MeshParallel", "many"),
+    Registered("mesh", "scaleloop.strategies.mesh_parallel:MeshParallel", "many"),
 )}
 #: The names ``--strategy`` accepts: ``auto`` (DDP when there are several processes, else single) and each registered one.
 STRATEGIES = ("auto", *REGISTRY)

@@ -29,7 +29,7 @@ from torch.utils.data import IterableDataset
 from scaleloop.config import TrainConfig, to_toml
 from scaleloop.data.batch import first_sample, keeps_target, target_key
 from scaleloop.data.info import Datasets
-from scaleloop.data.sampler import StepPlan
+from scaleloop.data.sampler import StepSampler
 from scaleloop.runtime.devices import resolve_device
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
@@ -43,10 +43,10 @@ from scaleloop.verify.diagnose import (Cause, buffer_cause, fallback, failure_ca
                                        piece_groups, rank_code_cause, scale_cause)
 from scaleloop.verify.explain import format_explain
 from scaleloop.launching.failures import Failure
+from scaleloop.verify.dirs import (CONFIG_FILE, OPTIONS_FILE, distributed_dir, lockstep_dir, reference_dir,
+                                   states_dir)
 from scaleloop.verify.launch import failure_report, start_workers, worker_errors
-from scaleloop.verify.layout import (CONFIG_FILE, OPTIONS_FILE, distributed_dir, lockstep_dir, reference_dir,
-                                     states_dir)
-from scaleloop.verify.lockstep import StateSaver, Teacher, saved_steps
+from scaleloop.verify.lockstep import StateLoader, StateSaver, saved_steps
 from scaleloop.loop.padding import counting_for
 from scaleloop.loop.tasks import resolve_loss
 from scaleloop.verify.options import VerifyOptions
@@ -259,16 +259,16 @@ def _run_lockstep(s: Session) -> Optional[Lockstep]:
         return None
     env = DistEnv(device=s.device)
     recorder = Recorder(env, lockstep_dir(s.root))
-    teacher = Teacher(states_dir(s.root))
+    state_loader = StateLoader(states_dir(s.root))
     try:
-        run_steps(s.cfg, env, RunSpec("single", s.ref_accumulate, steps), recorder, boundary=teacher)
+        run_steps(s.cfg, env, RunSpec("single", s.ref_accumulate, steps), recorder, boundary=state_loader)
     except Exception as exc:  # noqa: BLE001 - the user's model that cannot take a saved state back: said
         s.say(f"  lock-step comparison not possible ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); "
               "the verdict falls back to the free-running comparison")
         return None
     record = _load(lockstep_dir(s.root) / RECORD_FILE)
     assert record is not None
-    return Lockstep(record["losses"], teacher.diffs)
+    return Lockstep(record["losses"], state_loader.diffs)
 
 
 # --- the report --------------------------------------------------------------------------
@@ -551,14 +551,14 @@ def _data(s: Session, r: Records) -> bool:
         s.say("  steps: " + ("each step's samples over all ranks are exactly those 1 process trains on"
                              if not r.step_problems else f"MISMATCH: {r.step_problems[0]}"))
     passed = not mismatches and not r.step_problems
-    planned = StepPlan(n, s.cfg.batch_size, world_size=data_world, accumulate=s.cfg.accumulate,
-                       drop_last=s.cfg.drop_last).dropped_per_epoch
+    dropped = StepSampler(n, s.cfg.batch_size, world_size=data_world, accumulate=s.cfg.accumulate,
+                          drop_last=s.cfg.drop_last).dropped_per_epoch
     s.say("coverage: which samples each epoch used, over all ranks"
           + (" (pipeline: stage 0's, which every stage walks)" if _pipeline(s.cfg) else ""))
     for epoch in sorted({m["epoch"] for rank in data_ranks for m in rank["audit"]}):
         cov = data_check.coverage((m["indices"] for rank in data_ranks for m in rank["audit"]
                                    if m["epoch"] == epoch), n, epoch)
-        ok, line = data_check.format_coverage(cov, data_world, planned)
+        ok, line = data_check.format_coverage(cov, data_world, dropped)
         passed &= ok
         s.say(line)
     if data_world > 1:

@@ -154,13 +154,13 @@ def batch_table(ranks: Sequence[dict[str, Any]], dataset: Dataset, accumulate: i
     return lines
 
 
-def format_coverage(cov: Coverage, world_size: int, planned_drop: int) -> tuple[bool, str]:
-    """(passed, one line) for one epoch's coverage; ``planned_drop`` samples may be left out by design."""
+def format_coverage(cov: Coverage, world_size: int, dropped_by_design: int) -> tuple[bool, str]:
+    """(passed, one line) for one epoch's coverage; ``dropped_by_design`` samples may be left out by design."""
     head = f"  epoch {cov.epoch + 1}: {cov.n:,} samples over {world_size} ranks"
     if cov.duplicates:
         return False, (f"{head}: {len(cov.duplicates)} used more than once (padding or overlapping shards): "
                        + _few([i for i in cov.duplicates]))
-    if len(cov.missing) > planned_drop:
+    if len(cov.missing) > dropped_by_design:
         return False, f"{head}: {len(cov.missing)} never used: {_few(cov.missing)}"
     if cov.missing:
         return True, (f"{head}: each used exactly once, except {len(cov.missing)} left out by design "

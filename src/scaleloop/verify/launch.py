@@ -24,7 +24,7 @@ from scaleloop.config import TrainConfig
 from scaleloop.launching.failures import FAILURE_FILE, LOGS_DIR, Failure
 from scaleloop.launching.supervisor import Ended, Workers, start
 from scaleloop.launching.torchrun import WorkerLaunch, launch_for, workers_env
-from scaleloop.verify.layout import LOG_FILE
+from scaleloop.verify.dirs import LOG_FILE
 
 WORKER_MODULE = "scaleloop.verify.worker"
 # One launch per report directory (its logs are cleared first): a fixed name for torchrun's --log-dir.

@@ -12,7 +12,7 @@ In lock-step nothing is carried over:
   (whole on rank 0, or each rank its shards);
 - the verify process then trains one process step by step, loading before each step k the state
   the run had before it, through the one-process strategy's checkpoint load, which reads what any
-  strategy wrote at any world size (:class:`Teacher`). Its step k is one step from the run's own
+  strategy wrote at any world size (:class:`StateLoader`). Its step k is one step from the run's own
   state, on the same samples: its loss, its gradients, and the weights and buffers after it are
   compared with the run's step k (``compare.compare_runs`` under ``Tolerance.per_step``), and
   its optimizer state after the step with the run's (``compare.optimizer_state_diff``).
@@ -74,7 +74,7 @@ class StateSaver:
             torch.save({**state, "scaler": strategy.precision.state_dict()}, target / STATE_FILE)
 
 
-class Teacher:
+class StateLoader:
     """In the verify process, at every step boundary of the one-process run: its optimizer state
     against the run's, then the run's state loaded for the next step.
 

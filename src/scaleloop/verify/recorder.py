@@ -155,7 +155,7 @@ class Recorder(Observer):
     def micro_batch(self, batch: Batch) -> None:
         """Before the forward pass: which samples this rank trains on, and a digest of their data."""
         x, y = batch
-        self.micro.append({"step": self.step, "epoch_step": batch.step, "micro": batch.plan.micro,
+        self.micro.append({"step": self.step, "epoch_step": batch.step, "micro": batch.place.micro,
                            "indices": batch.indices.tolist(), "sha": batch_digest(x, y),
                            "loaded": _loaded(batch)})
 
@@ -298,7 +298,7 @@ class Recorder(Observer):
             loader.set_epoch(epoch)
             for batch in loader:
                 x, y = batch
-                self.audit.append({"epoch": epoch, "step": batch.step, "micro": batch.plan.micro,
+                self.audit.append({"epoch": epoch, "step": batch.step, "micro": batch.place.micro,
                                    "indices": batch.indices.tolist(), "sha": batch_digest(x, y),
                                    "loaded": _loaded(batch)})
 

@@ -68,9 +68,9 @@ def run_steps(cfg: TrainConfig, env: DistEnv, spec: RunSpec, recorder: Recorder,
         return datasets, model
 
     run = build_run(cfg.replace(strategy=spec.strategy, accumulate=spec.accumulate, **pipeline), env, data=build)
-    plan = run.loader.plan
-    if plan.steps_per_epoch == 0:
-        raise UsageError(f"the training set ({plan.n} samples) is smaller than one step of "
+    sampler = run.loader.sampler
+    if sampler.steps_per_epoch == 0:
+        raise UsageError(f"the training set ({sampler.n} samples) is smaller than one step of "
                          f"--batch-size {cfg.batch_size} with --drop-last; lower --batch-size")
     recorder.attach(run.strategy, run.model)
     run.model.train()

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 from scaleloop.config import load_toml, resolve
 from scaleloop.runtime.dist import DistEnv, destroy_process_group, init_process_group
 from scaleloop.runtime.frames import note_where
-from scaleloop.verify.layout import CONFIG_FILE, OPTIONS_FILE, distributed_dir, states_dir
+from scaleloop.verify.dirs import CONFIG_FILE, OPTIONS_FILE, distributed_dir, states_dir
 from scaleloop.verify.lockstep import StateSaver
 from scaleloop.verify.options import VerifyOptions
 from scaleloop.verify.recorder import Recorder

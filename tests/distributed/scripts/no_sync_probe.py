@@ -29,7 +29,7 @@ loader = strategy.loader(data, batch_size=16 * accumulate, shuffle=False)
 loader.set_epoch(0)
 for batch in loader:
     x, y = batch
-    current["micro"] = batch.plan.micro
+    current["micro"] = batch.place.micro
     with strategy.accumulate(model, batch):
         strategy.backward(torch.nn.functional.mse_loss(model(x), y), batch)
     if batch.last_micro:

@@ -32,7 +32,7 @@ for name, record, changes in RUNS:
     seen = []
     cfg = TrainConfig(**{**BASE, **changes, "out": str(root / name)}).validate()
     result = train(cfg, env, log=lambda _msg: None,
-                   on_batch=lambda b: seen.append([b.step, b.plan.micro, b.indices.tolist(),
+                   on_batch=lambda b: seen.append([b.step, b.place.micro, b.indices.tolist(),
                                                    sample_id(b[0]["x"]).tolist()]))
     (root / name / f"{record}-rank{env.rank}.json").write_text(json.dumps(seen))
     tests[f"{name}/{record}"] = [result.test.loss, result.test.samples]

@@ -23,7 +23,7 @@ from scaleloop.runtime.dist import DistEnv
 from scaleloop.runtime.mesh import DIMS, MeshSpec
 from scaleloop.strategies.base import EvalShard
 from scaleloop.strategies.fsdp import FSDP
-from scaleloop.strategies.parallelize import ParallelPlan, default_plan, order_line
+from scaleloop.strategies.parallelize import Parallelism, default_parallelism, order_line
 from scaleloop.strategies.precision import Precision
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 class MeshParallel(FSDP):
     """FSDP2's step over a mesh: TP over ``tp``, then FSDP2 over ``fsdp`` or HSDP over ``(dp, fsdp)``
-    (the plan's steps, applied by ``strategies.parallelize``); see the module docstring."""
+    (the steps of its ``Parallelism``, applied by ``strategies.parallelize``); see the module docstring."""
 
     name = "mesh"
     batch_split = "split evenly over the dp x fsdp ranks (tp ranks share theirs)"
@@ -41,21 +41,21 @@ class MeshParallel(FSDP):
 
     @classmethod
     def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings",
-              plan: ParallelPlan) -> "MeshParallel":
-        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, plan=plan,
+              parallelism: Parallelism) -> "MeshParallel":
+        return cls(env, precision, settings.accumulate, settings.sync_batchnorm, parallelism=parallelism,
                    cpu_offload=settings.cpu_offload)
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
                  sync_batchnorm: bool = False, *, mesh: Optional[MeshSpec] = None,
-                 plan: Optional[ParallelPlan] = None, cpu_offload: bool = False) -> None:
-        if plan is None:
-            plan = default_plan(env.world_size, env.rank, mesh if mesh is not None else MeshSpec(fsdp=env.world_size))
-        super().__init__(env, precision, accumulate, sync_batchnorm, plan=plan, cpu_offload=cpu_offload)
+                 parallelism: Optional[Parallelism] = None, cpu_offload: bool = False) -> None:
+        if parallelism is None:
+            parallelism = default_parallelism(env.world_size, env.rank, mesh if mesh is not None else MeshSpec(fsdp=env.world_size))
+        super().__init__(env, precision, accumulate, sync_batchnorm, parallelism=parallelism, cpu_offload=cpu_offload)
 
     @property
     def spec(self) -> MeshSpec:
-        """The mesh (the plan's)."""
-        return self.plan.spec
+        """The mesh (``parallelism.spec``)."""
+        return self.parallelism.spec
 
     def _check(self) -> None:
         super()._check()
@@ -69,7 +69,7 @@ class MeshParallel(FSDP):
     @property
     def coordinates(self) -> dict[str, int]:
         """This rank's index along each mesh dimension."""
-        return self.plan.coordinates
+        return self.parallelism.coordinates
 
     def _check_stream(self) -> None:
         raise UsageError("--mesh reads map-style datasets (with __len__ and indexing); a stream is not "
@@ -95,7 +95,7 @@ class MeshParallel(FSDP):
         # Split over the data-parallel ranks; a tp group's ranks run the same forwards (each
         # forward is a collective over tp and, for FSDP, over the data ranks).
         sizes = split_sizes(n, self.spec.data_parallel)
-        share = self.plan.data_rank
+        share = self.parallelism.data_rank
         start = sum(sizes[:share])
         own = math.ceil(sizes[share] / batch_size)
         return EvalShard(range(start, start + sizes[share]), max(gather_object(own, self.env)) - own)
@@ -117,7 +117,7 @@ class MeshParallel(FSDP):
         return f"mesh {self.spec} ({self.composition()}, {self.units} units, {self.tp_layers} tp layers{offload})"
 
     def details(self) -> list[str]:
-        return self.spec.draw() + order_line(self.plan)
+        return self.spec.draw() + order_line(self.parallelism)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

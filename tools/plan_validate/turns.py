@@ -21,7 +21,7 @@ from scaleloop.plan.layouts import Layout
 from scaleloop.plan.profile import ModelSpec
 
 
-def interleaved_worker(spec: dict[str, Any], layouts: list[dict[str, Any]], batch_size: int, rounds: int,
+def turns_worker(spec: dict[str, Any], layouts: list[dict[str, Any]], batch_size: int, rounds: int,
                        timeout_s: float) -> list[list[float]]:
     """One rank's part: every layout built, then ``rounds`` rounds of one untimed and one timed
     step each; the timed seconds per layout (rank 0's, between barriers)."""
@@ -76,7 +76,7 @@ def time_in_turns(spec: ModelSpec, layouts: Sequence[Layout], batch_size: int, r
     worlds = {layout.world for layout in layouts}
     if len(worlds) != 1:
         raise ValueError(f"layouts timed in turns share their processes: ranks {sorted(worlds)} differ")
-    return launch(interleaved_worker, worlds.pop(), threads=1,
+    return launch(turns_worker, worlds.pop(), threads=1,
                   args=(asdict(spec), [asdict(layout) for layout in layouts], batch_size, rounds, timeout_s))
 
 

@@ -1,4 +1,4 @@
-"""Step times measured in turns (tools/plan_validate/interleaved.py) and how validate counts a pair's order:
+"""Step times measured in turns (tools/plan_validate/turns.py) and how validate counts a pair's order:
 the rounds are paired, a pair counts as measured only where most rounds agree, and a real
 2-process run times each layout once a round."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from scaleloop.plan.layouts import Layout
 from scaleloop.plan.profile import ModelSpec
 
-from plan_validate.interleaved import median_s, pair_agreement, time_in_turns
+from plan_validate.turns import median_s, pair_agreement, time_in_turns
 from plan_validate.validate import concordance, cpu_target, markdown, settled_pairs, share_fabric
 
 

@@ -1,10 +1,10 @@
-"""A pipeline's pieces and schedules without torch (``scaleloop.strategies.pieces``)."""
+"""A pipeline's pieces and schedules without torch (``scaleloop.strategies.pipeline_schedules``)."""
 from __future__ import annotations
 
 import pytest
 
 from scaleloop.errors import UsageError
-from scaleloop.strategies.pieces import check_pipeline_schedule, pipeline_pieces
+from scaleloop.strategies.pipeline_schedules import check_pipeline_schedule, pipeline_pieces
 
 
 @pytest.mark.parametrize("n, m, schedule, ranks, expected", [
