@@ -362,11 +362,13 @@ def test_config_for_resume_with_a_path_and_no_out(tmp_path: Path) -> None:
     assert cfg.resume == str(run / "checkpoints" / "step-00000004")
 
 
-def test_config_for_resume_ignores_a_dir_without_checkpoints_or_never(tmp_path: Path) -> None:
+def test_config_for_resume_keeps_the_settings_of_a_dir_without_checkpoints_and_ignores_never(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.toml").write_text(to_toml(TrainConfig(batch_size=32, out=str(run))))
-    assert config_for_resume({}, {"out": str(run)}).batch_size == 64   # no checkpoint: nothing to resume
+    # No checkpoint (killed before its first was written): the run starting over there keeps its
+    # settings, never the defaults (issue 41).
+    assert config_for_resume({}, {"out": str(run)}).batch_size == 32
     fake_run(tmp_path / "run2", batch_size=32)
     assert config_for_resume({}, {"out": str(tmp_path / "run2"), "resume": "never"}).batch_size == 64
 

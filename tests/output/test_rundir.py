@@ -55,6 +55,19 @@ def test_a_finished_run_is_refused_unless_continued(tmp_path: Path) -> None:
     assert prepare(tmp_path, continuing=True) == tmp_path
 
 
+def test_a_run_that_trained_but_kept_no_checkpoint_is_refused_saying_how_to_start_it_over(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("# scaleloop resolved configuration; rerun with: ...\nepochs = 1\n")
+    (run / "metrics.csv").write_text("kind,epoch,step,samples\nstep,1,1,64\n")
+    (run / "checkpoints" / ".tmp-step-00000005-1").mkdir(parents=True)   # its first, half written
+    with pytest.raises(UsageError, match=rf"already holds a run that wrote no checkpoint to continue from; start it "
+                                         rf"over, keeping its results, with: scaleloop train --config "
+                                         rf"{run}/config.toml --out {run}-2$"):
+        prepare(run)
+    assert (run / "config.toml").read_text().endswith("epochs = 1\n")
+
+
 @pytest.mark.parametrize("kept", ["checkpoint", "weights", "row"])
 def test_a_run_that_trained_a_step_is_kept_whatever_shows_it(tmp_path: Path, kept: str) -> None:
     (tmp_path / "metrics.csv").write_text("kind,epoch,step,samples\n" + ("step,1,1,64\n" if kept == "row" else ""))

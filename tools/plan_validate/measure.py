@@ -119,8 +119,8 @@ def measure_worker(spec: dict[str, Any], layout: dict[str, Any], batch_size: int
     from scaleloop.runtime.collectives import barrier, gather_object
     from scaleloop.runtime.dist import DistEnv, init_process_group
 
-    env = DistEnv.from_env()
-    init_process_group(env, timeout_s=timeout_s)
+    env = DistEnv.from_env(timeout_s=timeout_s)
+    init_process_group(env)
     model_spec, plan = ModelSpec(**spec), Layout(**layout)
     peak, rest = _profiled_peak(model_spec, plan, env, batch_size)
     dataset = token_dataset(model_spec, batch_size)
@@ -202,14 +202,14 @@ def _fabric(env: Any) -> dict[str, float]:
     out["busy_data_s"], out["data_bytes"] = _busy_collective_s(torch, torch_dist, numel=DATA_NUMEL), 4.0 * DATA_NUMEL
     if env.world_size >= 4 and env.world_size % 2 == 0:
         # Pairs, all at once, as a layout's groups of two run (tp=2, hsdp's shards and replicas).
-        pairs = [torch_dist.new_group([r, r + 1]) for r in range(0, env.world_size, 2)]
+        pairs = [torch_dist.new_group([r, r + 1], timeout=env.group_timeout) for r in range(0, env.world_size, 2)]
         pair = pairs[env.rank // 2]
         out["busy_pairs_s"] = _busy_collective_s(torch, torch_dist, groups=(pair,))
         out["busy_pairs_data_s"] = _busy_collective_s(torch, torch_dist, groups=(pair,), numel=DATA_NUMEL)
         if env.world_size % 4 == 0:
             # The pairs of a 2-D mesh (hsdp, fsdp x tp, pp x dp): a rank sums with its row's
             # partner, then with its column's (rank ^ 2); a late rank holds up both.
-            columns = {r: torch_dist.new_group([r, r ^ 2]) for r in range(env.world_size) if r < r ^ 2}
+            columns = {r: torch_dist.new_group([r, r ^ 2], timeout=env.group_timeout) for r in range(env.world_size) if r < r ^ 2}
             crossed = (pair, columns[min(env.rank, env.rank ^ 2)])
             out["busy_cross_s"] = _busy_collective_s(torch, torch_dist, groups=crossed)
             out["busy_cross_data_s"] = _busy_collective_s(torch, torch_dist, groups=crossed, numel=DATA_NUMEL)

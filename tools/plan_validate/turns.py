@@ -29,8 +29,8 @@ def turns_worker(spec: dict[str, Any], layouts: list[dict[str, Any]], batch_size
     from scaleloop.runtime.collectives import barrier
     from scaleloop.runtime.dist import DistEnv, init_process_group
 
-    env = DistEnv.from_env()
-    init_process_group(env, timeout_s=timeout_s)
+    env = DistEnv.from_env(timeout_s=timeout_s)
+    init_process_group(env)
     model_spec = ModelSpec(**spec)
     dataset = token_dataset(model_spec, batch_size)
     runs = [_Run(build_run(model_spec, Layout(**layout), env, dataset, batch_size)) for layout in layouts]

@@ -5,13 +5,17 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from scaleloop.checkpoint.resume import LEGACY_VALUES
-from scaleloop.checkpoint.store import CHECKPOINTS_DIR, list_checkpoints, locate, run_dir_of
+from scaleloop.checkpoint.store import locate, run_dir_of
 from scaleloop.config.settings import FileValues, TrainConfig, load_toml, resolve
 
 
 def config_for_resume(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> TrainConfig:
     """The run's settings: the saved ``config.toml`` of the run being resumed (if any), then
-    ``--config`` values, then flags. Without a run to resume: just ``--config`` then flags."""
+    ``--config`` values, then flags. Without a run to resume: just ``--config`` then flags.
+
+    A run in ``--out`` that wrote no checkpoint yet (stopped at start-up, or killed before or
+    while writing its first) still gives its saved settings: the run that starts over in its
+    directory (``output.rundir.prepare_run_dir``) trains with them, never with the defaults."""
     cfg = resolve(file_values, flag_values)
     if cfg.checkpointing.resume == "never":
         return cfg
@@ -19,7 +23,7 @@ def config_for_resume(file_values: Mapping[str, Any], flag_values: Mapping[str, 
     source = Path(settings.out) if settings.resume == "auto" and settings.out else None
     if settings.resume not in ("auto", "never"):
         source = run_dir_of(locate(Path(settings.resume)))
-    if source is None or not (source / "config.toml").is_file() or not list_checkpoints(source / CHECKPOINTS_DIR):
+    if source is None or not (source / "config.toml").is_file():
         return cfg
     # A run saved before a setting existed continues as it trained (weight decay on every tensor).
     saved = FileValues.layered(LEGACY_VALUES, load_toml(source / "config.toml"))

@@ -76,8 +76,8 @@ def launch_train(cfg: TrainConfig) -> Optional["RunResult"]:
         out = run_dir_for(cfg) or default_run_dir(cfg.model, cfg.data)
         cfg = cfg.replace(out=str(out))
 
-    env = dist.DistEnv.from_env(device=cfg.device, backend=cfg.backend)
-    dist.init_process_group(env, timeout_s=cfg.timeout)
+    env = dist.DistEnv.from_env(device=cfg.device, backend=cfg.backend, timeout_s=cfg.timeout)
+    dist.init_process_group(env)
     try:
         result = train(cfg, env)
     except UsageError as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shlex
 import shutil
 import sys
 import time
@@ -120,6 +121,11 @@ def prepare_run_dir(out: Optional[str], model: str, data: str, *, continuing: bo
         started_over = False
         if not continuing and any((path / name).exists() for name in ("metrics.csv", "failure.json")):
             if not never_stepped(path):
+                if (path / "config.toml").is_file() and not any((path / "checkpoints").glob("step-*")):
+                    # It trained, but no checkpoint holds where it was: it can only start over, elsewhere.
+                    raise UsageError(f"--out {str(path)!r} already holds a run that wrote no checkpoint to continue "
+                                     "from; start it over, keeping its results, with: scaleloop train --config "
+                                     f"{shlex.quote(str(path / 'config.toml'))} --out {shlex.quote(str(path) + '-2')}")
                 raise UsageError(f"--out {str(path)!r} already holds a run (metrics.csv) and this run does not "
                                  "resume it; choose a new --out so that its results are not overwritten")
             for name in _FAILED_START_FILES:

@@ -20,6 +20,12 @@ from scaleloop.runtime.devices import choose_device, device_for_local_rank, mps_
 from scaleloop.errors import UsageError
 
 
+# How long a collective waits for the slowest rank (``--timeout``): torch's own default for a
+# process group. A first step under torch.compile, or a large checkpoint written while the
+# other ranks wait, can take many minutes; a shorter limit would stop healthy jobs.
+DEFAULT_TIMEOUT_S = 1800.0
+
+
 @dataclass(frozen=True)
 class DistEnv:
     """Who this process is in the job, and which device and backend it uses.
@@ -37,6 +43,15 @@ class DistEnv:
     # None means the env:// rendezvous reads them from the environment (torchrun).
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
+    # ``--timeout``: how long any collective of this job waits for the slowest rank, on the
+    # default group and on every group the strategies make beside it (``group_timeout``).
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @property
+    def group_timeout(self) -> timedelta:
+        """``timeout_s`` as a new process group takes it (``new_group(timeout=...)``): without it,
+        torch gives a group of its own its 30-minute default, whatever the default group's is."""
+        return timedelta(seconds=self.timeout_s)
 
     @property
     def is_main(self) -> bool:
@@ -49,8 +64,9 @@ class DistEnv:
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, device: str = "auto",
-                 backend: Optional[str] = None) -> "DistEnv":
-        """Read rank and world size as set by torchrun, else by ``srun``, else one plain process.
+                 backend: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> "DistEnv":
+        """Read rank and world size as set by torchrun, else by ``srun``, else one plain process;
+        ``timeout_s`` is the job's ``--timeout``.
 
         torchrun's variables win: under ``srun ... torchrun`` the workers are torchrun's.
         """
@@ -74,7 +90,7 @@ class DistEnv:
             backend = "nccl" if dev.type == "cuda" else "gloo"
         return cls(rank=rank, local_rank=local_rank, world_size=world_size,
                    local_world_size=local_world_size, device=dev, backend=backend,
-                   master_addr=master_addr, master_port=master_port)
+                   master_addr=master_addr, master_port=master_port, timeout_s=timeout_s)
 
 
 def _torchrun_ranks(env: Mapping[str, str]) -> tuple[int, int, int, int]:
@@ -124,17 +140,13 @@ def restart_count(environ: Optional[Mapping[str, str]] = None) -> int:
     return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-# How long a collective waits for the slowest rank (``--timeout``): torch's own default for a
-# process group. A first step under torch.compile, or a large checkpoint written while the
-# other ranks wait, can take many minutes; a shorter limit would stop healthy jobs.
-DEFAULT_TIMEOUT_S = 1800.0
-
-
-def init_process_group(env: DistEnv, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def init_process_group(env: DistEnv, timeout_s: Optional[float] = None) -> None:
     """Join the job's process group (a no-op for one process).
 
-    ``timeout_s`` bounds every collective: a rank that stops taking part makes the others
-    raise after that long (Gloo), or the NCCL watchdog stop them.
+    ``env.timeout_s`` bounds every collective: a rank that stops taking part makes the others
+    raise after that long (Gloo), or the NCCL watchdog stop them. ``timeout_s``, when given,
+    sets the default group's instead; the groups a strategy makes take ``env.timeout_s``, so
+    prefer ``DistEnv.from_env(timeout_s=...)``.
     torchrun has already set MASTER_ADDR/MASTER_PORT, so the default ``env://`` rendezvous is
     used; under ``srun`` the address comes from ``env`` (the node list and job id) instead.
     """
@@ -146,15 +158,16 @@ def init_process_group(env: DistEnv, timeout_s: float = DEFAULT_TIMEOUT_S) -> No
     if env.master_addr is not None and env.master_port is not None:
         host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr  # IPv6
         init_method = f"tcp://{host}:{env.master_port}"
-    store = None if init_method is not None else _per_attempt_store(os.environ, env, timeout_s)
+    timeout = env.group_timeout if timeout_s is None else timedelta(seconds=timeout_s)
+    store = None if init_method is not None else _per_attempt_store(os.environ, env, timeout)
     torch_dist.init_process_group(
         backend=env.backend, init_method=init_method, store=store, rank=env.rank, world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timeout,
         device_id=env.device if env.device.type == "cuda" else None,
     )
 
 
-def _per_attempt_store(environ: Mapping[str, str], env: DistEnv, timeout_s: float) -> Optional[torch_dist.Store]:
+def _per_attempt_store(environ: Mapping[str, str], env: DistEnv, timeout: timedelta) -> Optional[torch_dist.Store]:
     """The elastic agent's store, with keys private to this attempt of the worker group.
 
     torchrun's workers share the agent's TCPStore, and it outlives a restart of the group: the
@@ -168,7 +181,7 @@ def _per_attempt_store(environ: Mapping[str, str], env: DistEnv, timeout_s: floa
     if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in environ:
         return None
     store = torch_dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), env.world_size,
-                                is_master=False, timeout=timedelta(seconds=timeout_s))
+                                is_master=False, timeout=timeout)
     return torch_dist.PrefixStore(f"scaleloop/attempt-{restart_count(environ)}-w{env.world_size}", store)
 
 

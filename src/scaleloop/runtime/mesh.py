@@ -20,11 +20,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from scaleloop.errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from datetime import timedelta
+
     from torch.distributed.device_mesh import DeviceMesh
 
 #: Dimension names, outermost first (the rank layout's order).
@@ -146,11 +148,43 @@ class MeshSpec:
         return f"batch share {self.data_rank(rank)} of {self.data_parallel}; weights: {weights}"
 
     # --- the torch mesh -------------------------------------------------------------------
-    def build(self, device_type: str, dims: tuple[str, ...] = DIMS) -> "DeviceMesh":
+    def build(self, device_type: str, dims: tuple[str, ...] = DIMS, *, timeout: "timedelta") -> "DeviceMesh":
         """The ``DeviceMesh`` over all ranks with the dimensions ``dims`` named, outermost first
         (by default every one, size-1 ones too, so that ``mesh["dp", "fsdp"]`` exists in every
-        layout; the others must have size 1). A collective: every rank calls it."""
+        layout; the others must have size 1). ``timeout`` bounds each collective on the mesh's
+        groups (``--timeout``). A collective: every rank calls it."""
         from torch.distributed.device_mesh import init_device_mesh
 
         names = tuple(d for d in DIMS if d in dims)
-        return init_device_mesh(device_type, tuple(self.sizes[d] for d in names), mesh_dim_names=names)
+        sizes = tuple(self.sizes[d] for d in names)
+        return init_device_mesh(device_type, sizes, mesh_dim_names=names,
+                                backend_override=_timed_groups(dict(zip(names, sizes)), timeout))
+
+
+def _timed_groups(sizes: dict[str, int], timeout: "timedelta") -> dict[str, Any]:
+    """``init_device_mesh``'s ``backend_override``: for each dimension that gets groups of its
+    own, options that carry ``timeout``. It has no timeout argument, and makes each dimension's
+    groups with torch's 30-minute default unless the options name one (torch 2.13,
+    ``device_mesh._init_one_process_group``). A dimension over every rank is left out: torch then
+    reuses the default group, whose timeout is already ``--timeout``, and makes no other (except
+    with Gloo where CUDA is present: that group is made, so it gets the options too). Only Gloo
+    and NCCL wait; another backend (the plan's fake group) gets no options, which it would refuse."""
+    import torch
+    import torch.distributed as torch_dist
+    from torch._C._distributed_c10d import Backend
+
+    backend = torch_dist.get_backend()
+    world = torch_dist.get_world_size()
+    made_anew = torch.cuda.is_available() and backend == "gloo"
+    override: dict[str, Any] = {}
+    for name, size in sizes.items():
+        if (size == world and not made_anew) or backend not in ("gloo", "nccl"):
+            continue
+        if backend == "nccl":
+            options = torch_dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = False   # as torch's own new NCCL groups
+        else:
+            options = Backend.Options(backend)
+        options._timeout = timeout
+        override[name] = options
+    return override

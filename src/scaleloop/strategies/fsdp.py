@@ -107,7 +107,7 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
             torch.cuda.set_device(device)  # the device mesh and NCCL use the current GPU
         torch_dist.init_process_group(backend=self.env.backend or ("nccl" if cuda else "gloo"),
                                       store=torch_dist.HashStore(), rank=0, world_size=1,
-                                      device_id=device if cuda else None)
+                                      timeout=self.env.group_timeout, device_id=device if cuda else None)
         self._own_group = True
 
     def _prepare(self, model: nn.Module) -> nn.Module:
@@ -132,14 +132,14 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         if self.parallelism.spec.tp == 1:
             return
         self._prepare(model)   # the units are found before TP replaces their parameters
-        mesh = self.parallelism.device_mesh(self.env.device.type, self.mesh_dims)
+        mesh = self.parallelism.device_mesh(self.env, self.mesh_dims)
         self.tp_layers = apply_tensor_parallel(model, mesh["tp"])
 
     def _data_parallel(self, model: nn.Module) -> nn.Module:
         """FSDP2 over the mesh's data dimensions (``fsdp``, or ``(dp, fsdp)``: HSDP)."""
         if self._blocks is None:
             model = self._prepare(model)
-        mesh = self.parallelism.data_mesh(self.parallelism.device_mesh(self.env.device.type, self.mesh_dims))
+        mesh = self.parallelism.data_mesh(self.parallelism.device_mesh(self.env, self.mesh_dims))
         # BatchNorm's parameters stay in full precision under a low-precision policy.
         mixed = self.precision.dtype is not None
         norms = [m for m in model.modules()
@@ -163,7 +163,7 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         if self.env.is_distributed and units:
             from scaleloop.strategies.fsdp_agreement import UnitOrder
 
-            self._order = UnitOrder(model, units, step=lambda: self._steps + 1)
+            self._order = UnitOrder(model, units, step=lambda: self._steps + 1, timeout=self.env.group_timeout)
         self._params = list(model.parameters())   # the sharded parameters the optimizer steps
         index = {id(p): i for i, p in enumerate(self._params)}
         self._reached = [False] * len(self._params)

@@ -18,6 +18,7 @@ small all-reduces per unit and step, on the CPU.
 from __future__ import annotations
 
 import functools
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -30,16 +31,18 @@ from scaleloop.errors import UsageError
 
 
 class UnitOrder:
-    """The agreement above, hooked on the root module and its units (``units``: name -> module)."""
+    """The agreement above, hooked on the root module and its units (``units``: name -> module);
+    ``timeout`` bounds each agreement as ``--timeout`` bounds every collective (``DistEnv.group_timeout``)."""
 
-    def __init__(self, root: nn.Module, units: dict[str, nn.Module], step: Callable[[], int]) -> None:
+    def __init__(self, root: nn.Module, units: dict[str, nn.Module], step: Callable[[], int],
+                 timeout: timedelta) -> None:
         self.names = list(units)
         self.step = step                       # the training step in progress (for the message)
         self.root = root
         # Every rank builds it, in the same order; on the CPU's own backend when the default group's
         # is not one (NCCL). A fake group (the plan's synchronous measurement) has no Gloo beside it.
         default = torch_dist.get_backend()
-        self.group = torch_dist.new_group(backend=None if default in ("gloo", "fake") else "gloo")
+        self.group = torch_dist.new_group(backend=None if default in ("gloo", "fake") else "gloo", timeout=timeout)
         self._end_queued = False
         n = len(self.names)
         # Event codes: unit i's forward i, the forward's end n; the start of unit i's backward n+1+i,

@@ -37,6 +37,7 @@ from scaleloop.runtime.mesh import MeshSpec
 if TYPE_CHECKING:
     from torch import nn
 
+    from scaleloop.runtime.dist import DistEnv
     from scaleloop.strategies.registry import ParallelSettings
 
 
@@ -89,11 +90,12 @@ class Parallelism:
         return self.spec.data_rank(self.rank)
 
     # --- the process groups ---------------------------------------------------------------
-    def device_mesh(self, device_type: str, dims: tuple[str, ...]) -> Any:
-        """The ``DeviceMesh`` over ``dims`` (named, outermost first), built once: a collective, which
-        every rank calls at the same point of set-up."""
+    def device_mesh(self, env: "DistEnv", dims: tuple[str, ...]) -> Any:
+        """The ``DeviceMesh`` over ``dims`` (named, outermost first) on ``env``'s device, its groups
+        bounded by ``env``'s ``--timeout``, built once: a collective, which every rank calls at the
+        same point of set-up."""
         if self._mesh is None:
-            self._mesh = self.spec.build(device_type, dims)
+            self._mesh = self.spec.build(env.device.type, dims, timeout=env.group_timeout)
         return self._mesh
 
     def data_mesh(self, mesh: Any) -> Any:

@@ -31,9 +31,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     root = Path(args[0])
     cfg = resolve(load_toml(root / CONFIG_FILE), {})
     opts = VerifyOptions.read(root / OPTIONS_FILE)
-    env = DistEnv.from_env(device=cfg.device, backend=cfg.backend)
     # --timeout: a rank that stops taking part makes the others stop after that long.
-    init_process_group(env, timeout_s=cfg.timeout)
+    env = DistEnv.from_env(device=cfg.device, backend=cfg.backend, timeout_s=cfg.timeout)
+    init_process_group(env)
     recorder = Recorder(env, distributed_dir(root), explain_step=opts.explain_step,
                         audit_data="data" in opts.checks, check_sync=opts.hashes_replicas)
     try:
