@@ -6,6 +6,10 @@ from typing import Optional
 
 from scaleloop.errors import UsageError
 
+# The built-in datasets and models, by name (here, without torch, for the launcher's checks).
+DATASET_NAMES: tuple[str, ...] = ("digits", "random", "mnist", "images", "tokens", "tokenfile", "tokenfile-seq")
+MODEL_NAMES: tuple[str, ...] = ("simplenet", "biggernet", "convnet", "tinygpt")
+
 
 @dataclass(frozen=True)
 class DataSettings:

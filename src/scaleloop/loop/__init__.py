@@ -2,6 +2,7 @@
 
 - ``build``: ``build_run`` makes everything a run needs (data, model, strategy, optimizer,
   schedule, loader, loss) in one fixed order; train, verify, bench and tune-batch share it.
+- ``preflight``: the checks done once before N workers start, without torch for the common settings.
 - ``step``: ``Step``, the one training step (forward, loss, weighted backward, clipping,
   optimizer and schedule step) with an observer for verify's recorder and bench's timers.
 - ``training``: ``train``, the loop behind ``scaleloop train``; its ``Trainer``, the ``Hook``
@@ -35,7 +36,7 @@ _EXPORTS = {
     "Hook": "scaleloop.loop.training",
     "Run": "scaleloop.loop.build",
     "build_run": "scaleloop.loop.build",
-    "preflight": "scaleloop.loop.build",
+    "preflight": "scaleloop.loop.preflight",
     "build_data_and_model": "scaleloop.loop.build",
     "build_optimizer": "scaleloop.loop.build",
     "seed_everything": "scaleloop.loop.build",
