@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from scaleloop.data.info import DataInfo
+from scaleloop.data.settings import MODEL_NAMES
 from scaleloop.errors import UsageError
 from scaleloop.plugins import call_factory, is_factory_spec, resolve_factory
 
-MODEL_NAMES: tuple[str, ...] = ("simplenet", "biggernet", "convnet", "tinygpt")
 
 
 class _FlatMLP(nn.Module):

@@ -4,20 +4,19 @@ Most of what a short multi-process test costs is Python starting: ``import torch
 ``torch._dynamo`` (which torch.optim's first step imports) take about 4 CPU-seconds here, and
 the suite starts a few hundred such runs. This server is started once per pytest process,
 imports them once, and forks one child per run. The child starts as the fresh interpreter the
-command stands for, as scaleloop's own agent starts its forked workers
-(``scaleloop.launching.worker.forked``): its own session, default signal handlers, no exit
+command stands for: its own session, default signal handlers, no exit
 handlers of the server, its own environment, working directory, ``sys.argv`` and
 ``sys.path[0]``, its output in files, and ``__main__`` run by ``runpy``; at its end it joins its
 threads and runs its exit handlers as an interpreter does.
 
 ``python -m torch.distributed.run ... SCRIPT`` goes one step further: torchrun's own parser,
 rendezvous and elastic agent run in the child, and the script's workers are forked from it
-(``_torchrun``), as scaleloop's agent forks its own; each starts as the fresh worker it stands
+(``_torchrun``); each starts as the fresh worker it stands
 for and ends with the exit status and traceback one would. ``SCALELOOP_TEST_FORK_TORCHRUN=0``
 leaves those workers fresh.
 
 The server itself runs no tensor operation and starts no thread, so a fork of it is as clean
-as the agent's. ``tests/distributed/procs.py`` is its client; ``SCALELOOP_TEST_FRESH=1`` makes
+as a fresh interpreter. ``tests/distributed/procs.py`` is its client; ``SCALELOOP_TEST_FRESH=1`` makes
 every run a fresh interpreter again.
 
 Protocol (JSON lines; a request whose ``stderr`` is its ``stdout`` merges them, as ``2>&1``): the server says ``{"ready": pid}``; each request
@@ -39,6 +38,8 @@ import sys
 import tempfile
 import threading
 import traceback
+import uuid
+from typing import Any
 
 # ``python -m torch.distributed.run SCRIPT``: its workers forked from the run's fork (unless "0").
 FORK_TORCHRUN_VAR = "SCALELOOP_TEST_FORK_TORCHRUN"
@@ -95,13 +96,11 @@ def _script_worker(script: str, *args: str) -> None:
 
 def _torchrun(args: list[str]) -> None:
     """``python -m torch.distributed.run ARGS SCRIPT ...`` with the script's workers forked from
-    here, as scaleloop's agent forks its own (``scaleloop.launching.agent._run_forked``): torchrun's
-    own parser, rendezvous and elastic agent; only the workers are not fresh interpreters."""
+    here: torchrun's own parser, rendezvous and elastic agent; only the workers are not fresh
+    interpreters. (``scaleloop train`` forks nothing: only these tests' own scripts are forked.)"""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.launcher.api import elastic_launch
-
-    from scaleloop.launching.agent import forked_launch_config
 
     parsed = torchrun.parse_args(args)
     if parsed.module or parsed.no_python or parsed.run_path:
@@ -115,6 +114,24 @@ def _torchrun(args: list[str]) -> None:
     finally:
         if collecting:
             gc.enable()
+
+
+def forked_launch_config(parsed: Any) -> Any:
+    """torchrun's launch config for its ``parsed`` arguments, with the workers forked from this
+    process: what ``torch.distributed.run.run`` builds, plus ``start_method="fork"``."""
+    from torch.distributed import run as torchrun
+
+    # As torchrun's run() before it builds its launch config: --standalone is a c10d rendezvous
+    # on a free port of this machine.
+    one_machine = torchrun.parse_min_max_nnodes(parsed.nnodes)[1] == 1
+    if parsed.standalone or (parsed.rdzv_backend == "static" and not parsed.rdzv_endpoint
+                             and parsed.master_port is None and one_machine):
+        parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if parsed.master_port is None:
+        parsed.master_port = 29500
+    config, _, _ = torchrun.config_from_args(parsed)
+    config.start_method = "fork"
+    return config
 
 
 def _run(argv: list[str]) -> int:

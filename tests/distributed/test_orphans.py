@@ -43,12 +43,9 @@ def _parent(pid: int) -> int:
 
 
 def _is_worker(pid: int) -> bool:
-    """A worker torchrun started: a child of torchrun (named ``sl-torchrun``), started fresh
-    (``python -u -m scaleloop.launching.worker ...``) or forked from it."""
-    try:
-        return Path(f"/proc/{_parent(pid)}/comm").read_text().strip() == "sl-torchrun"
-    except OSError:
-        return False
+    """A worker torchrun started: a child of torchrun (``scaleloop.launching.agent``), started as
+    ``python -u -m scaleloop.launching.worker ...``."""
+    return "scaleloop.launching.agent" in _cmdline(_parent(pid)) and "scaleloop.launching.worker" in _cmdline(pid)
 
 
 def _state(pid: int) -> str:

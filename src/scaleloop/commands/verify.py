@@ -110,7 +110,7 @@ def resolve_verify(args: argparse.Namespace) -> tuple[TrainConfig, VerifyOptions
 def run(args: argparse.Namespace) -> int:
     """Execute ``scaleloop verify``: 0 if every check passed, 1 if one failed (UsageError: bad input)."""
     cfg, opts = resolve_verify(args)
-    from scaleloop.loop.build import preflight
+    from scaleloop.loop.preflight import preflight
     from scaleloop.verify.command import verify
 
     preflight(cfg)

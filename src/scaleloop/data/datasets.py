@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 from scaleloop.data.batch import describe, first_sample, first_tensor, split, tensors_of
+from scaleloop.data.settings import DATASET_NAMES
 from scaleloop.data.info import DataInfo, Datasets, Task
 from scaleloop.errors import UsageError
 from scaleloop.plugins import call_factory, is_factory_spec, resolve_factory
@@ -20,7 +21,6 @@ from scaleloop.plugins import call_factory, is_factory_spec, resolve_factory
 #: Target value that cross-entropy skips (PyTorch's and Hugging Face's convention for padding).
 IGNORE_INDEX = -100
 
-DATASET_NAMES = ("digits", "random", "mnist", "images", "tokens", "tokenfile", "tokenfile-seq")
 
 # Token streams are built from a fixed vocabulary of short random "phrases", so that a
 # language model can lower its loss by memorising them, while generation stays vectorised.

@@ -15,6 +15,10 @@ _model_data = partial(option, group="model and data")
 _hardware = partial(option, group="hardware")
 _speed = partial(option, group="speed")
 
+# The built-in datasets and models, by name (here, without torch, for the launcher's checks).
+DATASET_NAMES: tuple[str, ...] = ("digits", "random", "mnist", "images", "tokens", "tokenfile", "tokenfile-seq")
+MODEL_NAMES: tuple[str, ...] = ("simplenet", "biggernet", "convnet", "tinygpt")
+
 
 @dataclass(frozen=True)
 class DataSettings:

@@ -5,12 +5,13 @@
 - ``supervisor``: the one way train, verify and bench start workers: torchrun watched, stop signals
   passed on, the exit code and the failure report.
 - ``lifeline``: a started process ends with the process that started it (Linux), even on ``kill -9``.
-- ``agent``: torchrun as the launcher runs it, its own messages in ``logs/torchrun.log``.
+- ``agent``: torchrun as the launcher runs it, its own messages in ``logs/torchrun.log``; its
+  workers are fresh interpreters, as under plain torchrun.
 - ``worker``: each worker's entry: its log, torchrun's ``record`` with scaleloop's extras, stack dumps.
-- ``siblings``: a forked worker waits until the agent has forked the others (a resolver lock held
-  at a fork would stall it).
 - ``console``: a run's prints go nowhere once their reader has gone (``| head``); it trains on.
 - ``spawn``: ``scaleloop.launch(fn, nproc=N)`` from a script or a notebook.
+- ``forks``: ``scaleloop.launch``'s forks (its agent a fork of the caller; a forked worker waits
+  until the agent has forked the others). Train, verify and bench fork nothing.
 - ``rendezvous``: a multi-machine job's c10d rendezvous: this machine's address, and whether it hosts.
 - ``failures``: after a failure, which rank failed first or stalled, and where; the report and
   ``failure.json``.

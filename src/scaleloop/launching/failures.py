@@ -147,24 +147,10 @@ _ENTRY_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _ENTRY_EXIT = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 
 
-EXIT_FILE_PREFIX = "exit-rank-"   # in the workers' log directory, written by scaleloop.launching.agent
-
-
 def exit_codes(logs: Path) -> dict[int, int]:
-    """Each failed worker's exit code (negative: killed by that signal): as the agent saw each
-    forked worker end (``logs/exit-rank-<R>.txt``), else from torchrun's own summary in
-    ``logs/torchrun.log``, the first observed failure first; empty when neither says."""
-    found: dict[int, int] = {}
-    for path in logs.glob(f"{EXIT_FILE_PREFIX}*.txt"):
-        try:
-            code = int(path.read_text().strip())
-            if code:
-                found[int(path.stem[len(EXIT_FILE_PREFIX):])] = code
-        except (OSError, ValueError):
-            continue
-    for rank, code in _summary_codes(logs / AGENT_LOG).items():
-        found.setdefault(rank, code)
-    return found
+    """Each failed worker's exit code (negative: killed by that signal), from torchrun's own summary
+    in ``logs/torchrun.log``, the first observed failure first; empty when it says none."""
+    return _summary_codes(logs / AGENT_LOG)
 
 
 def _summary_codes(agent_log: Path) -> dict[int, int]:

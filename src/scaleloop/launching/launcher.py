@@ -59,13 +59,14 @@ def launch_train(cfg: TrainConfig) -> Optional["RunResult"]:
     own summary). Raises :class:`Interrupted` on Ctrl-C, :class:`WorkersFailed` when torchrun
     reports a failure, ``UsageError`` for bad settings.
     """
-    from scaleloop.runtime import dist
-    from scaleloop.loop.training import train
     from scaleloop.checkpoint.resume import run_dir_for
     from scaleloop.output.rundir import default_run_dir, refuse_if_in_use
+    from scaleloop.runtime.started import launched_by_slurm, launched_by_torchrun
 
-    # Started by torchrun or srun: this process is one worker. Otherwise it is the launcher.
-    here = not (dist.launched_by_torchrun() or dist.launched_by_slurm())
+    # Started by torchrun or srun: this process is one worker. Otherwise it is the launcher,
+    # which starts torchrun without importing torch: torchrun and its workers are fresh
+    # interpreters that import it themselves, as under plain torchrun.
+    here = not (launched_by_torchrun() or launched_by_slurm())
     if here:
         refuse_if_in_use(run_dir_for(cfg))   # the first thing to say about a directory in use
         cfg = auto_processes(cfg)
@@ -75,6 +76,9 @@ def launch_train(cfg: TrainConfig) -> Optional["RunResult"]:
         # Named now, so that an interrupted run can say where to resume it from.
         out = run_dir_for(cfg) or default_run_dir(cfg.model, cfg.data)
         cfg = cfg.replace(out=str(out))
+
+    from scaleloop.loop.training import train
+    from scaleloop.runtime import dist
 
     env = dist.DistEnv.from_env(device=cfg.device, backend=cfg.backend, timeout_s=cfg.timeout)
     dist.init_process_group(env)
@@ -130,7 +134,7 @@ def _failed_here(run_dir: Path, cfg: TrainConfig, exc: BaseException) -> Excepti
 
 def _launch_workers(cfg: TrainConfig) -> None:
     """Start ``cfg.world_size`` workers under torchrun and wait for them."""
-    from scaleloop.loop.build import preflight
+    from scaleloop.loop.preflight import preflight
     from scaleloop.checkpoint.resume import run_dir_for
     from scaleloop.checkpoint.claim import claim_run_dir
     from scaleloop.output.rundir import default_run_dir, write_atomic

@@ -75,17 +75,6 @@ def _load_prctl() -> Optional[Callable[..., int]]:
 _PRCTL = _load_prctl()
 
 
-_PR_SET_NAME = 15       # <linux/prctl.h>
-
-
-def set_name(name: str) -> bool:
-    """Name this process as ``ps -o comm``, ``top`` and ``/proc/<pid>/comm`` show it (15 bytes at
-    most): the processes forked from the launcher all carry its command line, not their role."""
-    if _PRCTL is None:
-        return False
-    return _PRCTL(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0) == 0
-
-
 def _request_parent_death_signal() -> bool:
     return _PRCTL is not None and _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
 

@@ -11,8 +11,8 @@ agent's tracebacks. Its agent holds its lifeline to the caller and its workers t
 (``scaleloop.launching.lifeline``), as torchrun's do: a killed script or notebook kernel takes
 them along.
 
-Its agent is started and watched by ``scaleloop.launching.supervisor``, as torchrun is for the
-CLI's commands: a fork of the caller (so that ``fn`` may be a notebook's function and its
+Its agent is started by ``scaleloop.launching.forks`` and watched by
+``scaleloop.launching.supervisor``, as torchrun is for the CLI's commands: a fork of the caller (so that ``fn`` may be a notebook's function and its
 workers forks of it), which holds its lifeline to the caller and hands rank 0's return value
 back pickled. The elastic agent's signal handlers live in that fork, never in the caller.
 
@@ -44,7 +44,7 @@ from typing import IO, Any, Callable, Mapping, Optional, Sequence, Union
 from scaleloop.errors import UsageError
 from scaleloop.launching import lifeline
 from scaleloop.launching.failures import ELASTIC_DIR, LOGS_DIR, analyse, read_stack_dump
-from scaleloop.launching.siblings import wait_for_siblings
+from scaleloop.launching.forks import wait_for_siblings
 
 START_METHODS = ("auto", "fork", "spawn", "forkserver")
 
@@ -128,7 +128,7 @@ class _Worker:
         # launch's store, a process group in a reference cycle): collected here, their destructors
         # would join threads and close sockets that exist only in the caller, and crash
         # (SIGSEGV while "Garbage-collecting"). The agent, a fork of the caller, never collects
-        # (supervisor.start_function), so none runs in the worker before this line; from here on
+        # (forks.start_function), so none runs in the worker before this line; from here on
         # the copies are never collected.
         gc.freeze()
         if self.collect:
@@ -136,7 +136,7 @@ class _Worker:
         # A killed notebook kernel or script gives the agent no chance to stop its workers.
         lifeline.hold(self.launcher)
         # Before any name lookup: a fork taken while the agent's store resolved a sibling's address
-        # holds the resolver's lock (scaleloop.launching.siblings).
+        # holds the resolver's lock (scaleloop.launching.forks).
         wait_for_siblings()
         # A forked worker inherits the agent's handlers, which turn SIGTERM into a Python
         # exception that cannot interrupt a blocking C++ call (a rendezvous, a collective):
@@ -244,7 +244,7 @@ def launch(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
-    from scaleloop.launching import supervisor
+    from scaleloop.launching import forks, supervisor
     from scaleloop.launching.torchrun import WorkerLaunch
 
     worker = _Worker(fn, kwargs or {}, threads)
@@ -268,14 +268,14 @@ def launch(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
         agent = _Agent(config, worker, tuple(args), run_dir)
         described = WorkerLaunch(nproc=nproc, module="scaleloop.launch", logs=logs, nnodes=max_nodes,
                                  max_restarts=max_restarts)
-        ended = supervisor.wait_out(supervisor.start_function(agent, described))
+        ended = supervisor.wait_out(forks.start_function(agent, described))
         results = agent.outcome(run_dir, ended.code)
     return dict(results) if all_ranks else results.get(0)
 
 
 class _Agent:
     """torch's elastic agent running ``worker`` in its workers: the body of the fork that
-    ``scaleloop.launching.supervisor.start_function`` starts. It leaves its outcome in ``out``:
+    ``scaleloop.launching.forks.start_function`` starts. It leaves its outcome in ``out``:
     the results by rank, the workers' failures, or its own exception (pickled), which
     :meth:`outcome` reads in the caller."""
 

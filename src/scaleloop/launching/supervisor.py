@@ -3,12 +3,11 @@
 Train, verify and bench describe their workers as a ``WorkerLaunch``
 (``scaleloop.launching.torchrun``) and start them here:
 
-- :func:`start` starts torchrun (or, for a ``direct`` launch, the one worker) as a child of
-  this process that holds its lifeline to it (``scaleloop.launching.lifeline``): however this
-  process ends, even by ``kill -9``, torchrun and then its workers end with it. Where the agent
-  forks its workers (no GPU, see ``scaleloop.launching.agent``) and torch is imported here
-  already, torchrun is a fork of this process too, which spares it importing torch again;
-  either way it runs ``scaleloop.launching.agent``'s ``main`` with the same arguments;
+- :func:`start` starts torchrun (or, for a ``direct`` launch, the one worker) as a fresh
+  interpreter, a child of this process that holds its lifeline to it
+  (``scaleloop.launching.lifeline``): however this process ends, even by ``kill -9``, torchrun
+  and then its workers end with it. ``scaleloop.launch``'s agent, a fork of the caller, is
+  started by ``scaleloop.launching.forks`` and watched here alike;
 - :func:`supervise` starts, passes this process's stop signals on as SIGUSR1 (the workers then
   finish their step and checkpoint), and waits;
 - :class:`Ended` is the exit code, and after a failure :meth:`Ended.failure` reads the workers'
@@ -16,19 +15,14 @@ Train, verify and bench describe their workers as a ``WorkerLaunch``
 """
 from __future__ import annotations
 
-import atexit
-import gc
-import logging
 import os
 import signal
 import subprocess
-import sys
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Callable, Optional, Sequence, Union
+from typing import IO, Any, Optional, Sequence, Union
 
 from scaleloop.launching import lifeline
 from scaleloop.launching.failures import Failure, analyse
@@ -135,8 +129,6 @@ class Workers:
 def start(launch: WorkerLaunch, *, stdout: _Output = None, stderr: _Output = None, text: bool = False) -> Workers:
     """Start ``launch``'s supervised command; its output goes to ``stdout``/``stderr`` (default: this
     process's console). Same process group as this one: Ctrl-C in a terminal reaches torchrun too."""
-    from scaleloop.launching.agent import forks_workers_here
-
     launch.logs.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ if launch.env is None else launch.env)
     if launch.direct:
@@ -146,112 +138,9 @@ def start(launch: WorkerLaunch, *, stdout: _Output = None, stderr: _Output = Non
         env["TORCHELASTIC_ERROR_FILE"] = str(error_file)
     started = time.time()
     env = lifeline.child_env(env)
-    if not launch.direct and stdout is None and stderr is None and "torch" in sys.modules and forks_workers_here(env):
-        return Workers(launch, _fork_agent(launch.agent_args(), env), started)  # type: ignore[arg-type]
     proc = subprocess.Popen(launch.supervised_command(), env=env, stdout=stdout,
                             stderr=stderr, text=text, bufsize=1 if text else -1)
     return Workers(launch, proc, started)
-
-
-class _ForkedAgent:
-    """torchrun as a fork of this process: the part of ``subprocess.Popen`` that ``Workers`` uses."""
-
-    def __init__(self, pid: int, args: Sequence[str]) -> None:
-        self.pid, self.args, self.returncode = pid, list(args), None
-
-    def poll(self) -> Optional[int]:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        # Polled, never a blocking waitpid: see Workers.wait.
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-            time.sleep(0.05)
-        return self.returncode  # type: ignore[return-value]
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-
-def _fork_agent(args: Sequence[str], env: dict[str, str]) -> _ForkedAgent:
-    """Run ``scaleloop.launching.agent``'s ``main(args)`` in a fork of this process with ``env``,
-    started as ``python -m scaleloop.launching.agent ARGS`` would be (handlers, exit handlers and
-    this process's objects are not its own: none runs or is collected there)."""
-    def run() -> int:
-        from scaleloop.launching import agent
-
-        sys.argv = [agent.__file__, *args]
-        return agent.main(list(args))
-
-    return _fork(run, args, env, collect=True)
-
-
-def _fork(run: Callable[[], int], args: Sequence[str], env: dict[str, str], *, collect: bool) -> _ForkedAgent:
-    """``run()`` in a fork of this process with ``env``, its return value the fork's exit code.
-
-    The fork starts as a fresh process would: default signal handlers, none of this process's
-    exit handlers, and this process's objects frozen, so that they are never collected there
-    (their destructors would close what only this process holds). ``collect``: whether the fork
-    collects its own garbage (False: its own forks must not collect it either)."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    collecting = gc.isenabled()
-    gc.disable()
-    pid = os.fork()
-    if pid:
-        if collecting:
-            gc.enable()
-        return _ForkedAgent(pid, args)
-    code = 1
-    try:
-        gc.freeze()
-        if collect:
-            gc.enable()
-        atexit._clear()
-        for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
-            if hasattr(signal, name):
-                signal.signal(getattr(signal, name), signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        os.environ.clear()
-        os.environ.update(env)
-        code = run()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # the agent's own failure: as a fresh agent would print it
-        traceback.print_exc()
-    finally:
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
-
-
-def start_function(run: Callable[[], int], launch: WorkerLaunch) -> Workers:
-    """Start an agent that is a function of this process (``scaleloop.launch``'s elastic agent, which
-    runs the caller's own Python function in its workers): a fork of this process that holds its
-    lifeline to it and returns ``run()``'s value as its exit code, watched as torchrun is. Its
-    workers never outlive it, nor it this process."""
-    launch.logs.mkdir(parents=True, exist_ok=True)
-    env = lifeline.child_env(dict(os.environ if launch.env is None else launch.env))
-
-    def held() -> int:
-        lifeline.hold()
-        return run()
-
-    return Workers(launch, _fork(held, [launch.module], env, collect=False), time.time())  # type: ignore[arg-type]
 
 
 def supervise(launch: WorkerLaunch, *, forward: Sequence[signal.Signals] = ()) -> Ended:

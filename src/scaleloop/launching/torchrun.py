@@ -26,6 +26,8 @@ from scaleloop.launching.rendezvous import rdzv_conf, route_address, split_endpo
 SHUTDOWN_TIMEOUT_S = 600
 
 AGENT_MODULE = "scaleloop.launching.agent"
+# The NVIDIA driver's control device: present on a machine with an NVIDIA GPU and its driver.
+NVIDIA_CONTROL_DEVICE = "/dev/nvidiactl"
 WORKER_MODULE = "scaleloop.launching.worker"
 
 
@@ -168,14 +170,13 @@ FLIGHT_RECORDER_PREFIX = "nccl-trace-rank-"
 
 
 def uses_cuda(cfg: TrainConfig) -> bool:
-    """Whether the workers will run on CUDA (and so talk over NCCL)."""
+    """Whether the workers may run on CUDA (and so talk over NCCL): asked for, or ``--device auto``
+    on a machine with an NVIDIA driver. Decided without torch: the launcher does not import it."""
     if cfg.backend == "nccl" or cfg.device.startswith("cuda"):
         return True
     if cfg.device != "auto" or cfg.backend == "gloo":
         return False
-    import torch
-
-    return torch.cuda.is_available()
+    return os.path.exists(NVIDIA_CONTROL_DEVICE)
 
 
 def flight_recorder_env(logs: Path) -> dict[str, str]:

@@ -20,11 +20,8 @@
 """
 from __future__ import annotations
 
-import atexit
 import faulthandler
-import gc
 import importlib
-import logging
 import json
 import os
 import signal
@@ -39,7 +36,6 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 
 from scaleloop.launching import lifeline
 from scaleloop.launching.console import console_stream
-from scaleloop.launching.siblings import wait_for_siblings
 from scaleloop.runtime import preempt
 from scaleloop.errors import EXIT_INTERRUPTED
 from scaleloop.runtime.frames import Frame, FrameKinds, where_of
@@ -241,7 +237,6 @@ def run(log_dir: Path, main: Callable[[list[str]], Optional[int]], argv: list[st
     from scaleloop.runtime.dist import global_rank
 
     rank = global_rank()
-    lifeline.set_name(f"sl-rank-{rank}")
     log = _open_log(log_dir, rank)
     tees = _route_output(rank, log)
 
@@ -287,63 +282,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               file=sys.stderr)
         return 2
     log_dir, module, rest = Path(args[0]), args[1], args[2:]
+    # Writes that go nowhere once the console's reader has gone (launching.console).
+    sys.stdout = console_stream(1, sys.stdout, sys.stdout.errors or "strict")
+    sys.stderr = console_stream(2, sys.stderr, "backslashreplace")
     entry = importlib.import_module(module).main
     return run(log_dir, entry, rest)
-
-
-# What every worker imports whatever it runs (the rest, the user's model and data, comes later):
-# the agent imports them once before it forks its workers (see ``forked``).
-_PRELOAD = ("torch._dynamo",   # torch.optim's first optimizer imports it: 1-2 s in each fresh worker
-            "scaleloop.loop.training", "scaleloop.loop.build", "scaleloop.strategies.factory",
-            "scaleloop.strategies.ddp", "torch.nn.parallel")
-
-
-def preload(entry: str) -> None:
-    """Import, in the agent, what its forked workers would each import: ``entry`` and the loop."""
-    for name in (*_PRELOAD, __name__, entry):
-        importlib.import_module(name)
-
-
-def forked(*argv: str) -> None:
-    """A worker forked by the agent (``scaleloop.launching.agent``): starts as the fresh
-    ``python -u -m scaleloop.launching.worker ARGV`` it stands for, then runs it.
-
-    Only what a fork carries over from the agent is undone: its session (torchrun's workers have
-    their own: Ctrl-C reaches them through torchrun only), its signal handlers, its loggers, its
-    exit handlers, its buffered output, its thread count (a fresh torch reads OMP_NUM_THREADS,
-    which torchrun sets for several workers), and its garbage (the agent pauses collection
-    while it forks: the copies of its objects are never collected here, where their
-    destructors would join threads that exist only in the agent).
-    """
-    os.setsid()
-    lifeline.set_name(f"sl-rank-{os.environ.get('RANK', '')}")   # first: how the agent tells the ranks apart
-    # Before any name lookup: a fork taken while the agent's store resolved a sibling's address
-    # holds the resolver's lock (scaleloop.launching.siblings).
-    wait_for_siblings()
-    gc.freeze()
-    gc.enable()
-    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    logging.captureWarnings(False)
-    for logger in (logging.getLogger(name) for name in ("torch.distributed", "torch.multiprocessing", "py.warnings")):
-        logger.handlers, logger.propagate = [], True
-    atexit._clear()  # the agent's; this worker's own run at its end, as at a fresh interpreter's
-    # Writes that go nowhere once the console's reader has gone (launching.console).
-    sys.stdout = console_stream(1, sys.stdout, sys.stdout.errors)
-    sys.stderr = console_stream(2, sys.stderr, "backslashreplace")
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
-        import torch
-
-        torch.set_num_threads(int(threads))
-    try:
-        code = main(list(argv))
-    finally:
-        atexit._run_exitfuncs()
-    if code:
-        sys.exit(code)   # the exit status torchrun reads, as from a worker process of its own
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 - ``build``: ``build_run`` makes everything a run needs (data, model, strategy, optimizer,
   schedule, loader, loss) in one fixed order; train, verify, bench and tune-batch share it.
+- ``preflight``: the checks done once before N workers start, without torch for the common settings.
 - ``step``: ``train_step``, the one training step (micro-batches: forward, loss, weighted
   backward; then clipping, optimizer and schedule step), watched by an ``Observer`` (the
   trainer's clock, verify's recorder, bench's timers).
@@ -38,7 +39,7 @@ _EXPORTS = {
     "Trainer": "scaleloop.loop.trainer",
     "Run": "scaleloop.loop.build",
     "build_run": "scaleloop.loop.build",
-    "preflight": "scaleloop.loop.build",
+    "preflight": "scaleloop.loop.preflight",
     "build_data_and_model": "scaleloop.loop.build",
     "build_optimizer": "scaleloop.loop.build",
     "seed_everything": "scaleloop.loop.build",

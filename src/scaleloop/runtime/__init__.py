@@ -4,6 +4,7 @@ Nothing here starts a process or reads the config; every floor above may use it.
 
 - ``dist``: ``DistEnv`` (rank, world size, device, backend; the one reader of the launcher's
   variables) and the process group's start and end.
+- ``started``: who started this process (torchrun, ``srun``, the user), from the environment alone.
 - ``slurm``: ranks and the master address from SLURM's variables; ``scontrol requeue``.
 - ``devices``: the best device and a local rank's device.
 - ``collectives``: sums, gathers and broadcasts over ranks as plain functions of a ``DistEnv``,

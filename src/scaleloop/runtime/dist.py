@@ -16,6 +16,7 @@ import torch
 import torch.distributed as torch_dist
 
 from scaleloop.runtime import slurm
+from scaleloop.runtime.started import launched_by_slurm, launched_by_torchrun  # noqa: F401 - named from here too
 from scaleloop.runtime.devices import choose_device, device_for_local_rank, mps_available, say_once, visible_gpus
 from scaleloop.errors import UsageError
 
@@ -105,24 +106,6 @@ def _torchrun_ranks(env: Mapping[str, str]) -> tuple[int, int, int, int]:
     if not 0 <= rank < world_size:
         raise UsageError(f"launcher environment: RANK={rank} is outside WORLD_SIZE={world_size}")
     return rank, world_size, local_rank, local_world_size
-
-
-def launched_by_torchrun(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """True inside a worker started by torchrun / torch.distributed.run (or a compatible launcher)."""
-    env = os.environ if environ is None else environ
-    return "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env)
-
-
-def launched_by_slurm(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """True inside one of several tasks that ``srun`` started (each task is one worker).
-
-    False for the batch script itself (it sees SLURM_NTASKS too, but is one process) and
-    for a one-task job, which is not distributed.
-    """
-    env = os.environ if environ is None else environ
-    ntasks = env.get("SLURM_NTASKS", "").strip()
-    # Malformed values are left to DistEnv.from_env, which says what is wrong.
-    return slurm.in_srun_step(env) and ntasks.isdigit() and int(ntasks) > 1
 
 
 def global_rank(environ: Optional[Mapping[str, str]] = None) -> int:

@@ -1,4 +1,4 @@
-"""A forked worker waits until the agent has forked all its siblings (scaleloop.launching.siblings):
+"""scaleloop.launch's forked worker waits until the agent has forked all its siblings (scaleloop.launching.forks):
 counted from Linux's list of the agent's children; no wait where there is nothing to count."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from scaleloop.launching.siblings import children_file, count_children, wait_for_siblings
+from scaleloop.launching.forks import children_file, count_children, wait_for_siblings
 
 
 def test_it_waits_until_the_parent_has_as_many_children_as_local_workers(tmp_path: Path) -> None:

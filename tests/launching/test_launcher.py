@@ -1,0 +1,49 @@
+"""The launcher starts torchrun without importing torch: torchrun and its workers are fresh
+interpreters that import it themselves (scaleloop.launching.launcher)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+# `scaleloop train ARGV` up to the start of torchrun, which is replaced by a report of what the
+# launcher had imported by then.
+PROBE = """
+import sys
+import scaleloop.launching.launcher as launcher
+
+def supervise(launch, forward=()):
+    print("torch imported" if "torch" in sys.modules else "no torch")
+    print(" ".join(launch.supervised_command()))
+    sys.exit(0)
+
+launcher.supervise = supervise
+from scaleloop.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def launcher_until_torchrun(tmp_path: Path, *argv: str) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    for var in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_STEP_ID"):
+        env.pop(var, None)
+    res = subprocess.run([sys.executable, "-c", PROBE, "train", *argv, "--out", str(tmp_path / "run")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout.splitlines()
+
+
+@pytest.mark.parametrize("argv", [("--nproc", "2", "--data", "random"),
+                                  ("--nproc", "2", "--device", "auto", "--strategy", "fsdp"),
+                                  ("--nproc", "2", "--device", "cpu", "--model", "tinygpt", "--data", "tokens")])
+def test_the_launcher_never_imports_torch_before_torchrun_starts(tmp_path: Path, argv: tuple[str, ...]) -> None:
+    said = launcher_until_torchrun(tmp_path, *argv)
+    assert "no torch" in said, said
+    started = said[said.index("no torch") + 1]
+    assert "-m scaleloop.launching.agent " in started and "-m scaleloop.launching.worker " in started
+    assert (tmp_path / "run" / "config.toml").is_file()   # checked, claimed and written before torchrun starts
