@@ -34,55 +34,15 @@ from scaleloop.runtime.frames import note_where
 from scaleloop.runtime.recovery import RECOVERY_FILE, Recovery
 
 
-class StepClock(Observer):
-    """The trainer's watch on its steps: the gradients' bytes at the first step (they exist only
-    between the backward and the optimizer step), and with several ranks this rank's own seconds:
-    its work (data, forward passes) up to its step's last loss, the part of a step that does not
-    wait for the other ranks, so that the log rows can compare ranks (a straggler). One rank has
-    no one to compare with: its clock is not read."""
-
-    def __init__(self, run: Run, on_batch: Optional[Callable[[Batch], None]]) -> None:
-        self.model, self.on_batch = run.model, on_batch
-        self.clocked = run.env.world_size > 1
-        self.gradient_bytes: Optional[int] = None
-        self.own_s = 0.0   # since the last take_own_s
-        #: ``time.perf_counter()`` when the loop last moved on: the last step's end, or a restart.
-        self.last_progress = self._loss_known = time.perf_counter()
-
-    def restart(self) -> None:
-        """The next step's own time starts now (after a pause: evaluation, checkpoint, a log row)."""
-        if self.clocked:
-            self.last_progress = self._loss_known = time.perf_counter()
-
-    def take_own_s(self) -> float:
-        """This rank's own seconds since the last call (then counted from zero again)."""
-        own, self.own_s = self.own_s, 0.0
-        return own
-
-    def micro_batch(self, batch: Batch) -> None:
-        if self.on_batch is not None:
-            self.on_batch(batch)
-
-    def forward_done(self, loss: torch.Tensor) -> None:
-        if self.clocked:
-            self._loss_known = time.perf_counter()
-
-    def synced(self) -> None:
-        if self.gradient_bytes is None:
-            self.gradient_bytes = gradient_bytes(self.model)
-        if self.clocked:
-            # A rank that computes no loss (a pipeline's earlier stage) counts the step up to here.
-            began = self.last_progress
-            self.own_s += (self._loss_known if self._loss_known > began else time.perf_counter()) - began
-
-    def stepped(self) -> None:
-        if self.clocked:
-            self.last_progress = time.perf_counter()
-
-
-class Trainer:
+class Trainer(Observer):
     """One run's loop and what it carries from step to step: the run, its checkpointer, the
     result kept as it goes (:class:`~scaleloop.loop.result.RunResult`), the running loss and the pauses.
+
+    It watches its own steps (an :class:`~scaleloop.loop.step.Observer`): the gradients' bytes at
+    the first step (they exist only between the backward and the optimizer step), and with several
+    ranks this rank's own seconds: its work (data, forward passes) up to its step's last loss, the
+    part of a step that does not wait for the other ranks, so that the log rows can compare ranks
+    (a straggler). One rank has no one to compare with: its clock is not read.
 
     ``on_batch`` (optional) sees every micro-batch this rank trains on, before its forward pass.
     Making one opens ``metrics.csv`` and the tracker (when ``run_dir`` is given) and nothing else:
@@ -107,7 +67,12 @@ class Trainer:
         self.running = RunningLoss()  # loss x samples and samples, of the epoch and of the log window
         if resumed is not None:
             self.running.load(resumed.sums)
-        self.clock = StepClock(run, on_batch)
+        self.on_batch = on_batch
+        self.clocked = run.env.world_size > 1
+        self.gradient_bytes: Optional[int] = None
+        self.own_s = 0.0   # since the last take_own_s
+        #: ``time.perf_counter()`` when the loop last moved on: the last step's end, or a restart.
+        self.last_progress = self._loss_known = time.perf_counter()
         self.pauses = Pauses(run, self.result, self.running, checkpointer, self.emit, self.metrics, say)
         self.recovery: Optional[Recovery] = None   # a fault's recovery, reported after the first step
         self.vote: Optional[StopVote] = None       # the preemption stop vote (loop/preempt.py), from fit on
@@ -147,7 +112,7 @@ class Trainer:
             raise exc.with_hint(self.checkpointer.continue_hint(exc.once)) from None
         except BaseException as exc:  # where the loop was, for the launcher's failure report
             note_where(exc, epoch=result.epochs + 1, step=result.steps + 1,
-                       last_progress=time.time() - (time.perf_counter() - self.clock.last_progress),
+                       last_progress=time.time() - (time.perf_counter() - self.last_progress),
                        during=self.pauses.doing)
             raise
         finally:
@@ -155,12 +120,12 @@ class Trainer:
                 self.metrics.close()
         if result.test is None:
             result.test = self.pauses.evals.test()  # nothing trained: the checkpoint's model
-        return finish(self.run, result, self.checkpointer, self.resumed, self.clock.gradient_bytes)
+        return finish(self.run, result, self.checkpointer, self.resumed, self.gradient_bytes)
 
     def train_epoch(self, epoch: int, first_step: int) -> bool:
         """Epoch ``epoch`` from its step ``first_step`` on, then its end; True when the run stops
         in it (``--max-steps``, or the stop vote)."""
-        cfg, run, result, clock, pauses = self.cfg, self.run, self.result, self.clock, self.pauses
+        cfg, run, result, pauses = self.cfg, self.run, self.result, self.pauses
         sampler = run.loader.sampler
         run.loader.set_epoch(epoch, first_step)
         if first_step == 0:
@@ -172,10 +137,10 @@ class Trainer:
         # with steps still queued makes samples/s look better than it is. Free on the CPU.
         epoch_start = window_start = device_clock(self.env.device)
         window_samples = 0
-        clock.restart()
+        self.restart_clock()
         for micro_batches in steps_of(run.loader):
             result.step_lr = run.optimizer.param_groups[0]["lr"]   # the learning rate this step uses
-            losses = train_step(run, micro_batches, clock)
+            losses = train_step(run, micro_batches, self)   # the trainer watches its step (below)
             result.steps += 1
             for batch, loss in zip(micro_batches, losses):
                 if loss is not None:  # None: this rank computes no loss (a pipeline's earlier stage)
@@ -198,7 +163,7 @@ class Trainer:
                 break
             if pauses.due(result.steps) and not _epoch_complete(sampler, in_epoch):
                 paused = pauses.inside(epoch, in_epoch, result.steps, epoch_start)
-                clock.restart()
+                self.restart_clock()
                 epoch_start += paused   # not training time, as at the epoch's end
                 window_start += paused
         result.train_s += device_clock(self.env.device) - epoch_start
@@ -217,7 +182,7 @@ class Trainer:
         run, result, running = self.run, self.result, self.running
         steps = result.steps - result.window_from
         skipped = run.strategy.precision.skipped
-        totals = reduce_window(run.env, running.window_values(), self.clock.take_own_s(),
+        totals = reduce_window(run.env, running.window_values(), self.take_own_s(),
                                running.first_nonfinite_step(), skipped)
         now = device_clock(run.env.device)
         rate = window_samples / max(now - window_start, 1e-9)
@@ -232,7 +197,7 @@ class Trainer:
         result.window_from = result.steps
         self.emit(Row("step", epoch + 1, result.steps, result.samples, values, totals, steps,
                            (now - window_start) / max(steps, 1)))
-        self.clock.restart()  # the wait in this all-reduce is no rank's own work
+        self.restart_clock()  # the wait in this all-reduce is no rank's own work
         return time.perf_counter()
 
     def _report_recovery(self, epoch: int) -> None:
@@ -251,6 +216,38 @@ class Trainer:
                 recovery.write(self.run_dir)
             except OSError as exc:
                 self.say(f"warning: {self.run_dir / RECOVERY_FILE} could not be written: {exc}")
+
+
+    # --- watching the step (loop.step.Observer) ------------------------------------------
+    def restart_clock(self) -> None:
+        """The next step's own time starts now (after a pause: evaluation, checkpoint, a log row)."""
+        if self.clocked:
+            self.last_progress = self._loss_known = time.perf_counter()
+
+    def take_own_s(self) -> float:
+        """This rank's own seconds since the last call (then counted from zero again)."""
+        own, self.own_s = self.own_s, 0.0
+        return own
+
+    def micro_batch(self, batch: Batch) -> None:
+        if self.on_batch is not None:
+            self.on_batch(batch)
+
+    def forward_done(self, loss: torch.Tensor) -> None:
+        if self.clocked:
+            self._loss_known = time.perf_counter()
+
+    def synced(self) -> None:
+        if self.gradient_bytes is None:
+            self.gradient_bytes = gradient_bytes(self.run.model)
+        if self.clocked:
+            # A rank that computes no loss (a pipeline's earlier stage) counts the step up to here.
+            began = self.last_progress
+            self.own_s += (self._loss_known if self._loss_known > began else time.perf_counter()) - began
+
+    def stepped(self) -> None:
+        if self.clocked:
+            self.last_progress = time.perf_counter()
 
 
 def _epoch_complete(sampler: Any, in_epoch: int) -> bool:
