@@ -50,7 +50,7 @@ def test_scaling_table_is_sane(scaling: tuple[dict[str, Any], str, str]) -> None
         assert p["per_worker_batch"] == quick["batch_size"]                  # weak scaling by default
         assert p["global_batch"] == p["workers"] * quick["batch_size"]
         assert p["samples_per_s"] > 0 and p["loss_finite"]
-        assert 0 < p["efficiency"] <= 1.2
+        assert p["efficiency"] > 0   # its value is a timing (1.36 once on a loaded machine): checked below against the rates
         assert 0 < p["mfu"] < 1
         b = p["breakdown"]
         assert all(b[k] >= 0 for k in ("data_s", "forward_s", "backward_s", "optimizer_s"))
