@@ -7,7 +7,9 @@ multi-process files, the longest, are collected first. The order inside a file i
 """
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -24,3 +26,20 @@ def _rank(item: pytest.Item) -> int:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=_rank)  # stable: each file's tests stay together and in their order
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 3 MB file system of its own (tmpfs), for runs that fill their disk; grow it with
+    ``mount -o remount,size=...``. Skipped where mounting is not permitted (not root, a container
+    without the capability)."""
+    where = tmp_path / "small-disk"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(where)],
+                             capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"a small tmpfs cannot be mounted here: {mounted.stderr.strip() or mounted.returncode}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], capture_output=True, check=False)

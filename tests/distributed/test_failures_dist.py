@@ -290,6 +290,8 @@ def test_a_usage_error_of_the_workers_is_said_once(tmp_path: Path) -> None:
                     "element is the prediction, or a mapping or object with 'logits' (a Hugging Face ModelOutput) "
                     "or with its own 'loss'"], res.stdout + res.stderr
     assert not list(out.glob("usage-error*")), "the workers' messages are taken by the launcher"
+    told = diagnose(out).what   # recorded by rank 0's loop, kept by the launcher
+    assert told.startswith("stopped on bad input") and ": the model returned a str;" in told, told
 
 
 def test_a_console_whose_reader_goes_away_does_not_stop_the_run(tmp_path: Path) -> None:

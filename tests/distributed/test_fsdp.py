@@ -5,6 +5,8 @@
 - a sharded checkpoint written by 2 processes resumes on 1, and one written by 1 on 2
   (through the CLI: ``scaleloop train --out RUN --nproc N``);
 - each rank holds about half of the parameters, gradients and optimizer state (memory.json);
+- a disk too small for the sharded checkpoint: one line naming it and the space, nothing of it
+  left, the one before still the newest (a real 3 MB tmpfs);
 - scripts/fsdp_probe.py: no reduce-scatter on micro-steps, fp16 skips agree across ranks,
   evaluation with uneven batch counts, the units, the full-weights export, BatchNorm buffers
   (fsdp ends with DDP's weights, buffers and test loss).
@@ -15,6 +17,7 @@ references run in this process.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -22,6 +25,7 @@ import pytest
 import torch
 
 from procs import run, scaleloop
+from scaleloop.commands.doctor import diagnose
 from scaleloop.config import TrainConfig
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.loop.training import train
@@ -144,3 +148,24 @@ def test_probe(root: Path) -> None:
     assert not skipped["stepped"] and stepped["stepped"] and stepped["scale"] == skipped["scale"]
     assert set(report["evaluate"]) == {"3", "1"}
     assert report["convnet_fsdp_vs_ddp"]["weights"] <= 1e-6
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_checkpoint_before(small_disk: Path) -> None:
+    # Before: DCP's exception (a BaseException) passed the rank's error record, its report went to
+    # the full disk, and the launcher said "no Python error"; a .tmp-step-... stayed on the disk.
+    run_dir = small_disk / "run"
+    res = run([sys.executable, "-m", "scaleloop", "train", "--nproc", "2", "--strategy", "fsdp", "--data", "random",
+               "--hidden-dim", "8192", "--checkpoint-every", "5", "--max-steps", "12", "--no-progress",
+               "--no-tensorboard", "--out", str(run_dir)], cwd=small_disk.parent, timeout=240)
+    root = run_dir / "checkpoints"
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert re.fullmatch(
+        rf"scaleloop: error: cannot write '{root}/step-00000010': disk full \(it needs 2\.\d MB, [\d.]+ KB free\); "
+        rf"the newest valid checkpoint is '{root}/step-00000005' \(step 5\); once space is freed, continue with: "
+        rf"scaleloop train --out {run_dir}\n", res.stderr), res.stderr
+    assert "Traceback" not in res.stdout + res.stderr
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000005"]
+    failure = json.loads((run_dir / "failure.json").read_text())
+    assert failure["kind"] == "unwritable" and "disk full" in failure["message"]
+    told = diagnose(run_dir)
+    assert told.state == "unwritable" and "disk full" in told.what and told.checkpoint.step == 5

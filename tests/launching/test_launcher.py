@@ -47,3 +47,17 @@ def test_the_launcher_never_imports_torch_before_torchrun_starts(tmp_path: Path,
     started = said[said.index("no torch") + 1]
     assert "-m scaleloop.launching.agent " in started and "-m scaleloop.launching.worker " in started
     assert (tmp_path / "run" / "config.toml").is_file()   # checked, claimed and written before torchrun starts
+
+
+def test_the_workers_usage_error_is_recorded_for_doctor_unless_their_loop_did(tmp_path: Path) -> None:
+    from scaleloop.commands.doctor import diagnose
+    from scaleloop.launching import launcher
+    from scaleloop.output.endings import Failure
+
+    # Found while the workers built the model, before any loop could record it.
+    launcher._record_usage_error(tmp_path, "--model m:f has no parameters to train")
+    assert diagnose(tmp_path).what == "stopped on bad input: --model m:f has no parameters to train"
+    # Found by rank 0's loop, which recorded where: kept as it is.
+    Failure("usage", epoch=1, step=3, message="bad batch").write(tmp_path)
+    launcher._record_usage_error(tmp_path, "bad batch")
+    assert diagnose(tmp_path).what == "stopped on bad input at epoch 1, step 3: bad batch"

@@ -1,17 +1,23 @@
 """A run's health on one process (scaleloop.loop.health and the loop around it): straggler
-detection, a diverging run, fp16 skipped steps, and the stop row of --max-steps."""
+detection, a diverging run, data that is not finite, fp16 skipped steps, and the stop row of
+--max-steps."""
 from __future__ import annotations
 
 import csv
 import functools
+import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from scaleloop.cli import main
+from scaleloop.commands.doctor import diagnose
 from scaleloop.config import TrainConfig
-from scaleloop.loop.health import Diverged, Stragglers, blocks, first_bad, per_rank_vector
+from scaleloop.data.sampler import StepSampler
+from scaleloop.loop.health import Diverged, Stragglers, blocks, first_bad, nonfinite_sample, per_rank_vector
 from scaleloop.loop.running_loss import RunningLoss
 from scaleloop.loop.training import train
 from scaleloop.runtime.dist import DistEnv
@@ -95,6 +101,57 @@ def test_a_diverging_run_stops_without_a_nonfinite_checkpoint(tmp_path: Path) ->
     state = torch.load(root / kept[0] / "state.pt", weights_only=True)
     assert all(torch.isfinite(t).all() for t in state["model"].values())
     assert "\n" not in text
+
+
+# A user's dataset read from a file, one feature of one sample of which is NaN.
+NAN_DATA = """
+from pathlib import Path
+import numpy as np, torch
+from torch.utils.data import TensorDataset
+
+def build():
+    rows = np.loadtxt(Path(__file__).with_name("samples.csv"), delimiter=",", dtype=np.float32)
+    return TensorDataset(torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, -1]).long()), None
+"""
+
+
+def test_nan_in_the_data_is_named_as_the_datas_fault_not_the_learning_rates(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: "the run diverged ... start over with a lower --lr or with --clip-grad 1.0".
+    samples = torch.randn(256, 9, generator=torch.Generator().manual_seed(0))
+    samples[:, -1] = (samples[:, 0] > 0).float()
+    samples[37, 3] = float("nan")
+    (tmp_path / "samples.csv").write_text("\n".join(",".join(map(str, row.tolist())) for row in samples) + "\n")
+    (tmp_path / "nandata.py").write_text(NAN_DATA)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = tmp_path / "run"
+    code = main(["train", "--data", "nandata:build", "--epochs", "2", "--batch-size", "32", "--log-every", "1",
+                 "--no-progress", "--no-tensorboard", "--device", "cpu", "--out", str(run)])
+    out, err = capsys.readouterr()
+    assert code == 2, err
+    # Shuffled: step 1-8 of epoch 1, whichever holds sample 37, is the first with a NaN loss.
+    step = next(s for s in range(8) if 37 in StepSampler(256, 32, seed=0).step_indices(0, s).tolist()) + 1
+    assert err == (f"scaleloop: error: the training data is not finite: sample 37 has nan in its inputs (step {step}, "
+                   "epoch 1, where the training loss became nan); stopped there and wrote no checkpoint of it; "
+                   "no checkpoint was written before it; repair or leave out that sample (a lower --lr or "
+                   "--clip-grad does not help)\n")
+    assert json.loads((run / "failure.json").read_text())["kind"] == "usage"
+    assert "the training data is not finite: sample 37 has nan" in diagnose(run).what
+
+
+def test_a_nonfinite_sample_is_found_in_the_step_where_the_loss_began_only() -> None:
+    def loader(dataset, sampler=None):
+        return SimpleNamespace(dataset=dataset, sampler=sampler or StepSampler(len(dataset), 2, shuffle=False))
+
+    targets = torch.zeros(6)
+    targets[3] = float("-inf")
+    pairs = torch.utils.data.TensorDataset(torch.ones(6, 2), targets)
+    assert nonfinite_sample(loader(pairs), 1) is None          # samples 0 and 1
+    assert nonfinite_sample(loader(pairs), 2) == "sample 3 has -inf in its target"
+    mapping = [{"input_ids": torch.arange(3), "labels": torch.tensor([1.0, math.nan])}] * 2
+    assert nonfinite_sample(loader(mapping), 1) == "sample 0 has nan in its target"
+    stream = SimpleNamespace(steps_per_epoch=None)            # a stream's step cannot be read again
+    assert nonfinite_sample(loader(pairs, stream), 2) is None
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")

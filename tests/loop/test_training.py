@@ -252,3 +252,44 @@ def test_evaluate_with_fewer_test_samples_than_ranks(monkeypatch: pytest.MonkeyP
     assert int(totals[1]) == int(totals[4]) == 2
     assert int(totals[2]) == int((out.argmax(1) == ds.y).sum())
     assert float(totals[0]) / 2 == pytest.approx(float(F.cross_entropy(out, ds.y)), rel=1e-6)
+
+
+# --- a model with nothing to train ----------------------------------------------------------
+NO_PARAMETERS = """
+from torch import nn
+
+def build(info=None):
+    return nn.Sequential(nn.Flatten(), nn.ReLU())
+"""
+
+
+@pytest.mark.parametrize("strategy", [["--strategy", "single"], ["--strategy", "fsdp"],
+                                      ["--strategy", "pipeline", "--nproc", "2"]])
+def test_a_model_without_parameters_is_one_line_at_every_strategy(
+        strategy: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: single raised "optimizer got an empty parameter list" at loop/build.py, pipeline
+    # said it could not cut 0 layers "use ... --strategy ddp/fsdp", fsdp "use --strategy ddp or single".
+    # (ddp builds through the same build_run as single and fsdp; --nproc 2 pipeline is refused before
+    # any worker starts.)
+    from scaleloop.cli import main
+
+    (tmp_path / "noparams.py").write_text(NO_PARAMETERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["train", "--model", "noparams:build", "--data", "random", "--n-samples", "64", "--max-steps", "1",
+                 "--no-progress", "--no-tensorboard", "--device", "cpu", *strategy, "--out", str(tmp_path / "run")])
+    assert code == 2
+    assert capsys.readouterr().err == ("scaleloop: error: --model noparams:build has no parameters to train "
+                                       "(Sequential holds none): an optimizer would have nothing to update; "
+                                       "give the model at least one trainable parameter\n")
+    assert not (tmp_path / "run").exists()   # refused before the run directory is made
+
+
+def test_a_model_whose_parameters_are_all_frozen_is_refused_too() -> None:
+    from scaleloop.errors import UsageError
+    from scaleloop.loop.build import check_trainable
+
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(UsageError, match=r"^--model m:f has no parameters to train \(its 2 parameter tensor\(s\) "
+                                         r"all have requires_grad=False\)"):
+        check_trainable("m:f", frozen)
+    check_trainable("m:f", torch.nn.Sequential(frozen, torch.nn.Linear(2, 1)))   # one trains: fine

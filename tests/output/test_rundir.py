@@ -181,7 +181,7 @@ def test_a_write_that_fails_names_the_file_and_leaves_no_temporary(tmp_path: Pat
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(rundir.os, "fsync", full)
-    with pytest.raises(RunDirWriteError, match=rf"^cannot write '{tmp_path / 'model.pt'}': no space left on device "
+    with pytest.raises(RunDirWriteError, match=rf"^cannot write '{tmp_path / 'model.pt'}': disk full "
                                                r"\(it needs 2.0 KB, .* free\)$") as caught:
         write_atomic(tmp_path / "model.pt", b"x" * 2000)
     assert caught.value.once == "space is freed"

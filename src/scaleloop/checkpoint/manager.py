@@ -24,6 +24,8 @@ back needs a directory every rank sees: a file system shared by all nodes.
 """
 from __future__ import annotations
 
+import errno
+import os
 import shlex
 import shutil
 import time
@@ -36,7 +38,7 @@ from torch import nn
 
 from scaleloop.checkpoint.replicas import Replicas, machines, newest_among_machines
 from scaleloop.checkpoint.resume import check_compatible, find_checkpoint
-from scaleloop.checkpoint.state import capture_rng, from_bytes, restore_rng, to_bytes
+from scaleloop.checkpoint.state import capture_rng, from_bytes, restore_rng, state_bytes, to_bytes
 from scaleloop.checkpoint.store import (CHECKPOINTS_DIR, FORMAT_VERSION, STATE_FILE, CheckpointError,
                                         begin_checkpoint, finish_checkpoint, newest_valid, prune, retire_after,
                                         step_dir_name)
@@ -142,12 +144,26 @@ class Checkpointer:
         # the strategy says what state.pt holds of the model and optimizer (and a sharded one
         # writes its shards into that directory from every rank).
         tmp, error = None, None
-        if self.root is not None:
+        where = self.root / step_dir_name(progress.global_step) if self.root is not None else None
+        # A sharded checkpoint is written by every rank at once: what they will write, summed over
+        # ranks, is checked against the space free before any of it is (one collective; a whole
+        # checkpoint is checked below, once its bytes are known).
+        needed = (int(sum_over_ranks([state_bytes(model, optimizer)], env)[0]) + _SLACK
+                  if strategy.writes_sharded else None)
+        if self.root is not None and where is not None:
             try:
+                _room_for(self.root, needed)
                 tmp = begin_checkpoint(self.root, progress.global_step)
             except OSError as exc:
-                error = self._write_error(self.root / step_dir_name(progress.global_step), exc, None)
-        model_and_optim = strategy.save_checkpoint(model, optimizer, tmp)
+                error = self._write_error(where, exc, needed)
+        try:
+            model_and_optim = strategy.save_checkpoint(model, optimizer, tmp)
+        except OSError as exc:
+            # A sharded write that failed on any rank (disk full part-way) fails on every rank alike.
+            model_and_optim = None
+            if tmp is not None and where is not None:
+                error = self._write_error(where, exc, needed, tmp)
+                tmp = None
         # One collective for both: each rank's RNGs and its data state (a stream each rank reads).
         gathered = gather_object((capture_rng(env.device), self.data_state() if self.data_state else None), env)
         rngs = [rng for rng, _ in gathered]
@@ -178,11 +194,12 @@ class Checkpointer:
                 meta["sharded"] = model_and_optim["sharded"]
             data = to_bytes(state)
             try:
+                _room_for(tmp, len(data) + _SLACK)
                 path = finish_checkpoint(self.root, progress.global_step, tmp, {STATE_FILE: data}, meta)
                 prune(self.root, self.settings.keep_checkpoints)
             except OSError as exc:
-                final = self.root / step_dir_name(progress.global_step) / STATE_FILE
-                error = self._write_error(final, exc, len(data), tmp)
+                error = self._write_error(self.root / step_dir_name(progress.global_step), exc,
+                                          len(data) + _SLACK, tmp)
             else:
                 self.last_path = path
         if env.world_size > 1:
@@ -215,11 +232,9 @@ class Checkpointer:
 
     def _write_error(self, file: Path, exc: OSError, needed: Optional[int], tmp: Optional[Path] = None) -> str:
         """The one line for a checkpoint that could not be written; removes its temporary directory
-        first, so the newest valid checkpoint (and ``latest``) stay what they were, and the space
-        free is what the checkpoint could have had."""
+        first, so the newest valid checkpoint (and ``latest``) stay what they were, the space free
+        is what the checkpoint could have had, and the ranks' error records have room."""
         if tmp is not None:
-            needed = (needed or 0) + sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()
-                                          and f.name != STATE_FILE)
             shutil.rmtree(tmp, ignore_errors=True)
         once = unwritable(file, exc).once
         return str(unwritable(file, exc, needed=needed, then=self.continue_hint(once)))
@@ -298,6 +313,26 @@ class Checkpointer:
         data = data_states[env.rank if env.rank < len(data_states) else 0] if data_states else None
         return Resumed(source=Path(source), progress=progress, sums=sums,
                        saved_world_size=saved_world, notes=notes, copy_on_rank=src or None, data=data)
+
+
+#: Room for what a checkpoint holds beside its tensors: the manifest, DCP's ``.metadata`` and the
+#: files' headers, and the file system's rounding up to whole blocks.
+_SLACK = 64 * 1024
+
+
+def _room_for(directory: Path, needed: Optional[int]) -> None:
+    """OSError ENOSPC, before anything is written, when ``directory``'s file system has less than
+    ``needed`` bytes free (a full disk part-way through a write is still caught where it happens)."""
+    if needed is None:
+        return
+    for existing in (directory, *directory.parents):   # checkpoints/ appears with the first checkpoint
+        try:
+            free = shutil.disk_usage(existing).free
+        except OSError:
+            continue
+        if needed > free:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+        return
 
 
 def _quiet(_msg: str) -> None:

@@ -92,3 +92,24 @@ def check_model_state(expected: Mapping[str, torch.Tensor], saved: Mapping[str, 
         parts.append(f"not in the model: {few(unexpected)}")
     raise CheckpointError(f"{source} does not fit this model: {'; '.join(parts)} "
                           "(was it written for another --model or --hidden-dim?)")
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of this rank's part of the model's and optimizer's tensors that a checkpoint writes:
+    a sharded tensor's local shard, and a tensor replicated over a mesh dimension only on that
+    dimension's first rank (the one that writes it). Summed over ranks, the size of a sharded
+    checkpoint's files, give or take their headers; a free-space check uses it before writing."""
+    tensors = [*model.state_dict().values(),
+               *(value for state in optimizer.state.values() for value in state.values())]
+    return sum(_written_bytes(t) for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _written_bytes(tensor: torch.Tensor) -> int:
+    to_local = getattr(tensor, "to_local", None)
+    if to_local is None:
+        return tensor.numel() * tensor.element_size()
+    coordinate = tensor.device_mesh.get_coordinate() or []
+    if any(p.is_replicate() and c != 0 for p, c in zip(tensor.placements, coordinate)):
+        return 0
+    local = to_local()
+    return local.numel() * local.element_size()

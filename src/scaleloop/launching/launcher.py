@@ -172,12 +172,28 @@ def _launch_workers(cfg: TrainConfig) -> None:
         ranks = ended.ranks_logged()
         said = _take_usage_error(run_dir, ranks)
         if said is not None:  # a worker found bad input (the user's model or data): said in one line, once
+            _record_usage_error(run_dir, said[0])
             error = UsageError(said[0])
             error.shown = said[1]
             raise error
         failure = ended.failure(run_dir, continue_line=_continue_line(run_dir), timeout_s=cfg.timeout, ranks=ranks)
         failure.write(run_dir)
         raise WorkersFailed(code, failure)
+
+
+def _record_usage_error(run_dir: Path, message: str) -> None:
+    """``failure.json`` for the workers' bad input, for ``scaleloop doctor``, unless rank 0's loop
+    recorded this very error already (with its epoch and step: ``loop.ending``)."""
+    import json
+
+    from scaleloop.output.endings import FAILURE_FILE
+
+    try:
+        recorded = json.loads((run_dir / FAILURE_FILE).read_text(encoding="utf-8")).get("message")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if recorded != message:   # one found while starting up (building the model), before any loop
+        Failure("usage", error_type="UsageError", message=message, report=[f"scaleloop: error: {message}"]).write(run_dir)
 
 
 def _run_workers(cfg: TrainConfig, launch: WorkerLaunch) -> Ended:

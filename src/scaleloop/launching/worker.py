@@ -65,20 +65,32 @@ class _Tee:
 
     def __init__(self, console: IO[str], log: IO[str]) -> None:
         self._console: Optional[IO[str]] = console
-        self._log = log
+        self._log: Optional[IO[str]] = log
         self._real = console
 
     def write(self, text: str) -> int:
         if self._console is not None:
             self._console.write(text)
-        if "\r" not in text:
-            self._log.write(text)
+        if "\r" not in text and self._log is not None:
+            try:
+                self._log.write(text)
+            except OSError:
+                self._lost_log()
         return len(text)
 
     def flush(self) -> None:
         if self._console is not None:
             self._console.flush()
-        self._log.flush()
+        if self._log is not None:
+            try:
+                self._log.flush()
+            except OSError:
+                self._lost_log()
+
+    def _lost_log(self) -> None:
+        # A log that cannot be written (its disk is full) must not take the console with it:
+        # Python would drop sys.stderr, and with it the report of what went wrong.
+        self._log = None
 
     def isatty(self) -> bool:
         return self._console is not None and self._console.isatty()

@@ -143,6 +143,19 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def check_trainable(name: str, model: nn.Module) -> None:
+    """A model with no parameter to train (none at all, or every one with ``requires_grad=False``)
+    is refused in one line: an optimizer would have nothing to update, and each strategy would
+    fail in its own place and words."""
+    if count_parameters(model) > 0:
+        return
+    frozen = len(list(model.parameters()))
+    held = (f"its {frozen} parameter tensor(s) all have requires_grad=False" if frozen
+            else f"{type(model).__name__} holds none")
+    raise UsageError(f"--model {name} has no parameters to train ({held}): an optimizer would have nothing to "
+                     "update; give the model at least one trainable parameter")
+
+
 def _batch_beyond_the_data(cfg: TrainConfig, samples: Optional[int], steps: Optional[int]) -> list[str]:
     """A batch larger than the training set: what it becomes, said (or refused, when no step is left)."""
     if samples is None or cfg.batch_size <= samples:
@@ -164,6 +177,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     """
     datasets, model = (data or build_data_and_model)(cfg)
     check_eval_data(cfg.evaluation, datasets)
+    check_trainable(cfg.model, model)   # here, before any strategy: every one says it alike
     keep_target = keeps_target(model, datasets.train, datasets.info.task)
     if isinstance(keep_target, tuple) and cfg.pipeline_layout() is not None:
         keep_target = False   # a pipeline's first stage takes the input alone; its last computes the loss

@@ -10,7 +10,9 @@ zero, so the sum over ranks is a gather, at the cost of a few more floats in the
 - **divergence**: the global loss is read anyway; a rank's first step with a non-finite loss
   (``RunningLoss.first_nonfinite_step()``) says where it began. At an epoch's end and before a
   checkpoint, a slot per rank also says whether its weights are finite, so no checkpoint
-  holds non-finite weights (:class:`Diverged`).
+  holds non-finite weights (:class:`Diverged`). Only then are that step's samples read again:
+  when one of them holds inf or NaN, the data is named as the cause, not the learning rate
+  (:func:`stopped_on_nonfinite`).
 - **fp16 skipped steps**: the GradScaler's count of skipped steps, kept on the device
   (``Precision.skipped``), copied into the vector without waiting for the device.
 """
@@ -21,11 +23,13 @@ import shlex
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
+from scaleloop.data.batch import split
 from scaleloop.errors import UsageError
 from scaleloop.runtime.collectives import sum_over_ranks
 from scaleloop.runtime.dist import DistEnv
@@ -172,6 +176,57 @@ def diverged(what: str, step: int, epoch: int, run_dir: Optional[Path], checkpoi
     else:
         text += "; start over with a lower --lr or with --clip-grad 1.0"
     return Diverged(text, first, step, epoch, ranks)
+
+
+def stopped_on_nonfinite(what: str, step: int, epoch: int, run_dir: Optional[Path], checkpoint_step: Optional[int],
+                         ranks: Sequence[int], world: int, loader: Any) -> UsageError:
+    """The error that stops a run whose loss (``what``, from step ``step`` on) is not finite: the
+    data's fault when a sample of that step holds inf or NaN (:func:`nonfinite_sample`, read only
+    now), else :func:`diverged`. Every rank reads the same samples and says the same."""
+    cause = nonfinite_sample(loader, step) if what.startswith("the training loss") else None
+    if cause is None:
+        return diverged(what, step, epoch, run_dir, checkpoint_step, ranks, world)
+    return UsageError(f"the training data is not finite: {cause} (step {step}, epoch {epoch}, where {what}); "
+                      "stopped there and wrote no checkpoint of it; "
+                      f"{continue_line(run_dir, checkpoint_step)}; repair or leave out that sample "
+                      "(a lower --lr or --clip-grad does not help)")
+
+
+def nonfinite_sample(loader: Any, step: int) -> Optional[str]:
+    """"sample 37 has nan in its inputs": the first sample of optimizer step ``step`` (of the run,
+    from 1) whose inputs or target hold inf or NaN; None when every one is finite, or when the
+    step's samples cannot be read again (a stream)."""
+    sampler = loader.sampler
+    per_epoch = getattr(sampler, "steps_per_epoch", None)
+    if not hasattr(sampler, "step_indices") or not per_epoch or step < 1:
+        return None
+    epoch, in_epoch = divmod(step - 1, per_epoch)   # every epoch has the same steps (one global batch)
+    for index in sampler.step_indices(epoch, in_epoch).tolist():
+        try:
+            parts = split(loader.dataset[index])
+        except Exception:  # noqa: BLE001 - a sample that cannot be read again leaves the plain divergence line
+            return None
+        for part, name in zip(parts, ("inputs", "target")):
+            value = _first_nonfinite(part)
+            if value is not None:
+                return f"sample {index} has {value} in its {name}"
+    return None
+
+
+def _first_nonfinite(obj: Any) -> Optional[str]:
+    """'nan', 'inf' or '-inf': the first non-finite number in ``obj`` (tensors, arrays, numbers, and
+    containers of them); None if there is none."""
+    if isinstance(obj, np.ndarray) and obj.dtype.kind in "fc":
+        obj = torch.from_numpy(obj)
+    if isinstance(obj, float):
+        obj = torch.tensor(obj)
+    if isinstance(obj, torch.Tensor):
+        if not (obj.is_floating_point() or obj.is_complex()):
+            return None
+        bad = obj[~torch.isfinite(obj)]
+        return str(bad.flatten()[0].item()) if bad.numel() else None
+    values = obj.values() if isinstance(obj, Mapping) else obj if isinstance(obj, (list, tuple)) else ()
+    return next((found for found in map(_first_nonfinite, values) if found is not None), None)
 
 
 @dataclass

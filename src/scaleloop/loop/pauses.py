@@ -16,7 +16,7 @@ from scaleloop.checkpoint.manager import Checkpointer, Progress
 from scaleloop.loop.build import Run
 from scaleloop.loop.evaluate import EvalResult
 from scaleloop.loop.evaluations import Evaluations
-from scaleloop.loop.health import diverged, reduce_checked
+from scaleloop.loop.health import reduce_checked, stopped_on_nonfinite
 from scaleloop.loop.result import RunResult
 from scaleloop.loop.rows import Row
 from scaleloop.loop.running_loss import RunningLoss
@@ -93,15 +93,16 @@ class Pauses:
         self.doing = None
 
     def check_finite(self, epoch: int, head: list[float]) -> list[float]:
-        """``head`` summed over ranks; raises :class:`~scaleloop.loop.health.Diverged` on every rank
-        alike if a loss so far or the weights are not finite, before a checkpoint could hold them."""
+        """``head`` summed over ranks; raises :class:`~scaleloop.loop.health.Diverged` (or names the
+        data) on every rank alike if a loss so far or the weights are not finite, before a
+        checkpoint could hold them."""
         env = self.run.env
         sums, first, ranks = reduce_checked(env, self.run.model, head, self.running.first_nonfinite_step())
         if first is not None or ranks:
             what = ("the training loss became non-finite" if first is not None
                     else "the weights were no longer finite (inf or NaN) after")
-            raise diverged(what, first or self.result.steps, epoch + 1, self.result.out, self.checkpointer.last_step,
-                           ranks, env.world_size)
+            raise stopped_on_nonfinite(what, first or self.result.steps, epoch + 1, self.result.out,
+                                       self.checkpointer.last_step, ranks, env.world_size, self.run.loader)
         return sums
 
     def skipped(self) -> int:

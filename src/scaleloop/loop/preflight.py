@@ -46,7 +46,7 @@ def preflight(cfg: TrainConfig) -> None:
     if layout is not None:
         # The cut into stages is known before any worker starts: a model too shallow for
         # its stages fails here, in one line, rather than in every worker.
-        from scaleloop.loop.build import build_data_and_model, check_decay_with_pipeline
+        from scaleloop.loop.build import build_data_and_model, check_decay_with_pipeline, check_trainable
 
         check_decay_with_pipeline(cfg)
         from scaleloop.strategies.pipeline_schedules import check_pipeline_schedule
@@ -54,5 +54,6 @@ def preflight(cfg: TrainConfig) -> None:
 
         per_rank = check_pipeline_schedule(cfg.pipeline_schedule, layout[0], cfg.microbatches, cfg.stages_per_rank)
         _, model = build_data_and_model(cfg)
+        check_trainable(cfg.model, model)   # as every strategy says it (loop/build.py), before the cut
         cut_stages(pipeline_layers(model), layout[0] * per_rank, cfg.model, per_rank)
 

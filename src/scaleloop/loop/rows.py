@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from scaleloop.checkpoint.manager import Checkpointer
-from scaleloop.loop.health import WindowTotals, diverged
+from scaleloop.loop.health import WindowTotals, stopped_on_nonfinite
 from scaleloop.loop.result import RunResult
 
 
@@ -31,12 +31,13 @@ class Row:
     step_s: float = 0.0              # ... and their wall seconds per step
 
 
-def check_health(row: Row, totals: WindowTotals, result: RunResult, checkpointer: Checkpointer) -> None:
+def check_health(row: Row, totals: WindowTotals, result: RunResult, checkpointer: Checkpointer, loader: Any) -> None:
     """On a log row's all-reduced ``totals`` (every rank alike): a straggling rank gets a line; a
-    non-finite loss stops the run on every rank (after rank 0 wrote the row that shows it)."""
+    non-finite loss stops the run on every rank (after rank 0 wrote the row that shows it),
+    naming the data (``loader``'s) when a sample of the step it began at is not finite."""
     straggler = result.stragglers.window(totals.own_s, row.steps, row.step_s, row.step)
     if straggler is not None:
         checkpointer.say(straggler.describe())
     if totals.samples > 0 and not math.isfinite(totals.loss):
-        raise diverged(f"the training loss became {totals.loss}", totals.first_bad or row.step, row.epoch,
-                       result.out, checkpointer.last_step, totals.bad_ranks, len(totals.own_s))
+        raise stopped_on_nonfinite(f"the training loss became {totals.loss}", totals.first_bad or row.step, row.epoch,
+                                   result.out, checkpointer.last_step, totals.bad_ranks, len(totals.own_s), loader)

@@ -83,7 +83,7 @@ class Trainer(Observer):
         if self.metrics is not None:
             self.metrics.write(row.kind, epoch=row.epoch, step=row.step, samples=row.samples, **row.values)
         if row.totals is not None:
-            check_health(row, row.totals, self.result, self.checkpointer)
+            check_health(row, row.totals, self.result, self.checkpointer, self.run.loader)
 
     def fit(self, recovery: Optional[Recovery] = None) -> RunResult:
         """The epochs from the checkpoint's place on; then the final weights and the result.

@@ -190,11 +190,11 @@ def _free(path: Path) -> Optional[int]:
 def unwritable(path: Path, exc: OSError, *, needed: Optional[int] = None, then: str = "") -> RunDirWriteError:
     """The one-line error for a run-directory file that cannot be written: the file, why, the
     space it needed against the space free, and ``then`` (what to do next)."""
-    why = exc.strerror or exc.__class__.__name__
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    why = "disk full" if exc.errno == errno.ENOSPC else exc.strerror or exc.__class__.__name__
     text = f"cannot write {str(path)!r}: {why[:1].lower() + why[1:]}"
     if needed is not None:
         free = _free(path.parent)
         text += f" (it needs {_size(needed)}" + (f", {_size(free)} free)" if free is not None else ")")
-    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
     return RunDirWriteError(text + (f"; {then}" if then else ""),
                             "space is freed" if full else "the run directory is writable again")

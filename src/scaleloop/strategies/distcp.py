@@ -20,6 +20,9 @@ Every function here that touches a process group is a collective: every rank cal
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -84,14 +87,53 @@ def _restored(loaded: Any, layout: Any) -> Any:
     return loaded
 
 
-def save_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    """Every rank writes its part of the model and optimizer state into ``directory``."""
+#: Less free space than this after a failed write: the file system is full (see :func:`write_failure`).
+_FULL_BELOW = 1 << 20
+
+
+def _save(state: dict[str, Any], directory: Path) -> None:
+    """``dcp.save``, whose failure on any rank is raised on every rank as an OSError."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with _quiet_without_group():
+        try:
+            dcp.save(state, checkpoint_id=str(directory))
+        except CheckpointException as exc:
+            # DCP raises it on every rank when any rank's write failed; it is a BaseException, which
+            # nothing above expects (it went past the worker's error record), and its text is every
+            # rank's traceback. The checkpoint manager turns the OSError into its one line.
+            raise write_failure(exc.failures, directory) from None
+
+
+def write_failure(failures: dict[int, Any], directory: Path) -> OSError:
+    """The OSError behind DCP's ``failures`` (rank -> (exception, traceback)) of a write into ``directory``.
+
+    A rank's OSError is kept as it is. ``torch.save`` reports a write cut short by a full disk as a
+    RuntimeError ("unexpected pos ..."), not as ENOSPC; so when the file system holds (almost)
+    nothing free after the failed write, the cause is taken to be a full disk.
+    """
+    errors = [pair[0] if isinstance(pair, tuple) else pair for _, pair in sorted(failures.items())]
+    for error in errors:
+        if isinstance(error, OSError):
+            return error
+    try:
+        full = shutil.disk_usage(directory).free < _FULL_BELOW
+    except OSError:
+        full = False
+    if full:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+    first = " ".join(str(errors[0]).split())[:200] if errors else "no error given"
+    return OSError(errno.EIO, f"torch.distributed.checkpoint could not write it ({first})", str(directory))
+
+
+def save_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Every rank writes its part of the model and optimizer state into ``directory``; OSError on
+    every rank when any rank's write failed (:func:`write_failure`)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(module, optimizer)
-    with _quiet_without_group():
-        dcp.save(_portable({MODEL_KEY: model_state, OPTIMIZER_KEY: optim_state}), checkpoint_id=str(directory))
+    _save(_portable({MODEL_KEY: model_state, OPTIMIZER_KEY: optim_state}), directory)
 
 
 def load_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
@@ -133,13 +175,11 @@ def save_named(module: nn.Module, optimizer: torch.optim.Optimizer, directory: P
     """As :func:`save_state` for a module that holds part of a model (a pipeline's stages): each
     rank writes its tensors under the whole model's names (``names``: its ``state_dict`` key ->
     those names), so that the files read back like a whole model's (DCP keeps one copy of a key
-    that several ranks write: a tied weight, a replica)."""
-    import torch.distributed.checkpoint as dcp
+    that several ranks write: a tied weight, a replica). OSError as for :func:`save_state`."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(module, optimizer)
-    with _quiet_without_group():
-        dcp.save(_renamed(model_state, optim_state, names, all_params, every_name=True), checkpoint_id=str(directory))
+    _save(_renamed(model_state, optim_state, names, all_params, every_name=True), directory)
 
 
 def load_named(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, names: dict[str, list[str]],
