@@ -35,7 +35,7 @@ def settings_in_job(cfg: TrainConfig, job: ClusterJob, given: Mapping[str, Any])
         placed = _in_pod(cfg, job.kubeflow, given)
         return placed, job.kubeflow.describe(placed.nproc)
     if job.kind == LEFTOVER:
-        return cfg, _leftover_line(job, given, cfg.nproc)
+        return cfg, _leftover_line(job, given)
     return cfg, None
 
 
@@ -73,7 +73,7 @@ def _in_pod(cfg: TrainConfig, pod: KubeflowJob, given: Mapping[str, Any]) -> Tra
     return cfg.replace(**job).validate()
 
 
-def _leftover_line(job: ClusterJob, given: Mapping[str, Any], nproc: int) -> str:
+def _leftover_line(job: ClusterJob, given: Mapping[str, Any]) -> str:
     names = ", ".join(job.leftover)
     if "nproc" in given or job.leftover_world <= 1:
         why = f"--nproc {given['nproc']} decides" if "nproc" in given else "they describe one process"
