@@ -5,7 +5,7 @@ import argparse
 from typing import Any
 
 from scaleloop.commands.cmdline import add_config_flags, flag_values, help_tiers
-from scaleloop.config import common_fields, config_for_resume, load_toml
+from scaleloop.config import SETTINGS, common_fields, config_for_resume, load_toml
 
 
 def register(subparsers: Any) -> None:
@@ -25,10 +25,16 @@ def run(args: argparse.Namespace) -> int:
     from scaleloop.launching.launcher import launch_train
 
     file_values = load_toml(args.config) if args.config else {}
+    typed = {name: value for name, value in vars(args).items() if name in SETTINGS}   # as typed, "auto" too
+    if typed.get("nproc") == "auto":   # one process a GPU, else 1 (launching.jobs)
+        from scaleloop.launching.jobs import processes_a_machine
+
+        args.nproc = str(processes_a_machine("auto"))
+    flags = flag_values(args)
     # Output piped into `head`: the run trains on once the reader has gone (launching.console).
     with kept_console():
         # Resuming a run starts from that run's saved settings; flags still override them.
-        result = launch_train(config_for_resume(file_values, flag_values(args)))
+        result = launch_train(config_for_resume(file_values, flags), given=typed)
         if result is not None:
             from scaleloop.loop.summary import format_result
 

@@ -159,7 +159,8 @@ class LaunchSettings:
 
     device: str = option("auto", "device: auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps", group="hardware",
                          common=True)
-    nproc: int = _launch(1, "worker processes on this machine (one per GPU on CUDA)", common=True)
+    nproc: int = _launch(1, "worker processes on this machine (one per GPU on CUDA); auto: one per GPU, else 1 "
+                         "(on the command line)", common=True)
     nnodes: int = _launch(1, "machines in the job: N, or MIN:MAX for elastic membership (with --rdzv-endpoint: the "
                           "job goes on with as few as MIN machines and admits returning ones, up to MAX)")
     min_nnodes: int = _launch(0, "the fewest machines an elastic job goes on with (set by --nnodes MIN:MAX; "

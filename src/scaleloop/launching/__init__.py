@@ -13,6 +13,8 @@
 - ``forks``: ``scaleloop.launch``'s forks (its agent a fork of the caller; a forked worker waits
   until the agent has forked the others). Train, verify and bench fork nothing.
 - ``rendezvous``: a multi-machine job's c10d rendezvous: this machine's address, and whether it hosts.
+- ``jobs``: ``scaleloop train`` in the job that started it: a Kubeflow pod as one machine of the job;
+  leftover ``RANK``/``WORLD_SIZE`` refused or ignored in one line.
 - ``failures``: after a failure, which rank failed first or stalled, and where; the report and
   ``failure.json``.
 """

@@ -15,7 +15,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from scaleloop.config import TrainConfig, to_toml
 from scaleloop.errors import EXIT_INTERRUPTED, UsageError
@@ -52,22 +52,32 @@ class WorkersFailed(Exception):
         self.code, self.failure = code, failure
 
 
-def launch_train(cfg: TrainConfig) -> Optional["RunResult"]:
+def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) -> Optional["RunResult"]:
     """Train ``cfg``; the result on the process that prints it (rank 0 here), else None.
 
+    ``given``: the flags of the command line as typed (a Kubeflow pod's job must agree with
+    them; ``--nproc`` wins over leftover launcher variables).
     None also when this process only launched the workers under torchrun (they print their
     own summary). Raises :class:`Interrupted` on Ctrl-C, :class:`WorkersFailed` when torchrun
     reports a failure, ``UsageError`` for bad settings.
     """
     from scaleloop.checkpoint.resume import run_dir_for
+    from scaleloop.launching.jobs import settings_in_job
     from scaleloop.output.rundir import default_run_dir, refuse_if_in_use
-    from scaleloop.runtime.started import launched_by_slurm, launched_by_torchrun
+    from scaleloop.runtime.cluster import read_job
 
     # Started by torchrun or srun: this process is one worker. Otherwise it is the launcher,
     # which starts torchrun without importing torch: torchrun and its workers are fresh
-    # interpreters that import it themselves, as under plain torchrun.
-    here = not (launched_by_torchrun() or launched_by_slurm())
+    # interpreters that import it themselves, as under plain torchrun. In a Kubeflow pod it is
+    # one machine's launcher; with leftover RANK/WORLD_SIZE it says so before anything waits.
+    job = read_job(os.environ)
+    here = not job.is_worker
     if here:
+        cfg, said = settings_in_job(cfg, job, given or {})
+        if said is not None:
+            print(f"scaleloop: {said}", flush=True)
+            for name in job.leftover_names:   # read by nothing below: this process is no worker of theirs
+                os.environ.pop(name, None)
         refuse_if_in_use(run_dir_for(cfg))   # the first thing to say about a directory in use
         cfg = auto_processes(cfg)
         if cfg.world_size > 1:
@@ -137,6 +147,7 @@ def _launch_workers(cfg: TrainConfig) -> None:
     from scaleloop.loop.preflight import preflight
     from scaleloop.checkpoint.resume import run_dir_for
     from scaleloop.checkpoint.claim import claim_run_dir
+    from scaleloop.launching.jobs import without_job_variables
     from scaleloop.output.rundir import default_run_dir, write_atomic
 
     # Check what can be checked before starting N processes, then hand the workers the fully
@@ -158,7 +169,8 @@ def _launch_workers(cfg: TrainConfig) -> None:
     # torchrun and every worker count as writers of the run directory while they live, so that
     # its lock is not taken over while one of them still writes (scaleloop.output.lock).
     launch = launch_for(cfg, "scaleloop", ["train", "--config", str(resolved)], logs=logs, launch_id=launch_id,
-                        entry="scaleloop.cli", env={**workers_env(cfg, logs), **claim.workers_env()})
+                        entry="scaleloop.cli",
+                        env={**workers_env(cfg, logs, without_job_variables(os.environ)), **claim.workers_env()})
     try:
         ended = _run_workers(cfg, launch)
     except KeyboardInterrupt:

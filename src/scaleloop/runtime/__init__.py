@@ -5,7 +5,9 @@ Nothing here starts a process or reads the config; every floor above may use it.
 - ``dist``: ``DistEnv`` (rank, world size, device, backend; the one reader of the launcher's
   variables) and the process group's start and end.
 - ``started``: who started this process (torchrun, ``srun``, the user), from the environment alone.
+- ``cluster``: which job this process is in (torchrun, ``srun``, a Kubeflow pod, leftover variables).
 - ``slurm``: ranks and the master address from SLURM's variables; ``scontrol requeue``.
+- ``kubeflow``: a pod's place in its PyTorchJob or TrainJob, from the operator's variables.
 - ``devices``: the best device and a local rank's device.
 - ``collectives``: sums, gathers and broadcasts over ranks as plain functions of a ``DistEnv``,
   and the exact, padding-free helpers for user metrics (``gather_tensor``, ``shard_indices``).

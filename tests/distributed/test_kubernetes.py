@@ -1,0 +1,163 @@
+"""Kubeflow pods as network namespaces: the same ``scaleloop train`` on every pod, with exactly the
+variables the operators set (docs/kubernetes.md cites their source), trains one job whose final
+weights equal ``scaleloop train --nproc 2`` bit for bit.
+
+- a PyTorchJob of 2 pods x 1 process (a Master and a Worker replica);
+- a TrainJob of 2 pods with its default ``numProcPerNode: auto`` (one process on a CPU pod);
+- a PyTorchJob of 1 pod x 2 processes (``nprocPerNode: "2"``: before, ``--nproc`` was ignored and
+  the job waited for 2 processes nobody started).
+
+Each pod has its own run directory (its own volume): per-rank logs on each, and a verified copy of
+every checkpoint on the pod without rank 0. The master's service name resolves in each pod's
+namespace (``ip netns exec`` reads ``/etc/netns/<pod>/hosts``). The reference run is started with
+leftover ``RANK``/``WORLD_SIZE``/``MASTER_*`` in its environment, which ``--nproc 2`` wins over.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from netns import Host, can_make_namespaces, two_hosts
+from procs import child_env, kill_group, run
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+reason = can_make_namespaces()
+COMMON = ["train", "--data", "random", "--n-samples", "256", "--epochs", "1", "--batch-size", "32", "--max-steps", "6",
+          "--checkpoint-every", "3", "--strategy", "ddp", "--optimizer", "sgd", "--lr", "0.1", "--no-progress",
+          "--no-tensorboard", "--out", "run"]
+LEFTOVER = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}
+# What Kubernetes itself gives every pod, and what each operator adds (docs/kubernetes.md).
+POD = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443", "PYTHONUNBUFFERED": "0"}
+
+
+def pytorchjob(rank: int, pods: int, nproc: int) -> dict[str, str]:
+    master = {"MASTER_ADDR": "pj-master-0", "MASTER_PORT": "23456", "PET_MASTER_ADDR": "pj-master-0",
+              "PET_MASTER_PORT": "23456"}
+    return {**POD, **master, "WORLD_SIZE": str(pods * nproc), "RANK": str(rank), "PET_NPROC_PER_NODE": str(nproc),
+            "PET_NODE_RANK": str(rank), "PET_NNODES": str(pods)}
+
+
+def trainjob(rank: int, pods: int) -> dict[str, str]:
+    return {**POD, "PET_NNODES": str(pods), "PET_NPROC_PER_NODE": "auto", "PET_NODE_RANK": str(rank),
+            "PET_MASTER_ADDR": "tj-node-0-0.tj", "PET_MASTER_PORT": "29500"}
+
+
+@contextlib.contextmanager
+def pods(tag: str) -> Iterator[tuple[Host, Host]]:
+    """Two pods; in both, the masters' service names resolve to the first pod's address."""
+    with two_hosts(tag) as (a, b):
+        made = []
+        try:
+            for host in (a, b):
+                folder = Path("/etc/netns") / host.namespace
+                folder.mkdir(parents=True, exist_ok=True)
+                made.append(folder)
+                (folder / "hosts").write_text(f"127.0.0.1 localhost\n{a.address} pj-master-0 tj-node-0-0.tj\n")
+            yield a, b
+        finally:
+            for folder in made:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def train_in_pods(where: Path, jobs: list[tuple[Host, dict[str, str]]]) -> list[tuple[str, str]]:
+    """The same command in each pod (its own directory, its own volume); each pod's output."""
+    procs = []
+    try:
+        for i, (host, variables) in enumerate(jobs):
+            cwd = where / f"pod{i}"
+            cwd.mkdir(parents=True)
+            env = {k: v for k, v in child_env().items() if k not in LEFTOVER and not k.startswith("PET_")}
+            # GLOO_SOCKET_IFNAME stands in for a pod's host name resolving to its own address.
+            env.update(variables, GLOO_SOCKET_IFNAME=host.interface, OMP_NUM_THREADS="1")
+            cmd = ["ip", "netns", "exec", host.namespace, sys.executable, "-m", "scaleloop", *COMMON]
+            procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True, start_new_session=True))
+        outputs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            kill_group(p)
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, f"a pod failed:\n{out}\n{err}"
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    if reason is not None:
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("kubernetes")
+    (root / "reference").mkdir()
+    reference = run([sys.executable, "-m", "scaleloop", *COMMON, "--nproc", "2"], cwd=root / "reference",
+                    env=child_env({**LEFTOVER, "OMP_NUM_THREADS": "1"}))
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    found: dict[str, object] = {"reference": reference}
+    with pods(f"k{os.getpid() % 100000}") as (a, b):
+        found["v1"] = train_in_pods(root / "v1", [(a, pytorchjob(0, 2, 1)), (b, pytorchjob(1, 2, 1))])
+        found["v2"] = train_in_pods(root / "v2", [(a, trainjob(0, 2)), (b, trainjob(1, 2))])
+        found["v1x2"] = train_in_pods(root / "v1x2", [(a, pytorchjob(0, 1, 2))])
+    found["root"] = root
+    return found
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+def assert_bitwise(run_dir: Path, reference: Path) -> None:
+    mine, theirs = weights(run_dir), weights(reference)
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine), f"{run_dir} differs from {reference}"
+
+
+def test_leftover_variables_give_way_to_nproc(runs: dict) -> None:
+    out = runs["reference"].stdout
+    assert out.splitlines()[0] == ("scaleloop: note: ignoring RANK=0, WORLD_SIZE=2, LOCAL_RANK=0, MASTER_ADDR=127.0.0.1, "
+                                   "MASTER_PORT=29517 left in the environment (no torchrun, srun or Kubeflow job "
+                                   "started this process; --nproc 2 decides)")
+    assert re.search(r"^  world size +2$", out, re.M), out
+
+
+def test_pytorchjob_pods_are_the_machines_of_one_job(runs: dict) -> None:
+    root = runs["root"]
+    (pod0, _), (pod1, _) = runs["v1"]
+    assert pod0.splitlines()[0] == ("scaleloop: kubernetes (PyTorchJob): pod 0 of 2 (PET_NODE_RANK), 1 process a pod, "
+                                    "master pj-master-0:23456")
+    assert pod1.splitlines()[0].startswith("scaleloop: kubernetes (PyTorchJob): pod 1 of 2 (PET_NODE_RANK)")
+    assert_bitwise(root / "v1" / "pod0" / "run", root / "reference" / "run")
+    # Each pod is one machine: its own rank's log, and a verified copy of every checkpoint.
+    assert (root / "v1" / "pod0" / "run" / "logs" / "rank-0.log").is_file()
+    assert (root / "v1" / "pod1" / "run" / "logs" / "rank-1.log").is_file()
+    assert "each keeps a verified copy of every checkpoint" in pod0
+    for pod0_file in sorted((root / "v1" / "pod0" / "run" / "checkpoints").rglob("*")):
+        if pod0_file.is_file():
+            copy = root / "v1" / "pod1" / "run" / pod0_file.relative_to(root / "v1" / "pod0" / "run")
+            assert copy.read_bytes() == pod0_file.read_bytes(), copy
+
+
+def test_trainjob_pods_with_auto_train_one_job(runs: dict) -> None:
+    root = runs["root"]
+    (pod0, _), (pod1, _) = runs["v2"]
+    assert pod0.splitlines()[0] == ("scaleloop: kubernetes (TrainJob): pod 0 of 2 (PET_NODE_RANK), 1 process a pod "
+                                    "(auto), master tj-node-0-0.tj:29500")
+    assert re.search(r"^  world size +2$", pod0, re.M), pod0
+    assert_bitwise(root / "v2" / "pod0" / "run", root / "reference" / "run")
+    assert (root / "v2" / "pod1" / "run" / "logs" / "rank-1.log").is_file()
+
+
+def test_a_pytorchjob_pod_of_two_processes_starts_both(runs: dict) -> None:
+    root = runs["root"]
+    ((pod0, _),) = runs["v1x2"]
+    assert pod0.splitlines()[0] == ("scaleloop: kubernetes (PyTorchJob): pod 0 of 1 (PET_NODE_RANK), 2 processes a pod, "
+                                    "master pj-master-0:23456")
+    assert_bitwise(root / "v1x2" / "pod0" / "run", root / "reference" / "run")
+    assert {p.name for p in (root / "v1x2" / "pod0" / "run" / "logs").glob("rank-*.log")} == {"rank-0.log", "rank-1.log"}
