@@ -2,7 +2,7 @@
 # Both create .venv and install scaleloop into it, with the tested versions from constraints.txt
 # (pyproject.toml gives torch a range; the constraints pin the release the suite runs on).
 # `make train` installs only what training needs (-e .); `make test` adds the dev extras (pytest,
-# the trackers, transformers). Each install has its own stamp in .venv, so `make test` after
+# the trackers, transformers, Ray Train). Each install has its own stamp in .venv, so `make test` after
 # `make train` in the same clone still installs the dev extras (and `make train` after `make test`
 # installs nothing more).
 PYTHON ?= python3

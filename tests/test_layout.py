@@ -156,6 +156,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("strategies",),                 # parallelism: how the model, optimizer and loader are wrapped
     ("config",),                     # the flat settings, handed out in sections that their owners check
     ("loop",),                       # the trainer: build a run, step, evaluate, finish
+    ("ray",),                        # Ray Train as a home: train in its workers, report to it
     ("launching",),                  # starting workers: torchrun, the worker entry, launch(), failures
     ("verify", "bench", "plan"),     # the tools built on training and launching
     ("commands", "cli"),             # one module per subcommand; cli parses and dispatches

@@ -5,7 +5,8 @@ until a name is used. The map:
 
 - The floors, top first (docs/architecture.md): ``cli`` and ``commands``: the command, one
   module per subcommand; ``verify``, ``bench`` and ``plan``: the tools built on training; ``launching``:
-  starting workers and reading how they ended; ``loop``: the run and its loop; ``strategies``:
+  starting workers and reading how they ended; ``ray``: training in Ray Train's workers
+  (``scaleloop.ray.train``, an optional extra); ``loop``: the run and its loop; ``strategies``:
   single, dp, ddp, allreduce, fsdp, pipeline, mesh, and precision; ``checkpoint``: save and
   resume; ``config``: ``TrainConfig``; ``data``: datasets, samplers, loaders; ``models``: the
   built-in models; ``output``: what a run writes and prints; ``runtime``: the ground floor, this

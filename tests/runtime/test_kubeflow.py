@@ -18,7 +18,7 @@ import yaml
 from scaleloop.config import resolve
 from scaleloop.errors import UsageError
 from scaleloop.launching.jobs import processes_a_machine, settings_in_job
-from scaleloop.runtime.cluster import KUBEFLOW, LEFTOVER, PLAIN, SRUN, TORCHRUN, read_job
+from scaleloop.runtime.cluster import KUBEFLOW, LEFTOVER, PLAIN, RAY, SRUN, TORCHRUN, read_job
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "kubernetes.md"
 POD = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
@@ -175,6 +175,9 @@ def test_trainer_turns_auto_into_the_cpu_limit_on_a_cpu_pod() -> None:
 TORCHRUN_WORKER = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "GROUP_RANK": "0", "ROLE_RANK": "1",
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "none",
                    "TORCHELASTIC_RESTART_COUNT": "0"}
+# A Ray Train worker, and a process it started: Ray's group and the raylet's pid (ray/train/torch/config.py).
+RAY_WORKER = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "41233",
+              "RAY_RAYLET_PID": "4242"}
 SRUN_TASK = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}
 V1_POD = dict(POD, WORLD_SIZE="4", RANK="1", MASTER_ADDR="j-master-0", MASTER_PORT="23456", PET_MASTER_ADDR="j-master-0",
               PET_MASTER_PORT="23456", PET_NPROC_PER_NODE="2", PET_NODE_RANK="1", PET_NNODES="2")
@@ -182,13 +185,15 @@ V1_POD = dict(POD, WORLD_SIZE="4", RANK="1", MASTER_ADDR="j-master-0", MASTER_PO
 
 @pytest.mark.parametrize("env,kind", [
     ({}, PLAIN), (TORCHRUN_WORKER, TORCHRUN), (dict(TORCHRUN_WORKER, **POD, PET_NNODES="2"), TORCHRUN),
-    (SRUN_TASK, SRUN), (V1_POD, KUBEFLOW),
+    (SRUN_TASK, SRUN), (V1_POD, KUBEFLOW), (RAY_WORKER, RAY),
+    (dict(RAY_WORKER, TORCHELASTIC_RUN_ID="none"), TORCHRUN),   # torchrun started from a Ray worker: its own group
     (dict(POD, RANK="0", WORLD_SIZE="2", MASTER_ADDR="j-master-0", MASTER_PORT="23456"), KUBEFLOW),  # before v1.7
     ({"RANK": "1", "WORLD_SIZE": "2"}, LEFTOVER), ({"MASTER_ADDR": "h"}, LEFTOVER),
     (dict(POD, RANK="0", WORLD_SIZE="2"), LEFTOVER),   # a pod, but no operator's full set
 ])
 def test_read_job_tells_each_launcher_from_a_leftover(env: dict[str, str], kind: str) -> None:
     assert read_job(env).kind == kind
+    assert read_job(env).is_worker == (kind in (TORCHRUN, SRUN, RAY))
 
 
 def test_an_old_pytorchjob_is_one_process_a_pod() -> None:

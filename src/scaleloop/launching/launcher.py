@@ -1,6 +1,7 @@
 """``scaleloop train`` behind its flags: train in this process, or start N workers under torchrun.
 
 :func:`launch_train` decides. A process started by torchrun or srun is one worker and trains.
+In a Ray Train worker it trains there, in Ray's process group (``scaleloop.ray``).
 Otherwise it is the launcher: for several processes it checks what it can first (names,
 resume), claims the run directory (``scaleloop.checkpoint.claim``), writes the resolved ``config.toml`` and re-launches
 ``scaleloop train --config`` under torchrun; for one process it trains here.
@@ -22,6 +23,7 @@ from scaleloop.errors import EXIT_INTERRUPTED, UsageError
 from scaleloop.launching.failures import LOGS_DIR, Failure
 from scaleloop.launching.supervisor import Ended, supervise
 from scaleloop.launching.torchrun import WorkerLaunch, launch_for, workers_env
+from scaleloop.ray import in_ray_train_worker, started_by_ray_worker
 from scaleloop.runtime import preempt
 from scaleloop.runtime.recovery import clear_faults
 
@@ -66,6 +68,11 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
     from scaleloop.output.rundir import default_run_dir, refuse_if_in_use
     from scaleloop.runtime.cluster import read_job
 
+    if in_ray_train_worker():   # called in a Ray Train worker: Ray's process group, reports to Ray
+        from scaleloop.ray import train as train_in_ray
+
+        result = train_in_ray(cfg)
+        return result if result.run_dir is not None else None
     # Started by torchrun or srun: this process is one worker. Otherwise it is the launcher,
     # which starts torchrun without importing torch: torchrun and its workers are fresh
     # interpreters that import it themselves, as under plain torchrun. In a Kubeflow pod it is
@@ -91,7 +98,12 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
     from scaleloop.runtime import dist
 
     env = dist.DistEnv.from_env(device=cfg.device, backend=cfg.backend, timeout_s=cfg.timeout)
-    dist.init_process_group(env)
+    if started_by_ray_worker():   # Ray's MASTER_PORT is its parent's: meet in a group of its own
+        from scaleloop.ray import join_beside_ray
+
+        join_beside_ray(env)
+    else:
+        dist.init_process_group(env)
     try:
         result = train(cfg, env)
     except UsageError as exc:

@@ -8,6 +8,7 @@ their time is not training time (the caller takes it out of samples/s).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -38,6 +39,9 @@ class Pauses:
                                  keep_target=run.loader.keep_target, metrics=run.metrics)
         #: What the loop does when not a training step (an evaluation, a checkpoint), for the report.
         self.doing: Optional[str] = None
+        #: Called on every rank after each checkpoint written, with its path (on the writing rank; None
+        #: on the others) and the result so far: how a run hands its checkpoints on (``scaleloop.ray``).
+        self.on_checkpoint: Optional[Callable[[Optional[Path], RunResult], None]] = None
 
     def due(self, done_steps: int) -> bool:
         """Whether an evaluation or a checkpoint is due after step ``done_steps``."""
@@ -86,10 +90,8 @@ class Pauses:
                  + "".join(f", {part}" for part in describe_evals(test, train)))
         # At the epoch's end (or where the run stopped inside it): the next run starts after it.
         self.doing = f"writing the checkpoint of step {result.steps}"
-        self.checkpointer.save(run.model, run.optimizer, run.scheduler,
-                               Progress(epoch + 1 if finished else epoch, 0 if finished else in_epoch,
-                                        result.steps, result.samples, result.train_s, skipped),
-                               self.running.state(run.env.device))
+        self._save(Progress(epoch + 1 if finished else epoch, 0 if finished else in_epoch,
+                            result.steps, result.samples, result.train_s, skipped))
         self.doing = None
 
     def check_finite(self, epoch: int, head: list[float]) -> list[float]:
@@ -118,12 +120,18 @@ class Pauses:
         if run.cfg.checkpoints:   # one small all-reduce per checkpoint: no checkpoint of a diverged run
             self.check_finite(where.epoch, [])
         self.doing = f"writing the checkpoint of step {result.steps}"
-        self.checkpointer.save(run.model, run.optimizer, run.scheduler,
-                               Progress(where.epoch, where.step_in_epoch, result.steps, result.samples, train_s,
-                                        self.skipped()),
-                               self.running.state(run.env.device))
+        self._save(Progress(where.epoch, where.step_in_epoch, result.steps, result.samples, train_s, self.skipped()))
         self.doing = None
         return time.perf_counter() - pause
+
+    def _save(self, progress: Progress) -> None:
+        """Write the checkpoint of ``progress`` and hand it to ``on_checkpoint`` (when one was written:
+        ``written`` counts on every rank alike, the path is known on the writing rank only)."""
+        run, written = self.run, self.checkpointer.written
+        path = self.checkpointer.save(run.model, run.optimizer, run.scheduler, progress,
+                                      self.running.state(run.env.device))
+        if self.on_checkpoint is not None and self.checkpointer.written > written:
+            self.on_checkpoint(path, self.result)
 
     def _eval_inside(self, epoch: int) -> float:
         """The evaluation at this step inside epoch ``epoch`` (every ``--eval-every`` steps): its

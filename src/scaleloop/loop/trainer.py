@@ -44,14 +44,16 @@ class Trainer(Observer):
     part of a step that does not wait for the other ranks, so that the log rows can compare ranks
     (a straggler). One rank has no one to compare with: its clock is not read.
 
-    ``on_batch`` (optional) sees every micro-batch this rank trains on, before its forward pass.
+    ``on_batch`` (optional) sees every micro-batch this rank trains on, before its forward pass;
+    ``on_checkpoint`` (optional) each checkpoint written (:attr:`Pauses.on_checkpoint`).
     Making one opens ``metrics.csv`` and the tracker (when ``run_dir`` is given) and nothing else:
     no line is said and no signal handler installed until :meth:`fit`.
     """
 
     def __init__(self, run: Run, checkpointer: Checkpointer, say: Log, started: float, *,
                  run_dir: Optional[Path] = None, resumed: Optional[Resumed] = None,
-                 on_batch: Optional[Callable[[Batch], None]] = None) -> None:
+                 on_batch: Optional[Callable[[Batch], None]] = None,
+                 on_checkpoint: Optional[Callable[[Optional[Path], RunResult], None]] = None) -> None:
         cfg = self.cfg = run.cfg
         self.run, self.env, self.checkpointer, self.say = run, run.env, checkpointer, say
         self.run_dir, self.resumed = run_dir, resumed
@@ -74,6 +76,7 @@ class Trainer(Observer):
         #: ``time.perf_counter()`` when the loop last moved on: the last step's end, or a restart.
         self.last_progress = self._loss_known = time.perf_counter()
         self.pauses = Pauses(run, self.result, self.running, checkpointer, self.emit, self.metrics, say)
+        self.pauses.on_checkpoint = on_checkpoint
         self.recovery: Optional[Recovery] = None   # a fault's recovery, reported after the first step
         self.vote: Optional[StopVote] = None       # the preemption stop vote (loop/preempt.py), from fit on
 

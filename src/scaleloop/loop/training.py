@@ -37,10 +37,14 @@ STARTING_UP = "starting up (reading the data, building the model, its strategy a
 
 
 def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
-          on_batch: Optional[Callable[[Batch], None]] = None) -> RunResult:
+          on_batch: Optional[Callable[[Batch], None]] = None,
+          on_checkpoint: Optional[Callable[[Optional[Path], RunResult], None]] = None) -> RunResult:
     """Run the training that ``cfg`` describes on ``env``; rank 0 writes the run directory.
 
     ``on_batch`` (optional) sees every micro-batch this rank trains on, before its forward pass.
+    ``on_checkpoint`` (optional) is called on every rank after each checkpoint is written, with
+    its directory (on rank 0; None on the others) and the result so far (``scaleloop.ray`` hands
+    them to Ray Train this way).
     """
     started, joined = time.perf_counter(), time.time()   # (called once the process group is formed)
     say: Log = (log or print) if env.is_main else (lambda _msg: None)
@@ -59,7 +63,8 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     run_dir, lock = _open_run_dir(run, checkpointer, resumed)
     recovery = _recovery(cfg, env, joined, resumed)
     with lock:  # released at the end, however the run ends
-        trainer = Trainer(run, checkpointer, say, started, run_dir=run_dir, resumed=resumed, on_batch=on_batch)
+        trainer = Trainer(run, checkpointer, say, started, run_dir=run_dir, resumed=resumed, on_batch=on_batch,
+                          on_checkpoint=on_checkpoint)
         try:
             return trainer.fit(recovery)
         except BaseException as exc:
