@@ -81,8 +81,8 @@ class Randomness:
     rank or not seeded at all. ``reseeds``: the global generator's state after a pass does not
     depend on its state before: the forward calls ``torch.manual_seed`` itself, with a seed of its
     own choosing. ``stateful``: two passes differ although nothing was drawn: the forward depends
-    on its earlier calls (a call counter, an aux head used every other step), which is no
-    randomness and no cause by itself (every rank calls it as often as one process does).
+    on its earlier calls (a call counter, an aux head used every other step): no randomness, but,
+    like it, no forward that repeats itself, which the probe of the batch's coupling needs.
     """
 
     private: bool
