@@ -195,3 +195,25 @@ def test_verify_takes_the_ddp_flags_and_passes(tmp_path: Path, model: str, flag:
     assert "verdict: PASS - 2 processes (ddp) train the same model as 1 process over 3 step(s)" in res.stdout, \
         res.stdout
     assert option in res.stdout or "ddp" in res.stdout
+
+
+def test_a_mesh_names_itself_and_the_flag_when_a_rank_skips_a_unit(tmp_path: Path) -> None:
+    # Issue 41.11: --mesh dp=2 said "fsdp: the ranks parted ... or ddp --find-unused-parameters",
+    # and refused --find-unused-parameters.
+    res = run([sys.executable, "-m", "scaleloop", "train", "--model", "usermodels:RareExpertTop", "--mesh", "dp=2",
+               "--nproc", "2", "--max-steps", "2", "--batch-size", "32", "--no-progress", "--out", str(tmp_path / "run")],
+              cwd=SCRIPTS, timeout=240)
+    assert res.returncode == 2, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("scaleloop: error: --mesh dp=2: the ranks parted in step 1; add --find-unused-parameters "
+                           "(the whole model is then one unit, which every rank runs). One was at the forward of unit "), last
+    assert "fsdp:" not in last and "ddp --find-unused-parameters" not in last
+
+
+def test_a_mesh_with_the_flag_trains_a_rarely_used_expert_as_one_process_in_verify() -> None:
+    res = run([sys.executable, "-m", "scaleloop.verify", "--model", "usermodels:RareExpertTop", "--data", "digits",
+               "--mesh", "dp=2", "--find-unused-parameters", "--batch-size", "32", "--steps", "3", "--device", "cpu"],
+              cwd=SCRIPTS, timeout=240)
+    assert res.returncode == 0, f"{res.stdout}\n{res.stderr}"
+    assert "verdict: PASS - 2 processes (mesh) train the same model as 1 process over 3 step(s)" in res.stdout, \
+        res.stdout

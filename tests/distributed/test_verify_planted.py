@@ -118,3 +118,28 @@ def test_a_models_own_token_mean_over_padding_is_named(tmp_path: Path) -> None:
             "different counts of -100 padding") in diagnosis, diagnosis
     assert "pieces that 2 ranks x 2 micro-step(s) compute" in diagnosis and "no known cause" not in diagnosis
     assert no_temporary_directory_left(tmp_path)
+
+
+def test_an_aux_head_used_every_other_step_is_named_without_randomness(tmp_path: Path) -> None:
+    # Issue 41.11: its forward draws no random number, but two passes differ (the aux head every
+    # other call), which verify read as "randomness from a generator of the model's own".
+    res = verify(["--model", "planted:AuxEveryOther", "--optimizer", "sgd"], tmp_path)
+    assert res.returncode == 1, explain(res)
+    out = res.stdout
+    assert "UsageError: parameter(s) aux.weight, aux.bias got no gradient on rank" in out, out
+    diagnosis = out[out.index("diagnosis:"):]
+    assert diagnosis.count("\n  - ") == 1 and "  - unused parameters: aux.weight, aux.bias got no gradient" in diagnosis
+    assert "random" not in diagnosis and "couples the samples" not in diagnosis, diagnosis
+
+
+def test_a_batch_level_loss_term_is_named_not_a_per_piece_count(tmp_path: Path) -> None:
+    # Issue 41.11: a penalty on the batch-mean logit was named "loss normalised per micro-batch ...
+    # divides by a count of its own piece"; nothing divides by a count.
+    res = verify(["--model", "planted:Mlp", "--loss", "planted:loss_with_mean_logit_penalty", "--optimizer", "sgd"],
+                 tmp_path)
+    assert res.returncode == 1, explain(res)
+    diagnosis = res.stdout[res.stdout.index("diagnosis:"):]
+    assert diagnosis.count("\n  - ") == 1, diagnosis
+    assert "  - the loss holds a term of the whole batch that is not a mean over its samples: " in diagnosis
+    assert "divides by a count" not in diagnosis and "per-sample terms" in diagnosis, diagnosis
+    assert no_temporary_directory_left(tmp_path)

@@ -65,6 +65,18 @@ def test_config_checks_the_mesh_and_splits_the_batch_over_data_ranks() -> None:
         TrainConfig(strategy="mesh", nproc=4).validate()
 
 
+def test_config_takes_find_unused_parameters_with_a_mesh_without_pp() -> None:
+    # Issue 41.11: it was refused for every --mesh ("do not apply to --mesh").
+    TrainConfig(mesh="dp=2", nproc=2, find_unused_parameters=True).validate()
+    TrainConfig(mesh="dp=2,tp=2", nproc=4, find_unused_parameters=True).validate()
+    with pytest.raises(UsageError, match="--mesh pp=2,dp=2 runs as a pipeline, whose stages train parameters without"):
+        TrainConfig(mesh="pp=2,dp=2", nproc=4, find_unused_parameters=True).validate()
+    with pytest.raises(UsageError, match="--static-graph is an option of DistributedDataParallel, which --mesh dp=2"):
+        TrainConfig(mesh="dp=2", nproc=2, static_graph=True).validate()
+    with pytest.raises(UsageError, match="use it with --strategy ddp \\(not fsdp\\)"):
+        TrainConfig(strategy="fsdp", nproc=2, find_unused_parameters=True).validate()
+
+
 def test_config_takes_pipeline_x_data_parallel() -> None:
     cfg = TrainConfig(mesh="pp=2,dp=2", nproc=4, batch_size=8, accumulate=2, microbatches=2,
                       pipeline_schedule="1f1b").validate()

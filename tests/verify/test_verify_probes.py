@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,7 +70,7 @@ def test_batch_coupling_is_large_for_batchnorm_and_zero_for_an_mlp() -> None:
     assert batch_coupling(SimpleNet(64, 8, 10), IMAGES, [8, 8]) < 1e-6
 
 
-def test_loss_split_tells_a_mean_from_a_sum_from_a_per_piece_normalisation() -> None:
+def test_loss_split_tells_a_mean_from_a_sum_from_a_per_piece_normalisation_from_a_batch_term() -> None:
     model = SimpleNet(64, 8, 10)
     groups = piece_groups(16, world=2, accumulate=2, ref_accumulate=1)
     assert groups == [[4, 4, 4, 4]]
@@ -78,7 +79,17 @@ def test_loss_split_tells_a_mean_from_a_sum_from_a_per_piece_normalisation() -> 
     assert summed.kind == "sum" and abs(summed.whole - summed.total) < 1e-4
     labels = torch.tensor([0, 0, 0, 1, 2, 3, 4, 5, 0, 6, 7, 8, 9, 1, 2, 3])  # class 0 unevenly spread
     masked = loss_split(model, lambda o, y: F.cross_entropy(o, y, ignore_index=0), IMAGES, labels, groups)
-    assert masked.kind == "other" and masked.pieces == 4 and abs(masked.whole - masked.weighted_mean) > 1e-4
+    assert masked.kind == "count" and masked.pieces == 4 and abs(masked.whole - masked.weighted_mean) > 1e-4
+    weighted = loss_split(model, lambda o, y: F.cross_entropy(o, y, weight=torch.arange(1.0, 11.0)), IMAGES, labels,
+                          groups)   # float32 class weights: the loss cannot take float64 outputs
+    assert weighted.kind == "count"
+    # Issue 41.11: a penalty on the batch's mean logit divides by no count; it was called a per-piece count.
+    penalised = loss_split(model, lambda o, y: F.cross_entropy(o, y) + 10 * o.mean().pow(2), IMAGES, LABELS, groups)
+    assert penalised.kind == "batch" and abs(penalised.whole - penalised.weighted_mean) > 1e-4
+    cfg = TrainConfig(nproc=2, strategy="ddp", accumulate=2)
+    causes = name_causes(cfg, world=2, accumulate=2, step_samples=16, probes=_probes(loss=penalised))
+    assert [c.title for c in causes] == ["the loss holds a term of the whole batch that is not a mean over its samples"]
+    assert "divides by a count" not in causes[0].detail and "per-sample terms" in causes[0].detail
 
 
 def test_piece_groups_follow_the_loader_split() -> None:
@@ -147,12 +158,36 @@ class _Reseeding(nn.Module):
         return torch.nn.functional.dropout(self.lin(x), 0.5, self.training)
 
 
+class _EveryOther(nn.Module):
+    """An aux head added in every other call: no random number drawn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.aux, self.calls = nn.Linear(4, 3), nn.Linear(4, 3), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x) + (self.aux(x) if self.calls % 2 == 0 else 0)
+
+
+class _NumpyNoise(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.from_numpy(np.random.standard_normal(3)).float()
+
+
 def test_forward_randomness_tells_a_private_generator_from_reseeding_from_plain_dropout() -> None:
     x = torch.randn(6, 4)
     assert forward_randomness(_OwnGenerator(), x) == Randomness(private=True, reseeds=False)
     assert forward_randomness(_Reseeding(), x) == Randomness(private=False, reseeds=True)
     plain = nn.Sequential(nn.Linear(4, 3), nn.Dropout(0.5))
     assert forward_randomness(plain, x) == Randomness(private=False, reseeds=False)
+    # Issue 41.11: outputs that change from one pass to the next with no generator drawn are no randomness.
+    assert forward_randomness(_EveryOther(), x) == Randomness(private=False, reseeds=False, stateful=True)
+    assert forward_randomness(_NumpyNoise(), x) == Randomness(private=True, reseeds=False)
     reseeding = _Reseeding()
     state = torch.get_rng_state()
     forward_randomness(reseeding, x)
@@ -192,7 +227,7 @@ def test_a_models_own_token_mean_over_padding_is_named() -> None:
     model = TokenMeanLM()
     groups = piece_groups(32, 2, 2, 1)
     padded = own_loss_split(model, {"input_ids": ids}, labels, "labels", groups)
-    assert padded is not None and padded.split.kind == "other" and padded.split.pieces == 4
+    assert padded is not None and padded.split.kind == "other" and padded.split.pieces == 4   # not told apart
     assert padded.positions == [96] * 4 and len(set(padded.real)) > 1   # 8 samples of 12 labels each
     probes = run_probes(model, mean_ce, {"input_ids": ids}, labels, groups, own_target="labels")
     assert probes.own_padded == padded and probes.loss is None

@@ -48,9 +48,11 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         return cls(env, precision, settings.accumulate, settings.sync_batchnorm, parallelism=parallelism,
                    cpu_offload=settings.cpu_offload)
 
-    def __init__(self, *args: Any, cpu_offload: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, cpu_offload: bool = False, one_unit: bool = False, **kwargs: Any) -> None:
         #: Shards, gradients and optimizer state kept in host memory between uses (--cpu-offload).
         self.cpu_offload = cpu_offload
+        #: The whole model is one unit (``--mesh`` with --find-unused-parameters): a rank may skip any module.
+        self.one_unit = one_unit
         super().__init__(*args, **kwargs)
         self.units = 0
         self._own_group = False
@@ -120,7 +122,9 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         self._ensure_process_group()
         if self._sync_batchnorm and self.env.is_distributed:
             model = convert_batchnorm(model, self.env.device)
-        self._blocks = untied_units(model, fsdp_blocks(model))
+        # One unit, the root, runs on every rank whatever modules a rank skips (a rarely routed
+        # expert); sub-units let a rank gather less at a time, but only run together.
+        self._blocks = [] if self.one_unit else untied_units(model, fsdp_blocks(model))
         if self.env.is_distributed:
             with torch.no_grad():
                 for tensor in list(model.parameters()) + list(model.buffers()):
@@ -163,7 +167,8 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         if self.env.is_distributed and units:
             from scaleloop.strategies.fsdp_agreement import UnitOrder
 
-            self._order = UnitOrder(model, units, step=lambda: self._steps + 1, timeout=self.env.group_timeout)
+            self._order = UnitOrder(model, units, step=lambda: self._steps + 1, timeout=self.env.group_timeout,
+                                    **self._parted_words())
         self._params = list(model.parameters())   # the sharded parameters the optimizer steps
         index = {id(p): i for i, p in enumerate(self._params)}
         self._reached = [False] * len(self._params)
@@ -313,6 +318,10 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
             groups.append({**group, "params": [order[i] for i in group["params"]]})
         named = {"state": {order[int(i)]: v for i, v in saved["state"].items()}, "param_groups": groups}
         set_optimizer_state_dict(model, optimizer, named, options=full)
+
+    def _parted_words(self) -> dict[str, str]:
+        """How a disagreement of the units' order names this strategy, and what else trains the model."""
+        return {}   # UnitOrder's own: fsdp's
 
     def describe(self) -> str:
         offload = ", cpu offload" if self.cpu_offload else ""

@@ -32,11 +32,16 @@ from scaleloop.errors import UsageError
 
 class UnitOrder:
     """The agreement above, hooked on the root module and its units (``units``: name -> module);
-    ``timeout`` bounds each agreement as ``--timeout`` bounds every collective (``DistEnv.group_timeout``)."""
+    ``timeout`` bounds each agreement as ``--timeout`` bounds every collective (``DistEnv.group_timeout``).
+    A disagreement's message names the strategy the user chose (``who``: ``fsdp``, ``--mesh dp=2``);
+    ``fix``, when given, follows it in the first sentence (the one a failure report keeps), and
+    ``remedy`` (what else trains such a model) ends it."""
 
     def __init__(self, root: nn.Module, units: dict[str, nn.Module], step: Callable[[], int],
-                 timeout: timedelta) -> None:
+                 timeout: timedelta, who: str = "fsdp", fix: str = "",
+                 remedy: str = "or use --strategy allreduce, or ddp --find-unused-parameters") -> None:
         self.names = list(units)
+        self.who, self.fix, self.remedy = who, fix, remedy
         self.step = step                       # the training step in progress (for the message)
         self.root = root
         # Every rank builds it, in the same order; on the CPU's own backend when the default group's
@@ -122,12 +127,13 @@ class UnitOrder:
         if high != low:
             where = f"in step {self.step()}" if self.root.training else "in an evaluation"
             raise UsageError(
-                f"fsdp: the ranks parted {where}: one was at {self._event(low)}, another at {self._event(high)}. "
+                f"{self.who}: the ranks parted {where}" + (f"; {self.fix}. One" if self.fix else ": one")
+                + f" was at {self._event(low)}, another at {self._event(high)}. "
                 "FSDP gathers a unit's parameters and reduces its gradients with all ranks at once, so every rank "
                 "must run the same units, forward and backward: a module that only some ranks call, or whose output "
                 "carries a gradient on some ranks only (it returned its input untouched), must not be a unit of its "
                 "own; keep it inside a unit that every rank runs (fsdp_blocks() names the units), or run it on every "
-                "rank (on no samples, if need be); or use --strategy allreduce, or ddp --find-unused-parameters")
+                "rank (on no samples, if need be)" + (f"; {self.remedy}" if self.remedy else ""))
 
     def _event(self, code: int) -> str:
         n = len(self.names)

@@ -43,14 +43,15 @@ class MeshParallel(FSDP):
     def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings",
               parallelism: Parallelism) -> "MeshParallel":
         return cls(env, precision, settings.accumulate, settings.sync_batchnorm, parallelism=parallelism,
-                   cpu_offload=settings.cpu_offload)
+                   cpu_offload=settings.cpu_offload, one_unit=settings.find_unused_parameters)
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
                  sync_batchnorm: bool = False, *, mesh: Optional[MeshSpec] = None,
-                 parallelism: Optional[Parallelism] = None, cpu_offload: bool = False) -> None:
+                 parallelism: Optional[Parallelism] = None, cpu_offload: bool = False, one_unit: bool = False) -> None:
         if parallelism is None:
             parallelism = default_parallelism(env.world_size, env.rank, mesh if mesh is not None else MeshSpec(fsdp=env.world_size))
-        super().__init__(env, precision, accumulate, sync_batchnorm, parallelism=parallelism, cpu_offload=cpu_offload)
+        super().__init__(env, precision, accumulate, sync_batchnorm, parallelism=parallelism, cpu_offload=cpu_offload,
+                         one_unit=one_unit)
 
     @property
     def spec(self) -> MeshSpec:
@@ -112,9 +113,15 @@ class MeshParallel(FSDP):
         data = "hsdp" if dp > 1 and fsdp > 1 else "replicated" if dp > 1 else "fsdp" if fsdp > 1 else ""
         return " x ".join(part for part in (data, "tp" if tp > 1 else "") if part) or "one rank"
 
+    def _parted_words(self) -> dict[str, str]:
+        return {"who": f"--mesh {self.spec}",
+                "fix": "add --find-unused-parameters (the whole model is then one unit, which every rank runs)",
+                "remedy": ""}
+
     def describe(self) -> str:
         offload = ", cpu offload" if self.cpu_offload else ""
-        return f"mesh {self.spec} ({self.composition()}, {self.units} units, {self.tp_layers} tp layers{offload})"
+        units = "1 unit: the whole model, --find-unused-parameters" if self.one_unit else f"{self.units} units"
+        return f"mesh {self.spec} ({self.composition()}, {units}, {self.tp_layers} tp layers{offload})"
 
     def details(self) -> list[str]:
         return self.spec.draw() + order_line(self.parallelism)

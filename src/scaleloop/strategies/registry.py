@@ -78,8 +78,10 @@ class ParallelSettings:
                                      "holds stages r, r+N, r+2N, ...")
     sync_batchnorm: bool = _hardware(False, "compute BatchNorm statistics over the global batch (all ranks), as one "
                                      "process would")
-    find_unused_parameters: bool = _hardware(False, "ddp: allow parameters that get no gradient in a step (DDP "
-                                             "searches the graph after every forward; costs time)")
+    find_unused_parameters: bool = _hardware(False, "ddp and --mesh: allow modules that some ranks skip in a step, "
+                                             "whose parameters get no gradient there (ddp: DDP searches the graph "
+                                             "after every forward, which costs time; --mesh: the whole model is one "
+                                             "FSDP unit, gathered at once)")
     static_graph: bool = _hardware(False, "ddp: the set of parameters used is the same every step (unused ones "
                                    "allowed; cheaper than --find-unused-parameters)")
     compile: bool = option(False, "torch.compile the model (inductor; on the CPU it needs a C++ compiler); the first "
@@ -131,12 +133,12 @@ class ParallelSettings:
 
     def _check_options(self, concrete: str, world_size: int, elastic_nodes: Optional[str]) -> None:
         """Each option only with the strategies that implement it."""
-        if (self.find_unused_parameters or self.static_graph) and concrete != "ddp" and self.strategy != "auto":
+        if self.mesh is not None:
+            self._check_mesh_options(world_size)
+        elif (self.find_unused_parameters or self.static_graph) and concrete != "ddp" and self.strategy != "auto":
             which = "--find-unused-parameters" if self.find_unused_parameters else "--static-graph"
             raise UsageError(f"{which} is an option of DistributedDataParallel: use it with --strategy ddp "
                              f"(not {self.strategy})")
-        if (self.find_unused_parameters or self.static_graph) and self.mesh is not None:
-            raise UsageError("--find-unused-parameters and --static-graph do not apply to --mesh")
         pipelined = self.strategy in ("dp", "pipeline") or self.pipeline_layout(world_size) is not None
         which = f"--strategy {self.strategy}" if self.strategy in ("dp", "pipeline") else "--mesh pp=N"
         if self.compile and pipelined:
@@ -156,6 +158,15 @@ class ParallelSettings:
             which = f"--mesh {self.mesh}" if self.mesh is not None else f"--strategy {self.strategy}"
             raise UsageError(f"--nnodes {elastic_nodes}: {which} needs a fixed number of processes; "
                              "an elastic job runs ddp, allreduce or fsdp")
+
+    def _check_mesh_options(self, world_size: int) -> None:
+        """--find-unused-parameters makes a mesh's model one FSDP unit; --static-graph is DDP's alone."""
+        if self.static_graph:
+            raise UsageError(f"--static-graph is an option of DistributedDataParallel, which --mesh {self.mesh} does "
+                             "not use: drop it (add --find-unused-parameters where a rank skips a module)")
+        if self.find_unused_parameters and self.pipeline_layout(world_size) is not None:
+            raise UsageError(f"--find-unused-parameters: --mesh {self.mesh} runs as a pipeline, whose stages train "
+                             "parameters without a gradient with no flag: drop it")
 
     def _check_mesh(self, world_size: int) -> int:
         """The data-parallel ranks a step's batch is split over (all of them without --mesh)."""

@@ -70,7 +70,7 @@ def name_causes(cfg: TrainConfig, *, world: int, accumulate: int, step_samples: 
         causes.append(Cause(
             "unused parameters",
             f"{_names(unused)} got no gradient; DDP without --find-unused-parameters never all-reduces them "
-            "(its next step fails: 'Expected to have finished reduction'): add --find-unused-parameters "
+            "(scaleloop stops the run at the first step where a rank gets none): add --find-unused-parameters "
             "(--static-graph if the same ones are unused every step), or remove or freeze them"))
     if (probes is not None and not probes.batchnorm and probes.coupling is not None
             and probes.coupling > 1e-4 and world > 1):
@@ -113,7 +113,7 @@ def _model_causes(cfg: TrainConfig, probes: Probes, world: int, accumulate: int,
 
 
 def _loss_causes(split: Optional[LossSplit], pieces: str, n: int) -> list[Cause]:
-    """A loss whose batch value is the sum of its pieces', or normalised per piece."""
+    """A loss whose batch value is the sum of its pieces', normalised per piece, or holding a term of the batch."""
     if split is None:
         return []
     pieces = f"the {split.pieces} {pieces}"
@@ -124,14 +124,31 @@ def _loss_causes(split: Optional[LossSplit], pieces: str, n: int) -> list[Cause]
             "their sample-weighted mean; scaleloop weights each micro-batch's loss by its share of the step, "
             f"as a mean needs, so the distributed gradient is 1/{n} of one process's; "
             "return the mean over the batch")]
-    if split.kind == "other":
+    differs = (f"a batch's loss ({split.whole:.6g}) is not the sample-weighted mean ({split.weighted_mean:.6g}) of "
+               f"the losses of {pieces}")
+    if split.kind == "count":
         return [Cause(
             "loss normalised per micro-batch instead of per global batch",
-            f"a batch's loss ({split.whole:.6g}) is not the sample-weighted mean ({split.weighted_mean:.6g}) of "
-            f"the losses of {pieces}: the loss divides by a count of its own piece (valid tokens, "
-            "unmasked samples, ignore_index, per-batch weights), so each piece gets an equal say whatever "
-            "its count; divide the summed loss by the count over the whole global batch (all ranks and "
-            "micro-steps) instead, or weight every sample equally")]
+            f"{differs}, but a mean weighted by counts that come from the targets alone: the loss divides by a "
+            "count of its own piece (valid tokens, unmasked samples, ignore_index, per-batch weights), so each "
+            "piece gets an equal say whatever its count; divide the summed loss by the count over the whole "
+            "global batch (all ranks and micro-steps) instead, or weight every sample equally")]
+    if split.kind == "batch":
+        return [Cause(
+            "the loss holds a term of the whole batch that is not a mean over its samples",
+            f"{differs}, and no count of each piece's targets weighs them into it (the weight of two halves in "
+            "their union moves when only the outputs change): the loss adds a term computed from the batch as a "
+            "whole (a penalty on the batch's mean output or logit, its variance or norm), which each rank "
+            "computes from its own piece only, and the pieces' terms do not add up to the whole batch's: "
+            "exact equality cannot hold with it; make the term a mean of per-sample terms (e.g. "
+            "out.mean(dim=1).pow(2).mean() for out.mean().pow(2)), or compute the batch statistic over all ranks "
+            "(all-reduced) before the penalty, or verify without the term (the same code path then proves the rest)")]
+    if split.kind == "other":
+        return [Cause(
+            "the loss is not a per-sample mean",
+            f"{differs}: it divides by a count of its own piece (valid tokens, ignore_index, per-batch weights), "
+            "or it holds a term of the whole batch (a penalty on a batch statistic), which could not be told apart "
+            "here; divide by the count over the whole global batch, and make every term a mean over samples")]
     return []
 
 

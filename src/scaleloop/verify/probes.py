@@ -6,9 +6,13 @@ neither the model nor the random number generators of the runs being compared.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import math
+import pickle
+import random as py_random
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -70,25 +74,52 @@ def _forward_once(probe: nn.Module, x: torch.Tensor, seed: int) -> tuple[torch.T
 class Randomness:
     """Where a forward pass's randomness comes from, beyond the global generator's plain draws.
 
-    ``private``: two passes from the same global generator state give different outputs: the
-    model draws from a generator of its own (``torch.Generator``, numpy, ``random``), which
-    differs per rank when it is seeded from the rank or not seeded at all. ``reseeds``: the
-    global generator's state after a pass does not depend on its state before: the forward
-    calls ``torch.manual_seed`` itself, with a seed of its own choosing.
+    ``private``: two passes from the same global generator state give different outputs, and the
+    model draws random numbers to do so: a generator it keeps (``torch.Generator``, numpy's,
+    ``random``'s) advanced, numpy's or ``random``'s global one did, or two fresh copies of the
+    model differ in their first pass. Such a generator differs per rank when it is seeded from the
+    rank or not seeded at all. ``reseeds``: the global generator's state after a pass does not
+    depend on its state before: the forward calls ``torch.manual_seed`` itself, with a seed of its
+    own choosing. ``stateful``: two passes differ although nothing was drawn: the forward depends
+    on its earlier calls (a call counter, an aux head used every other step): no randomness, but,
+    like it, no forward that repeats itself, which the probe of the batch's coupling needs.
     """
 
     private: bool
     reseeds: bool
+    stateful: bool = False
+
+
+def _generator_states(model: nn.Module) -> bytes:
+    """The state of every generator a forward may draw from besides torch's global ones: numpy's
+    and ``random``'s global generators, and the generators the model's modules keep as attributes."""
+    states: list[Any] = [py_random.getstate(), np.random.get_state(legacy=False)]
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Generator):
+                states.append(value.get_state())
+            elif isinstance(value, py_random.Random):
+                states.append(value.getstate())
+            elif isinstance(value, (np.random.Generator, np.random.RandomState)):
+                states.append(value.bit_generator.state if isinstance(value, np.random.Generator)
+                              else value.get_state(legacy=False))
+    return pickle.dumps(states)
 
 
 def forward_randomness(model: nn.Module, x: torch.Tensor) -> Randomness:
     """Probe a training-mode forward pass for private generators and re-seeding (see :class:`Randomness`)."""
     # One copy for all three passes: a generator of the model's own advances between them.
     probe = copy.deepcopy(model).train()
+    before = _generator_states(probe)
     first, after_first = _forward_once(probe, x, 1234)
+    drew = _generator_states(probe) != before
     again, _ = _forward_once(probe, x, 1234)
     _, after_other = _forward_once(probe, x, 4321)
-    return Randomness(private=not torch.equal(first, again), reseeds=torch.equal(after_first, after_other))
+    varies = not torch.equal(first, again)
+    # A generator outside the model (one at module level): a fresh copy's first pass differs too.
+    private = varies and (drew or not torch.equal(first, _forward_once(copy.deepcopy(model).train(), x, 1234)[0]))
+    return Randomness(private=private, reseeds=torch.equal(after_first, after_other),
+                      stateful=varies and not private)
 
 
 def output_digest(model: nn.Module, x: torch.Tensor, seed: int = 0) -> str:
@@ -146,8 +177,12 @@ class LossSplit:
     """How the loss of a batch relates to the losses of the pieces the ranks compute.
 
     ``kind``: ``mean`` (the batch loss is the sample-weighted mean of its pieces' losses: what
-    N ranks need), ``sum`` (the plain sum of them: a summed loss), ``other`` (neither: a loss
-    normalised per piece, such as a mean over each micro-batch's own valid tokens).
+    N ranks need), ``sum`` (the plain sum of them: a summed loss), ``count`` (a mean weighted by
+    a count of each piece's own: a loss normalised per piece, such as a mean over each micro-batch's
+    valid tokens), ``batch`` (no weighting of the pieces by their targets explains it: a term of the
+    whole batch that is no mean over its samples, such as a penalty on the batch's mean output),
+    ``other`` (neither mean nor sum, and ``count`` and ``batch`` not told apart); see
+    :func:`count_or_batch`.
     """
 
     kind: str
@@ -168,7 +203,10 @@ def loss_split(model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tens
     probe = copy.deepcopy(model).eval()
     with torch.no_grad():
         out = prediction_of(probe(x)).float()
-        return _split(lambda start, n: float(loss_fn(out[start:start + n], y[start:start + n])), groups, rtol)
+        split = _split(lambda start, n: float(loss_fn(out[start:start + n], y[start:start + n])), groups, rtol)
+        if split.kind == "other":
+            split = replace(split, kind=count_or_batch(loss_fn, out, y, sum(groups[0])))
+        return split
 
 
 def _split(loss_of: Callable[[int, int], float], groups: Sequence[Sequence[int]], rtol: float) -> LossSplit:
@@ -193,6 +231,44 @@ def _split(loss_of: Callable[[int, int], float], groups: Sequence[Sequence[int]]
         start += n
     kind = "mean" if mean_ok else ("sum" if sum_ok else "other")
     return LossSplit(kind, worst[1], worst[2], worst[3], sum(len(g) for g in groups))
+
+
+def count_or_batch(loss_fn: LossFn, out: torch.Tensor, y: torch.Tensor, n: int) -> str:
+    """Why the loss of the first ``n`` samples is no sample-weighted mean of its halves' losses:
+    ``count``, ``batch``, or ``other`` when it cannot be told (see :class:`LossSplit`).
+
+    A loss that divides a sum over its samples by a count of its own piece (valid tokens, unmasked
+    samples, the weights of their classes) makes the loss of two pieces A and B together a weighted
+    mean of theirs, ``L_AB = w L_A + (1 - w) L_B``, whose weight ``w = c_A / (c_A + c_B)`` comes from
+    the targets alone. So ``w`` stays the same when the outputs change and the targets do not. A
+    term of the whole batch that is no mean over its samples (a penalty on the batch's mean logit)
+    has no such weight: ``w`` then moves with the outputs. Computed in float64 where the loss takes
+    it, so that rounding cannot pass for either.
+    """
+    def weight(o: torch.Tensor) -> Optional[float]:
+        half = n // 2
+        la, lb, lab = (float(loss_fn(o[s:e], y[s:e])) for s, e in ((0, half), (half, n), (0, n)))
+        if not all(math.isfinite(v) for v in (la, lb, lab)) or abs(la - lb) <= 1e-9 * max(abs(la), abs(lb), 1e-12):
+            return None
+        return (lab - lb) / (la - lb)
+
+    if n < 2:
+        return "other"
+    weights: tuple[Optional[float], ...] = (None,)
+    # float64 where the loss takes it; else (a loss with float32 tensors of its own) in the outputs'
+    # dtype, with a tolerance for its rounding.
+    for dtype, tol in ((torch.float64, 1e-6), (out.dtype, 1e-3)):
+        whole = out[:n].to(dtype)
+        noise = torch.randn(whole.shape, generator=torch.Generator().manual_seed(0), dtype=dtype).to(whole.device)
+        try:
+            weights = weight(whole), weight(whole + noise * float(whole.std().clamp(min=1e-3)))
+            break
+        except Exception:  # noqa: BLE001 (a loss that cannot take these outputs: tried otherwise, or left untold)
+            continue
+    if weights[0] is None or weights[-1] is None:
+        return "other"
+    counted = all(-tol <= w <= 1 + tol for w in weights) and abs(weights[0] - weights[1]) <= tol
+    return "count" if counted else "batch"
 
 
 @dataclass(frozen=True)
@@ -264,7 +340,7 @@ def run_probes(model: nn.Module, loss_fn: LossFn, x: object, y: object,
     flat = [s for g in groups for s in g]
     # Outputs that change from one pass to the next differ between the whole batch and its pieces
     # whatever the layers do: only a deterministic forward can show a coupling of the samples.
-    deterministic = not random and own is not None and not own.private and not own.reseeds
+    deterministic = not random and own is not None and not (own.private or own.reseeds or own.stateful)
     coupling = batch_coupling(model, x, flat) if tensors and deterministic and len(flat) > 1 else None
     split = loss_split(model, loss_fn, x, y, groups) if tensors and len(flat) > 1 and not counted else None
     padded = None

@@ -166,3 +166,26 @@ def padded_lm() -> tuple[DictTensorDataset, DictTensorDataset]:
     labels = ids.masked_fill(torch.arange(12) >= lengths, -100)
     return (DictTensorDataset(input_ids=ids[:128], labels=labels[:128]),
             DictTensorDataset(input_ids=ids[128:], labels=labels[128:]))
+
+
+class AuxEveryOther(Mlp):
+    """An auxiliary head used in every other training forward: its weights get no gradient on the others.
+    It draws no random numbers."""
+
+    def __init__(self, info: Any) -> None:
+        super().__init__(info)
+        self.aux = nn.Linear(16, info.num_classes)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.features(x)
+        self.calls += 1
+        out = self.head(h)
+        return out + self.aux(h) if self.training and self.calls % 2 == 0 else out
+
+
+def loss_with_mean_logit_penalty(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy plus a penalty on the batch's mean logit: a term of the whole batch, not a mean over
+    its samples (no count divides anything)."""
+    return F.cross_entropy(output, target) + 10.0 * output.mean().pow(2)
+
