@@ -82,8 +82,10 @@ def launch_train(cfg: TrainConfig) -> Optional["RunResult"]:
 
     env = dist.DistEnv.from_env(device=cfg.device, backend=cfg.backend, timeout_s=cfg.timeout)
     dist.init_process_group(env)
+    failed = True
     try:
         result = train(cfg, env)
+        failed = False
     except UsageError as exc:
         if env.is_distributed and cfg.out:
             if env.is_main:
@@ -101,7 +103,7 @@ def launch_train(cfg: TrainConfig) -> Optional["RunResult"]:
             raise _failed_here(Path(cfg.out), cfg, exc) from exc
         raise
     finally:
-        dist.destroy_process_group()
+        dist.end_process_group(failed=failed)   # after a failure, maybe once its error is recorded
     return result if env.is_main else None
 
 
