@@ -84,8 +84,13 @@ class Diagnosis:
 def diagnose(run_dir: Path) -> Diagnosis:
     """Read ``run_dir`` and tell its story (module doc); UsageError if it is not a run directory."""
     told = _diagnose(run_dir)
-    recoveries = tuple(f"{e.get('when', '?')}: {e.get('summary', '')}" for e in read_recoveries(run_dir)[-5:])
-    return dataclasses.replace(told, recoveries=recoveries) if recoveries else told
+    entries = read_recoveries(run_dir)
+    if not entries:
+        return told
+    recoveries = tuple(f"{e.get('when', '?')}: {e.get('summary', '')}" for e in entries[-5:])
+    # A run that torchrun restarted says so in its first line too: a rank died on the way.
+    got_over = f"; on the way torchrun restarted its workers {len(entries)} time(s) after a fault (below)"
+    return dataclasses.replace(told, what=told.what + got_over, recoveries=recoveries)
 
 
 def _diagnose(run_dir: Path) -> Diagnosis:
@@ -266,7 +271,8 @@ def _from_failure(failure: dict[str, Any], run_dir: Path, config: dict[str, Any]
         log = Path(str(logs[key]))
         details.append(f"log of rank {key}: {log if log.is_absolute() else run_dir / log}"
                        + (f" (all ranks: {len(logs)} logs beside it)" if len(logs) > 1 else ""))
-    elif (run_dir / LOGS_DIR / AGENT_LOG).is_file():   # no worker wrote a log: torchrun's own are all there is
+    elif kind == "failed" and rank is None and (run_dir / LOGS_DIR / AGENT_LOG).is_file():
+        # No worker wrote a log (torchrun failed before starting them): its own are all there is.
         details.append(f"torchrun's messages: {run_dir / LOGS_DIR / AGENT_LOG}")
     if failure.get("time"):
         details.append(f"recorded {failure['time']}")

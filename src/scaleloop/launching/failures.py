@@ -28,9 +28,9 @@ from typing import Any, Optional
 from scaleloop.output.endings import FAILURE_FILE, Failure  # (re-exported: the launch side names them from here)
 from scaleloop.output.rundir import LOGS_DIR  # (re-exported: the launch side names it from here)
 from scaleloop.runtime.frames import Frame, FrameKinds
+from scaleloop.runtime.recovery import AGENT_LOG  # (re-exported) under LOGS_DIR: torchrun's own messages
 
 ELASTIC_DIR = "torchrun"           # under LOGS_DIR: torchrun's --log-dir, one folder per launch
-AGENT_LOG = "torchrun.log"         # under LOGS_DIR: torchrun's own messages
 ATTEMPT_MARK = "==== scaleloop worker"  # = scaleloop.launching.worker.ATTEMPT_MARK (no torch here)
 
 _THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+.*\(most recent call first\):\s*$|^Stack \(most recent call first\):\s*$")
