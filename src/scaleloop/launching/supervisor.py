@@ -223,7 +223,8 @@ def _children(pid: int) -> list[int]:
 
 def _stopped_with_sigterm_pending(pid: int) -> bool:
     try:
-        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        status = dict(line.split(":", 1) for line in lines if ":" in line)
     except OSError:
         return False
     if not status.get("State", "").strip().startswith("T"):

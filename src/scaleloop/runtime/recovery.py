@@ -193,7 +193,8 @@ class Recovery:
                 if self.world_after != self.world_before else f"a new group of {self.world_after} process(es)")
         which = ""
         if self.restart:
-            which = f" (torchrun's restart {self.restart}" + (f" of {self.max_restarts}" if self.max_restarts else "") + ")"
+            of = f" of {self.max_restarts}" if self.max_restarts else ""
+            which = f" (torchrun's restart {self.restart}{of})"
         during = f" in step {self.failed_step}" if self.failed_step is not None else ""
         text = (f"recovered{which}: {self.cause}{during}; noticed {p['noticed_s']:.1f} s after the last step, "
                 f"{size} formed {p['new_group_s']:.1f} s later")
