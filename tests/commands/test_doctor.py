@@ -154,3 +154,42 @@ def test_not_a_run_directory_is_one_line(tmp_path: Path, capsys) -> None:
     assert len(err) == 1 and "is not a scaleloop run directory" in err[0]
     assert main(["doctor", str(tmp_path / "missing")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def _lock(run: Path, pid: int, start: "str | None", host: str) -> None:
+    (run / "scaleloop.lock").write_text(json.dumps({"host": host, "pid": pid, "since": time.time(), "start": start}))
+
+
+def test_a_run_whose_lock_is_held_by_a_live_process_is_running(interrupted: Path, tmp_path: Path) -> None:
+    """Issue 41.4: a lock held by a live process (this one, its start time as recorded) is a run in
+    progress: "running (pid, ranks, step N)" and no continue command, whatever an earlier attempt left."""
+    import socket
+
+    from scaleloop.output.lock import _start_time
+
+    run = tmp_path / "run"
+    shutil.copytree(interrupted, run)
+    _record(run, kind="interrupted", message="Ctrl-C (SIGINT) or SIGTERM")
+    _lock(run, os.getpid(), _start_time(os.getpid()), socket.gethostname())
+    d = diagnose(run)
+    assert d.state == "running" and d.continue_with is None
+    assert d.what == f"running (pid {os.getpid()}, 1 rank, step 10)", d.what
+    assert d.lines()[-1] == "to continue: nothing to continue: the run is still going"
+    # The same pid with another start time is another process (the pid was reused): not the run.
+    _lock(run, os.getpid(), "1", socket.gethostname())
+    assert diagnose(run).state == "interrupted"
+
+
+def test_torchruns_own_failure_is_read_without_a_rank(interrupted: Path, tmp_path: Path) -> None:
+    """Issue 41.6: no worker started (a port in use): doctor says what torchrun said, and points to its
+    log, not to rank logs that do not exist."""
+    run = tmp_path / "run"
+    shutil.copytree(interrupted, run)
+    line = "port 29517 is already in use, so torchrun could not start the workers' rendezvous there; " \
+           "choose a free port with --master-port"
+    _record(run, message=line)
+    (run / "logs").mkdir(exist_ok=True)
+    (run / "logs" / "torchrun.log").write_text("...\n")
+    d = diagnose(run)
+    assert d.what == f"failed: {line}"
+    assert d.details[0] == f"torchrun's messages: {run / 'logs' / 'torchrun.log'}"

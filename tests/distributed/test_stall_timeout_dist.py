@@ -27,10 +27,10 @@ from scaleloop.checkpoint.store import locate, verify_checkpoint
 pytestmark = pytest.mark.distributed
 
 TIMEOUT_S = 10
-# Once a worker failed, torchrun's agent sends the others SIGTERM and waits 30 s before SIGKILL
-# (fixed in torch 2.13's LocalElasticAgent._stop_workers): a stopped rank cannot act on SIGTERM.
-AGENT_GRACE_S = 30
-# The start of the report, and a busy machine (2 cores shared by the 4 processes of the mesh).
+# Issue 41.1: the run ends within --timeout plus this. Once a worker failed, torchrun's agent sends
+# the others SIGTERM and would wait 30 s more for a stopped rank, which cannot act on it (SIGKILL
+# after a wait fixed in torch 2.13's LocalElasticAgent._stop_workers); the launcher continues a
+# stopped worker that is told to end (launching.supervisor.continue_stopped_workers).
 SLACK_S = 30
 CHECKPOINT_EVERY = 5
 STOPPED = 1
@@ -74,7 +74,7 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout(tmp_path: Path, layout: 
         stopped = pid_of_rank(out, STOPPED)
         os.kill(stopped, signal.SIGSTOP)
         since = time.monotonic()
-        _, err = proc.communicate(timeout=TIMEOUT_S + AGENT_GRACE_S + SLACK_S)
+        _, err = proc.communicate(timeout=TIMEOUT_S + SLACK_S + 30)   # (the bound is asserted below)
         took = time.monotonic() - since
     finally:
         if stopped is not None:
@@ -88,7 +88,7 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout(tmp_path: Path, layout: 
     report = err[err.index("scaleloop: error:"):].splitlines()
     assert re.match(rf"scaleloop: error: the run stalled at epoch \d+, step \d+: rank {STOPPED} stopped taking part; "
                     rf"ranks? [\d, and]+ gave up waiting after {TIMEOUT_S} s \(--timeout\)$", report[0]), report
-    assert took < TIMEOUT_S + AGENT_GRACE_S + SLACK_S
+    assert took < TIMEOUT_S + SLACK_S, f"{took:.1f} s"
     saved = json.loads((out / "failure.json").read_text())
     assert saved["kind"] == "stalled" and saved["rank"] == STOPPED, saved
     assert verify_checkpoint(locate(out)).step >= CHECKPOINT_EVERY

@@ -144,11 +144,33 @@ def test_a_crashed_rank_without_python_error(run: Path, monkeypatch: pytest.Monk
     assert failure.report[0] == "scaleloop: error: rank 1 crashed: Segmentation fault"
 
 
-def test_no_error_at_all_shows_the_end_of_torchruns_log(run: Path) -> None:
-    (run / "logs" / "torchrun.log").write_text("starting\nERROR address already in use\n")
+# torchrun's own failure when --master-port is taken (its log's last line, as torch 2.13 writes it).
+PORT_TAKEN = ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
+              "address. port: 33569, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use")
+
+
+@pytest.mark.parametrize("log,first", [
+    (f"starting\nTraceback (most recent call last):\n  File x\n{PORT_TAKEN}\n",
+     "port 33569 is already in use, so torchrun could not start the workers' rendezvous there; choose a free port "
+     "with --master-port"),
+    ("starting\nRuntimeError: the agent broke. More text here\n",
+     "the workers failed (torchrun exit code 1) and recorded no Python error; torchrun ended with RuntimeError: "
+     "the agent broke. More text here"),
+    ("starting\nERROR something odd\n",
+     "the workers failed (torchrun exit code 1) and recorded no Python error; torchrun ended with this last "
+     "message: ERROR something odd"),
+])
+def test_torchruns_own_failure_is_one_whole_line_that_points_only_to_files_there(run: Path, log: str,
+                                                                                  first: str) -> None:
+    """No worker wrote a log or an error (torchrun failed before starting them): the first line says
+    what torchrun ended with (a port in use, by its number), and the report names torchrun's log,
+    not rank logs that do not exist (issue 41.6: it ended on "torchrun's own messages end with:")."""
+    (run / "logs" / "torchrun.log").write_text(log)
     failure = analyse(run, run / "logs/torchrun/launch", [], None, 1, "CONTINUE")
-    assert failure.rank is None and "torchrun exit code 1" in failure.report[0]
-    assert "    ERROR address already in use" in failure.report
+    assert failure.rank is None and failure.report[0] == f"scaleloop: error: {first}"
+    assert failure.message == first
+    assert failure.report[1] == f"  torchrun's messages: {run / 'logs' / 'torchrun.log'}"
+    assert not any("rank-" in line for line in failure.report), failure.report
 
 
 def test_only_the_last_attempt_of_a_log_is_read(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from scaleloop.errors import UsageError
-from scaleloop.runtime.preempt import signal_number, stop_signals
+from scaleloop.runtime.preempt import signal_name, signal_number, stop_signals
 from scaleloop.runtime.slurm import in_slurm_job, requeue
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -36,8 +36,17 @@ def test_sigterm_stops_except_a_torchrun_worker_outside_slurm() -> None:
     # SLURM signals every process of the job itself; a plain process or the launcher is not torchrun's.
     assert set(stop_signals(None, torchrun_worker=True, slurm=True)) == {signal.SIGUSR1, signal.SIGTERM}
     assert set(stop_signals("USR2", torchrun_worker=False, slurm=False)) == {signal.SIGUSR1, signal.SIGTERM,
-                                                                             signal.SIGUSR2}
+                                                                             signal.SIGHUP, signal.SIGUSR2}
     assert in_slurm_job({"SLURM_JOB_ID": "7"}) and not in_slurm_job({})
+
+
+def test_a_closed_terminal_stops_the_process_it_talks_to_and_is_named() -> None:
+    """Issue 41.9: SIGHUP stops the launcher or a one-process run after its step (with a checkpoint
+    and a record), named as a closed terminal; a worker (torchrun's or srun's) does not take it."""
+    assert signal.SIGHUP in stop_signals(None, torchrun_worker=False, slurm=False)
+    assert signal.SIGHUP not in stop_signals(None, torchrun_worker=True, slurm=False)
+    assert signal.SIGHUP not in stop_signals(None, torchrun_worker=False, slurm=True)
+    assert signal_name(signal.SIGHUP) == "SIGHUP (terminal closed)" and signal_name(signal.SIGTERM) == "SIGTERM"
 
 
 def test_requeue_calls_scontrol_with_the_job_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

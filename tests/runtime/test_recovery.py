@@ -5,8 +5,8 @@ import json
 import os
 from pathlib import Path
 
-from scaleloop.runtime.recovery import (FAULT_PREFIX, Recovery, clear_faults, leave_fault, read_recoveries,
-                                        take_faults)
+from scaleloop.runtime.recovery import (FAULT_PREFIX, Recovery, clear_faults, last_worker_exit, leave_fault,
+                                        read_recoveries, take_faults)
 
 
 def fault(rank: int, t: float, progress: float, **extra) -> dict:
@@ -67,3 +67,34 @@ def test_a_machine_joining_is_not_called_a_loss() -> None:
     rec = Recovery.from_records([fault(1, 50.0, 49.8, world_size=2)], world_after=3, group_formed=55.0)
     assert rec is not None and rec.lost_ranks == []
     assert rec.cause.startswith("a machine joined: the agents restarted the group of 2 process(es)")
+
+
+# torchrun's own line for a killed worker, as torch 2.13 writes it into logs/torchrun.log.
+KILLED = ("2026-11-29 09:00:05,123 ERROR torch.distributed.elastic.multiprocessing.api: failed (exitcode: -9) "
+          "local_rank: 1 (pid: 5640) of binary: /usr/bin/python\n")
+
+
+def test_a_restart_after_a_killed_rank_is_told_even_without_a_record(tmp_path: Path) -> None:
+    """Issue 41.9: the survivor was stopped by torchrun before its collective failed, so nobody left a
+    record; torchrun's log still says which rank died and how, and the restart is numbered."""
+    (tmp_path / "torchrun.log").write_text("starting\n" + KILLED + "restarting\n")
+    died = last_worker_exit(tmp_path)
+    assert died is not None and (died.local_rank, died.code) == (1, -9) and died.how() == "was killed by SIGKILL"
+    found = Recovery.from_records([], 2, died.time + 10, restart=1, max_restarts=2, died=died)
+    assert found is not None and found.lost_ranks == [1]
+    assert found.describe().startswith("recovered (torchrun's restart 1 of 2): rank 1 of 2 was killed by SIGKILL "
+                                       "(torchrun's log); noticed 0.0 s after the last step, a new group of 2 "
+                                       "process(es) formed 10.0 s later"), found.describe()
+    assert last_worker_exit(tmp_path / "none") is None
+    assert Recovery.from_records([], 2, 0.0) is None   # a first attempt
+
+
+def test_a_survivors_record_and_torchruns_log_name_the_rank_and_the_step(tmp_path: Path) -> None:
+    (tmp_path / "torchrun.log").write_text(KILLED)
+    died = last_worker_exit(tmp_path)
+    found = Recovery.from_records([fault(0, 110.0, 100.0, step=7, world_size=2)], 2, 120.0, restart=1,
+                                  max_restarts=2, died=died)
+    assert found is not None
+    assert found.describe().startswith("recovered (torchrun's restart 1 of 2): rank 1 of 2 was killed by SIGKILL "
+                                       "in step 7; noticed 10.0 s after the last step"), found.describe()
+

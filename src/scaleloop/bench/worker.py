@@ -25,7 +25,7 @@ from scaleloop.bench.stats import interval_union, summarize
 from scaleloop.bench.workload import RunSpec, Workload, grad_bytes
 from scaleloop.loop.step import Observer, steps_of, train_step
 from scaleloop.runtime.collectives import barrier, gather_object
-from scaleloop.runtime.dist import DistEnv, destroy_process_group, init_process_group
+from scaleloop.runtime.dist import DistEnv, end_process_group, init_process_group
 from scaleloop.runtime.frames import note_where
 from scaleloop.errors import UsageError
 
@@ -384,6 +384,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     say: Say = (lambda msg: print(f"{PROGRESS_PREFIX} {msg}", flush=True)) if env.is_main else (lambda _m: None)
     init_process_group(env)
     results = []
+    failed = True
     try:
         for raw in spec["runs"]:
             run = RunSpec.from_dict(raw)
@@ -393,8 +394,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                 # Raised identically on every rank (a strategy this hardware cannot run),
                 # so the group stays in step; the table shows why.
                 results.append({"label": run.label, "strategy": run.strategy, "ok": False, "error": str(exc)})
+        failed = False
     finally:
-        destroy_process_group()
+        end_process_group(failed=failed)   # after a failure, once its error is recorded
     if env.is_main:
         out = Path(args.out)
         tmp = out.with_suffix(".tmp")

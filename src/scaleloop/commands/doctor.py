@@ -10,9 +10,12 @@ the directory, without torch:
 - ``metrics.csv``: the steps and epochs that were logged;
 - ``checkpoints/``: the newest checkpoint whose manifest and checksums verify;
 - ``config.toml``: the run's settings, which ``scaleloop train --out RUN_DIR`` resumes with;
-- ``recovery.json``: the faults an elastic job got over, and how long each took (listed as they are).
+- ``recovery.json``: the faults an elastic job got over, and how long each took (listed as they are);
+- ``scaleloop.lock``: held while a run writes there (``scaleloop.output.lock``). A lock whose
+  process lives (the same process: its start time matches the lock's) is a run in progress,
+  told as such and never given a continue command.
 
-Which of them is newest decides the story: a ``model.pt`` newer than every checkpoint and
+Otherwise, which of them is newest decides the story: a ``model.pt`` newer than every checkpoint and
 failure record is a finished run; a failure record newer than ``model.pt`` is a failed,
 stalled or interrupted one; neither is a run that stopped without a word (killed, or its
 machine lost).
@@ -24,6 +27,7 @@ import csv
 import dataclasses
 import json
 import shlex
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -31,6 +35,8 @@ from typing import Any, Optional
 from scaleloop.checkpoint.store import CHECKPOINTS_DIR, CheckpointInfo, newest_valid
 from scaleloop.config import load_toml
 from scaleloop.errors import UsageError
+from scaleloop.launching.failures import AGENT_LOG, LOGS_DIR
+from scaleloop.output.lock import LOCK_FILE, Holder, live_holder
 from scaleloop.runtime.recovery import read_recoveries
 
 FAILURE_FILE = "failure.json"
@@ -44,7 +50,7 @@ class Diagnosis:
     """What a run directory says about its run."""
 
     run_dir: Path
-    state: str                      # finished | failed | stalled | interrupted | stopped | diverged | unwritable | not started
+    state: str                      # running | finished | failed | stalled | interrupted | stopped | diverged | unwritable | not started
     what: str                       # one line: what happened
     details: tuple[str, ...] = ()   # a few more lines: where, logs, hints
     checkpoint: Optional[CheckpointInfo] = None
@@ -68,15 +74,23 @@ class Diagnosis:
             out.append(f"newest valid checkpoint: {self.checkpoint.path} ({where})")
         else:
             out.append("newest valid checkpoint: none")
-        out.append(f"to continue: {self.continue_with}" if self.continue_with else "to continue: nothing to continue")
+        if self.state == "running":
+            out.append("to continue: nothing to continue: the run is still going")
+        else:
+            out.append(f"to continue: {self.continue_with}" if self.continue_with else "to continue: nothing to continue")
         return out
 
 
 def diagnose(run_dir: Path) -> Diagnosis:
     """Read ``run_dir`` and tell its story (module doc); UsageError if it is not a run directory."""
     told = _diagnose(run_dir)
-    recoveries = tuple(f"{e.get('when', '?')}: {e.get('summary', '')}" for e in read_recoveries(run_dir)[-5:])
-    return dataclasses.replace(told, recoveries=recoveries) if recoveries else told
+    entries = read_recoveries(run_dir)
+    if not entries:
+        return told
+    recoveries = tuple(f"{e.get('when', '?')}: {e.get('summary', '')}" for e in entries[-5:])
+    # A run that torchrun restarted says so in its first line too: a rank died on the way.
+    got_over = f"; on the way torchrun restarted its workers {len(entries)} time(s) after a fault (below)"
+    return dataclasses.replace(told, what=told.what + got_over, recoveries=recoveries)
 
 
 def _diagnose(run_dir: Path) -> Diagnosis:
@@ -91,6 +105,10 @@ def _diagnose(run_dir: Path) -> Diagnosis:
     checkpoint = newest_valid(ckpt_root, warnings.append)
     config = _config(run_dir, warnings)
     rows = _metrics(run_dir / METRICS_FILE)
+    holder = live_holder(run_dir)
+    if holder is not None:   # a run writes here now: what an earlier attempt left is not its story
+        return Diagnosis(run_dir, "running", _running(run_dir, holder, rows, checkpoint, config), checkpoint=checkpoint,
+                         warnings=tuple(warnings))
     failure = _failure(run_dir / FAILURE_FILE, warnings)
     resume = _continue_command(run_dir, checkpoint, config)
 
@@ -112,6 +130,19 @@ def _diagnose(run_dir: Path) -> Diagnosis:
                      f"stopped after step {step} without finishing and left no failure record: it was "
                      "killed (Ctrl-C, SIGKILL, out of memory) or its machine was lost", (),
                      checkpoint, resume, tuple(warnings))
+
+
+def _running(run_dir: Path, holder: Holder, rows: list[dict[str, str]], checkpoint: Optional[CheckpointInfo],
+             config: dict[str, Any]) -> str:
+    """"running (pid P, N ranks, step S)", and where the lock cannot be checked, what to do if it is stale."""
+    ranks = (_int(config.get("nproc")) or 1) * (_int(config.get("nnodes")) or 1)
+    step = max(_last_step(rows) or 0, checkpoint.step if checkpoint else 0)
+    where = f"step {step}" if step else "no step logged yet"
+    text = f"running (pid {holder.pid}, {ranks} rank{'s' if ranks > 1 else ''}, {where})"
+    if holder.host != socket.gethostname():
+        text += (f" on {holder.host}, as its lock says (not checkable from here; if that run is gone, "
+                 f"delete {run_dir / LOCK_FILE})")
+    return text
 
 
 def format_diagnosis(d: Diagnosis) -> str:
@@ -228,7 +259,10 @@ def _from_failure(failure: dict[str, Any], run_dir: Path, config: dict[str, Any]
         kind = "failed"
         # "with ValueError: ..." for an exception; ": was killed by SIGKILL" for a rank that raised nothing.
         joint = " with " if failure.get("error_type") else ": "
-        what = f"failed on {who}{_where(failure)}" + (f"{joint}{error}" if error else "")
+        if rank is None and not failure.get("error_type") and error:   # torchrun's own failure, no worker's
+            what = f"failed{_where(failure)}: {error}"
+        else:
+            what = f"failed on {who}{_where(failure)}" + (f"{joint}{error}" if error else "")
         if failure.get("frame"):
             details.append(f"raised at {failure['frame']}")
     logs = failure.get("logs")
@@ -237,6 +271,9 @@ def _from_failure(failure: dict[str, Any], run_dir: Path, config: dict[str, Any]
         log = Path(str(logs[key]))
         details.append(f"log of rank {key}: {log if log.is_absolute() else run_dir / log}"
                        + (f" (all ranks: {len(logs)} logs beside it)" if len(logs) > 1 else ""))
+    elif kind == "failed" and rank is None and (run_dir / LOGS_DIR / AGENT_LOG).is_file():
+        # No worker wrote a log (torchrun failed before starting them): its own are all there is.
+        details.append(f"torchrun's messages: {run_dir / LOGS_DIR / AGENT_LOG}")
     if failure.get("time"):
         details.append(f"recorded {failure['time']}")
     return kind, what, tuple(details)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import sys
 from typing import Iterator, Optional, Sequence
 
@@ -65,6 +66,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # First, before torch's slow import: a launcher that died meanwhile ends this process here.
     lifeline.hold()
     join_writers()
+    if hasattr(signal, "SIGHUP"):
+        # A closing terminal sends SIGHUP to the launcher's process group, this process included:
+        # the launcher alone decides (it asks the workers to checkpoint and stop, see
+        # scaleloop.runtime.preempt). Dying of it here would take the workers along at once.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         print("usage: python -m scaleloop.launching.agent LOG_FILE TORCHRUN_ARGS... (started by scaleloop's launcher)",

@@ -28,9 +28,9 @@ from typing import Any, Optional
 from scaleloop.output.endings import FAILURE_FILE, Failure  # (re-exported: the launch side names them from here)
 from scaleloop.output.rundir import LOGS_DIR  # (re-exported: the launch side names it from here)
 from scaleloop.runtime.frames import Frame, FrameKinds
+from scaleloop.runtime.recovery import AGENT_LOG  # (re-exported) under LOGS_DIR: torchrun's own messages
 
 ELASTIC_DIR = "torchrun"           # under LOGS_DIR: torchrun's --log-dir, one folder per launch
-AGENT_LOG = "torchrun.log"         # under LOGS_DIR: torchrun's own messages
 ATTEMPT_MARK = "==== scaleloop worker"  # = scaleloop.launching.worker.ATTEMPT_MARK (no torch here)
 
 _THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-fA-F]+.*\(most recent call first\):\s*$|^Stack \(most recent call first\):\s*$")
@@ -342,9 +342,7 @@ def _died(errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]], e
         lines.append(f"scaleloop: error: rank {rank} ended without a Python error (killed by a signal, out of memory, "
                      "or a crash in C++); the other ranks then lost their peer")
     else:
-        lines.append(f"scaleloop: error: the workers failed (torchrun exit code {exit_code}) and recorded no "
-                     "Python error; torchrun's own messages end with:")
-        lines += [f"    {line}" for line in _tail(run_dir / LOGS_DIR / AGENT_LOG, 4)]
+        lines.append(f"scaleloop: error: {_agent_failed(run_dir / LOGS_DIR / AGENT_LOG, exit_code)}")
     others = {r: e for r, e in errors.items() if r != rank}
     if others:
         first = min(others.values(), key=lambda e: e.time)
@@ -354,6 +352,27 @@ def _died(errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]], e
     message = (f"crashed: {dumps[crashed[0]].fatal}" if crashed  # type: ignore[union-attr]
                else _ended(cause[1]) if cause is not None else lines[0].partition(": error: ")[2])
     return Failure("failed", rank, message=message, frame=str(frame) if frame is not None else None, report=lines)
+
+
+_AGENT_ERROR = re.compile(r"^(?:[\w.]+\.)?(?P<type>\w*(?:Error|Exception|Failure)\w*): (?P<message>.+)$")
+_PORT_IN_USE = re.compile(r"port: (?P<port>\d+).*(?:EADDRINUSE|address already in use)", re.IGNORECASE)
+
+
+def _agent_failed(agent_log: Path, exit_code: int) -> str:
+    """What torchrun itself failed with, in one line, when no worker recorded anything: a port in
+    use named as such, else the last exception in its own log."""
+    try:
+        lines = agent_log.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        lines = []
+    errors = [m for m in map(_AGENT_ERROR.match, (line.strip() for line in lines)) if m]
+    if errors and (port := _PORT_IN_USE.search(errors[-1]["message"])):
+        return (f"port {port['port']} is already in use, so torchrun could not start the workers' rendezvous "
+                "there; choose a free port with --master-port")
+    last = next((line.strip() for line in reversed(lines) if line.strip()), "")
+    said = (f"with {errors[-1]['type']}: {_short(errors[-1]['message'], 120)}" if errors
+            else f"with this last message: {_short(last, 120)}" if last else "without a message")
+    return f"the workers failed (torchrun exit code {exit_code}) and recorded no Python error; torchrun ended {said}"
 
 
 def _last_words(log: Path) -> Optional[str]:
@@ -373,14 +392,6 @@ def _source(frame: Optional[str]) -> list[str]:
     return [f"      {_short(text, 120)}"] if text else []
 
 
-def _tail(path: Path, n: int) -> list[str]:
-    try:
-        lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
-    except OSError:
-        return []
-    return [_short(line, 150) for line in lines[-n:]]
-
-
 def _ranks(ranks: Any) -> str:
     listed = sorted(set(ranks))
     if len(listed) == 1:
@@ -391,6 +402,8 @@ def _ranks(ranks: Any) -> str:
 
 def _log_lines(run_dir: Path, rank: Optional[int], ranks: list[int]) -> list[str]:
     logs = run_dir / LOGS_DIR
+    if not ranks:   # no worker wrote a log: torchrun's own messages are all there is
+        return [f"  torchrun's messages: {logs / AGENT_LOG}"]
     if rank is None:
-        return [f"  logs: {logs}/rank-<N>.log (one per rank)"]
+        return [f"  logs: {logs}/rank-<N>.log (one per rank); torchrun's messages: {logs / AGENT_LOG}"]
     return [f"  logs: {logs / f'rank-{rank}.log'} (rank {rank}'s full output); every rank: {logs}/rank-<N>.log"]

@@ -104,8 +104,10 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
         join_beside_ray(env)
     else:
         dist.init_process_group(env)
+    failed = True
     try:
         result = train(cfg, env)
+        failed = False
     except UsageError as exc:
         if env.is_distributed and cfg.out:
             if env.is_main:
@@ -123,7 +125,7 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
             raise _failed_here(Path(cfg.out), cfg, exc) from exc
         raise
     finally:
-        dist.destroy_process_group()
+        dist.end_process_group(failed=failed)   # after a failure, maybe once its error is recorded
     return result if env.is_main else None
 
 

@@ -9,7 +9,9 @@ Train, verify and bench describe their workers as a ``WorkerLaunch``
   and then its workers end with it. ``scaleloop.launch``'s agent, a fork of the caller, is
   started by ``scaleloop.launching.forks`` and watched here alike;
 - :func:`supervise` starts, passes this process's stop signals on as SIGUSR1 (the workers then
-  finish their step and checkpoint), and waits;
+  finish their step and checkpoint), and waits; while it waits, a worker that is stopped (SIGSTOP)
+  when torchrun tells it to end is continued, so that it ends at once
+  (:func:`continue_stopped_workers`);
 - :class:`Ended` is the exit code, and after a failure :meth:`Ended.failure` reads the workers'
   error files and logs into the short report (``scaleloop.launching.failures``).
 """
@@ -36,6 +38,10 @@ STOP_GRACE_S = 15.0
 INTERRUPT_GRACE_S = 5.0
 # How often a wait for the workers looks whether they ended (and lets a signal's handler run).
 POLL_S = 0.1
+
+# How often a wait looks for a worker that is stopped (SIGSTOP) while told to end.
+STOPPED_LOOK_S = 1.0
+_SIGTERM_BIT = 1 << (signal.SIGTERM - 1)   # in /proc/<pid>/status's pending-signal masks
 
 _Output = Union[None, int, IO[Any]]
 
@@ -91,6 +97,7 @@ class Workers:
         (the run went on to its end, Ctrl-C unheard); between polls Python runs its handler.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        looked = time.monotonic()
         while True:
             left = POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - time.monotonic()))
             try:
@@ -98,6 +105,10 @@ class Workers:
             except subprocess.TimeoutExpired:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise subprocess.TimeoutExpired(self.proc.args, timeout or 0.0) from None
+            if time.monotonic() - looked >= STOPPED_LOOK_S:
+                looked = time.monotonic()
+                continue_stopped_workers(self.proc.pid)
+
 
     def send(self, sig: signal.Signals) -> None:
         """Send ``sig`` to torchrun, which passes it on to its workers; nothing once it has ended."""
@@ -176,3 +187,52 @@ def wait_out(workers: Workers) -> Ended:
     except BaseException:
         workers.stop()
         raise
+
+
+def continue_stopped_workers(agent_pid: int) -> list[int]:
+    """Send SIGCONT to each worker of torchrun (``agent_pid``'s children) that is stopped (SIGSTOP, or
+    a debugger's Ctrl-Z) while a SIGTERM waits for it; returns their pids (Linux; elsewhere none).
+
+    Why: once a worker failed, torchrun stops the others with SIGTERM and waits 30 s before SIGKILL
+    (a wait its API does not let one shorten). A stopped process cannot act on SIGTERM, so a run
+    with a frozen rank would end only after that wait. Continued, it acts on it at once: it dumps
+    its stack into its log (where it was, for the report) and ends. A stopped worker that nobody
+    asked to end is left stopped: whoever stopped it may mean to continue it.
+    """
+    continued = []
+    for pid in _children(agent_pid):
+        if _stopped_with_sigterm_pending(pid):
+            try:
+                os.kill(pid, signal.SIGCONT)
+                continued.append(pid)
+            except ProcessLookupError:
+                pass
+    return continued
+
+
+def _children(pid: int) -> list[int]:
+    """``pid``'s child processes, from each of its threads' ``children`` list in /proc."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _stopped_with_sigterm_pending(pid: int) -> bool:
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        status = dict(line.split(":", 1) for line in lines if ":" in line)
+    except OSError:
+        return False
+    if not status.get("State", "").strip().startswith("T"):
+        return False
+    pending = 0
+    for key in ("SigPnd", "ShdPnd"):
+        try:
+            pending |= int(status.get(key, "0").strip(), 16)
+        except ValueError:
+            continue
+    return bool(pending & _SIGTERM_BIT)

@@ -192,8 +192,9 @@ def workers_env(cfg: TrainConfig, logs: Path, environ: Optional[Mapping[str, str
     # torchrun forwards these to its workers (SIGUSR1: the launcher's stop request, see
     # scaleloop.launching.supervisor), and waits this long for them to write their checkpoint and
     # end before SIGKILL. Set as torchrun's own variables: the flags are not in every torch >= 2.11.
-    signals = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1",
-                                      signal_number(cfg.signal).name]))
+    # Not SIGHUP: a closing terminal's SIGHUP reaches the launcher, which passes it on as SIGUSR1
+    # (scaleloop.runtime.preempt); torchrun's agent ignores it (scaleloop.launching.agent).
+    signals = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGQUIT", "SIGUSR1", signal_number(cfg.signal).name]))
     for key in ("PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
         env.setdefault(key, signals)
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))

@@ -246,7 +246,7 @@ def _route_output(rank: int, log: IO[str]) -> list[_Tee]:
 
 def run(log_dir: Path, main: Callable[[list[str]], Optional[int]], argv: list[str]) -> int:
     """Run ``main(argv)`` as one recorded worker of the job; returns the exit code."""
-    from scaleloop.runtime.dist import global_rank
+    from scaleloop.runtime.dist import RUNNER_RECORDS_VAR, destroy_process_group, global_rank
 
     rank = global_rank()
     log = _open_log(log_dir, rank)
@@ -267,6 +267,9 @@ def run(log_dir: Path, main: Callable[[list[str]], Optional[int]], argv: list[st
     # SIGTERM, which then dumps the stacks first and chains to this handler.
     preempt.listen(preempt.stop_signals(None, torchrun_worker=True, slurm=in_slurm_job(os.environ)),
                    on_signal=lambda _sig: mute())
+    # A failed run leaves its process group open for this runner to close once the error is
+    # recorded (scaleloop.runtime.dist.end_process_group says why).
+    os.environ[RUNNER_RECORDS_VAR] = "1"
     try:
         code = record(main, error_handler=_RankErrorHandler(rank, log, log_dir))(argv)
     except KeyboardInterrupt:
@@ -278,6 +281,7 @@ def run(log_dir: Path, main: Callable[[list[str]], Optional[int]], argv: list[st
         traceback.print_exc(file=log)
         return 1
     finally:
+        destroy_process_group()   # a failed run's (a finished run has left it: nothing to do)
         for tee in tees:
             tee.flush()
     return int(code or 0)

@@ -29,7 +29,7 @@ from scaleloop.output.rundir import LOGS_DIR, refuse_if_in_use, write_atomic
 from scaleloop.runtime.collectives import gather_object
 from scaleloop.runtime.dist import DistEnv, launched_by_torchrun, restart_count
 from scaleloop.runtime.frames import note_where
-from scaleloop.runtime.recovery import Recovery, take_faults
+from scaleloop.runtime.recovery import Recovery, last_worker_exit, take_faults
 
 __all__ = ["train", "RunResult", "STARTING_UP"]
 
@@ -89,7 +89,9 @@ def _recovery(cfg: TrainConfig, env: DistEnv, joined: float, resumed: Optional[R
     records = [r for rank_records in gather_object(mine, env) for r in rank_records]
     if not env.is_main:
         return None
-    found = Recovery.from_records(records, env.world_size, joined)
+    died = last_worker_exit(Path(cfg.out) / LOGS_DIR) if cfg.out and cfg.nnodes == 1 else None
+    found = Recovery.from_records(records, env.world_size, joined, restart=restart_count(),
+                                  max_restarts=cfg.max_restarts, died=died)
     if found is not None and resumed is not None:
         found.resumed_step = resumed.progress.global_step
     return found

@@ -197,6 +197,14 @@ def _writers_refusal(run_dir: Path, holder: Optional[Holder]) -> RunDirLocked:
                         f"run{whose}; wait for them to end, or choose another --out")
 
 
+def live_holder(run_dir: Path) -> Optional[Holder]:
+    """The holder of ``run_dir``'s lock while its run lives: on this host, a live process whose
+    start time matches the one the lock recorded (a reused pid is not the run); on another host,
+    whoever the lock names (it cannot be checked from here). None when no run holds it."""
+    holder, _ = _read(run_dir / LOCK_FILE)
+    return holder if holder is not None and _alive(holder) else None
+
+
 def refuse_if_locked(run_dir: Path) -> None:
     """Raise :class:`RunDirLocked` if a live run other than this one (or its launcher) holds ``run_dir``,
     or the processes of a run whose holder has ended still write there."""

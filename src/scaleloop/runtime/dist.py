@@ -25,6 +25,9 @@ from scaleloop.errors import UsageError
 # process group. A first step under torch.compile, or a large checkpoint written while the
 # other ranks wait, can take many minutes; a shorter limit would stop healthy jobs.
 DEFAULT_TIMEOUT_S = 1800.0
+# Set in its own environment by scaleloop's worker runner (``scaleloop.launching.worker``), which
+# records a failed rank's error after the run returns and then leaves the group itself.
+RUNNER_RECORDS_VAR = "SCALELOOP_RUNNER_RECORDS_ERRORS"
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,20 @@ def destroy_process_group() -> None:
             if issubclass(type(obj), DistributedDataParallel):  # type(): never a proxy's __class__
                 release_reducer(obj)
         torch_dist.destroy_process_group()
+
+
+def end_process_group(*, failed: bool, environ: Optional[Mapping[str, str]] = None) -> None:
+    """Leave the process group as a run ends (:func:`destroy_process_group`), except after a failure
+    in a rank whose runner records the error afterwards (:data:`RUNNER_RECORDS_VAR`).
+
+    Why: leaving the group tells the other ranks at once (their next collective fails on the lost
+    connection). The first of them to fail on it is torchrun's first failure, and torchrun stops
+    the rest, this rank included, with SIGTERM: on a busy machine before this rank's error is
+    written, and the report then names no error. The runner leaves the group once it is written.
+    """
+    if failed and (os.environ if environ is None else environ).get(RUNNER_RECORDS_VAR):
+        return
+    destroy_process_group()
 
 
 def release_reducer(replica: "torch.nn.parallel.DistributedDataParallel") -> None:

@@ -10,6 +10,10 @@ asks at each optimizer step's end whether a stop was requested and all ranks agr
 Which signals mean "stop after this step" (:func:`stop_signals`):
 
 - ``SIGUSR1`` and the one named by ``--signal`` always;
+- ``SIGHUP`` in the process a terminal talks to (the launcher, or a run in one process; not a
+  worker, not under SLURM): a closed terminal then ends the run with a checkpoint and a record
+  that says so, instead of killing it without a word (torchrun's agent ignores it: the launcher
+  passes it on as ``SIGUSR1``);
 - ``SIGTERM`` too, except in a worker that torchrun started outside SLURM: there torchrun uses
   ``SIGTERM`` to end the survivors of a failed rank (and the worker dumps its stack on it, which is
   how a stalled rank is found), so scaleloop's launcher turns a ``SIGTERM`` it receives into
@@ -53,6 +57,8 @@ def stop_signals(named: Optional[str], *, torchrun_worker: bool, slurm: bool) ->
     sigs = [signal.SIGUSR1]
     if not torchrun_worker or slurm:
         sigs.append(signal.SIGTERM)
+    if not torchrun_worker and not slurm and hasattr(signal, "SIGHUP"):
+        sigs.append(signal.SIGHUP)
     if named:
         sig = signal_number(named)
         if sig not in sigs and not (sig == signal.SIGTERM and torchrun_worker and not slurm):
@@ -102,11 +108,12 @@ def requested() -> Optional[int]:
 
 
 def signal_name(signum: int) -> str:
-    """``SIGTERM`` for 15."""
+    """``SIGTERM`` for 15; ``SIGHUP (terminal closed)`` for the signal a closing terminal sends."""
     try:
-        return signal.Signals(signum).name
+        name = signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+    return f"{name} (terminal closed)" if name == "SIGHUP" else name
 
 
 class Preempted(Exception):

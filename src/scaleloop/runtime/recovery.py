@@ -10,6 +10,11 @@ run's output, as a ``recovery`` row of ``metrics.csv`` and in ``recovery.json``,
 ``scaleloop doctor`` reads. The times are wall-clock times of different machines: they are as
 exact as the machines' clocks agree (NTP: milliseconds).
 
+A survivor stopped by torchrun before its collective failed leaves no record; the rank that died
+(SIGKILL, a crash) never leaves one. So the next attempt also reads what torchrun itself saw, in
+its own log on the machine (:func:`last_worker_exit`): which worker ended, how, and when; and a
+restarted group (``TORCHELASTIC_RESTART_COUNT`` > 0) is reported even when no record was left.
+
 The phases, as the survivors see them:
 
 - noticed: from the last progress any surviving rank made to the first survivor's failure
@@ -23,6 +28,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +37,41 @@ from typing import Any, Optional
 
 FAULT_PREFIX = "fault-rank-"
 RECOVERY_FILE = "recovery.json"
+AGENT_LOG = "torchrun.log"   # under the run's logs/: torchrun's own messages (scaleloop.launching.agent)
+# torchrun's line for a worker that ended badly (torch.distributed.elastic.multiprocessing.api).
+_WORKER_EXIT = re.compile(r"^(?P<when>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(?P<ms>\d+) .*"
+                          r"failed \(exitcode: (?P<code>-?\d+)\) local_rank: (?P<rank>\d+)")
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """A worker whose end torchrun saw: its local rank, exit code (negative: the signal) and when."""
+
+    local_rank: int
+    code: int
+    time: float
+
+    def how(self) -> str:
+        """"was killed by SIGKILL", "exited with code 3"."""
+        if self.code < 0:
+            try:
+                return f"was killed by {signal.Signals(-self.code).name}"
+            except ValueError:
+                return f"was killed by signal {-self.code}"
+        return f"exited with code {self.code}"
+
+
+def last_worker_exit(log_dir: Path) -> Optional[WorkerExit]:
+    """The last worker that torchrun saw fail, from ``log_dir/torchrun.log`` (None: none, or no log)."""
+    try:
+        lines = (log_dir / AGENT_LOG).read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if m := _WORKER_EXIT.match(line):
+            when = time.mktime(time.strptime(m["when"], "%Y-%m-%d %H:%M:%S")) + int(m["ms"]) / 1000
+            return WorkerExit(int(m["rank"]), int(m["code"]), when)
+    return None
 
 
 def leave_fault(log_dir: Path, rank: int, described: dict[str, Any], world_size: int) -> None:
@@ -86,12 +128,26 @@ class Recovery:
     resumed_step: Optional[int] = None    # the checkpoint's step the new group resumed from
     first_step: Optional[float] = None    # ... when the new group's first optimizer step ended
     records: list[dict[str, Any]] = field(default_factory=list)
+    restart: Optional[int] = None         # torchrun's restart that formed the new group (1: the first)
+    max_restarts: Optional[int] = None    # --max-restarts
+    failed_step: Optional[int] = None     # the step the survivors were in when the fault came (None: unknown)
 
     @classmethod
-    def from_records(cls, records: list[dict[str, Any]], world_after: int, group_formed: float) -> Optional["Recovery"]:
-        """None without records (a first attempt, or one whose predecessor left none)."""
-        if not records:
+    def from_records(cls, records: list[dict[str, Any]], world_after: int, group_formed: float, *,
+                     restart: int = 0, max_restarts: Optional[int] = None,
+                     died: Optional[WorkerExit] = None) -> Optional["Recovery"]:
+        """None for a first attempt that found no records (an elastic job's admitted machine
+        leaves records). ``died``: the worker torchrun saw fail (:func:`last_worker_exit`), named
+        when its rank left no record of its own; given only where local and global ranks agree."""
+        if not records and restart == 0:
             return None
+        numbered = dict(restart=restart or None, max_restarts=max_restarts)
+        if not records:   # every process was stopped or died before it could write one
+            who = f"rank {died.local_rank} of {world_after} {died.how()}" if died else "a worker failed"
+            noticed = died.time if died else group_formed
+            return cls(world_before=world_after, world_after=world_after,
+                       lost_ranks=[died.local_rank] if died else [], cause=f"{who} (torchrun's log)",
+                       last_progress=noticed, noticed=noticed, group_formed=group_formed, **numbered)
         # (With a shared run directory, two machines may both have read a record.)
         records = list({(r.get("rank"), r.get("time")): r for r in records}.values())
         world_before = max(int(r.get("world_size") or 0) for r in records)
@@ -105,6 +161,8 @@ class Recovery:
         elif own:
             first = min(own, key=lambda r: r.get("time", 0))
             cause = f"rank {first['rank']} failed: {first.get('error_type')}: {str(first.get('message', ''))[:120]}"
+        elif died is not None and lost == [died.local_rank]:   # torchrun saw how the lost rank ended
+            cause = f"rank {died.local_rank} of {world_before} {died.how()}"
         else:
             timed_out = any(r.get("timed_out") for r in records)
             who = f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}" if lost else "a peer"
@@ -113,10 +171,12 @@ class Recovery:
                       "its connections dropped, as when a process or its machine dies"))
         progress = [float(r["last_progress"]) for r in records if r.get("last_progress")]
         times = [float(r["time"]) for r in records if r.get("time")]
+        steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
         noticed = min(times) if times else group_formed
         return cls(world_before=world_before, world_after=world_after, lost_ranks=lost, cause=cause,
                    last_progress=max(progress) if progress else noticed, noticed=noticed,
-                   group_formed=group_formed, records=records)
+                   group_formed=group_formed, records=records, failed_step=max(steps) if steps else None,
+                   **numbered)
 
     @property
     def phases(self) -> dict[str, Optional[float]]:
@@ -131,7 +191,12 @@ class Recovery:
         p = self.phases
         size = (f"a new group of {self.world_after} process(es) (was {self.world_before})"
                 if self.world_after != self.world_before else f"a new group of {self.world_after} process(es)")
-        text = (f"recovered: {self.cause}; noticed {p['noticed_s']:.1f} s after the last step, "
+        which = ""
+        if self.restart:
+            of = f" of {self.max_restarts}" if self.max_restarts else ""
+            which = f" (torchrun's restart {self.restart}{of})"
+        during = f" in step {self.failed_step}" if self.failed_step is not None else ""
+        text = (f"recovered{which}: {self.cause}{during}; noticed {p['noticed_s']:.1f} s after the last step, "
                 f"{size} formed {p['new_group_s']:.1f} s later")
         if self.resumed_step is not None:
             text += f", resumed from step {self.resumed_step}"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from scaleloop.config import load_toml, resolve
-from scaleloop.runtime.dist import DistEnv, destroy_process_group, init_process_group
+from scaleloop.runtime.dist import DistEnv, end_process_group, init_process_group
 from scaleloop.runtime.frames import note_where
 from scaleloop.verify.dirs import CONFIG_FILE, OPTIONS_FILE, distributed_dir, states_dir
 from scaleloop.verify.lockstep import StateSaver
@@ -36,16 +36,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     init_process_group(env)
     recorder = Recorder(env, distributed_dir(root), explain_step=opts.explain_step,
                         audit_data="data" in opts.checks, check_sync=opts.hashes_replicas)
+    failed = True
     try:
         # For the lock-step comparison the run's state is saved at every step boundary.
         saver = StateSaver(states_dir(root), env) if opts.lockstep else None
         run_steps(cfg, env, RunSpec(cfg.strategy, cfg.accumulate, opts.steps), recorder, boundary=saver)
+        failed = False
     except Exception as exc:  # recorded for the parent's comparison, then to torchrun's error file
         recorder.fail(exc)
         note_where(exc, None, recorder.step)
         raise
     finally:
-        destroy_process_group()
+        end_process_group(failed=failed)   # after a failure, once its error is recorded
     return 0
 
 
