@@ -201,7 +201,8 @@ def assert_same_weights(expected: dict[str, torch.Tensor], model: Path) -> None:
 
 
 def assert_recovery_reported(run_dir: Path, output: str, world_before: int, world_after: int, step: int) -> None:
-    assert re.search(rf"scaleloop: recovered: .*a new group of {world_after} process\(es\) \(was {world_before}\)"
+    assert re.search(rf"scaleloop: recovered \(torchrun's restart 1 of \d+\): "
+                     rf".*a new group of {world_after} process\(es\) \(was {world_before}\)"
                      rf".*resumed from step {step}, first step done", output), output
     entries = json.loads((run_dir / "recovery.json").read_text())
     assert len(entries) == 1 and entries[0]["world_after"] == world_after
@@ -210,7 +211,7 @@ def assert_recovery_reported(run_dir: Path, output: str, world_before: int, worl
     rows = [line.split(",") for line in (run_dir / "metrics.csv").read_text().splitlines() if line.startswith("recovery,")]
     assert len(rows) == 1, "one recovery row in metrics.csv"
     doctor = run([sys.executable, "-m", "scaleloop", "doctor", str(run_dir)], cwd=run_dir, timeout=60)
-    assert doctor.returncode == 0 and "recovered:" in doctor.stdout, doctor.stdout + doctor.stderr
+    assert doctor.returncode == 0 and "recovered (torchrun's restart 1 of " in doctor.stdout, doctor.stdout + doctor.stderr
 
 
 @pytest.mark.skipif(reason is not None, reason=reason or "")

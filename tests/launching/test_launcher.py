@@ -50,14 +50,20 @@ def test_the_launcher_never_imports_torch_before_torchrun_starts(tmp_path: Path,
 
 
 def test_the_workers_usage_error_is_recorded_for_doctor_unless_their_loop_did(tmp_path: Path) -> None:
+    import os
+
     from scaleloop.commands.doctor import diagnose
     from scaleloop.launching import launcher
     from scaleloop.output.endings import Failure
 
-    # Found while the workers built the model, before any loop could record it.
-    launcher._record_usage_error(tmp_path, "--model m:f has no parameters to train")
+    # Found while the workers built the model, before any loop could record it; an earlier
+    # launch's record (written before this launch started) is replaced.
+    Failure("diverged", rank=1, epoch=1, step=2, message="an earlier run's").write(tmp_path)
+    os.utime(tmp_path / "failure.json", (1000.0, 1000.0))
+    launcher._record_usage_error(tmp_path, "--model m:f has no parameters to train", since=2000.0)
     assert diagnose(tmp_path).what == "stopped on bad input: --model m:f has no parameters to train"
-    # Found by rank 0's loop, which recorded where: kept as it is.
-    Failure("usage", epoch=1, step=3, message="bad batch").write(tmp_path)
-    launcher._record_usage_error(tmp_path, "bad batch")
-    assert diagnose(tmp_path).what == "stopped on bad input at epoch 1, step 3: bad batch"
+    # Found by a rank's loop during this launch, which recorded where and what (a divergence
+    # is one, in words of its own): kept as it is.
+    Failure("diverged", rank=1, epoch=1, step=3, message="the run diverged: ...").write(tmp_path)
+    launcher._record_usage_error(tmp_path, "the run diverged: ... on rank 1", since=2000.0)
+    assert diagnose(tmp_path).state == "diverged"

@@ -185,6 +185,7 @@ def _launch_workers(cfg: TrainConfig) -> None:
     launch = launch_for(cfg, "scaleloop", ["train", "--config", str(resolved)], logs=logs, launch_id=launch_id,
                         entry="scaleloop.cli",
                         env={**workers_env(cfg, logs, without_job_variables(os.environ)), **claim.workers_env()})
+    started = time.time()
     try:
         ended = _run_workers(cfg, launch)
     except KeyboardInterrupt:
@@ -198,7 +199,7 @@ def _launch_workers(cfg: TrainConfig) -> None:
         ranks = ended.ranks_logged()
         said = _take_usage_error(run_dir, ranks)
         if said is not None:  # a worker found bad input (the user's model or data): said in one line, once
-            _record_usage_error(run_dir, said[0])
+            _record_usage_error(run_dir, said[0], since=started)
             error = UsageError(said[0])
             error.shown = said[1]
             raise error
@@ -207,18 +208,17 @@ def _launch_workers(cfg: TrainConfig) -> None:
         raise WorkersFailed(code, failure)
 
 
-def _record_usage_error(run_dir: Path, message: str) -> None:
-    """``failure.json`` for the workers' bad input, for ``scaleloop doctor``, unless rank 0's loop
-    recorded this very error already (with its epoch and step: ``loop.ending``)."""
-    import json
-
+def _record_usage_error(run_dir: Path, message: str, since: float) -> None:
+    """``failure.json`` for the workers' bad input, for ``scaleloop doctor``, unless a rank's loop
+    recorded how this launch ended already (with its kind, rank, epoch and step: ``loop.ending``;
+    a divergence is one): that record, written since ``since``, says more than this one."""
     from scaleloop.output.endings import FAILURE_FILE
 
     try:
-        recorded = json.loads((run_dir / FAILURE_FILE).read_text(encoding="utf-8")).get("message")
-    except (OSError, ValueError, AttributeError):
-        recorded = None
-    if recorded != message:   # one found while starting up (building the model), before any loop
+        recorded_now = (run_dir / FAILURE_FILE).stat().st_mtime >= since
+    except OSError:
+        recorded_now = False
+    if not recorded_now:   # one found while starting up (building the model), before any loop
         Failure("usage", error_type="UsageError", message=message, report=[f"scaleloop: error: {message}"]).write(run_dir)
 
 
