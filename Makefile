@@ -28,10 +28,9 @@ $(DEV_STAMP): pyproject.toml constraints.txt | $(BIN)/python
 train: $(TRAIN_STAMP)
 	$(BIN)/scaleloop train
 
-# Three pytest workers on two cores, one test file each at a time (so a file's shared runs are
-# made once): much of a multi-process test's time is spent waiting (a --timeout running out, a
-# rendezvous, Ray's start), and the other workers use it.
-TEST_WORKERS ?= 3
+# Two pytest workers, one test file each at a time (so a file's shared runs are made once): most
+# of a multi-process test's time is spent waiting on its processes, and the other worker uses it.
+TEST_WORKERS ?= 2
 
 test: $(DEV_STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
