@@ -69,6 +69,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     (["--lr", "0"], ["--lr must be a positive number"]),
     (["--epoch", "3"], ["unrecognized arguments: --epoch 3"]),
     (["--batch-size", "abc"], ["batch_size must be int", "'abc'"]),
+    (["--nproc", "banana"], ["--nproc must be a whole number of processes or auto, got 'banana'"]),
     (["--optimizer", "rmsprop"], ["invalid choice: 'rmsprop'"]),
     (["--batch-size", "10", "--accumulate", "4"], ["--batch-size 10", "8 or 12"]),
     (["--data", "mnist"], ["--data-dir"]),

@@ -6,6 +6,7 @@ from typing import Any
 
 from scaleloop.commands.cmdline import add_config_flags, flag_values, help_tiers
 from scaleloop.config import SETTINGS, common_fields, config_for_resume, load_toml
+from scaleloop.errors import UsageError
 
 
 def register(subparsers: Any) -> None:
@@ -30,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
         from scaleloop.launching.jobs import processes_a_machine
 
         args.nproc = str(processes_a_machine("auto"))
+    elif typed.get("nproc") is not None and not str(typed["nproc"]).strip().isdigit():
+        raise UsageError(f"--nproc must be a whole number of processes or auto, got {typed['nproc']!r}")
     flags = flag_values(args)
     # Output piped into `head`: the run trains on once the reader has gone (launching.console).
     with kept_console():
