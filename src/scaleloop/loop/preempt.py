@@ -48,13 +48,11 @@ class StopVote:
         self._device = env.device if env.is_distributed and env.backend == "nccl" else torch.device("cpu")
         slurm = in_slurm_job(os.environ)
         preempt.listen(preempt.stop_signals(named_signal, torchrun_worker=torchrun_worker, slurm=slurm))
-        if not env.is_distributed:
-            # One process has no one to vote with: it looks at its own signal after every step
-            # (decided here, once, rather than at every step).
-            self.after_step = self._after_step_alone  # type: ignore[method-assign]
 
     def after_step(self, step: int) -> bool:
         """Call on every rank after each optimizer step; True when all ranks stop after ``step``."""
+        if not self.env.is_distributed:   # one process has no one to vote with: its own signal decides
+            return self._after_step_alone(step)
         self._countdown -= 1
         if self._countdown > 0:
             return False
