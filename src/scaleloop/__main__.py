@@ -1,6 +1,5 @@
 """``python -m scaleloop`` is the ``scaleloop`` command."""
-import sys
-
 from scaleloop.cli import main
+from scaleloop.runtime.exiting import exit_process
 
-sys.exit(main())
+exit_process(main())

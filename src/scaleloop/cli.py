@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 from scaleloop.commands import bench, doctor, env, plan, plot, train, tune_batch, verify
 from scaleloop.commands.cmdline import EXIT_INTERRUPTED, EXIT_USAGE, Parser
 from scaleloop.errors import UsageError
 from scaleloop.launching.launcher import Interrupted, WorkersFailed
+from scaleloop.runtime.exiting import exit_process
 from scaleloop.runtime.preempt import EXIT_PREEMPTED, Preempted
 
 # The subcommands, in the order ``scaleloop --help`` lists them.
@@ -69,5 +70,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
 
 
+def command() -> NoReturn:
+    """The ``scaleloop`` console script: :func:`main`, then the end of the process
+    (``scaleloop.runtime.exiting`` says why it is not a plain ``sys.exit``)."""
+    exit_process(main())
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    command()

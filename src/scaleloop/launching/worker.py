@@ -306,4 +306,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from scaleloop.runtime.exiting import exit_process
+
+    exit_process(main())

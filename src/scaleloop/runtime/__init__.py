@@ -15,4 +15,5 @@ Nothing here starts a process or reads the config; every floor above may use it.
 - ``preempt``: stop signals (SIGTERM, SIGUSR1, ``--signal``) noted, not fatal; the one line after the stop.
 - ``frames``: which frames are the user's; where the loop was when an exception left it.
 - ``recovery``: an elastic job's recovery from a fault, timed from what each attempt leaves behind.
+- ``exiting``: a process's end, without the interpreter's last garbage collection over torch's objects.
 """
