@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
 import sys
 from dataclasses import dataclass, field
@@ -198,8 +199,11 @@ def common_fields() -> tuple[str, ...]:
     return tuple(name for name, s in SETTINGS.items() if s.common)
 
 
+@functools.cache
 def field_types() -> dict[str, type]:
-    """Each setting's scalar type (``Optional[int]`` -> ``int``)."""
+    """Each setting's scalar type (``Optional[int]`` -> ``int``). Computed once: the sections are
+    fixed, and reading their type hints is slow enough to count in a run's start-up when done
+    for every key of a config file."""
     hints = {f.name: tp for s in SECTIONS for f, tp in _hints(TrainConfig.__dataclass_fields__[s])}
     out: dict[str, type] = {}
     for name in SETTINGS:
