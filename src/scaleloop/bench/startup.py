@@ -41,9 +41,11 @@ COMMANDS: tuple[tuple[str, list[str], str], ...] = (
 
 def _env(bytecode_cache: bool = True) -> dict[str, str]:
     """This process's environment, with this scaleloop first on the path of the child interpreters
-    and Python's bytecode cache on (in a directory of its own under the temporary directory):
-    start-up is measured as after ``pip install``, which compiles every module once, even where
-    ``PYTHONDONTWRITEBYTECODE`` would have every run compile scaleloop's sources again."""
+    and Python's bytecode cache on: start-up is measured as after ``pip install``, which compiles
+    every module once. Where ``PYTHONDONTWRITEBYTECODE`` is set (every run would compile
+    scaleloop's sources again) the cache goes to a directory of its own under the temporary
+    directory instead of next to the sources. Only then: a cache of its own is empty at first, and
+    its first run compiles all of torch too (about a minute on 2 cores)."""
     import tempfile
 
     import scaleloop
@@ -51,8 +53,7 @@ def _env(bytecode_cache: bool = True) -> dict[str, str]:
     env = dict(os.environ)
     src = os.path.dirname(os.path.dirname(os.path.abspath(scaleloop.__file__)))
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    if bytecode_cache:
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
+    if bytecode_cache and env.pop("PYTHONDONTWRITEBYTECODE", None):
         env["PYTHONPYCACHEPREFIX"] = os.path.join(tempfile.gettempdir(), "scaleloop-bench-pycache")
     return env
 
@@ -180,7 +181,7 @@ def run_startup(opts: Any, say: Say) -> BenchReport:
                        f"library loaded); scaleloop --help answers in {helps:.2f} s "
                        f"{'without' if modules['scaleloop --help'] == [] else 'with'} torch")
     report.notes = [
-        "Bytecode cached, as after pip install (PYTHONPYCACHEPREFIX, filled by the untimed warm-up runs); "
+        "Bytecode cached, as after pip install (filled by the untimed warm-up runs where it was not); "
         "with PYTHONDONTWRITEBYTECODE=1 every start compiles scaleloop's sources again, about 0.1 s more for "
         "the whole library on this machine.",
         "`import scaleloop` loads no torch: the public names are resolved on first use (PEP 562), and the CLI "
