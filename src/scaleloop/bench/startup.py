@@ -42,19 +42,17 @@ COMMANDS: tuple[tuple[str, list[str], str], ...] = (
 def _env(bytecode_cache: bool = True) -> dict[str, str]:
     """This process's environment, with this scaleloop first on the path of the child interpreters
     and Python's bytecode cache on: start-up is measured as after ``pip install``, which compiles
-    every module once. Where ``PYTHONDONTWRITEBYTECODE`` is set (every run would compile
-    scaleloop's sources again) the cache goes to a directory of its own under the temporary
-    directory instead of next to the sources. Only then: a cache of its own is empty at first, and
-    its first run compiles all of torch too (about a minute on 2 cores)."""
-    import tempfile
-
+    every module once. Where ``PYTHONDONTWRITEBYTECODE`` is set, the children may write the
+    cache after all (next to the sources, where Python keeps it), or every run would compile
+    scaleloop's sources again. Not in a directory of its own (``PYTHONPYCACHEPREFIX``): an empty
+    one would have the warm-up compile all of torch too (about a minute on 2 cores)."""
     import scaleloop
 
     env = dict(os.environ)
     src = os.path.dirname(os.path.dirname(os.path.abspath(scaleloop.__file__)))
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    if bytecode_cache and env.pop("PYTHONDONTWRITEBYTECODE", None):
-        env["PYTHONPYCACHEPREFIX"] = os.path.join(tempfile.gettempdir(), "scaleloop-bench-pycache")
+    if bytecode_cache:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
 
 
