@@ -5,7 +5,8 @@ weights equal ``scaleloop train --nproc 2`` bit for bit.
 - a PyTorchJob of 2 pods x 1 process (a Master and a Worker replica);
 - a TrainJob of 2 pods with its default ``numProcPerNode: auto`` (one process on a CPU pod);
 - a PyTorchJob of 1 pod x 2 processes (``nprocPerNode: "2"``: before, ``--nproc`` was ignored and
-  the job waited for 2 processes nobody started).
+  the job waited for 2 processes nobody started);
+- a TrainJob of 1 pod x 2 processes (``numProcPerNode: 2``).
 
 Each pod has its own run directory (its own volume): per-rank logs on each, and a verified copy of
 every checkpoint on the pod without rank 0. The master's service name resolves in each pod's
@@ -47,8 +48,8 @@ def pytorchjob(rank: int, pods: int, nproc: int) -> dict[str, str]:
             "PET_NODE_RANK": str(rank), "PET_NNODES": str(pods)}
 
 
-def trainjob(rank: int, pods: int) -> dict[str, str]:
-    return {**POD, "PET_NNODES": str(pods), "PET_NPROC_PER_NODE": "auto", "PET_NODE_RANK": str(rank),
+def trainjob(rank: int, pods: int, nproc: str = "auto") -> dict[str, str]:
+    return {**POD, "PET_NNODES": str(pods), "PET_NPROC_PER_NODE": nproc, "PET_NODE_RANK": str(rank),
             "PET_MASTER_ADDR": "tj-node-0-0.tj", "PET_MASTER_PORT": "29500"}
 
 
@@ -105,6 +106,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         found["v1"] = train_in_pods(root / "v1", [(a, pytorchjob(0, 2, 1)), (b, pytorchjob(1, 2, 1))])
         found["v2"] = train_in_pods(root / "v2", [(a, trainjob(0, 2)), (b, trainjob(1, 2))])
         found["v1x2"] = train_in_pods(root / "v1x2", [(a, pytorchjob(0, 1, 2))])
+        found["v2x2"] = train_in_pods(root / "v2x2", [(a, trainjob(0, 1, "2"))])
     found["root"] = root
     return found
 
@@ -161,3 +163,12 @@ def test_a_pytorchjob_pod_of_two_processes_starts_both(runs: dict) -> None:
                                     "master pj-master-0:23456")
     assert_bitwise(root / "v1x2" / "pod0" / "run", root / "reference" / "run")
     assert {p.name for p in (root / "v1x2" / "pod0" / "run" / "logs").glob("rank-*.log")} == {"rank-0.log", "rank-1.log"}
+
+
+def test_a_trainjob_pod_of_two_processes_starts_both(runs: dict) -> None:
+    root = runs["root"]
+    ((pod0, _),) = runs["v2x2"]
+    assert pod0.splitlines()[0] == ("scaleloop: kubernetes (TrainJob): pod 0 of 1 (PET_NODE_RANK), 2 processes a pod, "
+                                    "master tj-node-0-0.tj:29500")
+    assert_bitwise(root / "v2x2" / "pod0" / "run", root / "reference" / "run")
+    assert {p.name for p in (root / "v2x2" / "pod0" / "run" / "logs").glob("rank-*.log")} == {"rank-0.log", "rank-1.log"}
