@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 from scaleloop.bench.worker import PROGRESS_PREFIX
 from scaleloop.bench.workload import RunSpec, Workload
 from scaleloop.launching.failures import LOGS_DIR
-from scaleloop.launching.supervisor import Ended, Workers, start
+from scaleloop.launching.supervisor import LaunchOutcome, Workers, start
 from scaleloop.launching.torchrun import WorkerLaunch
 
 Say = Callable[[str], None]
@@ -85,7 +85,7 @@ def run_workers(workload: Workload, runs: Sequence[RunSpec], nproc: int, say: Sa
         code, lines = _run(launch, say, timeout_s)
         if code != 0:
             keep = True
-            failure = Ended(launch, code, 0.0).failure(tmp, continue_line=None, ranks=range(nproc), doctor=False)
+            failure = LaunchOutcome(launch, code, 0.0).failure(tmp, continue_line=None, ranks=range(nproc), doctor=False)
             report = [failure.report[0].removeprefix("scaleloop: error: "), *failure.report[1:]]
             raise BenchFailure("\n".join(report))
         if not out.exists():

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 from scaleloop.config import TrainConfig, to_toml
 from scaleloop.errors import EXIT_INTERRUPTED, UsageError
 from scaleloop.launching.failures import LOGS_DIR, Failure
-from scaleloop.launching.supervisor import Ended, supervise
+from scaleloop.launching.supervisor import LaunchOutcome, supervise
 from scaleloop.launching.torchrun import WorkerLaunch, launch_for, workers_env
 from scaleloop.ray import in_ray_train_worker, started_by_ray_worker
 from scaleloop.runtime import preempt
@@ -222,7 +222,7 @@ def _record_usage_error(run_dir: Path, message: str, since: float) -> None:
         Failure("usage", error_type="UsageError", message=message, report=[f"scaleloop: error: {message}"]).write(run_dir)
 
 
-def _run_workers(cfg: TrainConfig, launch: WorkerLaunch) -> Ended:
+def _run_workers(cfg: TrainConfig, launch: WorkerLaunch) -> LaunchOutcome:
     """Print the plain torchrun command, run the workers supervised and wait for them.
 
     A stop signal (SIGTERM, SIGUSR1, --signal) is passed on: the workers checkpoint and end, and

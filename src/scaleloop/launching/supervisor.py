@@ -12,7 +12,7 @@ Train, verify and bench describe their workers as a ``WorkerLaunch``
   finish their step and checkpoint), and waits; while it waits, a worker that is stopped (SIGSTOP)
   when torchrun tells it to end is continued, so that it ends at once
   (:func:`continue_stopped_workers`);
-- :class:`Ended` is the exit code, and after a failure :meth:`Ended.failure` reads the workers'
+- :class:`LaunchOutcome` is the exit code, and after a failure :meth:`LaunchOutcome.failure` reads the workers'
   error files and logs into the short report (``scaleloop.launching.failures``).
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ _Output = Union[None, int, IO[Any]]
 
 
 @dataclass(frozen=True)
-class Ended:
+class LaunchOutcome:
     """How a launch ended: torchrun's exit code (0: every worker succeeded; the worker's own for a
     ``direct`` launch; negative: killed by that signal)."""
 
@@ -89,7 +89,7 @@ class Workers:
     def __init__(self, launch: WorkerLaunch, proc: subprocess.Popen, started: float) -> None:
         self.launch, self.proc, self.started = launch, proc, started
 
-    def wait(self, timeout: Optional[float] = None) -> Ended:
+    def wait(self, timeout: Optional[float] = None) -> LaunchOutcome:
         """Wait for the end (``subprocess.TimeoutExpired`` after ``timeout`` seconds).
 
         It polls rather than blocking in ``waitpid``: a signal sent to this process (``kill -INT``)
@@ -101,7 +101,7 @@ class Workers:
         while True:
             left = POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - time.monotonic()))
             try:
-                return Ended(self.launch, self.proc.wait(timeout=left), self.started)
+                return LaunchOutcome(self.launch, self.proc.wait(timeout=left), self.started)
             except subprocess.TimeoutExpired:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise subprocess.TimeoutExpired(self.proc.args, timeout or 0.0) from None
@@ -154,7 +154,7 @@ def start(launch: WorkerLaunch, *, stdout: _Output = None, stderr: _Output = Non
     return Workers(launch, proc, started)
 
 
-def supervise(launch: WorkerLaunch, *, forward: Sequence[signal.Signals] = ()) -> Ended:
+def supervise(launch: WorkerLaunch, *, forward: Sequence[signal.Signals] = ()) -> LaunchOutcome:
     """Start ``launch`` on this console and wait for it.
 
     The signals in ``forward`` (a scheduler's or the user's stop request) are not this process's
@@ -168,7 +168,7 @@ def supervise(launch: WorkerLaunch, *, forward: Sequence[signal.Signals] = ()) -
     return wait_out(workers)
 
 
-def wait_out(workers: Workers) -> Ended:
+def wait_out(workers: Workers) -> LaunchOutcome:
     """Wait for ``workers`` to end. Ctrl-C here: they are stopped, and KeyboardInterrupt raised after;
     any other exception here (a timeout): they are stopped first."""
     try:

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Optional
 
 from scaleloop.config import TrainConfig
 from scaleloop.launching.failures import FAILURE_FILE, LOGS_DIR, Failure
-from scaleloop.launching.supervisor import Ended, Workers, start
+from scaleloop.launching.supervisor import LaunchOutcome, Workers, start
 from scaleloop.launching.torchrun import WorkerLaunch, launch_for, workers_env
 from scaleloop.verify.dirs import LOG_FILE
 
@@ -70,7 +70,7 @@ def failure_report(root: Path, cfg: TrainConfig, code: int) -> Optional[Failure]
     """
     if not (root / LOGS_DIR).is_dir():
         return None
-    ended = Ended(verify_launch(cfg, root), code, started=0.0)
+    ended = LaunchOutcome(verify_launch(cfg, root), code, started=0.0)
     failure = ended.failure(root, continue_line="once fixed, run the same scaleloop verify command again",
                             timeout_s=cfg.timeout, ranks=range(cfg.world_size), doctor=False)
     failure.write(root)
