@@ -9,6 +9,8 @@ from scaleloop.option import option, require
 from scaleloop.output.trackers import TRACKERS, check_installed
 
 _output = partial(option, group="output")
+#: How many steps ``--profile`` alone profiles.
+PROFILE_STEPS = 3
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,14 @@ class OutputSettings:
                            "<run>/tensorboard (if installed), a W&B or MLflow run (see docs/tracking.md), or nowhere",
                            TRACKERS)
     tensorboard: bool = _output(True, "write the events of --tracker tensorboard (--no-tensorboard: as --tracker none)")
+    #: Steps profiled with torch.profiler after the warm-up (``loop.profile``); 0: off, and nothing
+    #: of the profiler is imported. A config.toml written before this setting reads as 0.
+    profile: int = option(0, "profile this many steps after 2 warm-up steps with torch.profiler: a trace per rank, "
+                          "a summary and a timeline in <run>/profile (docs/profiling.md); --profile alone: "
+                          f"{PROFILE_STEPS} steps (default: 0, off)", group="speed", bare=PROFILE_STEPS)
 
     def check(self) -> None:
         require(self.log_every >= 1, "log_every", "a positive integer")
+        require(self.profile >= 0, "profile", "a number of steps: 0 (off) or more (--profile alone: "
+                f"{PROFILE_STEPS})")
         check_installed(self.tracker)   # a missing W&B/MLflow package: now, before the run directory exists
