@@ -101,7 +101,9 @@ def analyse(trace: Path) -> dict[str, Any]:
     steps = spans(lambda e: e["name"] == "scaleloop.step")
     if not steps:
         raise ValueError(f"{trace} holds no profiled step (no scaleloop.step range)")
-    ops = [e for e in events if e.get("cat") in ("cpu_op", "kernel", "gpu_memcpy", "gpu_memset")]
+    # (Gloo's collectives are user annotations on its own threads; NCCL's are kernels.)
+    ops = [e for e in events if e.get("cat") in ("cpu_op", "kernel", "gpu_memcpy", "gpu_memset")
+           or (e.get("cat") == "user_annotation" and is_comm(e["name"]))]
     comm = union((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ops if is_comm(e["name"]))
     compute = _compute(ops)
     phase = lambda *names: spans(lambda e: e["name"] in names)  # noqa: E731
