@@ -24,11 +24,12 @@ from scaleloop.loop.step import Observer
 from scaleloop.loop.text import Log
 from scaleloop.output.profile_summary import PROFILE_DIR, TIMELINE_FILE, combine, lines, trace_name, write
 from scaleloop.output.profile_trace import analyse
+from scaleloop.output.settings import PROFILE_WARMUP
 from scaleloop.runtime.collectives import broadcast_object, gather_object
 from scaleloop.runtime.dist import DistEnv
 
-#: Steps run before the profiler records: the first steps allocate, warm caches and build buckets.
-WARMUP_STEPS = 2
+#: Steps run before the profiler records (``--profile``'s, from its declaration).
+WARMUP_STEPS = PROFILE_WARMUP
 
 
 class Profiler(Observer):
@@ -196,7 +197,7 @@ def profiler_for(inner: Observer, run: Any, run_dir: Optional[Path], say: Log) -
     """The profiler of ``scaleloop train --profile N``, watching for ``inner`` (the trainer): its
     directory is rank 0's run directory (told to every rank, a collective)."""
     base = broadcast_object(str(run_dir) if run_dir is not None else ".", run.env)
-    about = dict(strategy=run.cfg.strategy, device=str(run.env.device), model=run.cfg.model)
+    about = dict(strategy=run.strategy.name, device=str(run.env.device), model=run.cfg.model)
     return Profiler(Path(base) / PROFILE_DIR, run.env, run.cfg.profile, inner=inner, say=say,
                     auto_data=True, about=about)
 

@@ -9,8 +9,9 @@ from scaleloop.option import option, require
 from scaleloop.output.trackers import TRACKERS, check_installed
 
 _output = partial(option, group="output")
-#: How many steps ``--profile`` alone profiles.
-PROFILE_STEPS = 3
+#: How many steps ``--profile`` alone profiles, and how many run before it records (the first
+#: steps allocate, warm caches and build DDP's buckets: not the steady state).
+PROFILE_STEPS, PROFILE_WARMUP = 3, 2
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class OutputSettings:
     tensorboard: bool = _output(True, "write the events of --tracker tensorboard (--no-tensorboard: as --tracker none)")
     #: Steps profiled with torch.profiler after the warm-up (``loop.profile``); 0: off, and nothing
     #: of the profiler is imported. A config.toml written before this setting reads as 0.
-    profile: int = option(0, "profile this many steps after 2 warm-up steps with torch.profiler: a trace per rank, "
+    profile: int = option(0, f"profile this many steps after {PROFILE_WARMUP} warm-up steps with torch.profiler: a trace per rank, "
                           "a summary and a timeline in <run>/profile (docs/profiling.md); --profile alone: "
                           f"{PROFILE_STEPS} steps (default: 0, off)", group="speed", bare=PROFILE_STEPS)
 
