@@ -160,6 +160,10 @@ def test_communication_no_compute_covers_is_exposed_the_rest_overlapped(tmp_path
     # self time: the autograd function's own time is its mm's, so it has none of its own
     assert top == pytest.approx({"aten::addmm": 0.3, "aten::mm": 0.3, "aten::add_": 0.2,
                                  "autograd::engine::evaluate_function: AddmmBackward0": 0.0})
+    # A step the run left unfinished (it ended inside it: an evaluation, a checkpoint) is not counted.
+    events.append(_event("scaleloop.step", 1000, 5000, cat="user_annotation"))
+    trace.write_text(json.dumps({"traceEvents": events}))
+    assert analyse(trace, steps=1)["step_ms"] == pytest.approx(1.0) and analyse(trace)["steps"] == 2
 
 
 def test_intervals() -> None:

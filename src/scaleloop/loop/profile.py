@@ -46,6 +46,7 @@ class Profiler(Observer):
         self.out_dir, self.env, self.steps, self.warmup = Path(out_dir), env, steps, warmup
         self.inner = inner if inner is not None else Observer()
         self.say, self.auto_data, self.about = say, auto_data, dict(about or {})
+        self.start_step = 0    # the steps taken before this profiler (a resumed run's), for the summary
         self.seen = 0          # steps ended so far
         self.profiled = 0      # of them, recorded
         self.trace: Optional[Path] = None   # this rank's trace, once written
@@ -126,14 +127,14 @@ class Profiler(Observer):
         if self._prof is not None:   # the run ended before all the steps were recorded
             self._close_all()
             self._stop()
-        numbers = analyse(self.trace) if self.trace is not None and self.profiled else None
+        numbers = analyse(self.trace, self.profiled) if self.trace is not None and self.profiled else None
         gathered = gather_object(numbers, self.env)
         if not self.env.is_main:
             return None
         if any(n is None for n in gathered):
             self.say(f"profile: no step recorded (the run ended within the {self.warmup} warm-up steps)")
             return None
-        summary = combine(gathered, first_step=self.warmup + 1, **self.about)
+        summary = combine(gathered, first_step=self.start_step + self.warmup + 1, **self.about)
         try:
             from scaleloop.output.profile_plot import plot_timeline
             summary["timeline"] = str(plot_timeline(summary, self.out_dir / TIMELINE_FILE))
@@ -193,13 +194,16 @@ class Profiler(Observer):
             self._ranges.pop()[1].__exit__(None, None, None)
 
 
-def profiler_for(inner: Observer, run: Any, run_dir: Optional[Path], say: Log) -> Profiler:
+def profiler_for(inner: Observer, run: Any, run_dir: Optional[Path], say: Log, start_step: int = 0) -> Profiler:
     """The profiler of ``scaleloop train --profile N``, watching for ``inner`` (the trainer): its
-    directory is rank 0's run directory (told to every rank, a collective)."""
+    directory is rank 0's run directory (told to every rank, a collective); ``start_step``: the
+    steps a resumed run took before."""
     base = broadcast_object(str(run_dir) if run_dir is not None else ".", run.env)
     about = dict(strategy=run.strategy.name, device=str(run.env.device), model=run.cfg.model)
-    return Profiler(Path(base) / PROFILE_DIR, run.env, run.cfg.profile, inner=inner, say=say,
-                    auto_data=True, about=about)
+    profiler = Profiler(Path(base) / PROFILE_DIR, run.env, run.cfg.profile, inner=inner, say=say,
+                        auto_data=True, about=about)
+    profiler.start_step = start_step
+    return profiler
 
 
 def profile(out_dir: str | Path, steps: int = 3, *, warmup: int = WARMUP_STEPS, env: Optional[DistEnv] = None,

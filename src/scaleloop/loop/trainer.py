@@ -88,7 +88,7 @@ class Trainer(Observer):
         self.profiler: Optional["Profiler"] = None
         if cfg.profile:
             from scaleloop.loop.profile import profiler_for
-            self.profiler = profiler_for(self, run, run_dir or self.result.out, say)
+            self.profiler = profiler_for(self, run, run_dir or self.result.out, say, start_step=at.global_step)
             self.watch = self.profiler
 
     def emit(self, row: Row) -> None:

@@ -91,7 +91,8 @@ def lines(summary: dict[str, Any], profile_dir: Optional[Path] = None) -> list[s
     """The summary as printed: a row per rank (ms per step), its top operators, the slowest rank."""
     first = summary.get("first_step")
     steps = summary["ranks"][0]["steps"]
-    where = f"steps {first}-{first + steps - 1}" if isinstance(first, int) else f"{steps} steps"
+    where = (f"step {first}" if steps == 1 else f"steps {first}-{first + steps - 1}") if isinstance(first, int) \
+        else f"{steps} steps"
     out = [f"profile: {steps} step(s) ({where}) on {summary['world_size']} rank(s), ms per step"
            + (f"; traces in {profile_dir}" if profile_dir is not None else "")]
     heads = ["rank", "step"] + [p for p in PARTS] + ["comm overlapped"]

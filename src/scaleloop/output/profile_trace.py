@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 #: The parts a step is split into, in the order they claim an instant (the module doc).
 PARTS = ("comm exposed", "data wait", "optimizer", "backward", "forward", "other")
@@ -93,12 +93,16 @@ def is_comm(name: str) -> bool:
     return name.startswith(_COMM_PREFIXES)
 
 
-def analyse(trace: Path) -> dict[str, Any]:
-    """One rank's numbers from its trace: steps, parts, communication, top operators, segments."""
+def analyse(trace: Path, steps: Optional[int] = None) -> dict[str, Any]:
+    """One rank's numbers from its trace: steps, parts, communication, top operators, segments.
+
+    ``steps``: how many steps ended while recording (the first ones); a step the run left
+    unfinished (it ended, or failed, inside it) is not counted."""
     events = [e for e in json.loads(trace.read_text(encoding="utf-8")).get("traceEvents", [])
               if e.get("ph") == "X" and "dur" in e and "ts" in e]
     spans = lambda pick: union((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events if pick(e))  # noqa: E731
-    steps = spans(lambda e: e["name"] == "scaleloop.step")
+    whole = spans(lambda e: e["name"] == "scaleloop.step")
+    steps = whole[:steps] if steps is not None else whole
     if not steps:
         raise ValueError(f"{trace} holds no profiled step (no scaleloop.step range)")
     # (Gloo's collectives are user annotations on its own threads; NCCL's are kernels.)
