@@ -101,7 +101,8 @@ def analyse(trace: Path, steps: Optional[int] = None) -> dict[str, Any]:
     events = [e for e in json.loads(trace.read_text(encoding="utf-8")).get("traceEvents", [])
               if e.get("ph") == "X" and "dur" in e and "ts" in e]
     spans = lambda pick: union((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events if pick(e))  # noqa: E731
-    whole = spans(lambda e: e["name"] == "scaleloop.step")
+    # (not merged: one step's range ends where the next one's starts)
+    whole = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events if e["name"] == "scaleloop.step")
     steps = whole[:steps] if steps is not None else whole
     if not steps:
         raise ValueError(f"{trace} holds no profiled step (no scaleloop.step range)")
