@@ -91,6 +91,15 @@ def test_a_profiled_run_trains_the_same_weights_bitwise(runs) -> None:
     assert not (runs["root"] / "plain" / "profile").exists()
 
 
+def test_off_nothing_of_the_profiler_is_imported(tmp_path: Path) -> None:
+    code = ("import sys; from scaleloop.cli import main; main(['train', *sys.argv[1:]]); "
+            "print('imported:', sorted(m for m in sys.modules if 'profile_' in m or m.endswith('loop.profile')))")
+    res = run([sys.executable, "-c", code, *TRAIN, "--max-steps", "3", "--out", str(tmp_path / "off")], cwd=tmp_path,
+              timeout=120, env=child_env({"OMP_NUM_THREADS": "1"}))
+    assert res.returncode == 0, res.stderr
+    assert "imported: []" in res.stdout
+
+
 @pytest.mark.parametrize("argv,steps", [([], 0), (["--profile"], 3), (["--profile", "5"], 5),
                                         (["--profile", "--max-steps", "4"], 3)])
 def test_the_flag_alone_is_three_steps_a_value_that_many_none_off(argv: list[str], steps: int) -> None:

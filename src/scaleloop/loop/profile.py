@@ -147,11 +147,12 @@ class Profiler(Observer):
 
     def abandon(self, exc: BaseException) -> None:
         """The run failed: stop recording, keep the trace so far, and on a CUDA out-of-memory error
-        dump the allocator's snapshot (``memory-snapshot-rank-R.pickle``, for pytorch.org/memory_viz)."""
-        if self._prof is not None:
+        while recording dump the allocator's snapshot (``memory-snapshot-rank-R.pickle``, for pytorch.org/memory_viz)."""
+        recording = self._prof is not None
+        if recording:
             self._close_all()
-            self._stop()
-        if self._cuda and isinstance(exc, torch.cuda.OutOfMemoryError):
+            self._stop(keep_history=True)
+        if recording and self._cuda and isinstance(exc, torch.cuda.OutOfMemoryError):
             self.out_dir.mkdir(parents=True, exist_ok=True)
             torch.cuda.memory._dump_snapshot(str(self.out_dir / f"memory-snapshot-rank-{self.env.rank}.pickle"))
 
@@ -168,13 +169,13 @@ class Profiler(Observer):
         if self.auto_data:
             self._open("scaleloop.data")
 
-    def _stop(self) -> None:
+    def _stop(self, keep_history: bool = False) -> None:
         prof, self._prof = self._prof, None
         prof.stop()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.trace = self.out_dir / trace_name(self.env.rank)
         prof.export_chrome_trace(str(self.trace))
-        if self._cuda:
+        if self._cuda and not keep_history:   # (kept for the snapshot of a failure)
             torch.cuda.memory._record_memory_history(enabled=None)
 
     def _phase(self, name: Optional[str]) -> None:
