@@ -37,7 +37,6 @@ from scaleloop.checkpoint.store import CHECKPOINTS_DIR, CheckpointInfo, newest_v
 from scaleloop.config import load_toml
 from scaleloop.errors import UsageError
 from scaleloop.launching.failures import AGENT_LOG, LOGS_DIR
-from scaleloop.output import profile_summary
 from scaleloop.output.lock import LOCK_FILE, Holder, live_holder
 from scaleloop.runtime.recovery import read_recoveries
 
@@ -331,6 +330,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_profile(run_dir: Path) -> None:
     """The summary of a ``--profile`` run (``profile/summary.json``), as the run printed it."""
+    from scaleloop.output import profile_summary   # (here: a run without --profile never loads it)
     summary = profile_summary.read(run_dir)
     if summary is not None:
         print("\n".join(profile_summary.lines(summary, run_dir / profile_summary.PROFILE_DIR)))
