@@ -53,8 +53,6 @@ class Profiler(Observer):
         self._prof: Any = None
         self._ranges: list[tuple[str, Any]] = []   # the open record_function ranges, innermost last
         self._cuda = env.device.type == "cuda" and torch.cuda.is_available()
-        if self._cuda:   # for a snapshot on an out-of-memory error while profiling (abandon)
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
         if warmup == 0:
             self._start()
 
@@ -160,6 +158,8 @@ class Profiler(Observer):
     def _start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
+        if self._cuda:   # for a snapshot on an out-of-memory error while profiling (abandon)
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
         self._prof = profile(activities=activities)
         self._prof.start()
         self._open_step()
