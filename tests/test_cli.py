@@ -81,6 +81,8 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     (["--min-lr", "-1", "--lr-schedule", "cosine"], ["--min-lr must be zero or positive"]),
     (["--min-lr", "0.001"], ["--lr-schedule constant does not decay"]),
     (["--decay-params", "weights"], ["invalid choice: 'weights'"]),
+    (["--profile", "-1"], ["--profile must be a number of steps: 0 (off) or more"]),
+    (["--profile", "banana"], ["profile must be int", "'banana'"]),
     (["--strategy", "pipeline", "--nproc", "2", "--weight-decay", "0.1"], ["add --decay-params all"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path,

@@ -75,6 +75,8 @@ CHECKS: tuple[Check, ...] = (
     _train("fused-optimizer", "--fused-optimizer"),
     _train("channels-last", "--model", "convnet", "--data", "images", "--channels-last"),
     _train("data-on-device", "--data-on-device"),
+    # --profile on CUDA: CUDA activity in the trace, NCCL's kernels as communication (docs/profiling.md).
+    _train("profile", "--strategy", "ddp", "--nproc", "1", "--profile", "3"),
     Check("tune-batch", (*SCALELOOP, "tune-batch", "--device", "cuda", "--model", "convnet", "--data", "images"),
           timeout_s=240, estimate_s=60),
     # scaleloop plan's memory model against the GPU's own answer (docs/planning.md): the largest

@@ -49,6 +49,8 @@ _EXPORTS = {
     "gather_tensor": "scaleloop.runtime.collectives",
     "gather_padded": "scaleloop.runtime.collectives",
     "sum_over_ranks": "scaleloop.runtime.collectives",
+    "profile": "scaleloop.loop.profile",
+    "Profiler": "scaleloop.loop.profile",
     "find_max_batch": "scaleloop.loop.tune",
     "search_max_batch": "scaleloop.loop.tune",
     "BatchSearch": "scaleloop.loop.tune",

@@ -17,13 +17,17 @@ from scaleloop.errors import UsageError
 GROUPS = ("model and data", "training", "hardware", "speed", "launch", "checkpoints", "output")
 
 
-def option(default: Any, help: str, choices: tuple[str, ...] = (), *, group: str, common: bool = False) -> Any:
+def option(default: Any, help: str, choices: tuple[str, ...] = (), *, group: str, common: bool = False,
+           bare: Any = None) -> Any:
     """A dataclass field declared as a setting: ``help`` is its flag's help, ``choices`` the values
     it accepts (checked for every section alike), ``group`` its heading in ``--help-all`` (one of
-    :data:`GROUPS`), and ``common`` puts it among the dozen flags ``train --help`` shows."""
+    :data:`GROUPS`), and ``common`` puts it among the dozen flags ``train --help`` shows.
+
+    ``bare`` (not None): the flag's value may be left out, and the flag alone means ``bare``
+    (``--profile`` is ``--profile 3``; ``--profile 5`` is 5)."""
     assert group in GROUPS, group
-    return dataclasses.field(default=default,
-                             metadata={"help": help, "choices": choices, "group": group, "common": common})
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "group": group,
+                                                        "common": common, "bare": bare})
 
 
 def flag(name: str) -> str:

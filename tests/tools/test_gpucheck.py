@@ -29,7 +29,7 @@ def test_cpu_mode_runs_the_plan_and_writes_the_report(tmp_path: Path, capsys) ->
         assert needed in by_name
     assert "## Figures (from each bench command's JSON)" in text
     assert "### bench mfu gpt2-small" in text and "- no figures: skipped: needs CUDA" in text
-    assert "estimated 19 min on one H100, budget 20 min" in text
+    assert "estimated 20 min on one H100, budget 20 min" in text
     for item in gpucheck.NOT_RUN:
         assert f"- {item}" in text
     assert "| check | result | seconds | command |" in text

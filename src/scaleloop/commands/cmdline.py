@@ -95,6 +95,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             continue
         if setting.choices:
             kwargs["choices"] = setting.choices
+        if setting.field.metadata.get("bare") is not None:   # the value may be left out: the flag alone
+            kwargs.update(nargs="?", const=str(setting.field.metadata["bare"]))
         kwargs["metavar"] = name.upper()
         groups[setting.group].add_argument(flag(name), **kwargs)
 

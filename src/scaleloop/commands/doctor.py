@@ -11,6 +11,7 @@ the directory, without torch:
 - ``checkpoints/``: the newest checkpoint whose manifest and checksums verify;
 - ``config.toml``: the run's settings, which ``scaleloop train --out RUN_DIR`` resumes with;
 - ``recovery.json``: the faults an elastic job got over, and how long each took (listed as they are);
+- ``profile/summary.json``: a ``--profile`` run's summary, printed again after the report;
 - ``scaleloop.lock``: held while a run writes there (``scaleloop.output.lock``). A lock whose
   process lives (the same process: its start time matches the lock's) is a run in progress,
   told as such and never given a continue command.
@@ -323,4 +324,13 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     print(format_diagnosis(diagnose(Path(args.run_dir))))
+    _print_profile(Path(args.run_dir))
     return 0
+
+
+def _print_profile(run_dir: Path) -> None:
+    """The summary of a ``--profile`` run (``profile/summary.json``), as the run printed it."""
+    from scaleloop.output import profile_summary   # (here: a run without --profile never loads it)
+    summary = profile_summary.read(run_dir)
+    if summary is not None:
+        print("\n".join(profile_summary.lines(summary, run_dir / profile_summary.PROFILE_DIR)))

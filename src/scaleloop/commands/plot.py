@@ -50,4 +50,10 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise UsageError("scaleloop plot needs matplotlib: pip install matplotlib") from None
     print(f"wrote {written}: {len(runs)} run(s), loss by step and by wall time, throughput")
+    from scaleloop.output import profile_summary
+    for name in args.runs:   # a --profile run's summary and timeline, as the run printed them
+        summary = profile_summary.read(Path(name))
+        if summary is not None:
+            print(f"{name}:")
+            print("\n".join(profile_summary.lines(summary, Path(name) / profile_summary.PROFILE_DIR)))
     return 0

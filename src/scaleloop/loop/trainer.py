@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -32,6 +32,9 @@ from scaleloop.runtime.devices import device_clock
 from scaleloop.runtime.dist import launched_by_torchrun, restart_count
 from scaleloop.runtime.frames import note_where
 from scaleloop.runtime.recovery import RECOVERY_FILE, Recovery
+
+if TYPE_CHECKING:
+    from scaleloop.loop.profile import Profiler
 
 
 class Trainer(Observer):
@@ -79,6 +82,14 @@ class Trainer(Observer):
         self.pauses.on_checkpoint = on_checkpoint
         self.recovery: Optional[Recovery] = None   # a fault's recovery, reported after the first step
         self.vote: Optional[StopVote] = None       # the preemption stop vote (loop/preempt.py), from fit on
+        #: Who watches train_step: the trainer itself, or with --profile a profiler that passes each
+        #: call on to it (``loop.profile``; off, nothing of it is imported and nothing added per step).
+        self.watch: Observer = self
+        self.profiler: Optional["Profiler"] = None
+        if cfg.profile:
+            from scaleloop.loop.profile import profiler_for
+            self.profiler = profiler_for(self, run, run_dir or self.result.out, say, start_step=at.global_step)
+            self.watch = self.profiler
 
     def emit(self, row: Row) -> None:
         """Write ``row`` (rank 0: ``metrics.csv`` and the tracker), then check a log row's health on
@@ -114,6 +125,8 @@ class Trainer(Observer):
             note_where(exc, epoch=result.epochs + 1, step=result.steps + 1, during=self.pauses.doing)
             raise exc.with_hint(self.checkpointer.continue_hint(exc.once)) from None
         except BaseException as exc:  # where the loop was, for the launcher's failure report
+            if self.profiler is not None:   # the trace so far; a CUDA out-of-memory's snapshot
+                self.profiler.abandon(exc)
             note_where(exc, epoch=result.epochs + 1, step=result.steps + 1,
                        last_progress=time.time() - (time.perf_counter() - self.last_progress),
                        during=self.pauses.doing)
@@ -121,6 +134,8 @@ class Trainer(Observer):
         finally:
             if self.metrics is not None:
                 self.metrics.close()
+        if self.profiler is not None:   # every rank's numbers to rank 0: the summary, printed
+            self.profiler.report()
         if result.test is None:
             result.test = self.pauses.evals.test()  # nothing trained: the checkpoint's model
         return finish(self.run, result, self.checkpointer, self.resumed, self.gradient_bytes)
@@ -143,7 +158,7 @@ class Trainer(Observer):
         self.restart_clock()
         for micro_batches in steps_of(run.loader):
             result.step_lr = run.optimizer.param_groups[0]["lr"]   # the learning rate this step uses
-            losses = train_step(run, micro_batches, self)   # the trainer watches its step (below)
+            losses = train_step(run, micro_batches, self.watch)   # the trainer watches its step (below)
             result.steps += 1
             for batch, loss in zip(micro_batches, losses):
                 if loss is not None:  # None: this rank computes no loss (a pipeline's earlier stage)

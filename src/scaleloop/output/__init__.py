@@ -8,4 +8,8 @@
 - ``compare``: several runs' curves on one picture (``scaleloop plot``).
 - ``trackers``: where metrics go besides ``metrics.csv`` (``--tracker``): TensorBoard, W&B, MLflow.
 - ``memory``: parameter, gradient and optimizer-state bytes per rank (``memory.json``).
+- ``profile_trace``: one rank's profiled steps read from its trace (the parts of a step,
+  communication exposed and overlapped, top operators).
+- ``profile_summary``: ``profile/summary.json``, the slowest rank and why, the printed table.
+- ``profile_plot``: ``profile/timeline.png``, the ranks' profiled steps by part.
 """
