@@ -90,6 +90,31 @@ def host_copy(value: Any) -> Any:
     return copy(value)
 
 
+@dataclass
+class InFlight:
+    """A checkpoint being written in the background: its step, the ``last_step`` before it (restored
+    if it fails), what gives its outcome (the writing rank's thread; another rank's DCP shards), and
+    the thread itself, on the writing rank."""
+
+    step: int
+    previous: Optional[int]
+    outcome: Callable[[], Outcome]
+    write: Optional[BackgroundWrite] = None
+
+
+def other_ranks_shards(sharded: Optional[ShardedSave]) -> Outcome:
+    """A rank that does not finish the checkpoint: wait for its own shards, if any. A failed write is
+    raised by DCP on every rank; the writing rank's outcome reports it for all."""
+    from scaleloop.checkpoint.store import CheckpointError
+
+    if sharded is not None and sharded.wait is not None:
+        try:
+            sharded.wait()
+        except (OSError, CheckpointError):
+            pass
+    return None, None, False
+
+
 class BackgroundWrite:
     """One checkpoint's write, running ``work`` in a thread of its own from construction on.
 

@@ -10,6 +10,11 @@ Save (every rank calls it at the same step, because it holds collectives):
    the streams' states and the resolved config into one weights-only file, written atomically
    (see ``store``).
 
+With ``--async-checkpoint`` steps 1 and 2 are the same, on the training thread; the writing rank
+then copies the state into host memory and writes step 3 in a thread (``checkpoint.background``),
+and :meth:`Checkpointer.wait` completes it at the next save, the run's end, a stop or a resume: the
+outcome sent to every rank, its error raised there as a synchronous save raises it.
+
 Restore: rank 0 picks and verifies the checkpoint and broadcasts its bytes, so every rank
 loads exactly the same state even without a shared file system, and an error is raised on
 every rank alike instead of leaving the others waiting.
@@ -24,10 +29,6 @@ back needs a directory every rank sees: a file system shared by all nodes.
 """
 from __future__ import annotations
 
-import errno
-import os
-import shlex
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -37,15 +38,16 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 import torch
 from torch import nn
 
-from scaleloop.checkpoint.background import BackgroundWrite, Outcome, ShardedSave, checkpoint_group, host_copy
+from scaleloop.checkpoint.background import (BackgroundWrite, InFlight, Outcome, ShardedSave, checkpoint_group,
+                                             host_copy, other_ranks_shards)
 from scaleloop.checkpoint.replicas import Replicas, machines, newest_among_machines
 from scaleloop.checkpoint.resume import check_compatible, find_checkpoint
 from scaleloop.checkpoint.state import capture_rng, from_bytes, restore_rng, state_bytes, to_bytes
-from scaleloop.checkpoint.store import (CHECKPOINTS_DIR, FORMAT_VERSION, STATE_FILE, CheckpointError,
-                                        begin_checkpoint, finish_checkpoint, newest_valid, prune, retire_after,
-                                        step_dir_name)
+from scaleloop.checkpoint.store import (CHECKPOINTS_DIR, FORMAT_VERSION, CheckpointError, begin_checkpoint,
+                                        retire_after, step_dir_name)
 from scaleloop.checkpoint.settings import CheckpointSettings
-from scaleloop.output.rundir import RunDirWriteError, unwritable
+from scaleloop.checkpoint.writing import SLACK, continue_hint, room_for, write_error, write_files
+from scaleloop.output.rundir import RunDirWriteError
 from scaleloop.runtime.collectives import broadcast_object, gather_object, sum_over_ranks
 from scaleloop.runtime.dist import DistEnv
 
@@ -95,29 +97,6 @@ class Resumed:
     data: Any = None   # this rank's saved data state (a stateful stream's place in its pass), if any
 
 
-@dataclass
-class _Pending:
-    """A checkpoint being written in the background: its step, the ``last_step`` before it (restored
-    if it fails), what gives its outcome (the writing rank's thread; another rank's DCP shards), and
-    the thread itself, on the writing rank."""
-
-    step: int
-    previous: Optional[int]
-    outcome: Callable[[], Outcome]
-    write: Optional[BackgroundWrite] = None
-
-
-def _other_ranks_shards(sharded: Optional[ShardedSave]) -> Outcome:
-    """A rank that does not finish the checkpoint: wait for its own shards, if any. A failed write is
-    raised by DCP on every rank; the writing rank's outcome reports it for all."""
-    if sharded is not None and sharded.wait is not None:
-        try:
-            sharded.wait()
-        except (OSError, CheckpointError):
-            pass
-    return None, None, False
-
-
 class Checkpointer:
     """Writes checkpoints of one run (rank 0's ``run_dir``) and restores them on every rank."""
 
@@ -134,7 +113,7 @@ class Checkpointer:
         self.written = 0
         self.seconds = 0.0              # what training waited for checkpoints (with a thread: copies and waits)
         self.background_seconds = 0.0   # what the background writes took (--async-checkpoint)
-        self._pending: Optional[_Pending] = None   # the write in flight (--async-checkpoint)
+        self._pending: Optional[InFlight] = None   # the write in flight (--async-checkpoint)
         self._group: Any = None                    # the Gloo group of DCP's background writes, once made
         self.last_path: Optional[Path] = None
         self._last_step: Optional[int] = None
@@ -195,9 +174,9 @@ class Checkpointer:
             copy = host_copy(state)   # training changes the tensors in place from the next step on
             write = BackgroundWrite(step, partial(self._write, step, tmp, copy, meta, needed,
                                                   sharded.wait if sharded is not None else None))
-            self._pending = _Pending(step, previous, write.wait, write)
+            self._pending = InFlight(step, previous, write.wait, write)
         else:   # this rank's shards (if any) are in DCP's thread; rank 0's outcome says how they went
-            self._pending = _Pending(step, previous, partial(_other_ranks_shards, sharded))
+            self._pending = InFlight(step, previous, partial(other_ranks_shards, sharded))
         self.seconds += time.perf_counter() - started
         return None
 
@@ -214,11 +193,11 @@ class Checkpointer:
         # A sharded checkpoint is written by every rank at once: what they will write, summed over
         # ranks, is checked against the space free before any of it is (one collective; a whole
         # checkpoint is checked in _write, once its bytes are known).
-        needed = (int(sum_over_ranks([state_bytes(model, optimizer)], env)[0]) + _SLACK
+        needed = (int(sum_over_ranks([state_bytes(model, optimizer)], env)[0]) + SLACK
                   if strategy.writes_sharded else None)
         if self.root is not None and where is not None:
             try:
-                _room_for(self.root, needed)
+                room_for(self.root, needed)
                 tmp = begin_checkpoint(self.root, step)
             except OSError as exc:
                 error = self._write_error(where, exc, needed)
@@ -258,29 +237,6 @@ class Checkpointer:
         if "sharded" in model_and_optim:   # the manifest names the format too
             meta["sharded"] = model_and_optim["sharded"]
         return state, meta
-
-    def _write(self, step: int, tmp: Path, state: dict[str, Any], meta: dict[str, Any], needed: Optional[int],
-               shards: Optional[Callable[[], None]] = None) -> Outcome:
-        """On the writing rank: ``state.pt`` and the manifest into ``tmp``, renamed into place, then
-        ``latest`` and the pruning (``store``); the same on the training thread and in the background.
-        ``shards``: first wait for a sharded checkpoint's shards (DCP's thread). Returns the path, or
-        the one-line error (``tmp`` then removed), and whether that error is a refusal."""
-        where = self.root / step_dir_name(step) if self.root is not None else tmp
-        try:
-            if shards is not None:
-                shards()
-            data = to_bytes(state)
-            state.clear()   # a background write's copy of the state: freed once it is bytes
-            needed = len(data) + _SLACK
-            _room_for(tmp, needed)
-            path = finish_checkpoint(self.root or tmp.parent, step, tmp, {STATE_FILE: data}, meta)
-            prune(self.root or tmp.parent, self.settings.keep_checkpoints)
-        except OSError as exc:
-            return None, self._write_error(where, exc, needed, tmp), False
-        except CheckpointError as exc:   # a sharded checkpoint whose shards rank 0 cannot see
-            shutil.rmtree(tmp, ignore_errors=True)
-            return None, str(exc), True
-        return path, None, False
 
     def _conclude(self, path: Optional[Path], error: Optional[str], refused: bool, previous: Optional[int]) -> Optional[Path]:
         """Every rank, once a checkpoint's write is over: the writing rank's error raised on every rank
@@ -368,26 +324,19 @@ class Checkpointer:
             return None
         return states
 
-    def _write_error(self, file: Path, exc: OSError, needed: Optional[int], tmp: Optional[Path] = None) -> str:
-        """The one line for a checkpoint that could not be written; removes its temporary directory
-        first, so the newest valid checkpoint (and ``latest``) stay what they were, the space free
-        is what the checkpoint could have had, and the ranks' error records have room."""
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        once = unwritable(file, exc).once
-        return str(unwritable(file, exc, needed=needed, then=self.continue_hint(once)))
-
     def continue_hint(self, once: str) -> str:
         """``the newest valid checkpoint is X; once <once>, continue with: scaleloop train --out R``
         (on the writing rank; verifies the checkpoint it names)."""
-        if self.root is None:
-            return ""
-        run_dir = shlex.quote(str(self.root.parent))
-        found = newest_valid(self.root, warn=lambda _msg: None)
-        if found is None:
-            return f"no valid checkpoint yet; once {once}, start over with the same command"
-        return (f"the newest valid checkpoint is {str(found.path)!r} (step {found.step}); once {once}, "
-                f"continue with: scaleloop train --out {run_dir}")
+        return continue_hint(self.root, once) if self.root is not None else ""
+
+    def _write_error(self, file: Path, exc: OSError, needed: Optional[int], tmp: Optional[Path] = None) -> str:
+        return write_error(self.root, file, exc, needed, tmp)
+
+    def _write(self, step: int, tmp: Path, state: dict[str, Any], meta: dict[str, Any], needed: Optional[int],
+               shards: Optional[Callable[[], None]] = None) -> Outcome:
+        """The writing rank's files of the checkpoint of ``step`` (``checkpoint.writing``)."""
+        assert self.root is not None
+        return write_files(self.root, self.settings.keep_checkpoints, step, tmp, state, meta, needed, shards)
 
     # --- restore ----------------------------------------------------------------------------
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *,
@@ -452,26 +401,6 @@ class Checkpointer:
         data = data_states[env.rank if env.rank < len(data_states) else 0] if data_states else None
         return Resumed(source=Path(source), progress=progress, sums=sums,
                        saved_world_size=saved_world, notes=notes, copy_on_rank=src or None, data=data)
-
-
-#: Room for what a checkpoint holds beside its tensors: the manifest, DCP's ``.metadata`` and the
-#: files' headers, and the file system's rounding up to whole blocks.
-_SLACK = 64 * 1024
-
-
-def _room_for(directory: Path, needed: Optional[int]) -> None:
-    """OSError ENOSPC, before anything is written, when ``directory``'s file system has less than
-    ``needed`` bytes free (a full disk part-way through a write is still caught where it happens)."""
-    if needed is None:
-        return
-    for existing in (directory, *directory.parents):   # checkpoints/ appears with the first checkpoint
-        try:
-            free = shutil.disk_usage(existing).free
-        except OSError:
-            continue
-        if needed > free:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
-        return
 
 
 def _quiet(_msg: str) -> None:
