@@ -115,7 +115,8 @@ def one_run(strategy: str, mode: str, hidden: int, out: Path) -> dict:
                 walls[int(row["step"])] = float(row["wall_s"])
     step_s = {s: walls[s] - walls[s - 1] for s in walls if s - 1 in walls}
     line = next((ln for ln in text.splitlines() if ln.strip().startswith("checkpoints")), "")
-    seconds = [float(x) for x in re.findall(r"([\d.]+) s", line)]
+    # "4 written (21.4 s)", or "... (10.0 s of training, writes 1 min 02 s)"
+    seconds = [60 * int(m or 0) + float(x) for m, x in re.findall(r"(?:(\d+) min )?([\d.]+) s", line)]
     subprocess.run(["rm", "-rf", str(run_dir)], check=False)
     return {"strategy": strategy, "mode": mode, "wall_s": wall, "peak_bytes": watch.peak,
             "after_checkpoint_s": statistics.median(step_s[s] for s in AFTER_CHECKPOINT),
