@@ -6,6 +6,8 @@
 - ``resume``: which checkpoint ``--resume`` means, and which settings a resumed run keeps;
 - ``claim``: the run directory claimed once (checked, locked, continued or not), by the launcher or rank 0;
 - ``manager``: :class:`Checkpointer`, which saves and restores through a strategy on every rank;
+- ``writing``: the writing rank's files of one checkpoint, and the one line when they cannot be written;
+- ``background``: ``--async-checkpoint``'s writer thread and the host copy it writes from;
 - ``replicas``: a verified copy of each checkpoint on every machine that does not share rank 0's disk.
 
 Sharded (FSDP) state goes through ``scaleloop.strategies.distcp``.

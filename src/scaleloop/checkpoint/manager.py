@@ -10,6 +10,11 @@ Save (every rank calls it at the same step, because it holds collectives):
    the streams' states and the resolved config into one weights-only file, written atomically
    (see ``store``).
 
+With ``--async-checkpoint`` steps 1 and 2 are the same, on the training thread; the writing rank
+then copies the state into host memory and writes step 3 in a thread (``checkpoint.background``),
+and :meth:`Checkpointer.wait` completes it at the next save, the run's end, a stop or a resume: the
+outcome sent to every rank, its error raised there as a synchronous save raises it.
+
 Restore: rank 0 picks and verifies the checkpoint and broadcasts its bytes, so every rank
 loads exactly the same state even without a shared file system, and an error is raised on
 every rank alike instead of leaving the others waiting.
@@ -24,26 +29,25 @@ back needs a directory every rank sees: a file system shared by all nodes.
 """
 from __future__ import annotations
 
-import errno
-import os
-import shlex
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 from torch import nn
 
+from scaleloop.checkpoint.background import (BackgroundWrite, InFlight, Outcome, ShardedSave, checkpoint_group,
+                                             host_copy, other_ranks_shards)
 from scaleloop.checkpoint.replicas import Replicas, machines, newest_among_machines
 from scaleloop.checkpoint.resume import check_compatible, find_checkpoint
 from scaleloop.checkpoint.state import capture_rng, from_bytes, restore_rng, state_bytes, to_bytes
-from scaleloop.checkpoint.store import (CHECKPOINTS_DIR, FORMAT_VERSION, STATE_FILE, CheckpointError,
-                                        begin_checkpoint, finish_checkpoint, newest_valid, prune, retire_after,
-                                        step_dir_name)
+from scaleloop.checkpoint.store import (CHECKPOINTS_DIR, FORMAT_VERSION, CheckpointError, begin_checkpoint,
+                                        retire_after, step_dir_name)
 from scaleloop.checkpoint.settings import CheckpointSettings
-from scaleloop.output.rundir import RunDirWriteError, unwritable
+from scaleloop.checkpoint.writing import SLACK, continue_hint, room_for, write_error, write_files
+from scaleloop.output.rundir import RunDirWriteError
 from scaleloop.runtime.collectives import broadcast_object, gather_object, sum_over_ranks
 from scaleloop.runtime.dist import DistEnv
 
@@ -62,7 +66,8 @@ class Stateful(Protocol):
     #: Every rank writes its part of a checkpoint into one directory (else rank 0 writes it whole).
     writes_sharded: bool
 
-    def save_checkpoint(self, model: Any, optimizer: Any, directory: Optional[Path]) -> Any: ...
+    def save_checkpoint(self, model: Any, optimizer: Any, directory: Optional[Path],
+                        background: Optional[ShardedSave] = None) -> Any: ...
 
     def load_checkpoint(self, model: Any, optimizer: Any, state: Any, directory: Path) -> None: ...
 
@@ -106,7 +111,10 @@ class Checkpointer:
         self.say = say
         self.root: Optional[Path] = None   # set on the writing rank once the run directory exists
         self.written = 0
-        self.seconds = 0.0
+        self.seconds = 0.0              # what training waited for checkpoints (with a thread: copies and waits)
+        self.background_seconds = 0.0   # what the background writes took (--async-checkpoint)
+        self._pending: Optional[InFlight] = None   # the write in flight (--async-checkpoint)
+        self._group: Any = None                    # the Gloo group of DCP's background writes, once made
         self.last_path: Optional[Path] = None
         self._last_step: Optional[int] = None
         self.replicas = Replicas(strategy.env, settings.keep_checkpoints)   # none until attach()
@@ -134,85 +142,171 @@ class Checkpointer:
     # --- save -------------------------------------------------------------------------------
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
              progress: Progress, sums: torch.Tensor) -> Optional[Path]:
-        """Checkpoint the run (every rank must call this at the same point). Returns the path written."""
+        """Checkpoint the run (every rank must call this at the same point). Returns the path written;
+        with ``--async-checkpoint`` None: the files are written in the background (``checkpoint.background``)
+        and :meth:`wait` completes them. Either way the write in flight before, if any, is completed first."""
         if not self.settings.checkpoints or self._last_step == progress.global_step:
             return None
+        self.wait()
         started = time.perf_counter()
+        env, step = self.strategy.env, progress.global_step
+        sharded = (ShardedSave(self._checkpoint_group()) if self.settings.async_checkpoint
+                   and self.strategy.writes_sharded else None)
+        tmp, model_and_optim, error, needed = self._begin(model, optimizer, step, sharded)
+        # One collective for both: each rank's RNGs and its data state (a stream each rank reads).
+        gathered = gather_object((capture_rng(env.device), self.data_state() if self.data_state else None), env)
+        rngs = [rng for rng, _ in gathered]
+        data_states = self._loadable([data for _, data in gathered])
+        totals = sum_over_ranks(sums, env).cpu()
+        previous, self._last_step = self._last_step, step
+        if not self.settings.async_checkpoint:
+            path, refused = None, False
+            if tmp is not None and model_and_optim is not None:
+                state, meta = self._contents(model_and_optim, scheduler, progress, totals, rngs, data_states)
+                path, error, refused = self._write(step, tmp, state, meta, needed)
+            path = self._conclude(path, error, refused, previous)
+            self.seconds += time.perf_counter() - started
+            return path
+        # An error before the write (no room, no directory) stops every rank now, as without a thread.
+        self._conclude_early(error, previous)
+        if tmp is not None and model_and_optim is not None:
+            state, meta = self._contents(model_and_optim, scheduler, progress, totals, rngs, data_states)
+            copy = host_copy(state)   # training changes the tensors in place from the next step on
+            write = BackgroundWrite(step, partial(self._write, step, tmp, copy, meta, needed,
+                                                  sharded.wait if sharded is not None else None))
+            self._pending = InFlight(step, previous, write.wait, write)
+        else:   # this rank's shards (if any) are in DCP's thread; rank 0's outcome says how they went
+            self._pending = InFlight(step, previous, partial(other_ranks_shards, sharded))
+        self.seconds += time.perf_counter() - started
+        return None
+
+    def _begin(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
+               sharded: Optional[ShardedSave]) -> tuple[Optional[Path], Any, Optional[str], Optional[int]]:
+        """The checkpoint's temporary directory (on the writing rank) and the strategy's model and
+        optimizer state for it (every rank: a sharded strategy writes its shards into that directory,
+        or, with ``sharded``, hands them to DCP's thread); the one-line error if it failed, and the
+        space it was checked to need."""
         strategy = self.strategy
         env = strategy.env
-        # Rank 0 (the one with the run directory) creates the checkpoint's temporary directory;
-        # the strategy says what state.pt holds of the model and optimizer (and a sharded one
-        # writes its shards into that directory from every rank).
         tmp, error = None, None
-        where = self.root / step_dir_name(progress.global_step) if self.root is not None else None
+        where = self.root / step_dir_name(step) if self.root is not None else None
         # A sharded checkpoint is written by every rank at once: what they will write, summed over
         # ranks, is checked against the space free before any of it is (one collective; a whole
-        # checkpoint is checked below, once its bytes are known).
-        needed = (int(sum_over_ranks([state_bytes(model, optimizer)], env)[0]) + _SLACK
+        # checkpoint is checked in _write, once its bytes are known).
+        needed = (int(sum_over_ranks([state_bytes(model, optimizer)], env)[0]) + SLACK
                   if strategy.writes_sharded else None)
         if self.root is not None and where is not None:
             try:
-                _room_for(self.root, needed)
-                tmp = begin_checkpoint(self.root, progress.global_step)
+                room_for(self.root, needed)
+                tmp = begin_checkpoint(self.root, step)
             except OSError as exc:
                 error = self._write_error(where, exc, needed)
         try:
-            model_and_optim = strategy.save_checkpoint(model, optimizer, tmp)
+            model_and_optim = (strategy.save_checkpoint(model, optimizer, tmp, sharded) if sharded is not None
+                               else strategy.save_checkpoint(model, optimizer, tmp))
         except OSError as exc:
             # A sharded write that failed on any rank (disk full part-way) fails on every rank alike.
             model_and_optim = None
             if tmp is not None and where is not None:
                 error = self._write_error(where, exc, needed, tmp)
                 tmp = None
-        # One collective for both: each rank's RNGs and its data state (a stream each rank reads).
-        gathered = gather_object((capture_rng(env.device), self.data_state() if self.data_state else None), env)
-        rngs = [rng for rng, _ in gathered]
-        data_states = self._loadable([data for _, data in gathered])
-        totals = sum_over_ranks(sums, env).cpu()
-        previous, self._last_step = self._last_step, progress.global_step
-        path = None
-        if tmp is not None and model_and_optim is not None:
-            config = dict(self.config)
-            state = {
-                "format_version": FORMAT_VERSION,
-                **model_and_optim,
-                "scheduler": scheduler.state_dict() if scheduler is not None else {},
-                "scaler": strategy.precision.state_dict(),
-                "progress": asdict(progress),
-                "sums": totals,
-                "rng": rngs,
-                "world_size": env.world_size,
-                "strategy": strategy.name,
-                "config": config,
-            }
-            if data_states is not None:
-                state["data"] = data_states
-            meta = {"epoch": progress.epoch, "step_in_epoch": progress.step_in_epoch,
-                    "samples": progress.samples, "world_size": env.world_size,
-                    "strategy": strategy.name, "config": config}
-            if "sharded" in model_and_optim:   # the manifest names the format too
-                meta["sharded"] = model_and_optim["sharded"]
-            data = to_bytes(state)
-            try:
-                _room_for(tmp, len(data) + _SLACK)
-                path = finish_checkpoint(self.root, progress.global_step, tmp, {STATE_FILE: data}, meta)
-                prune(self.root, self.settings.keep_checkpoints)
-            except OSError as exc:
-                error = self._write_error(self.root / step_dir_name(progress.global_step), exc,
-                                          len(data) + _SLACK, tmp)
-            else:
-                self.last_path = path
+        return tmp, model_and_optim, error, needed
+
+    def _contents(self, model_and_optim: dict[str, Any], scheduler: Any, progress: Progress, totals: torch.Tensor,
+                  rngs: list[Any], data_states: Optional[list[Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``state.pt``'s entries and the manifest's metadata of the checkpoint of ``progress``."""
+        strategy, env = self.strategy, self.strategy.env
+        config = dict(self.config)
+        state = {
+            "format_version": FORMAT_VERSION,
+            **model_and_optim,
+            "scheduler": scheduler.state_dict() if scheduler is not None else {},
+            "scaler": strategy.precision.state_dict(),
+            "progress": asdict(progress),
+            "sums": totals,
+            "rng": rngs,
+            "world_size": env.world_size,
+            "strategy": strategy.name,
+            "config": config,
+        }
+        if data_states is not None:
+            state["data"] = data_states
+        meta = {"epoch": progress.epoch, "step_in_epoch": progress.step_in_epoch,
+                "samples": progress.samples, "world_size": env.world_size,
+                "strategy": strategy.name, "config": config}
+        if "sharded" in model_and_optim:   # the manifest names the format too
+            meta["sharded"] = model_and_optim["sharded"]
+        return state, meta
+
+    def _conclude(self, path: Optional[Path], error: Optional[str], refused: bool, previous: Optional[int]) -> Optional[Path]:
+        """Every rank, once a checkpoint's write is over: the writing rank's error raised on every rank
+        alike, else the checkpoint counted and copied to the other machines (``checkpoint.replicas``)."""
+        env = self.strategy.env
         if env.world_size > 1:
             # Only the writing rank knows; every rank must stop alike, not wait in the next collective.
+            error, refused = broadcast_object((error, refused), env)
+        if error is not None:
+            self._last_step = previous
+            raise (CheckpointError if refused else RunDirWriteError)(error)
+        if path is not None:
+            self.last_path = path
+        if self.replicas.active:
+            self.replicas.copy(path, self.say)
+        self.written += 1
+        return path
+
+    def _conclude_early(self, error: Optional[str], previous: Optional[int]) -> None:
+        """``--async-checkpoint``: an error before the write (no room, no directory) raised on every rank now."""
+        env = self.strategy.env
+        if env.world_size > 1:
             error = broadcast_object(error, env)
         if error is not None:
             self._last_step = previous
             raise RunDirWriteError(error)
-        if self.replicas.active:
-            self.replicas.copy(path, self.say)
-        self.written += 1
-        self.seconds += time.perf_counter() - started
-        return path
+
+    def _checkpoint_group(self) -> Any:
+        """The Gloo group of DCP's background writes, made at the first (every rank saves at once)."""
+        if self._group is None:
+            self._group = checkpoint_group(self.strategy.env)
+        return self._group
+
+    # --- the write in flight (--async-checkpoint) ----------------------------------------------
+    @property
+    def pending_step(self) -> Optional[int]:
+        """The step of the checkpoint being written in the background, if any (the same on every rank)."""
+        return self._pending.step if self._pending is not None else None
+
+    def wait(self) -> Optional[Path]:
+        """Complete the checkpoint written in the background, if any. Every rank calls it at the same
+        point (the next save, the run's end, a stop, a resume): the writing rank's outcome is sent to
+        every rank, its error raised on each as a synchronous save raises it, and a machine's copy
+        made. Returns the path written (on the writing rank), else None."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        started = time.perf_counter()
+        try:
+            path, error, refused = pending.outcome()
+            return self._conclude(path, error, refused, pending.previous)
+        finally:
+            self.seconds += time.perf_counter() - started   # what training waited for it
+            if pending.write is not None:
+                self.background_seconds += pending.write.seconds
+
+    def wait_alone(self) -> None:
+        """When an exception leaves the loop (on this rank only, perhaps): let the write in flight end,
+        without :meth:`wait`'s collectives, which ranks that stopped elsewhere would never join. A write
+        that failed is said, not raised: the exception that stopped the run is the one to report."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            _, error, _ = pending.outcome()
+        except Exception as exc:   # noqa: BLE001 - reported; the exception on its way out goes on
+            error = f"{exc.__class__.__name__}: {exc}"
+        if error is not None:
+            self._last_step = pending.previous
+            self.say(f"warning: the checkpoint of step {pending.step} was not written: {error}")
 
     def _loadable(self, states: list[Any]) -> Optional[list[Any]]:
         """``states`` if any is set and all load back weights-only; else None (a resume then
@@ -230,31 +324,25 @@ class Checkpointer:
             return None
         return states
 
-    def _write_error(self, file: Path, exc: OSError, needed: Optional[int], tmp: Optional[Path] = None) -> str:
-        """The one line for a checkpoint that could not be written; removes its temporary directory
-        first, so the newest valid checkpoint (and ``latest``) stay what they were, the space free
-        is what the checkpoint could have had, and the ranks' error records have room."""
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        once = unwritable(file, exc).once
-        return str(unwritable(file, exc, needed=needed, then=self.continue_hint(once)))
-
     def continue_hint(self, once: str) -> str:
         """``the newest valid checkpoint is X; once <once>, continue with: scaleloop train --out R``
         (on the writing rank; verifies the checkpoint it names)."""
-        if self.root is None:
-            return ""
-        run_dir = shlex.quote(str(self.root.parent))
-        found = newest_valid(self.root, warn=lambda _msg: None)
-        if found is None:
-            return f"no valid checkpoint yet; once {once}, start over with the same command"
-        return (f"the newest valid checkpoint is {str(found.path)!r} (step {found.step}); once {once}, "
-                f"continue with: scaleloop train --out {run_dir}")
+        return continue_hint(self.root, once) if self.root is not None else ""
+
+    def _write_error(self, file: Path, exc: OSError, needed: Optional[int], tmp: Optional[Path] = None) -> str:
+        return write_error(self.root, file, exc, needed, tmp)
+
+    def _write(self, step: int, tmp: Path, state: dict[str, Any], meta: dict[str, Any], needed: Optional[int],
+               shards: Optional[Callable[[], None]] = None) -> Outcome:
+        """The writing rank's files of the checkpoint of ``step`` (``checkpoint.writing``)."""
+        assert self.root is not None
+        return write_files(self.root, self.settings.keep_checkpoints, step, tmp, state, meta, needed, shards)
 
     # --- restore ----------------------------------------------------------------------------
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *,
                 restarting: bool) -> Optional[Resumed]:
         """Find, verify and load the checkpoint that ``cfg.resume`` names (None: fresh start)."""
+        self.wait()   # a checkpoint still being written is one to choose from
         strategy = self.strategy
         env = strategy.env
         payload: tuple[Optional[str], Optional[bytes], Optional[str]] = (None, None, None)
@@ -313,26 +401,6 @@ class Checkpointer:
         data = data_states[env.rank if env.rank < len(data_states) else 0] if data_states else None
         return Resumed(source=Path(source), progress=progress, sums=sums,
                        saved_world_size=saved_world, notes=notes, copy_on_rank=src or None, data=data)
-
-
-#: Room for what a checkpoint holds beside its tensors: the manifest, DCP's ``.metadata`` and the
-#: files' headers, and the file system's rounding up to whole blocks.
-_SLACK = 64 * 1024
-
-
-def _room_for(directory: Path, needed: Optional[int]) -> None:
-    """OSError ENOSPC, before anything is written, when ``directory``'s file system has less than
-    ``needed`` bytes free (a full disk part-way through a write is still caught where it happens)."""
-    if needed is None:
-        return
-    for existing in (directory, *directory.parents):   # checkpoints/ appears with the first checkpoint
-        try:
-            free = shutil.disk_usage(existing).free
-        except OSError:
-            continue
-        if needed > free:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
-        return
 
 
 def _quiet(_msg: str) -> None:

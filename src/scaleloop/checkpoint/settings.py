@@ -21,6 +21,9 @@ class CheckpointSettings:
     checkpoints: bool = _checkpoints(True, "write checkpoints to <run>/checkpoints (at every epoch end and every "
                                      "--checkpoint-every steps)")
     checkpoint_every: int = _checkpoints(0, "also checkpoint every N optimizer steps (0: only at epoch ends)")
+    async_checkpoint: bool = _checkpoints(False, "write each checkpoint in a background thread while training goes "
+                                          "on: the step only copies the state to host memory (one more copy of it "
+                                          "while the write runs; docs/checkpointing.md)")
     keep_checkpoints: int = _checkpoints(3, "how many of the newest checkpoints to keep")
     resume: str = _checkpoints("auto", "auto: continue from the newest valid checkpoint in --out if there is one; "
                                "never; or a checkpoint/run directory to continue from")

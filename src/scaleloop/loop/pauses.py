@@ -126,12 +126,32 @@ class Pauses:
 
     def _save(self, progress: Progress) -> None:
         """Write the checkpoint of ``progress`` and hand it to ``on_checkpoint`` (when one was written:
-        ``written`` counts on every rank alike, the path is known on the writing rank only)."""
+        ``written`` counts on every rank alike, the path is known on the writing rank only).
+
+        With ``--async-checkpoint`` the write in flight is completed first, and this one goes on in
+        the background; a run that hands its checkpoints on waits for it at once (it hands on whole ones)."""
         run, written = self.run, self.checkpointer.written
+        doing, self.doing = self.doing, None
+        self.finish_write()
+        self.doing = doing
         path = self.checkpointer.save(run.model, run.optimizer, run.scheduler, progress,
                                       self.running.state(run.env.device))
-        if self.on_checkpoint is not None and self.checkpointer.written > written:
-            self.on_checkpoint(path, self.result)
+        if self.on_checkpoint is not None:
+            path = self.finish_write() or path
+            if self.checkpointer.written > written:
+                self.on_checkpoint(path, self.result)
+
+    def finish_write(self) -> Optional[Path]:
+        """Complete the checkpoint being written in the background, if any (every rank at the same
+        point: the next checkpoint, the run's end, a stop); a failed write is raised here, named as
+        what the loop was doing. Returns its path (on the writing rank)."""
+        step = self.checkpointer.pending_step
+        if step is None:
+            return None
+        self.doing = f"writing the checkpoint of step {step}"
+        path = self.checkpointer.wait()
+        self.doing = None
+        return path
 
     def _eval_inside(self, epoch: int) -> float:
         """The evaluation at this step inside epoch ``epoch`` (every ``--eval-every`` steps): its

@@ -53,6 +53,7 @@ class RunResult:
     weight_decay: str = ""           # which tensors weight decay applied to ("" without it)
     checkpoints_written: int = 0
     checkpoint_s: float = 0.0
+    checkpoint_background_s: float = 0.0   # --async-checkpoint: the writes' own time, in their thread
     last_checkpoint: Optional[Path] = None
     resumed_from: Optional[Path] = None
     memory: tuple[RankMemory, ...] = ()
@@ -99,6 +100,7 @@ def finish(run: Run, result: RunResult, checkpointer: Checkpointer, resumed: Opt
     result.lr = describe_schedule(run.cfg.optim, run.lr, run.total_steps)
     result.weight_decay = run.weight_decay
     result.checkpoints_written, result.checkpoint_s = checkpointer.written, checkpointer.seconds
+    result.checkpoint_background_s = checkpointer.background_seconds
     result.last_checkpoint = checkpointer.last_path
     result.resumed_from = resumed.source if resumed is not None else None
     result.streamed = isinstance(run.data.train, IterableDataset)

@@ -105,6 +105,9 @@ def describe_checkpoints(result: RunResult) -> str:
         text = "none written"
     else:
         text = f"{result.checkpoints_written} written ({format_seconds(result.checkpoint_s)})"
+        if result.checkpoint_background_s:   # --async-checkpoint: training paused that long, the writes took this
+            text = (f"{result.checkpoints_written} written in the background ({format_seconds(result.checkpoint_s)} "
+                    f"of training, writes {format_seconds(result.checkpoint_background_s)})")
         if result.last_checkpoint is not None:
             text += f", last {result.last_checkpoint}"
     if result.resumed_from is not None:

@@ -118,15 +118,18 @@ class Trainer(Observer):
                 if done:
                     break
                 done = self.train_epoch(epoch, at.step_in_epoch if epoch == at.epoch else 0)
+            self.pauses.finish_write()   # the last checkpoint, if written in the background, is whole
             if vote.stopped_after is not None:  # the checkpoint is written: end with how to continue
                 raise vote.preempted(result.out, self.checkpointer.last_step, checkpoints=cfg.checkpoints,
                                      machines=cfg.nnodes, requeue_job=cfg.requeue)
         except RunDirWriteError as exc:  # rank 0's own files (metrics.csv): add where the run can go on from
+            self.checkpointer.wait_alone()
             note_where(exc, epoch=result.epochs + 1, step=result.steps + 1, during=self.pauses.doing)
             raise exc.with_hint(self.checkpointer.continue_hint(exc.once)) from None
         except BaseException as exc:  # where the loop was, for the launcher's failure report
             if self.profiler is not None:   # the trace so far; a CUDA out-of-memory's snapshot
                 self.profiler.abandon(exc)
+            self.checkpointer.wait_alone()   # a background write in flight ends first (no collective)
             note_where(exc, epoch=result.epochs + 1, step=result.steps + 1,
                        last_progress=time.time() - (time.perf_counter() - self.last_progress),
                        during=self.pauses.doing)

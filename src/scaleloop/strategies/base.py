@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
 import scaleloop.strategies.distcp as distcp
+from scaleloop.checkpoint.background import ShardedSave
 from scaleloop.data.batch import call_model
 from scaleloop.data.batching import check_batch_split
 from scaleloop.data.loader import Batch, ShardedLoader
@@ -225,14 +226,16 @@ class Strategy:
         already (a collective). Called before evaluating, checkpointing and exporting."""
 
     # --- checkpoints --------------------------------------------------------------------
-    def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        directory: Optional[Path]) -> Optional[dict[str, Any]]:
+    def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Optional[Path],
+                        background: Optional[ShardedSave] = None) -> Optional[dict[str, Any]]:
         """The model and optimizer part of a checkpoint (every rank calls it: it may be a collective).
 
         ``directory`` is the checkpoint's (temporary) directory on the rank that writes
         ``state.pt``, rank 0, and None on the other ranks (and on rank 0 when nothing is written).
         Returns, on that rank only, the entries ``state.pt`` holds for the model and optimizer;
         None on every other rank. Here rank 0 holds the whole state: ``{"model", "optimizer"}``.
+        ``background`` (``--async-checkpoint``) matters only to a strategy that ``writes_sharded``:
+        it then leaves its shards to DCP's thread; a whole state is copied by the checkpointer.
         """
         if directory is None:
             return None

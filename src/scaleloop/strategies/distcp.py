@@ -24,12 +24,15 @@ import errno
 import os
 import shutil
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as torch_dist
 from torch import nn
+
+from scaleloop.checkpoint.background import ShardedSave
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
@@ -91,11 +94,22 @@ def _restored(loaded: Any, layout: Any) -> Any:
 _FULL_BELOW = 1 << 20
 
 
-def _save(state: dict[str, Any], directory: Path) -> None:
-    """``dcp.save``, whose failure on any rank is raised on every rank as an OSError."""
+def _save(state: dict[str, Any], directory: Path, background: Optional[ShardedSave] = None,
+          coordinator: bool = False) -> None:
+    """``dcp.save``, whose failure on any rank is raised on every rank as an OSError.
+
+    With ``background`` (``--async-checkpoint``): ``dcp.async_save`` instead, which copies the
+    shards into host memory before it returns and writes them in its own thread, its collectives
+    on ``background.group``; ``background.wait`` is set to what waits for them (:func:`_written`).
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    if background is not None:
+        with _quiet_without_group():
+            future = dcp.async_save(state, checkpoint_id=str(directory), process_group=background.group)
+        background.wait = partial(_written, future, directory, coordinator)
+        return
     with _quiet_without_group():
         try:
             dcp.save(state, checkpoint_id=str(directory))
@@ -104,6 +118,23 @@ def _save(state: dict[str, Any], directory: Path) -> None:
             # nothing above expects (it went past the worker's error record), and its text is every
             # rank's traceback. The checkpoint manager turns the OSError into its one line.
             raise write_failure(exc.failures, directory) from None
+
+
+def _written(future: Any, directory: Path, coordinator: bool) -> None:
+    """Wait for an ``async_save``'s ``future``: OSError as :func:`_save` raises it when a write failed
+    on any rank; then, on the ``coordinator`` (the rank that finishes the checkpoint),
+    CheckpointError when shards are missing (:func:`missing_shards`)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        future.result()
+    except CheckpointException as exc:
+        raise write_failure(exc.failures, directory) from None
+    error = missing_shards(directory) if coordinator else None
+    if error is not None:
+        from scaleloop.checkpoint.store import CheckpointError
+
+        raise CheckpointError(error)
 
 
 def write_failure(failures: dict[int, Any], directory: Path) -> OSError:
@@ -127,13 +158,15 @@ def write_failure(failures: dict[int, Any], directory: Path) -> OSError:
     return OSError(errno.EIO, f"torch.distributed.checkpoint could not write it ({first})", str(directory))
 
 
-def save_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+def save_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path,
+               background: Optional[ShardedSave] = None, coordinator: bool = False) -> None:
     """Every rank writes its part of the model and optimizer state into ``directory``; OSError on
-    every rank when any rank's write failed (:func:`write_failure`)."""
+    every rank when any rank's write failed (:func:`write_failure`). With ``background``, in DCP's
+    thread (:func:`_save`; ``coordinator``: this rank checks, once written, that every shard is there)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(module, optimizer)
-    _save(_portable({MODEL_KEY: model_state, OPTIMIZER_KEY: optim_state}), directory)
+    _save(_portable({MODEL_KEY: model_state, OPTIMIZER_KEY: optim_state}), directory, background, coordinator)
 
 
 def load_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
@@ -171,15 +204,15 @@ def _renamed(model_state: dict[str, Any], optim_state: dict[str, Any], names: di
 
 
 def save_named(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, names: dict[str, list[str]],
-               all_params: list[str]) -> None:
+               all_params: list[str], background: Optional[ShardedSave] = None, coordinator: bool = False) -> None:
     """As :func:`save_state` for a module that holds part of a model (a pipeline's stages): each
     rank writes its tensors under the whole model's names (``names``: its ``state_dict`` key ->
     those names), so that the files read back like a whole model's (DCP keeps one copy of a key
-    that several ranks write: a tied weight, a replica). OSError as for :func:`save_state`."""
+    that several ranks write: a tied weight, a replica). OSError, ``background``: as for :func:`save_state`."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(module, optimizer)
-    _save(_renamed(model_state, optim_state, names, all_params, every_name=True), directory)
+    _save(_renamed(model_state, optim_state, names, all_params, every_name=True), directory, background, coordinator)
 
 
 def load_named(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, names: dict[str, list[str]],

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
+from scaleloop.checkpoint.background import ShardedSave
 from scaleloop.data.loader import Batch
 from scaleloop.errors import UsageError
 import scaleloop.strategies.distcp as distcp
@@ -281,14 +282,19 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     # --- checkpoints --------------------------------------------------------------------
-    def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        directory: Optional[Path]) -> Optional[dict[str, Any]]:
+    def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Optional[Path],
+                        background: Optional[ShardedSave] = None) -> Optional[dict[str, Any]]:
         """No rank holds the whole state: rank 0 tells every rank ``directory``, each writes its
-        shards into it (``torch.distributed.checkpoint``), and ``state.pt`` gets the marker."""
+        shards into it (``torch.distributed.checkpoint``), and ``state.pt`` gets the marker.
+        With ``background`` the shards are written in DCP's thread, and rank 0 checks they are all
+        there once written (``background.wait``)."""
         shared = broadcast_object(str(directory) if directory is not None else None, self.env)
         if shared is None:
             return None
         self.sync_buffers(model)
+        if background is not None:
+            distcp.save_state(self.unwrap(model), optimizer, Path(shared), background, coordinator=directory is not None)
+            return {"sharded": distcp.SHARDED_FORMAT} if directory is not None else None
         distcp.save_state(self.unwrap(model), optimizer, Path(shared))
         # Every rank stops alike if rank 0 does not see all the shards.
         error = distcp.missing_shards(Path(shared)) if directory is not None else None

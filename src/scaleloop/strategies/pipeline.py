@@ -18,6 +18,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
+from scaleloop.checkpoint.background import ShardedSave
 from scaleloop.strategies.pipeline_schedules import check_pipeline_schedule, pipeline_pieces
 from scaleloop.data.loader import Batch
 from scaleloop.data.sampler import split_sizes
@@ -590,14 +591,15 @@ class PipelineParallel(ProcessGroupStrategy):
         group = {k: v for k, v in state["param_groups"][0].items() if k != "params"}
         return moved, group
 
-    def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        directory: Optional[Path]) -> Optional[dict[str, Any]]:
+    def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Optional[Path],
+                        background: Optional[ShardedSave] = None) -> Optional[dict[str, Any]]:
         """The whole model's weights and optimizer state, as one process would save them: the
         stages send their parts to rank 0 (every rank calls it); with ``sharded_checkpoints``
-        each stage writes its own part under the whole model's names (DCP)."""
+        each stage writes its own part under the whole model's names (DCP; with ``background``, in
+        DCP's thread)."""
         assert self._module is not None
         if self.sharded_checkpoints:
-            return self._save_sharded(optimizer, directory)
+            return self._save_sharded(optimizer, directory, background)
         weights = self.full_state_dict(model)
         parts = self._gather_to_main(self._optimizer_part(optimizer))
         if parts is None or directory is None:
@@ -635,7 +637,8 @@ class PipelineParallel(ProcessGroupStrategy):
         group = {k: v for k, v in full["param_groups"][0].items() if k != "params"}
         optimizer.load_state_dict({"state": local_state, "param_groups": [{**group, "params": list(range(len(params)))}]})
 
-    def _save_sharded(self, optimizer: torch.optim.Optimizer, directory: Optional[Path]) -> Optional[dict[str, Any]]:
+    def _save_sharded(self, optimizer: torch.optim.Optimizer, directory: Optional[Path],
+                      background: Optional[ShardedSave] = None) -> Optional[dict[str, Any]]:
         """Every stage writes its tensors into rank 0's ``directory`` (torch.distributed.checkpoint),
         named as one process names them, so any strategy and world size can read them back."""
         from scaleloop.checkpoint.store import CheckpointError
@@ -644,6 +647,10 @@ class PipelineParallel(ProcessGroupStrategy):
         shared = broadcast_object(str(directory) if directory is not None else None, self.env)
         if shared is None:
             return None
+        if background is not None:   # written in DCP's thread; rank 0 checks the shards once they are
+            distcp.save_named(self._module, optimizer, Path(shared), self._module.global_keys,
+                              self._module.param_names, background, coordinator=directory is not None)
+            return {"sharded": distcp.SHARDED_FORMAT} if directory is not None else None
         distcp.save_named(self._module, optimizer, Path(shared), self._module.global_keys, self._module.param_names)
         error = broadcast_object(distcp.missing_shards(Path(shared)) if directory is not None else None, self.env)
         if error is not None:

@@ -1,0 +1,159 @@
+"""``--async-checkpoint`` on real 2-process runs, started as users start them (issue 43.2).
+
+- ddp and fsdp: every process SIGKILLed while the checkpoint of step 8 is being written in the
+  background (its ``.tmp-step-00000008-*`` directory is there) leaves step 4 the newest valid
+  checkpoint; ``scaleloop train --out DIR`` continues from it to the weights, and the last
+  checkpoint's state, of the same run written synchronously and never interrupted, bit for bit;
+- the ddp one also continues on 1 process (another world size), to those weights within rounding;
+- SIGTERM to the launcher while a checkpoint is written in the background: the workers wait for
+  that write, write the stop checkpoint, and end in the one line that says how to continue; every
+  checkpoint left verifies.
+
+The checkpoints are of about 26 MB (SimpleNet, 100,000 hidden units), so that a write lasts long
+enough to be caught by its temporary directory, without sleeps or hooks (as
+``tests/checkpoint/test_killed_resume.py`` does).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from procs import child_env, kill_group, kill_owned, run
+from scaleloop.checkpoint.store import list_checkpoints, newest_valid, verify_checkpoint
+
+pytestmark = pytest.mark.distributed
+
+SETTINGS = ["--data", "random", "--n-samples", "640", "--batch-size", "64", "--epochs", "1", "--hidden-dim", "100000",
+            "--checkpoint-every", "4", "--nproc", "2", "--no-progress", "--no-tensorboard", "--device", "cpu"]
+RUN_S = 240
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def train(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    res = run([sys.executable, "-m", "scaleloop", "train", *args], cwd=cwd, timeout=RUN_S, env=child_env(ENV))
+    return res
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "scaleloop", "train", *args], cwd=cwd, env=child_env(ENV),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_until(ready: Callable[[], bool], proc: subprocess.Popen, what: str) -> None:
+    """Poll the run directory (another process writes it) until ``ready``."""
+    deadline = time.monotonic() + RUN_S
+    while not ready():
+        assert proc.poll() is None, f"the run ended ({proc.returncode}) before {what}: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"no {what} within {RUN_S} s"
+        time.sleep(0.005)
+
+
+def writing(out: Path, step: int) -> Callable[[], bool]:
+    """Whether the checkpoint of ``step`` is being written (its temporary directory is there)."""
+    return lambda: bool(list((out / "checkpoints").glob(f".tmp-step-{step:08d}-*")))
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "model.pt", weights_only=True)
+
+
+def last_state(run_dir: Path) -> dict:
+    """The newest checkpoint's state.pt, less what differs between equal runs (times, the flag itself)."""
+    state = torch.load(list_checkpoints(run_dir / "checkpoints")[0] / "state.pt", weights_only=True)
+    state["progress"].pop("train_s")
+    del state["config"]
+    return state
+
+
+def equal(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp"])
+def killed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path]:
+    """(strategy, the run written synchronously and never interrupted, an async run SIGKILLed
+    mid-write of its step-8 checkpoint)."""
+    strategy = request.param
+    base = tmp_path_factory.mktemp(f"async-{strategy}")
+    whole = base / "whole"
+    res = train(*SETTINGS, "--strategy", strategy, "--out", str(whole), cwd=base)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = base / "killed"
+    proc = start([*SETTINGS, "--strategy", strategy, "--async-checkpoint", "--out", str(out)], base)
+    try:
+        wait_until(writing(out, 8), proc, "the background write of step 8")
+        kill_owned()   # every process of the run at once: launcher, torchrun and both workers
+        proc.wait(timeout=60)
+    finally:
+        kill_group(proc)
+    return strategy, whole, out
+
+
+def test_a_run_killed_mid_background_write_keeps_the_previous_checkpoint_and_resumes_bitwise(
+        killed: tuple[str, Path, Path]) -> None:
+    strategy, whole, out = killed
+    root = out / "checkpoints"
+    assert [p.name for p in list_checkpoints(root)] == ["step-00000004"]
+    assert list(root.glob(".tmp-step-00000008-*"))   # the write it was killed in
+    found = newest_valid(root, warn=lambda _msg: None)
+    assert found is not None and found.step == 4
+    copy = out.parent / "other-world"
+    if strategy == "ddp":   # for the 1-process resume below, from the same checkpoint
+        shutil.copytree(out, copy)
+
+    res = train("--out", str(out), cwd=out.parent)   # with the saved settings: --async-checkpoint, 2 processes
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"resuming from {root}/step-00000004" in res.stdout, res.stdout
+    assert "written in the background" in res.stdout
+    assert not list(root.glob(".tmp-*")), "the dead write's temporary directory was not cleaned up"
+    assert equal(weights(out), weights(whole)), "the continued async run's weights differ from the sync run's"
+    if strategy == "ddp":   # state.pt holds the whole state (fsdp's is in DCP's files)
+        assert equal(last_state(out), last_state(whole)), "the last async checkpoint differs from the sync one"
+    for path in list_checkpoints(root):
+        verify_checkpoint(path)
+
+    if strategy == "ddp":
+        res = train("--out", str(copy), "--nproc", "1", cwd=out.parent)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "the checkpoint was written by 2 process(es), this run has 1" in res.stdout, res.stdout
+        got, want = weights(copy), weights(whole)
+        scale = max(float(t.abs().max()) for t in want.values())
+        assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-5 * scale) for k in want)
+
+
+def test_sigterm_during_a_background_write_waits_for_it_then_stops_with_a_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    # Three epochs: the stop vote (about every half second) comes well before the run's end.
+    proc = start([*SETTINGS, "--epochs", "3", "--keep-checkpoints", "20", "--strategy", "ddp", "--async-checkpoint", "--out", str(out)], tmp_path)
+    try:
+        wait_until(writing(out, 4), proc, "the background write of step 4")
+        os.kill(proc.pid, signal.SIGTERM)   # the launcher, as a scheduler stops a job
+        _, err = proc.communicate(timeout=RUN_S)
+    finally:
+        kill_group(proc)
+    said = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 143 and len(said) == 1, err
+    stop = re.fullmatch(rf"scaleloop: stopped by SIGTERM after step (\d+); checkpoint {out}/checkpoints/step-0*(\d+) "
+                        rf"written; continue with: scaleloop train --out {out}", said[0])
+    assert stop is not None and stop.group(1) == stop.group(2) and int(stop.group(1)) > 4, err
+    root = out / "checkpoints"
+    steps = [verify_checkpoint(path).step for path in list_checkpoints(root)]   # every one whole
+    assert 4 in steps and steps[0] == int(stop.group(1)), steps
+    assert (root / "latest").read_text().strip() == f"step-{int(stop.group(1)):08d}"
+    assert not list(root.glob(".tmp-*"))
