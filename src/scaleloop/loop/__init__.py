@@ -25,7 +25,7 @@
 - ``ending``: the record of an ending the loop decides (a non-finite loss, a stop signal, ...).
 - ``preempt``: ``StopVote``, every rank agreeing to stop after the same step on a stop signal.
 - ``summary``: the end-of-run summary ``scaleloop train`` prints.
-- ``profile``: ``Profiler``, ``--profile N``'s torch.profiler around the trainer's steps (an
+- ``profiler``: ``Profiler``, ``--profile N``'s torch.profiler around the trainer's steps (an
   ``Observer`` that passes each call on), and ``profile()``, the same for a hand-written loop.
 
 Names are imported lazily: ``import scaleloop.loop`` does not import torch.

@@ -34,7 +34,7 @@ from scaleloop.runtime.frames import note_where
 from scaleloop.runtime.recovery import RECOVERY_FILE, Recovery
 
 if TYPE_CHECKING:
-    from scaleloop.loop.profile import Profiler
+    from scaleloop.loop.profiler import Profiler
 
 
 class Trainer(Observer):
@@ -83,11 +83,11 @@ class Trainer(Observer):
         self.recovery: Optional[Recovery] = None   # a fault's recovery, reported after the first step
         self.vote: Optional[StopVote] = None       # the preemption stop vote (loop/preempt.py), from fit on
         #: Who watches train_step: the trainer itself, or with --profile a profiler that passes each
-        #: call on to it (``loop.profile``; off, nothing of it is imported and nothing added per step).
+        #: call on to it (``loop.profiler``; off, nothing of it is imported and nothing added per step).
         self.watch: Observer = self
         self.profiler: Optional["Profiler"] = None
         if cfg.profile:
-            from scaleloop.loop.profile import profiler_for
+            from scaleloop.loop.profiler import profiler_for
             self.profiler = profiler_for(self, run, run_dir or self.result.out, say, start_step=at.global_step)
             self.watch = self.profiler
 

@@ -1,6 +1,6 @@
 """One rank's profiled steps, read from its ``torch.profiler`` trace (Chrome trace JSON; no torch).
 
-The profiler (``loop.profile``) marks each profiled step with a ``scaleloop.step`` range and its
+The profiler (``loop.profiler``) marks each profiled step with a ``scaleloop.step`` range and its
 phases with ``scaleloop.data``, ``scaleloop.forward_backward``, ``scaleloop.forward``,
 ``scaleloop.backward`` and ``scaleloop.optimizer`` ranges on the training thread. From those and
 the trace's own operators, every instant of a step gets exactly one part, the first that holds

@@ -25,7 +25,7 @@ class OutputSettings:
                            "<run>/tensorboard (if installed), a W&B or MLflow run (see docs/tracking.md), or nowhere",
                            TRACKERS)
     tensorboard: bool = _output(True, "write the events of --tracker tensorboard (--no-tensorboard: as --tracker none)")
-    #: Steps profiled with torch.profiler after the warm-up (``loop.profile``); 0: off, and nothing
+    #: Steps profiled with torch.profiler after the warm-up (``loop.profiler``); 0: off, and nothing
     #: of the profiler is imported. A config.toml written before this setting reads as 0.
     profile: int = option(0, f"profile this many steps after {PROFILE_WARMUP} warm-up steps with torch.profiler: a trace per rank, "
                           "a summary and a timeline in <run>/profile (docs/profiling.md); --profile alone: "

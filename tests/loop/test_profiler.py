@@ -93,7 +93,7 @@ def test_a_profiled_run_trains_the_same_weights_bitwise(runs) -> None:
 
 def test_off_nothing_of_the_profiler_is_imported(tmp_path: Path) -> None:
     code = ("import sys; from scaleloop.cli import main; main(['train', *sys.argv[1:]]); "
-            "print('imported:', sorted(m for m in sys.modules if 'profile_' in m or m.endswith('loop.profile')))")
+            "print('imported:', sorted(m for m in sys.modules if 'profile_' in m or m.endswith('loop.profiler')))")
     res = run([sys.executable, "-c", code, *TRAIN, "--max-steps", "3", "--out", str(tmp_path / "off")], cwd=tmp_path,
               timeout=120, env=child_env({"OMP_NUM_THREADS": "1"}))
     assert res.returncode == 0, res.stderr
