@@ -6,7 +6,7 @@ garbage collector over it. Once torch is imported (with the ``torch._dynamo`` an
 in reference cycles: about half a CPU-second a process on this project's 2-core test machine,
 spent freeing memory the operating system takes back anyway. A run of two processes has three
 such processes (torchrun's agent and its workers), and ``scaleloop train --nproc 2`` took 1.58x
-a bare torchrun script without this, 1.23x with it (``benchmarks/launch``).
+a bare torchrun script without this, 1.23x-1.32x with it (``benchmarks/launch``).
 
 So a process's entry point ends with :func:`exit_process`, which leaves the interpreter nothing
 slow to do and still does what an exit is relied on for:
