@@ -142,13 +142,31 @@ def owned_pids() -> list[int]:
     return found
 
 
-def kill_owned() -> None:
-    """SIGKILL every process this test session started that is still alive."""
-    for pid in owned_pids():
+def kill_owned(wait_s: float = 30) -> None:
+    """SIGKILL every process this test session started that is still alive, and wait until each
+    has ended (gone, or a zombie: its files, and so its flocks on a run directory, are closed).
+
+    Why wait: a signal is delivered, not obeyed, by the time ``kill`` returns; a test that starts
+    the next run at once could still find the killed one holding its run directory.
+    """
+    killed = owned_pids()
+    for pid in killed:
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+    deadline = time.monotonic() + wait_s
+    for pid in killed:
+        while not _ended(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _ended(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
 
 
 def run(cmd: Sequence[str], *, cwd: Path, timeout: float = 240, env: Optional[dict[str, str]] = None,
