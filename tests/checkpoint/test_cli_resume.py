@@ -40,7 +40,7 @@ def summary_line(out: str, key: str) -> str:
     (["--warmup-steps", "-2"], ["--warmup-steps must be zero or positive"]),
     (["--lr-schedule", "linear"], ["--lr-schedule", "invalid choice: 'linear'"]),
     (["--resume", " "], ["--resume must be auto, never, or a checkpoint path"]),
-    (["--checkpoint-every", "two"], ["checkpoint_every must be int", "'two'"]),
+    (["--checkpoint-every", "two"], ["--checkpoint-every must be a whole number, got 'two'"]),
 ])
 def test_bad_checkpoint_flags_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                                       argv: list[str], needles: list[str]) -> None:

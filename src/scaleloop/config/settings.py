@@ -251,7 +251,14 @@ def coerce(name: str, value: Any, source: str) -> Any:
             return value
     except (TypeError, ValueError):
         pass
-    raise UsageError(f"{source}: {name} must be {tp.__name__}, got {value!r}")
+    what = _KIND_WORDS.get(tp, tp.__name__)
+    # A flag names the setting itself ("--batch-size must be ..."); a file names the key in it.
+    subject = source if source.startswith("--") else f"{source}: {name}"
+    raise UsageError(f"{subject} must be {what}, got {value!r}")
+
+
+# How a type reads in an error a user sees.
+_KIND_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "text"}
 
 
 def _min_max(value: str, source: str) -> str:
