@@ -178,9 +178,13 @@ def destroy_process_group() -> None:
     or by the caller's frame, a wrapper otherwise frees the group later, from a state where the
     group's teardown can wait forever (seen with torch 2.13, about 1 run in 4 on a busy machine).
     A wrapper cannot synchronise once the group is gone; its ``.module`` stays usable.
+
+    The scan also finds wrappers that are already garbage in a reference cycle: the collector
+    lists what it tracks until it frees it. So no collection is needed first (one collection of
+    everything torch has loaded is about half a CPU-second), and when the collector frees such a
+    wrapper later, it has no Reducer left to hang in.
     """
     if torch_dist.is_available() and torch_dist.is_initialized():
-        gc.collect()
         from torch.nn.parallel import DistributedDataParallel
 
         for obj in gc.get_objects():
