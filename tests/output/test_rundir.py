@@ -99,6 +99,23 @@ def test_a_run_that_stopped_before_its_first_step_is_started_over(tmp_path: Path
     assert (tmp_path / "logs" / "rank-0.log").read_text() == "the failed start's output\n"
 
 
+def test_a_run_killed_before_its_metrics_file_is_started_over_too(tmp_path: Path) -> None:
+    """Killed between writing its config.toml and its metrics.csv (a busy machine widens that gap):
+    the retry says that it starts over, as for any run that stopped before its first step."""
+    (tmp_path / "config.toml").write_text("# scaleloop resolved configuration; rerun with: ...\nmodel = \"x\"\n")
+    said: list[str] = []
+    assert prepare_run_dir(str(tmp_path), "m", "d", say=said.append) == tmp_path
+    assert said and "held a run that stopped before its first step; this run starts over in it" in said[0], said
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_config_file_the_user_wrote_is_never_taken_for_a_run(tmp_path: Path) -> None:
+    (tmp_path / "config.toml").write_text("model = \"x\"\n")
+    with pytest.raises(UsageError, match="holds files that scaleloop did not write"):
+        prepare_run_dir(str(tmp_path), "m", "d", say=lambda _m: None)
+    assert (tmp_path / "config.toml").read_text() == "model = \"x\"\n"
+
+
 def _hold_in_child(path: Path) -> subprocess.Popen:
     """A process (not our ancestor) that holds the lock on ``path`` until its stdin closes."""
     code = ("import sys; from pathlib import Path; from scaleloop.output.rundir import lock_run_dir\n"

@@ -119,7 +119,10 @@ def prepare_run_dir(out: Optional[str], model: str, data: str, *, continuing: bo
     if path.is_dir():
         refuse_if_locked(path)   # before anything else: a live run there is the first thing to say
         started_over = False
-        if not continuing and any((path / name).exists() for name in ("metrics.csv", "failure.json")):
+        # A run killed between writing its config.toml and its metrics.csv left only the former.
+        left_a_run = (any((path / name).exists() for name in ("metrics.csv", "failure.json"))
+                      or _starts_with(path / "config.toml", _CONFIG_HEAD))
+        if not continuing and left_a_run:
             if not never_stepped(path):
                 if (path / "config.toml").is_file() and not any((path / "checkpoints").glob("step-*")):
                     # It trained, but no checkpoint holds where it was: it can only start over, elsewhere.
