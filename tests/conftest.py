@@ -7,6 +7,7 @@ multi-process files, the longest, are collected first. The order inside a file i
 """
 from __future__ import annotations
 
+import signal
 import subprocess
 from pathlib import Path
 from typing import Iterator
@@ -22,6 +23,18 @@ FIRST = ("distributed", "bench", "commands", "launching")
 def _rank(item: pytest.Item) -> int:
     parts = Path(str(item.path)).resolve().relative_to(HERE).parts
     return FIRST.index(parts[0]) if len(parts) > 1 and parts[0] in FIRST else len(FIRST)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Hear Ctrl-C as a terminal's foreground job does, however the suite was started.
+
+    A shell without job control starts a background command (``pytest ... &``, as a script or
+    ``nohup`` does) with SIGINT ignored, and every process it starts inherits that: the tests that
+    interrupt a run (``kill -INT``) would then see it go on to its end. A handler set here is
+    reset to the default in each process these tests start, as a terminal's would be.
+    """
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

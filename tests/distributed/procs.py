@@ -102,6 +102,20 @@ class ForkServer:
             return subprocess.CompletedProcess(list(cmd), code, _text(out), None if merge else _text(err))
 
 
+def sigint_state(pid: int) -> str:
+    """How process ``pid`` stands towards SIGINT, from the kernel (not Python's own record): for a
+    test's message when an interrupt went unheard (ignored or blocked, e.g. inherited)."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                      if ":" in line)
+    except OSError:
+        return f"pid {pid}: no /proc entry (ended)"
+    bit = 1 << (signal.SIGINT - 1)
+    said = {name: bool(int(fields[key].strip(), 16) & bit) for name, key in
+            (("ignored", "SigIgn"), ("blocked", "SigBlk"), ("caught", "SigCgt"), ("pending", "SigPnd"))}
+    return f"pid {pid} SIGINT: " + ", ".join(f"{name} {value}" for name, value in said.items())
+
+
 def _text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8", errors="replace")

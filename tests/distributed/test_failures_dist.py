@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import SRC, child_env, kill_group, run
+from procs import SRC, child_env, kill_group, run, sigint_state
 from scaleloop.commands.doctor import diagnose
 
 pytestmark = pytest.mark.distributed
@@ -202,6 +202,7 @@ def test_ctrl_c_prints_one_line(tmp_path: Path, to: str) -> None:
     reader.start()
     try:
         assert seen.wait(timeout=120), "".join(lines)
+        before = sigint_state(proc.pid)   # for the message, if the interrupt goes unheard
         if to == "group":
             os.killpg(proc.pid, signal.SIGINT)  # as the terminal does: the whole foreground group
         else:
@@ -214,7 +215,9 @@ def test_ctrl_c_prints_one_line(tmp_path: Path, to: str) -> None:
     reader.join(timeout=10)
     said = [line for line in err.splitlines() if line.strip()]
     assert said == [f"scaleloop: interrupted; everything written so far is kept; continue from the last "
-                    f"checkpoint with: scaleloop train --out {out}"], err
+                    f"checkpoint with: scaleloop train --out {out}"], (
+        f"{err}\nexit {proc.returncode}; launcher before the signal: {before}; this test's process: "
+        f"{sigint_state(os.getpid())}; its last lines:\n" + "".join(lines[-5:]))
     assert proc.returncode == 130
     epochs = [line for line in (out / "metrics.csv").read_text().splitlines() if line.startswith("epoch,")]
     assert len(epochs) < 500, "the run went on to its end after the interrupt"
