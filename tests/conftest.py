@@ -1,8 +1,8 @@
 """Test order: the files that start many processes first.
 
-`make test` runs the suite on two pytest workers, each taking one whole file at a time (so a
+`make test` runs the suite on three pytest workers, each taking one whole file at a time (so a
 file's shared runs, its module-scoped fixtures, are made once). The workers take files in
-collection order; a long file taken last would leave the other worker idle at the end, so the
+collection order; a long file taken last would leave the other workers idle at the end, so the
 multi-process files, the longest, are collected first. The order inside a file is kept.
 """
 from __future__ import annotations

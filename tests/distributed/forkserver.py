@@ -13,7 +13,9 @@ threads and runs its exit handlers as an interpreter does.
 rendezvous and elastic agent run in the child, and the script's workers are forked from it
 (``_torchrun``); each starts as the fresh worker it stands
 for and ends with the exit status and traceback one would. ``SCALELOOP_TEST_FORK_TORCHRUN=0``
-leaves those workers fresh.
+leaves those workers fresh. And the torchrun agent that ``scaleloop train --nproc N`` (``verify``,
+``bench``) starts, and its workers, are forks too (``forked_launch.py``, which says what differs
+from the users' path and which tests take that path instead).
 
 The server itself runs no tensor operation and starts no thread, so a fork of it is as clean
 as a fresh interpreter. ``tests/distributed/procs.py`` is its client; ``SCALELOOP_TEST_FRESH=1`` makes
@@ -40,6 +42,8 @@ import threading
 import traceback
 import uuid
 from typing import Any
+
+import forked_launch
 
 # ``python -m torch.distributed.run SCRIPT``: its workers forked from the run's fork (unless "0").
 FORK_TORCHRUN_VAR = "SCALELOOP_TEST_FORK_TORCHRUN"
@@ -71,6 +75,14 @@ def _paths(argv: list[str], cwd: str, env: dict[str, str]) -> None:
 def _script_worker(script: str, *args: str) -> None:
     """A worker of :func:`_torchrun`: starts as the fresh ``python -u SCRIPT ARGS`` torchrun
     would start, runs it, and ends as it would (its exit status; its traceback on its stderr)."""
+    code = _run_worker(["python", script, *args])
+    if code:
+        sys.exit(code)   # the exit status torchrun reads, as from a worker process of its own
+
+
+def _run_worker(argv: list[str]) -> int:
+    """In a worker forked by torchrun's agent: ``argv`` run as the fresh worker would start and
+    end (its exit handlers, its threads joined); its exit status."""
     for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
         signal.signal(getattr(signal, name), signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -81,23 +93,27 @@ def _script_worker(script: str, *args: str) -> None:
     for logger in (logging.getLogger(n) for n in ("torch.distributed", "torch.multiprocessing", "py.warnings")):
         logger.handlers, logger.propagate = [], True
     _streams()
+    _threads()
+    _paths(argv, os.getcwd(), dict(os.environ))
+    code = _run(argv)
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    return code
+
+
+def _threads() -> None:
+    """torch's thread count from OMP_NUM_THREADS, as a fresh ``import torch`` reads it."""
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         import torch
 
         torch.set_num_threads(int(threads))
-    _paths(["python", script], os.getcwd(), dict(os.environ))
-    code = _run(["python", script, *args])
-    threading._shutdown()  # type: ignore[attr-defined]
-    atexit._run_exitfuncs()
-    if code:
-        sys.exit(code)   # the exit status torchrun reads, as from a worker process of its own
 
 
 def _torchrun(args: list[str]) -> None:
     """``python -m torch.distributed.run ARGS SCRIPT ...`` with the script's workers forked from
     here: torchrun's own parser, rendezvous and elastic agent; only the workers are not fresh
-    interpreters. (``scaleloop train`` forks nothing: only these tests' own scripts are forked.)"""
+    interpreters. (For users ``scaleloop train`` forks nothing: see ``forked_launch.py``.)"""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.launcher.api import elastic_launch
@@ -116,9 +132,10 @@ def _torchrun(args: list[str]) -> None:
             gc.enable()
 
 
-def forked_launch_config(parsed: Any) -> Any:
+def forked_launch_config(parsed: Any, with_args: bool = False) -> Any:
     """torchrun's launch config for its ``parsed`` arguments, with the workers forked from this
-    process: what ``torch.distributed.run.run`` builds, plus ``start_method="fork"``."""
+    process: what ``torch.distributed.run.run`` builds, plus ``start_method="fork"`` (``with_args``:
+    and the worker's command line after ``python``)."""
     from torch.distributed import run as torchrun
 
     # As torchrun's run() before it builds its launch config: --standalone is a c10d rendezvous
@@ -129,9 +146,9 @@ def forked_launch_config(parsed: Any) -> Any:
         parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if parsed.master_port is None:
         parsed.master_port = 29500
-    config, _, _ = torchrun.config_from_args(parsed)
+    config, _, cmd_args = torchrun.config_from_args(parsed)
     config.start_method = "fork"
-    return config
+    return (config, cmd_args) if with_args else config
 
 
 def _run(argv: list[str]) -> int:
@@ -148,6 +165,9 @@ def _run(argv: list[str]) -> int:
             _torchrun(argv[3:])
         elif argv[1] == "-m":
             sys.argv = [argv[2], *argv[3:]]
+            # Preloaded, the module would run as a second copy of itself (runpy warns): as in a
+            # fresh interpreter, ``__main__`` is its only copy until something imports it.
+            sys.modules.pop(argv[2], None)
             runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
         else:
             sys.argv = argv[1:]
@@ -169,32 +189,45 @@ def _run(argv: list[str]) -> int:
 
 
 def _child(request: dict) -> None:
-    code = 1
     try:
         os.setsid()
-        gc.freeze()
-        gc.enable()
-        atexit._clear()
-        for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
-            signal.signal(getattr(signal, name), signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.clear()
         os.environ.update(request["env"])
-        tempfile.tempdir = None   # read from this run's TMPDIR again, as a fresh interpreter does
-        os.chdir(request["cwd"])
         os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
         if request["stderr"] == request["stdout"]:   # 2>&1
             os.dup2(1, 2)
         else:
             os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
-        _streams()
-        threads = os.environ.get("OMP_NUM_THREADS", "")
-        if threads.isdigit() and int(threads) > 0:
-            import torch
+        for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    _become(request["argv"], request["cwd"])
 
-            torch.set_num_threads(int(threads))
-        _paths(request["argv"], request["cwd"], request["env"])
-        code = _run(request["argv"])
+
+def _become(argv: list[str], cwd: str) -> None:
+    """In a fork whose descriptors, environment and signals are set: run ``argv`` as the fresh
+    interpreter it stands for, and end as it would. Never returns."""
+    code = 1
+    try:
+        gc.freeze()
+        gc.enable()
+        atexit._clear()
+        tempfile.tempdir = None   # read from this run's TMPDIR again, as a fresh interpreter does
+        os.chdir(cwd)
+        _streams()
+        _threads()
+        _paths(argv, cwd, dict(os.environ))
+        if forked_launch.forks_launches(dict(os.environ)):
+            forked_launch.install(_become)
+            if forked_launch.is_agent_command([sys.executable, *argv[1:]]):
+                from torch.distributed import run as torchrun
+
+                torchrun.run = lambda parsed: forked_launch.forked_torchrun(
+                    parsed, lambda p: forked_launch_config(p, with_args=True), _run_worker)
+        code = _run(argv)
         threading._shutdown()  # type: ignore[attr-defined]  # as an interpreter's end joins them
         atexit._run_exitfuncs()
     finally:

@@ -187,9 +187,10 @@ def run(cmd: Sequence[str], *, cwd: Path, timeout: float = 240, env: Optional[di
         fresh: bool = False, merge: bool = False) -> subprocess.CompletedProcess:
     """Run ``cmd`` in its own process group; on timeout or error kill the whole group.
 
-    ``python -m M`` and ``python SCRIPT`` run as forks of the fork server (see ``forkserver.py``)
-    unless ``fresh``: a test of the interpreter's own start (its imports, its command line as
-    ``ps`` shows it) needs a fresh one.
+    ``python -m M`` and ``python SCRIPT`` run as forks of the fork server (see ``forkserver.py``),
+    and so do the torchrun agent and workers they launch (``forked_launch.py``), unless ``fresh``:
+    a test of the interpreter's own start (its imports, its command line as ``ps`` shows it), and
+    the tests of the users' path (``test_users_launch.py``), need fresh ones.
     """
     if not fresh and forkable(cmd):
         return SERVER.run(cmd, cwd=cwd, timeout=timeout, env=env or child_env(), merge=merge)
@@ -217,8 +218,9 @@ def kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def scaleloop(args: Sequence[str], *, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    """``python -m scaleloop <args>``; asserts success with the output in the message."""
-    res = run([sys.executable, "-m", "scaleloop", *args], cwd=cwd, timeout=timeout)
+def scaleloop(args: Sequence[str], *, cwd: Path, timeout: float = 240, fresh: bool = False) -> subprocess.CompletedProcess:
+    """``python -m scaleloop <args>`` (``fresh``: every process a fresh interpreter, see :func:`run`);
+    asserts success with the output in the message."""
+    res = run([sys.executable, "-m", "scaleloop", *args], cwd=cwd, timeout=timeout, fresh=fresh)
     assert res.returncode == 0, f"scaleloop {' '.join(args)} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
     return res

@@ -168,7 +168,10 @@ def test_a_failures_place_is_exact(tmp_path: Path, model: str, place: str) -> No
 ])
 def test_a_rank_that_dies_without_a_python_error_is_named(tmp_path: Path, model: str, said: str) -> None:
     out = tmp_path / "run"
-    res = run([*TRAIN, "--model", f"failing_models:{model}", "--out", str(out)], cwd=SCRIPTS, timeout=180, env=env())
+    # Fresh workers: how a worker's death reaches the launcher is torchrun's subprocess handling
+    # (a forked worker's is multiprocessing's, which reports a signal differently).
+    res = run([*TRAIN, "--model", f"failing_models:{model}", "--out", str(out)], cwd=SCRIPTS, timeout=180, env=env(),
+              fresh=True)
     assert res.returncode == 1, res.stderr
     report = report_of(res.stderr)
     assert report[0].startswith(f"scaleloop: error: {said}"), res.stderr
