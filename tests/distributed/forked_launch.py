@@ -32,6 +32,7 @@ import os
 import signal
 import subprocess
 import sys
+import traceback
 from typing import Any, Callable
 
 #: In a run's environment, "0": its launches start fresh interpreters, as for users.
@@ -65,34 +66,39 @@ def _popen_class(start_child: Callable[[list[str], str], None]) -> type:
         def _execute_child(self, args: Any, executable: Any, preexec_fn: Any, close_fds: Any, pass_fds: Any,
                            cwd: Any, env: Any, startupinfo: Any, creationflags: Any, shell: Any,
                            p2cread: int, p2cwrite: int, c2pread: int, c2pwrite: int, errread: int, errwrite: int,
-                           restore_signals: Any, gid: Any, gids: Any, uid: Any, umask: int,
-                           start_new_session: bool, process_group: int) -> None:
+                           *rest: Any) -> None:
+            # rest: restore_signals, gid, gids, uid, umask, start_new_session (and process_group from 3.11)
+            _, gid, gids, uid, umask, start_new_session, *group = rest
+            process_group = group[0] if group else -1
             plain = (preexec_fn is None and not shell and executable is None and gid is None and not gids
                      and uid is None)
             if not (plain and is_agent_command(args)):
                 return super()._execute_child(  # type: ignore[misc]
                     args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags,
-                    shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, restore_signals, gid, gids,
-                    uid, umask, start_new_session, process_group)
+                    shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest)
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
             collecting = gc.isenabled()
             gc.disable()   # the fork's copies of this process's objects are never collected there
             pid = os.fork()
-            if pid == 0:
-                _child_descriptors(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
-                if start_new_session:
-                    os.setsid()
-                elif process_group is not None and process_group >= 0:
-                    os.setpgid(0, process_group)
-                if umask >= 0:
-                    os.umask(umask)
-                _exec_signals()
-                if env is not None:
-                    os.environ.clear()
-                    os.environ.update({os.fsdecode(k): os.fsdecode(v) for k, v in env.items()})
-                start_child([str(a) for a in args], os.path.abspath(cwd) if cwd else os.getcwd())
-                os._exit(1)   # start_child never returns
+            if pid == 0:   # never back into the caller's code: a failure here ends the fork
+                try:
+                    _child_descriptors(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+                    if start_new_session:
+                        os.setsid()
+                    elif process_group is not None and process_group >= 0:
+                        os.setpgid(0, process_group)
+                    if umask >= 0:
+                        os.umask(umask)
+                    _exec_signals()
+                    if env is not None:
+                        os.environ.clear()
+                        os.environ.update({os.fsdecode(k): os.fsdecode(v) for k, v in env.items()})
+                    start_child([str(a) for a in args], os.path.abspath(cwd) if cwd else os.getcwd())
+                except BaseException:
+                    traceback.print_exc()
+                finally:
+                    os._exit(1)   # start_child never returns
             if collecting:
                 gc.enable()
             self.pid = pid

@@ -6,7 +6,9 @@ weights equal ``scaleloop train --nproc 2`` bit for bit.
 - a TrainJob of 2 pods with its default ``numProcPerNode: auto`` (one process on a CPU pod);
 - a PyTorchJob of 1 pod x 2 processes (``nprocPerNode: "2"``: before, ``--nproc`` was ignored and
   the job waited for 2 processes nobody started);
-- a TrainJob of 1 pod x 2 processes (``numProcPerNode: 2``).
+- a TrainJob of 1 pod x 2 processes (``numProcPerNode: 2``);
+- a PyTorchJob of 2 pods x 2 processes (equal to ``--nproc 4``);
+- an elastic PyTorchJob (``elasticPolicy``: 2 to 3 Worker pods, a c10d rendezvous on the first).
 
 Each pod has its own run directory (its own volume): per-rank logs on each, and a verified copy of
 every checkpoint on the pod without rank 0. The master's service name resolves in each pod's
@@ -48,6 +50,13 @@ def pytorchjob(rank: int, pods: int, nproc: int) -> dict[str, str]:
             "PET_NODE_RANK": str(rank), "PET_NNODES": str(pods)}
 
 
+def elastic_pytorchjob() -> dict[str, str]:
+    """A pod of an elastic PyTorchJob: minReplicas 2, maxReplicas 3, maxRestarts 3, rdzvConf
+    ``last_call_timeout=1`` (the round closes 1 s after the minimum has joined, not torch's 30 s)."""
+    return {**POD, "PET_RDZV_ENDPOINT": "pj-worker-0:23456", "PET_RDZV_BACKEND": "c10d", "PET_NNODES": "2:3",
+            "PET_MAX_RESTARTS": "3", "PET_NPROC_PER_NODE": "1", "PET_RDZV_CONF": "last_call_timeout=1"}
+
+
 def trainjob(rank: int, pods: int, nproc: str = "auto") -> dict[str, str]:
     return {**POD, "PET_NNODES": str(pods), "PET_NPROC_PER_NODE": nproc, "PET_NODE_RANK": str(rank),
             "PET_MASTER_ADDR": "tj-node-0-0.tj", "PET_MASTER_PORT": "29500"}
@@ -63,7 +72,7 @@ def pods(tag: str) -> Iterator[tuple[Host, Host]]:
                 folder = Path("/etc/netns") / host.namespace
                 folder.mkdir(parents=True, exist_ok=True)
                 made.append(folder)
-                (folder / "hosts").write_text(f"127.0.0.1 localhost\n{a.address} pj-master-0 tj-node-0-0.tj\n")
+                (folder / "hosts").write_text(f"127.0.0.1 localhost\n{a.address} pj-master-0 pj-worker-0 tj-node-0-0.tj\n")
             yield a, b
         finally:
             for folder in made:
@@ -101,12 +110,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     reference = run([sys.executable, "-m", "scaleloop", *COMMON, "--nproc", "2"], cwd=root / "reference",
                     env=child_env({**LEFTOVER, "OMP_NUM_THREADS": "1"}))
     assert reference.returncode == 0, reference.stdout + reference.stderr
+    (root / "reference4").mkdir()
+    reference4 = run([sys.executable, "-m", "scaleloop", *COMMON, "--nproc", "4"], cwd=root / "reference4",
+                     env=child_env({"OMP_NUM_THREADS": "1"}))
+    assert reference4.returncode == 0, reference4.stdout + reference4.stderr
     found: dict[str, object] = {"reference": reference}
     with pods(f"k{os.getpid() % 100000}") as (a, b):
         found["v1"] = train_in_pods(root / "v1", [(a, pytorchjob(0, 2, 1)), (b, pytorchjob(1, 2, 1))])
         found["v2"] = train_in_pods(root / "v2", [(a, trainjob(0, 2)), (b, trainjob(1, 2))])
         found["v1x2"] = train_in_pods(root / "v1x2", [(a, pytorchjob(0, 1, 2))])
         found["v2x2"] = train_in_pods(root / "v2x2", [(a, trainjob(0, 1, "2"))])
+        found["v1x2x2"] = train_in_pods(root / "v1x2x2", [(a, pytorchjob(0, 2, 2)), (b, pytorchjob(1, 2, 2))])
+        found["elastic"] = train_in_pods(root / "elastic", [(a, elastic_pytorchjob()), (b, elastic_pytorchjob())])
     found["root"] = root
     return found
 
@@ -172,3 +187,26 @@ def test_a_trainjob_pod_of_two_processes_starts_both(runs: dict) -> None:
                                     "master tj-node-0-0.tj:29500")
     assert_bitwise(root / "v2x2" / "pod0" / "run", root / "reference" / "run")
     assert {p.name for p in (root / "v2x2" / "pod0" / "run" / "logs").glob("rank-*.log")} == {"rank-0.log", "rank-1.log"}
+
+
+def test_a_pytorchjob_of_two_pods_of_two_processes_equals_four(runs: dict) -> None:
+    root = runs["root"]
+    (pod0, _), (pod1, _) = runs["v1x2x2"]
+    assert pod0.splitlines()[0] == ("scaleloop: kubernetes (PyTorchJob): pod 0 of 2 (PET_NODE_RANK), 2 processes a pod, "
+                                    "master pj-master-0:23456")
+    assert re.search(r"^  world size +4$", pod0, re.M), pod0
+    assert_bitwise(root / "v1x2x2" / "pod0" / "run", root / "reference4" / "run")
+    for pod, ranks in ((0, {"rank-0.log", "rank-1.log"}), (1, {"rank-2.log", "rank-3.log"})):
+        assert {p.name for p in (root / "v1x2x2" / f"pod{pod}" / "run" / "logs").glob("rank-*.log")} == ranks
+
+
+def test_an_elastic_pytorchjob_trains_one_job_at_its_rendezvous(runs: dict) -> None:
+    root = runs["root"]
+    outputs = [out for out, _ in runs["elastic"]]
+    assert all(out.splitlines()[0] == ("scaleloop: kubernetes (PyTorchJob, elastic): 2 to 3 pods, 1 process a pod, "
+                                       "rendezvous at pj-worker-0:23456") for out in outputs), outputs
+    # Which pod is rank 0 is the rendezvous's choice: that pod prints the summary.
+    [summary] = [out for out in outputs if re.search(r"^  world size +2$", out, re.M)]
+    rank0 = next(pod for pod in (0, 1) if (root / "elastic" / f"pod{pod}" / "run" / "logs" / "rank-0.log").is_file())
+    assert_bitwise(root / "elastic" / f"pod{rank0}" / "run", root / "reference" / "run")
+    assert (root / "elastic" / f"pod{1 - rank0}" / "run" / "logs" / "rank-1.log").is_file(), summary
