@@ -136,6 +136,19 @@ def assert_bitwise(run_dir: Path, reference: Path) -> None:
     assert all(torch.equal(mine[k], theirs[k]) for k in mine), f"{run_dir} differs from {reference}"
 
 
+def one_job(runs: dict, job: str, first: str, reference: str = "reference") -> tuple[Path, list[str]]:
+    """Job ``job``'s folder and each pod's output, once its first pod's first line is ``first`` and its
+    weights are those of ``reference`` (bit for bit)."""
+    outputs = [out for out, _ in runs[job]]
+    assert outputs[0].splitlines()[0] == f"scaleloop: {first}", outputs[0]
+    assert_bitwise(runs["root"] / job / "pod0" / "run", runs["root"] / reference / "run")
+    return runs["root"] / job, outputs
+
+
+def rank_logs(pod: Path) -> set[str]:
+    return {p.name for p in (pod / "run" / "logs").glob("rank-*.log")}
+
+
 def test_leftover_variables_give_way_to_nproc(runs: dict) -> None:
     out = runs["reference"].stdout
     assert out.splitlines()[0] == ("scaleloop: note: ignoring RANK=0, WORLD_SIZE=2, LOCAL_RANK=0, MASTER_ADDR=127.0.0.1, "
@@ -145,59 +158,42 @@ def test_leftover_variables_give_way_to_nproc(runs: dict) -> None:
 
 
 def test_pytorchjob_pods_are_the_machines_of_one_job(runs: dict) -> None:
-    root = runs["root"]
-    (pod0, _), (pod1, _) = runs["v1"]
-    assert pod0.splitlines()[0] == ("scaleloop: kubernetes (PyTorchJob): pod 0 of 2 (PET_NODE_RANK), 1 process a pod, "
-                                    "master pj-master-0:23456")
+    job, (pod0, pod1) = one_job(runs, "v1", "kubernetes (PyTorchJob): pod 0 of 2 (PET_NODE_RANK), 1 process a pod, "
+                                            "master pj-master-0:23456")
     assert pod1.splitlines()[0].startswith("scaleloop: kubernetes (PyTorchJob): pod 1 of 2 (PET_NODE_RANK)")
-    assert_bitwise(root / "v1" / "pod0" / "run", root / "reference" / "run")
     # Each pod is one machine: its own rank's log, and a verified copy of every checkpoint.
-    assert (root / "v1" / "pod0" / "run" / "logs" / "rank-0.log").is_file()
-    assert (root / "v1" / "pod1" / "run" / "logs" / "rank-1.log").is_file()
+    assert rank_logs(job / "pod0") == {"rank-0.log"} and rank_logs(job / "pod1") == {"rank-1.log"}
     assert "each keeps a verified copy of every checkpoint" in pod0
-    for pod0_file in sorted((root / "v1" / "pod0" / "run" / "checkpoints").rglob("*")):
+    for pod0_file in sorted((job / "pod0" / "run" / "checkpoints").rglob("*")):
         if pod0_file.is_file():
-            copy = root / "v1" / "pod1" / "run" / pod0_file.relative_to(root / "v1" / "pod0" / "run")
+            copy = job / "pod1" / "run" / pod0_file.relative_to(job / "pod0" / "run")
             assert copy.read_bytes() == pod0_file.read_bytes(), copy
 
 
 def test_trainjob_pods_with_auto_train_one_job(runs: dict) -> None:
-    root = runs["root"]
-    (pod0, _), (pod1, _) = runs["v2"]
-    assert pod0.splitlines()[0] == ("scaleloop: kubernetes (TrainJob): pod 0 of 2 (PET_NODE_RANK), 1 process a pod "
-                                    "(auto), master tj-node-0-0.tj:29500")
+    job, (pod0, _) = one_job(runs, "v2", "kubernetes (TrainJob): pod 0 of 2 (PET_NODE_RANK), 1 process a pod (auto), "
+                                         "master tj-node-0-0.tj:29500")
     assert re.search(r"^  world size +2$", pod0, re.M), pod0
-    assert_bitwise(root / "v2" / "pod0" / "run", root / "reference" / "run")
-    assert (root / "v2" / "pod1" / "run" / "logs" / "rank-1.log").is_file()
+    assert rank_logs(job / "pod1") == {"rank-1.log"}
 
 
 def test_a_pytorchjob_pod_of_two_processes_starts_both(runs: dict) -> None:
-    root = runs["root"]
-    ((pod0, _),) = runs["v1x2"]
-    assert pod0.splitlines()[0] == ("scaleloop: kubernetes (PyTorchJob): pod 0 of 1 (PET_NODE_RANK), 2 processes a pod, "
-                                    "master pj-master-0:23456")
-    assert_bitwise(root / "v1x2" / "pod0" / "run", root / "reference" / "run")
-    assert {p.name for p in (root / "v1x2" / "pod0" / "run" / "logs").glob("rank-*.log")} == {"rank-0.log", "rank-1.log"}
+    job, _ = one_job(runs, "v1x2", "kubernetes (PyTorchJob): pod 0 of 1 (PET_NODE_RANK), 2 processes a pod, "
+                                   "master pj-master-0:23456")
+    assert rank_logs(job / "pod0") == {"rank-0.log", "rank-1.log"}
 
 
 def test_a_trainjob_pod_of_two_processes_starts_both(runs: dict) -> None:
-    root = runs["root"]
-    ((pod0, _),) = runs["v2x2"]
-    assert pod0.splitlines()[0] == ("scaleloop: kubernetes (TrainJob): pod 0 of 1 (PET_NODE_RANK), 2 processes a pod, "
-                                    "master tj-node-0-0.tj:29500")
-    assert_bitwise(root / "v2x2" / "pod0" / "run", root / "reference" / "run")
-    assert {p.name for p in (root / "v2x2" / "pod0" / "run" / "logs").glob("rank-*.log")} == {"rank-0.log", "rank-1.log"}
+    job, _ = one_job(runs, "v2x2", "kubernetes (TrainJob): pod 0 of 1 (PET_NODE_RANK), 2 processes a pod, "
+                                   "master tj-node-0-0.tj:29500")
+    assert rank_logs(job / "pod0") == {"rank-0.log", "rank-1.log"}
 
 
 def test_a_pytorchjob_of_two_pods_of_two_processes_equals_four(runs: dict) -> None:
-    root = runs["root"]
-    (pod0, _), (pod1, _) = runs["v1x2x2"]
-    assert pod0.splitlines()[0] == ("scaleloop: kubernetes (PyTorchJob): pod 0 of 2 (PET_NODE_RANK), 2 processes a pod, "
-                                    "master pj-master-0:23456")
+    job, (pod0, _) = one_job(runs, "v1x2x2", "kubernetes (PyTorchJob): pod 0 of 2 (PET_NODE_RANK), 2 processes a pod, "
+                                             "master pj-master-0:23456", reference="reference4")
     assert re.search(r"^  world size +4$", pod0, re.M), pod0
-    assert_bitwise(root / "v1x2x2" / "pod0" / "run", root / "reference4" / "run")
-    for pod, ranks in ((0, {"rank-0.log", "rank-1.log"}), (1, {"rank-2.log", "rank-3.log"})):
-        assert {p.name for p in (root / "v1x2x2" / f"pod{pod}" / "run" / "logs").glob("rank-*.log")} == ranks
+    assert rank_logs(job / "pod0") == {"rank-0.log", "rank-1.log"} and rank_logs(job / "pod1") == {"rank-2.log", "rank-3.log"}
 
 
 def test_an_elastic_pytorchjob_trains_one_job_at_its_rendezvous(runs: dict) -> None:
@@ -207,6 +203,6 @@ def test_an_elastic_pytorchjob_trains_one_job_at_its_rendezvous(runs: dict) -> N
                                        "rendezvous at pj-worker-0:23456") for out in outputs), outputs
     # Which pod is rank 0 is the rendezvous's choice: that pod prints the summary.
     [summary] = [out for out in outputs if re.search(r"^  world size +2$", out, re.M)]
-    rank0 = next(pod for pod in (0, 1) if (root / "elastic" / f"pod{pod}" / "run" / "logs" / "rank-0.log").is_file())
+    rank0 = next(pod for pod in (0, 1) if rank_logs(root / "elastic" / f"pod{pod}") == {"rank-0.log"})
     assert_bitwise(root / "elastic" / f"pod{rank0}" / "run", root / "reference" / "run")
-    assert (root / "elastic" / f"pod{1 - rank0}" / "run" / "logs" / "rank-1.log").is_file(), summary
+    assert rank_logs(root / "elastic" / f"pod{1 - rank0}") == {"rank-1.log"}, summary
