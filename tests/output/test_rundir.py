@@ -105,7 +105,9 @@ def test_a_run_killed_before_its_metrics_file_is_started_over_too(tmp_path: Path
     (tmp_path / "config.toml").write_text("# scaleloop resolved configuration; rerun with: ...\nmodel = \"x\"\n")
     said: list[str] = []
     assert prepare_run_dir(str(tmp_path), "m", "d", say=said.append) == tmp_path
-    assert said and "held a run that stopped before its first step; this run starts over in it" in said[0], said
+    # It left no logs: the note does not speak of any.
+    assert said == [f"note: --out {str(tmp_path)!r} held a run that stopped before its first step; this run "
+                    "starts over in it"]
     assert list(tmp_path.iterdir()) == []
 
 

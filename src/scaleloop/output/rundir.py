@@ -134,8 +134,10 @@ def prepare_run_dir(out: Optional[str], model: str, data: str, *, continuing: bo
             for name in _FAILED_START_FILES:
                 (path / name).unlink(missing_ok=True)
             started_over = True
+            logged = any(p.is_file() for p in (path / "logs").rglob("*"))
+            kept = " (that run's logs are kept, in logs/)" if logged else ""
             say(f"note: --out {str(path)!r} held a run that stopped before its first step; this run starts "
-                "over in it (that run's logs are kept, in logs/)")
+                f"over in it{kept}")
         # Another machine of the job, writing into the same (shared) directory, may be halfway
         # through one of scaleloop's atomic writes: its temporary file is not a foreign file.
         entries = sorted(p.name for p in path.iterdir() if not _TEMPORARY.match(p.name))
