@@ -193,7 +193,8 @@ def test_a_pytorchjob_of_two_pods_of_two_processes_equals_four(runs: dict) -> No
     job, (pod0, _) = one_job(runs, "v1x2x2", "kubernetes (PyTorchJob): pod 0 of 2 (PET_NODE_RANK), 2 processes a pod, "
                                              "master pj-master-0:23456", reference="reference4")
     assert re.search(r"^  world size +4$", pod0, re.M), pod0
-    assert rank_logs(job / "pod0") == {"rank-0.log", "rank-1.log"} and rank_logs(job / "pod1") == {"rank-2.log", "rank-3.log"}
+    assert rank_logs(job / "pod0") == {"rank-0.log", "rank-1.log"}
+    assert rank_logs(job / "pod1") == {"rank-2.log", "rank-3.log"}
 
 
 def test_an_elastic_pytorchjob_trains_one_job_at_its_rendezvous(runs: dict) -> None:
