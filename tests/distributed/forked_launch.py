@@ -20,7 +20,9 @@ imported torch once, in the server), makes both forks:
   resolver lock while a worker connects, and a fork taken then would inherit it held).
 
 What is not the users' path: the launcher's other descriptors stay open in the agent (``exec``
-would close them), and the workers are forks. So a test of the launch itself, and at least one
+would close them), the workers are forks, and a worker killed by a signal reaches the agent as
+multiprocessing reports it (without the signal's name). So a test of the launch itself, a test of
+how a dying worker is reported, and at least one
 test of each strategy and each launcher, runs fresh: ``procs.run(..., fresh=True)``, or
 ``SCALELOOP_TEST_FORK_LAUNCH=0`` in the run's environment. ``SCALELOOP_TEST_FRESH=1`` makes
 every run of the suite fresh.
@@ -163,7 +165,7 @@ def _worker_entry(run_worker: Callable[[list[str]], int], *cmd_args: str) -> Non
 
     os.setsid()
     wait_for_siblings()
-    args = list(cmd_args[1:]) if cmd_args[:1] == ("-u",) else list(cmd_args)   # unbuffered: the streams are
+    args = list(cmd_args[1:]) if cmd_args[:1] == ("-u",) else list(cmd_args)   # -u: the fork's streams are unbuffered
     code = run_worker(["python", *args])
     if code:
         sys.exit(code)   # the exit status torchrun reads, as from a worker process of its own
