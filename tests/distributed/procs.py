@@ -218,7 +218,8 @@ def kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def scaleloop(args: Sequence[str], *, cwd: Path, timeout: float = 240, fresh: bool = False) -> subprocess.CompletedProcess:
+def scaleloop(args: Sequence[str], *, cwd: Path, timeout: float = 240,
+              fresh: bool = False) -> subprocess.CompletedProcess:
     """``python -m scaleloop <args>`` (``fresh``: every process a fresh interpreter, see :func:`run`);
     asserts success with the output in the message."""
     res = run([sys.executable, "-m", "scaleloop", *args], cwd=cwd, timeout=timeout, fresh=fresh)
