@@ -46,3 +46,23 @@ def test_a_workers_exit_code_is_torchruns_failure(tmp_path: Path) -> None:
     res = agent(tmp_path, "3")
     assert res.returncode == 1, res.stdout + res.stderr
     assert "exitcode  : 3" in (tmp_path / "torchrun.log").read_text()
+
+
+LEAVING = """
+import logging, sys
+from scaleloop.launching.agent import _log_to, leave
+
+_log_to(sys.argv[1])
+logging.getLogger("torch.distributed.run").warning("the agent's last line")
+sys.stdout.write("written, not yet flushed")
+leave(3)
+"""
+
+
+def test_leave_flushes_the_log_and_the_streams_and_exits_with_the_code(tmp_path: Path) -> None:
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}   # buffered, as by default
+    res = subprocess.run([sys.executable, "-c", LEAVING, str(tmp_path / "torchrun.log")], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 3, res.stderr
+    assert res.stdout == "written, not yet flushed"
+    assert "the agent's last line" in (tmp_path / "torchrun.log").read_text()

@@ -12,7 +12,8 @@ While it lives it counts as a writer of the launcher's run directory (``join_wri
 
 It starts its workers as torchrun does: fresh interpreters, each importing torch itself. Nothing
 on this path forks a process that has imported torch (a fork cannot use CUDA once the driver has
-started, and it inherits every lock another thread held at the fork).
+started, and it inherits every lock another thread held at the fork). It ends at once when
+torchrun is done (:func:`leave`): the launcher is waiting for it.
 
 Exit codes: 0 when every worker succeeded, 1 when one failed, 128 + N on signal N (Ctrl-C: 130).
 """
@@ -20,9 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, NoReturn, Optional, Sequence
 
 # torchrun's loggers (the launcher, the elastic agent) and Python warnings raised in it.
 _LOGGERS = ("torch.distributed", "torch.multiprocessing", "py.warnings")
@@ -96,7 +98,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    from scaleloop.runtime.exiting import exit_process
+def leave(code: int) -> NoReturn:
+    """End the agent now, once what it wrote is out.
 
-    exit_process(main())
+    Only torchrun's code and this module's run in this process (the user's code runs in the
+    workers), and all they write goes through logging and the two standard streams. Once those
+    are flushed, the interpreter's own end would only free memory the system takes back anyway:
+    about 0.2 CPU-second for a process that has imported torch, which the launcher waits for
+    after the last worker has ended (``benchmarks/launch``).
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):   # a console whose reader has gone
+            stream.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    leave(main())

@@ -32,7 +32,10 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, Any, Callable, Optional, Sequence
 
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+from scaleloop.runtime.collector import collection_paused
+
+with collection_paused():   # torch's import: objects that live as long as the process (runtime.collector)
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from scaleloop.launching import lifeline
 from scaleloop.launching.console import console_stream

@@ -27,6 +27,7 @@ from scaleloop.loop.trainer import Trainer
 from scaleloop.output.memory import reset_peak
 from scaleloop.output.rundir import LOGS_DIR, refuse_if_in_use, write_atomic
 from scaleloop.runtime.collectives import gather_object
+from scaleloop.runtime.collector import collection_paused
 from scaleloop.runtime.dist import DistEnv, launched_by_torchrun, restart_count
 from scaleloop.runtime.frames import note_where
 from scaleloop.runtime.recovery import Recovery, last_worker_exit, take_faults
@@ -52,7 +53,8 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
     if env.is_main:
         refuse_if_in_use(run_dir_for(cfg))   # before its checkpoints are read: "in use" is the reason
     try:
-        with startup_watch(say) if env.is_main else contextlib.nullcontext():   # a slow step says so
+        # A slow step says so (startup_watch); the garbage collector waits (runtime.collector says why).
+        with startup_watch(say) if env.is_main else contextlib.nullcontext(), collection_paused():
             run = build_run(cfg, env)
             checkpointer = Checkpointer(run.strategy, cfg.checkpointing, cfg.flat(), seed=cfg.seed, say=say)
             resumed = checkpointer.restore(run.model, run.optimizer, run.scheduler, restarting=restart_count() > 0)

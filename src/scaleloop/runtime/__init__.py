@@ -16,4 +16,5 @@ Nothing here starts a process or reads the config; every floor above may use it.
 - ``frames``: which frames are the user's; where the loop was when an exception left it.
 - ``recovery``: an elastic job's recovery from a fault, timed from what each attempt leaves behind.
 - ``exiting``: a process's end, without the interpreter's last garbage collection over torch's objects.
+- ``collector``: the garbage collector paused while torch is imported and a run is built.
 """
