@@ -5,8 +5,7 @@
 Each run is a fresh interpreter that imports torch and ``torch._dynamo`` (which ``torch.optim``
 and ``DistributedDataParallel`` import when built) and makes an Adam optimizer, timed inside with
 ``time.process_time``: once with the collector as Python leaves it, once inside
-``scaleloop.runtime.collector.collection_paused`` (which ends with one full collection). The two
-kinds run in turn; the table gives each one's median CPU seconds and its full collections.
+``scaleloop.runtime.collector.collection_paused``. The two kinds run in turn; the table gives each one's median CPU seconds and its full collections.
 """
 from __future__ import annotations
 

@@ -9,10 +9,12 @@ workers pays it on both cores at once, right at the start, where the launch is w
 (``benchmarks/launch``).
 
 So a worker pauses the collector while it imports torch, and every run while it builds its
-model, strategy and optimizer (``loop.training``); the pause ends with one full collection.
-That one pass replaces the many, and it moves what survives to the oldest generation, where the
-young collections of the loop no longer walk it. Nothing is lost: the garbage made meanwhile is
-collected then, as garbage always waits for a collection.
+model, strategy and optimizer (``loop.training``), then turns it back on. Nothing is lost: the
+garbage made meanwhile (a few hundred objects) waits for the next collection, as garbage always
+waits for one. No collection is forced at the end: in ``scaleloop bench overhead``, which builds
+a run again for each repetition, one full collection after each build made the loop's timed
+epochs 2-4 % slower than the raw loop's beside it (measured, not explained:
+``benchmarks/2026-12-02_cpu-2core_launch-collector.md``).
 """
 from __future__ import annotations
 
@@ -23,8 +25,7 @@ from typing import Iterator
 
 @contextlib.contextmanager
 def collection_paused() -> Iterator[None]:
-    """While inside, the cyclic garbage collector does not run; after, it is as it was before,
-    and a collector that was on collects once.
+    """While inside, the cyclic garbage collector does not run; after, it is as it was before.
 
     Only around work that creates long-lived objects (imports, building a model). Reference
     counting still frees everything that is not in a cycle.
@@ -36,4 +37,3 @@ def collection_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-            gc.collect()
