@@ -11,8 +11,8 @@ workers pays it on both cores at once, right at the start, where the launch is w
 So a worker pauses the collector while it imports torch, and every run while it builds its
 model, strategy and optimizer (``loop.training``), then turns it back on. Nothing is lost: the
 garbage made meanwhile (a few hundred objects) waits for the next collection, as garbage always
-waits for one. No collection is forced at the end: it would cost one more pass, and ``scaleloop bench
-overhead`` (which builds a run for each repetition) read higher with it
+waits for one. No collection is forced at the end: it would cost one more pass, and ``scaleloop
+bench overhead`` (which builds a run for each repetition) read higher with it
 (``benchmarks/2026-12-02_cpu-2core_launch-collector.md``).
 """
 from __future__ import annotations
