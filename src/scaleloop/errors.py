@@ -14,3 +14,7 @@ class UsageError(Exception):
 
     exit_code = EXIT_USAGE
     shown = False   # True once printed (rank 0 of ``--nproc`` workers): the CLI then does not repeat it
+
+
+class CheckpointError(UsageError):
+    """A checkpoint that cannot be used; the message names the file and what is wrong."""

@@ -5,6 +5,9 @@
 - a sharded checkpoint written by 2 processes resumes on 1, and one written by 1 on 2
   (through the CLI: ``scaleloop train --out RUN --nproc N``);
 - each rank holds about half of the parameters, gradients and optimizer state (memory.json);
+- a hostile sharded checkpoint (code pickled into ``.metadata`` or into the byte entries of the
+  ranks' files, the manifest rewritten to match) is refused in one line on resume, and nothing
+  in it runs (tests/checkpoint/test_untrusted.py has the single-process cases);
 - a disk too small for the sharded checkpoint: one line naming it and the space, nothing of it
   left, the one before still the newest (a real 3 MB tmpfs);
 - scripts/fsdp_probe.py: no reduce-scatter on micro-steps, fp16 skips agree across ranks,
@@ -18,12 +21,14 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from hostile import payload_bytes, payload_in_byte_entries, rewrite
 from procs import run, scaleloop
 from scaleloop.commands.doctor import diagnose
 from scaleloop.config import TrainConfig
@@ -139,6 +144,30 @@ def test_resume_one_process_on_two(root: Path, single) -> None:
     assert "fsdp (3 units)" in log and "memory per rank (tensor bytes" in log  # the summary's table
     diff, key = max_rel_diff(weights(single("plain")), weights(out))
     assert diff <= 1e-5, f"fsdp 1 -> 2 resume differs at {key}: {diff:.2e}"
+
+
+@pytest.mark.parametrize("where", [".metadata", "byte entries"])
+def test_a_hostile_checkpoint_is_refused_in_one_line_and_runs_nothing(root: Path, sharded: Path, where: str) -> None:
+    # first-half: 2 processes' checkpoint of step 3 (and step 6 from 1 process, once resumed above)
+    out, marker = root / f"hostile-{where.replace(' ', '-')}", root / f"ran-{where.replace(' ', '-')}"
+    shutil.copytree(sharded / "first-half", out)
+    for step in (out / "checkpoints").glob("step-*"):
+        if where == ".metadata":
+            rewrite(step, ".metadata", payload_bytes(marker))
+        else:
+            assert payload_in_byte_entries(step, marker) > 0
+    res = run([sys.executable, "-m", "scaleloop", "train", "--out", str(out), "--max-steps", "12", "--nproc", "2"],
+              cwd=root, timeout=240)
+    assert res.returncode == 2 and not marker.exists(), res.stdout + res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("scaleloop: error:")]
+    assert len(errors) == 1 and "Traceback" not in res.stdout + res.stderr, res.stderr
+    if where == ".metadata":   # refused by the launcher's check, before a worker starts
+        assert "every checkpoint in" in errors[0] and "failed verification" in errors[0], errors
+        assert "/.metadata': it asks to run or build io.open" in res.stderr and "launching" not in res.stderr
+    else:   # refused by the ranks' DCP load, on the first byte entry met
+        assert re.search(r"refusing to load '.*/step-\d+/__[01]_0\.distcp': its entry 'optimizer\.param_groups",
+                         errors[0]), errors
+        assert json.loads((out / "failure.json").read_text())["kind"] == "usage"
 
 
 def test_probe(root: Path) -> None:

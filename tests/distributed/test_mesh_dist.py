@@ -8,6 +8,8 @@
 - pipeline x data parallel (pp=2,dp=2: two replicas of a 2-stage 1F1B pipeline) likewise;
 - a DCP checkpoint written on fsdp=2,tp=2 continues on fsdp=4 and then on 1 process, and ends
   where an uninterrupted 1-process run ends (2x2 -> 4 -> 1);
+- a ``--mesh`` checkpoint with code pickled into its byte entries is refused in one line on resume
+  (fsdp=2,tp=2 -> fsdp=2), and nothing in it runs;
 - conditional computation (usermodel_settings.CONDITIONAL_4: an auxiliary head used on some steps,
   a rarely routed expert) under HSDP and pipeline x data parallel, with SGD with momentum and with
   Adam, equals 1 process within 1e-5 of the weight scale.
@@ -18,12 +20,15 @@ run in this process.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from hostile import payload_in_byte_entries
 from procs import run
 from scaleloop.config import TrainConfig
 from scaleloop.loop.training import train
@@ -154,3 +159,20 @@ def test_resume_across_mesh_shapes_and_world_sizes(root: Path, meshed: dict[str,
     assert any("written by 4 process(es), this run has 1" in line for line in said), said
     diff, key = max_rel_diff(weights(single("four", max_steps=4)), weights(out))
     assert diff <= TOLERANCE, f"2x2 -> 4 -> 1 resume differs at {key}: {diff:.2e}"
+
+
+@NEEDS_STRIDED_TP
+def test_a_hostile_mesh_checkpoint_is_refused_and_runs_nothing(root: Path, meshed: dict[str, str]) -> None:
+    out, marker = root / "hostile", root / "ran"
+    shutil.copytree(root / "mesh4" / "first-half", out)
+    for step in (out / "checkpoints").glob("step-*"):   # step 2 (2x2); step 4, once continued on 1 process, is not sharded
+        if (step / ".metadata").exists():
+            assert payload_in_byte_entries(step, marker) > 0
+        else:
+            shutil.rmtree(step)
+    res = run([sys.executable, "-m", "scaleloop", "train", "--out", str(out), "--max-steps", "8", "--nproc", "2",
+               "--mesh", "fsdp=2"], cwd=root, timeout=240)
+    assert res.returncode == 2 and not marker.exists(), res.stdout + res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("scaleloop: error:")]
+    assert len(errors) == 1 and "Traceback" not in res.stdout + res.stderr, res.stderr
+    assert re.search(r"refusing to load '.*/__\d_0\.distcp': its entry 'optimizer\.", errors[0]), errors

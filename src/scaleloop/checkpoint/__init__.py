@@ -2,6 +2,7 @@
 
 - ``settings``: ``CheckpointSettings``, the config's checkpoint section, and its checks;
 - ``store``: the on-disk layout, atomic writes, manifests and checksums, pruning;
+- ``untrusted``: DCP's ``.metadata`` read by a restricted unpickler (a checkpoint never runs code);
 - ``state``: weights-only serialisation, RNG capture/restore, the model-shape check;
 - ``resume``: which checkpoint ``--resume`` means, and which settings a resumed run keeps;
 - ``claim``: the run directory claimed once (checked, locked, continued or not), by the launcher or rank 0;

@@ -44,7 +44,7 @@ from scaleloop.checkpoint.replicas import Replicas, machines, newest_among_machi
 from scaleloop.checkpoint.resume import check_compatible, find_checkpoint
 from scaleloop.checkpoint.state import capture_rng, from_bytes, restore_rng, state_bytes, to_bytes
 from scaleloop.checkpoint.store import (CHECKPOINTS_DIR, FORMAT_VERSION, CheckpointError, begin_checkpoint,
-                                        retire_after, step_dir_name)
+                                        STATE_FILE, retire_after, step_dir_name)
 from scaleloop.checkpoint.settings import CheckpointSettings
 from scaleloop.checkpoint.writing import SLACK, continue_hint, room_for, write_error, write_files
 from scaleloop.output.rundir import RunDirWriteError
@@ -367,7 +367,7 @@ class Checkpointer:
             raise CheckpointError(error)
         if data is None or source is None:
             return None
-        state = from_bytes(data, source)
+        state = from_bytes(data, str(Path(source) / STATE_FILE))
         if isinstance(state.get("config"), Mapping):
             check_compatible(state["config"], self.config, source)
         try:

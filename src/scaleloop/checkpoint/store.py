@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from scaleloop.errors import UsageError
+from scaleloop.checkpoint import untrusted
+from scaleloop.errors import CheckpointError
 
 FORMAT_VERSION = 1
 STATE_FILE = "state.pt"
@@ -40,10 +41,6 @@ MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
 CHECKPOINTS_DIR = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-class CheckpointError(UsageError):
-    """A checkpoint that cannot be used; the message names the file and what is wrong."""
 
 
 @dataclass(frozen=True)
@@ -185,9 +182,12 @@ def copy_checkpoint(root: Path, step: int, files: Mapping[str, bytes]) -> Checkp
 
 
 def verify_checkpoint(path: Path) -> CheckpointInfo:
-    """Check a checkpoint directory's manifest, format version, sizes and checksums.
+    """Check a checkpoint directory's manifest, format version, sizes and checksums, that every
+    file it names lies inside the directory, and that DCP's ``.metadata`` (a plain pickle) names
+    nothing but what DCP writes (``untrusted.check_metadata``; nothing in it is run).
 
-    Raises CheckpointError naming the file and the problem (missing, truncated, corrupt, newer format).
+    Raises CheckpointError naming the file and the problem (missing, truncated, corrupt, newer
+    format, outside the checkpoint, hostile).
     """
     manifest_path = path / MANIFEST_FILE
     if not path.is_dir():
@@ -205,8 +205,11 @@ def verify_checkpoint(path: Path) -> CheckpointInfo:
     if version > FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {str(path)!r} has format version {version}, newer than this scaleloop "
                               f"reads ({FORMAT_VERSION}); upgrade scaleloop to resume it")
+    if STATE_FILE not in entries:
+        raise CheckpointError(f"checkpoint manifest {str(manifest_path)!r} does not list {STATE_FILE}, which every "
+                              "scaleloop checkpoint holds; the checkpoint was not written by scaleloop or was tampered with")
     for name, entry in entries.items():
-        file = path / name
+        file = _inside(path, name, manifest_path)
         if not file.is_file():
             raise CheckpointError(f"checkpoint file {str(file)!r} is missing")
         size = file.stat().st_size
@@ -215,7 +218,30 @@ def verify_checkpoint(path: Path) -> CheckpointInfo:
                                   f"the manifest says {entry['bytes']}")
         if _sha256(file) != entry["sha256"]:
             raise CheckpointError(f"checkpoint file {str(file)!r} is corrupt: its SHA-256 does not match the manifest")
+    if (path / untrusted.METADATA_FILE).is_file():
+        untrusted.check_metadata(_inside(path, untrusted.METADATA_FILE, manifest_path))
     return CheckpointInfo(path=path, step=step, meta=manifest)
+
+
+def _inside(path: Path, name: Any, manifest_path: Path) -> Path:
+    """``path / name`` for a file the manifest names; CheckpointError, before anything is opened,
+    when ``name`` leads outside the checkpoint directory (``..``, an absolute path, a symbolic link)."""
+    parts = Path(name).parts if isinstance(name, str) else ()
+    file = path / name if parts else path
+    if not parts or Path(name).is_absolute() or ".." in parts or not _resolves_inside(file, path):
+        raise CheckpointError(f"checkpoint manifest {str(manifest_path)!r} names {str(name)[:80]!r}, which is not "
+                              "a file inside its checkpoint directory; refusing it (nothing outside is read): "
+                              "the checkpoint was not written by scaleloop or was tampered with")
+    return file
+
+
+def _resolves_inside(file: Path, directory: Path) -> bool:
+    # A symbolic link anywhere on the way (the file or a folder in the checkpoint) may point out.
+    try:
+        file.resolve().relative_to(directory.resolve())
+    except ValueError:
+        return False
+    return True
 
 
 def step_of(path: Path) -> int:

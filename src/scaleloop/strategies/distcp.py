@@ -15,13 +15,20 @@ A tensor-parallel layer split in strided pieces (a fused q/k/v projection) is ga
 the tensor-parallel dimension for writing and cut again after reading: DCP needs each rank's
 piece to be one box of the whole tensor.
 
+Loading never runs code from the files: ``.metadata`` (a plain pickle, which DCP's own reader
+unpickles as it is) is read by ``checkpoint.untrusted``'s restricted unpickler, each data file it
+names must lie inside the checkpoint directory, and byte entries (the optimizer's hyperparameters)
+are read weights-only, as DCP already reads tensors (:func:`_reader`, :func:`_planner`).
+
 Every function here that touches a process group is a collective: every rank calls it.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
+import pickle
 import shutil
 import warnings
 from functools import partial
@@ -33,10 +40,11 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from scaleloop.checkpoint.background import ShardedSave
+from scaleloop.checkpoint.store import CheckpointError
+from scaleloop.checkpoint.untrusted import METADATA_FILE, load_metadata
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
-METADATA_FILE = ".metadata"
 #: ``state.pt``'s marker (and the manifest's) for a checkpoint whose model and optimizer state are
 #: in these files beside it rather than in ``state.pt``.
 SHARDED_FORMAT = "torch.distributed.checkpoint"
@@ -132,8 +140,6 @@ def _written(future: Any, directory: Path, coordinator: bool) -> None:
         raise write_failure(exc.failures, directory) from None
     error = missing_shards(directory) if coordinator else None
     if error is not None:
-        from scaleloop.checkpoint.store import CheckpointError
-
         raise CheckpointError(error)
 
 
@@ -171,8 +177,6 @@ def save_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: P
 
 def load_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Load the state :func:`save_state` wrote (by any number of ranks) into this run's model and optimizer."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     # The template has this run's layout; an optimizer that has not stepped yet gets its
@@ -180,14 +184,91 @@ def load_state(module: nn.Module, optimizer: torch.optim.Optimizer, directory: P
     model_state, optim_state = get_state_dict(module, optimizer)
     layout = {MODEL_KEY: model_state, OPTIMIZER_KEY: optim_state}
     state = _portable(layout)
-    with _quiet_without_group():
-        try:
-            dcp.load(state, checkpoint_id=str(directory))
-        except CheckpointException as exc:
-            # A BaseException that DCP raises on every rank when any rank failed.
-            raise RuntimeError(f"torch.distributed.checkpoint could not load it: {exc}") from None
+    _load(state, directory)
     state = _restored(state, layout)
     set_state_dict(module, optimizer, model_state_dict=state[MODEL_KEY], optim_state_dict=state[OPTIMIZER_KEY])
+
+
+def _load(state: dict[str, Any], directory: Path) -> None:
+    """``dcp.load`` of ``state`` from ``directory`` with :func:`_reader` and :func:`_planner`.
+    A refused file raises its CheckpointError; any other failure a RuntimeError with DCP's reason."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with _quiet_without_group():
+        try:
+            dcp.load(state, storage_reader=_reader(directory), planner=_planner(directory))
+        except CheckpointException as exc:
+            # A BaseException that DCP raises on every rank when any rank failed.
+            errors = [pair[0] if isinstance(pair, tuple) else pair for _, pair in sorted(exc.failures.items())]
+            refused = [e for e in errors if isinstance(e, CheckpointError)]
+            if refused:
+                raise refused[0] from None
+            first = " ".join(str(errors[0]).split()) if errors else str(exc)
+            raise RuntimeError(f"torch.distributed.checkpoint could not load it: {first}") from None
+
+
+def read_metadata(directory: Path) -> Any:
+    """A DCP checkpoint's ``.metadata``, read without running code, every data file it names
+    checked to lie inside ``directory``; CheckpointError naming the file otherwise."""
+    path = directory / METADATA_FILE
+    metadata = load_metadata(path)
+    inside = directory.resolve()
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        target = (directory / str(name)).resolve()
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..") or target.parent != inside:
+            raise CheckpointError(f"refusing to load {str(path)!r}: it names the data file {str(name)[:80]!r}, "
+                                  "which is not a file inside its checkpoint directory; this file was not "
+                                  "written by torch.distributed.checkpoint or was tampered with")
+    return metadata
+
+
+def _reader(directory: Path) -> Any:
+    """DCP's file reader for ``directory``, with ``.metadata`` read by :func:`read_metadata`."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class CheckedReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("rank") is not None:   # per-rank metadata: scaleloop never writes it
+                raise CheckpointError(f"{str(directory)!r}: per-rank DCP metadata is not read by scaleloop")
+            metadata = read_metadata(directory)
+            # As DCP's own reader does: the id of this load, for its logs.
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = getattr(self, "load_id", None)
+            return metadata
+
+    return CheckedReader(str(directory))
+
+
+def _planner(directory: Path) -> Any:
+    """DCP's default load planner, with byte entries read weights-only (a class made here: DCP is
+    imported only when a sharded checkpoint is read)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class WeightsOnlyPlanner(DefaultLoadPlanner):
+        """DCP's load planner, with byte entries (non-tensor values) read weights-only: DCP's
+        own planner unpickles them with ``weights_only=False``."""
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError:
+                info = (self.metadata.storage_data or {}).get(read_item.storage_index)
+                file = directory / getattr(info, "relative_path", "?")
+                raise CheckpointError(f"refusing to load {str(file)!r}: its entry {fqn!r} holds pickled Python "
+                                      "objects that weights-only loading does not allow; this file was not written "
+                                      "by scaleloop or was tampered with (nothing in it was run)") from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return WeightsOnlyPlanner()
 
 
 def _renamed(model_state: dict[str, Any], optim_state: dict[str, Any], names: dict[str, list[str]],
@@ -219,17 +300,11 @@ def load_named(module: nn.Module, optimizer: torch.optim.Optimizer, directory: P
                all_params: list[str]) -> None:
     """Load this rank's part of a sharded checkpoint (written by :func:`save_state` or
     :func:`save_named`, any world size) into a module that holds part of the model."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optim_state = get_state_dict(module, optimizer)   # (initialises the optimizer's state)
     state = _renamed(model_state, optim_state, names, all_params, every_name=False)
-    with _quiet_without_group():
-        try:
-            dcp.load(state, checkpoint_id=str(directory))
-        except CheckpointException as exc:
-            raise RuntimeError(f"torch.distributed.checkpoint could not load it: {exc}") from None
+    _load(state, directory)
     model = {key: state[MODEL_KEY][names[key][0]] for key in model_state}
     saved_groups = state[OPTIMIZER_KEY]["param_groups"]
     optim = {"state": {key: state[OPTIMIZER_KEY]["state"][names[key][0]] for key in optim_state["state"]},
@@ -240,10 +315,9 @@ def load_named(module: nn.Module, optimizer: torch.optim.Optimizer, directory: P
 
 def saved_model_shapes(directory: Path) -> dict[str, Optional[torch.Size]]:
     """Each model entry of a DCP checkpoint with its global shape (None: not a tensor), from ``.metadata``."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(directory)).read_metadata()
+    metadata = read_metadata(directory)
     prefix = MODEL_KEY + "."
     return {key[len(prefix):]: (md.size if isinstance(md, TensorStorageMetadata) else None)
             for key, md in metadata.state_dict_metadata.items() if key.startswith(prefix)}
@@ -251,9 +325,7 @@ def saved_model_shapes(directory: Path) -> dict[str, Optional[torch.Size]]:
 
 def referenced_files(directory: Path) -> set[str]:
     """The data files (relative names) that a DCP checkpoint's ``.metadata`` says hold its tensors."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(str(directory)).read_metadata()
+    metadata = read_metadata(directory)
     storage = metadata.storage_data or {}
     return {info.relative_path for info in storage.values()}
 
