@@ -155,6 +155,18 @@ def test_fp16_equals_one_process_and_every_stage_skips_together(two, root: Path)
     assert stepped["scale"] == skipped["scale"] < 2.0 ** 16   # lowered once, at the skipped step
 
 
+def test_fp16_with_clipping_clips_the_unscaled_gradients(two, root: Path) -> None:
+    out, _ = two
+    reference = one_process(root / "single" / "fp16-clip", RUNS["two"]["fp16-clip"])
+    unclipped = one_process(root / "single" / "fp16-noclip", {**RUNS["two"]["fp16-clip"], "clip_grad": None})
+    active, _ = max_rel_diff(weights(unclipped), weights(reference))
+    assert active > 1e-3, "--clip-grad did not clip on one process: the test would not catch a scaled norm"
+    diff, key = max_rel_diff(weights(out / "fp16-clip"), weights(reference))
+    # One piece: the pipeline runs one process's ops, split at the stage boundary (measured: 0.0;
+    # clipping the scaled gradients instead ended 6.6e-2 away).
+    assert diff <= 1e-5, f"fp16 + --clip-grad pipeline differs from 1 process by {diff:.2e} at {key}"
+
+
 def test_only_the_first_stage_loads_inputs_and_only_the_last_targets(two) -> None:
     _, described = two
     assert described["probe"]["loaded"] == [{"inputs": True, "target": False}, {"inputs": False, "target": True}]

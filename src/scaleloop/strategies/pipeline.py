@@ -321,12 +321,16 @@ class PipelineParallel(ProcessGroupStrategy):
 
     # --- set-up -------------------------------------------------------------------------
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Cut ``model`` into stages and keep this rank's (moved to its device) with its optimizer."""
+        """Cut ``model`` into stages and keep this rank's (moved to its device) with its optimizer: the
+        factory's, or the optimizer object's group keeping this rank's parameters (``Strategy.setup``)."""
+        names = self._check_optimizer(model, optimizer)
+        one_group = "--strategy pipeline supports optimizers with one parameter group"
+        if isinstance(optimizer, torch.optim.Optimizer) and len(optimizer.param_groups) != 1:
+            raise UsageError(one_group)   # (before the cut: nothing done yet)
         stage = self._parallelize(model)
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            optimizer = optimizer(stage.parameters())
+        optimizer = self._optimizer_on(stage, optimizer, names)
         if len(optimizer.param_groups) != 1:
-            raise UsageError("--strategy pipeline supports optimizers with one parameter group")
+            raise UsageError(one_group)
         if self.precision.scaler is not None:
             # The scale is created by the first scale(), which only the last stage calls; every
             # stage's scaler needs its own before it can unscale its gradients.
@@ -383,6 +387,15 @@ class PipelineParallel(ProcessGroupStrategy):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
+
+    _holds_part = True   # this rank's stages: an optimizer object keeps only their parameters
+
+    def _made_parameters(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The stage's parameters by the whole model's names (``StageModule.global_keys``; a tied
+        parameter by each of its names)."""
+        assert isinstance(model, StageModule)
+        return {name: param for local, param in model.named_parameters(remove_duplicate=False)
+                for name in model.global_keys.get(local, ())}
 
     def _loads(self) -> tuple[bool, bool]:
         """Only the first stage loads the inputs and only the last the targets."""
@@ -526,8 +539,10 @@ class PipelineParallel(ProcessGroupStrategy):
             offset += p.numel()
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """Clip by the norm over ALL stages' gradients (a tied parameter counted once)."""
+        """Clip by the norm over ALL stages' gradients (a tied parameter counted once), taken of the
+        unscaled gradients under fp16 (the scaler's overflow check spans every stage: a collective)."""
         assert self._module is not None
+        self.precision.unscale_(optimizer)
         grads = [p.grad for p in self._module.parameters()
                  if p.grad is not None and self._module.param_index[id(p)] in self._owned]
         local = (torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).pow(2).sum()

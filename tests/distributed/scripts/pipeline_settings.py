@@ -38,6 +38,10 @@ RUNS = {
         # fp16 in 2 pieces under 1F1B (one overflow check for all stages); SGD, as for bf16.
         "fp16": dict(SIMPLE, model="biggernet", microbatches=2, precision="fp16", optimizer="sgd", lr=0.1,
                      pipeline_schedule="1f1b"),
+        # fp16 with clipping, in one piece (so that only clipping differs from one process): the
+        # norm must be taken of the unscaled gradients (issue 53: the scaled ones were clipped, and
+        # the run ended 6.6e-2 of the weight scale away); SGD with momentum, as the issue's run.
+        "fp16-clip": dict(SIMPLE, microbatches=1, precision="fp16", clip_grad=0.05, optimizer="sgd", lr=0.1),
         # Each stage writes its own part of the checkpoints (DCP); resumed as a pipeline below and on
         # one process by the test.
         "sharded-half": dict(SIMPLE, microbatches=4, max_steps=3, sharded_checkpoints=True),
