@@ -4,8 +4,9 @@ Two paths give the same batches:
 
 - in-memory tensors (``TensorDataset``, ``DictTensorDataset`` and every built-in dataset): a
   batch is one ``index_select`` per tensor — no per-sample ``__getitem__`` and no collation;
-- any other ``Dataset``: a ``torch.utils.data.DataLoader`` driven by the sampler's index lists
-  (so worker processes and custom collate functions still work).
+- any other ``Dataset``, and any dataset with a ``collate_fn`` of the user's own: a
+  ``torch.utils.data.DataLoader`` driven by the sampler's index lists (so worker processes and
+  custom collate functions still work).
 
 Options for accelerators (all leave the batches' values unchanged):
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from scaleloop.data.batch import Columns, TargetRoute, move, split, take, tensors_of
 from scaleloop.data.sampler import MicroBatch, StepSampler
@@ -103,7 +104,9 @@ class ShardedLoader:
         self.device = device
         self.num_workers = num_workers
         self.collate_fn = collate_fn
-        self._tensors = tensors_of(dataset)
+        # A collate function of the user's own must see the samples: the fast path, which gathers
+        # the tensors as the default collation would, is only for the default.
+        self._tensors = tensors_of(dataset) if collate_fn in (None, default_collate) else None
         self.epoch = 0
         self.start_step = 0
         self._loader: Optional[DataLoader] = None

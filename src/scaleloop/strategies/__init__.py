@@ -19,7 +19,7 @@
   which modules are a model's blocks (FSDP's units, the recomputed ones); ``unused``: parameters
   that get no gradient in a step, trained as one process trains them (the rule, and the
   all-reduce that tells the ranks which); ``fsdp_agreement``: FSDP's ranks checked to run the same
-  units.
+  units; ``repoint``: an optimizer object given to ``setup`` moved onto the parameters it made.
 
 Names are imported lazily: the config reads ``registry`` without importing torch.
 """

@@ -20,20 +20,23 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Union
 import torch
 import torch.distributed as torch_dist
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import scaleloop.strategies.distcp as distcp
 from scaleloop.checkpoint.background import ShardedSave
 from scaleloop.data.batch import call_model
 from scaleloop.data.batching import check_batch_split
+from scaleloop.data.handed import LoaderArgs, from_dataloader
 from scaleloop.data.loader import Batch, ShardedLoader
 from scaleloop.data.sampler import StepSampler
 from scaleloop.data.streaming import StreamingLoader, StreamSampler, declared_length
+from scaleloop.errors import UsageError
 from scaleloop.runtime.collectives import gather_object, shard_indices
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.strategies.parallelize import Parallelism, default_parallelism, parallelize
 from scaleloop.strategies.precision import Precision
+from scaleloop.strategies.repoint import check_optimizer, parameter_names, repoint
 
 if TYPE_CHECKING:
     from scaleloop.strategies.registry import ParallelSettings
@@ -123,12 +126,47 @@ class Strategy:
         return parallelize(model, self)
 
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Move the model and make it parallel (:meth:`_parallelize`); ``optimizer`` is an optimizer or
-        a ``params -> optimizer`` factory."""
+        """Move the model and make it parallel (:meth:`_parallelize`); returns what this rank trains
+        and its optimizer.
+
+        ``optimizer`` is a ``params -> optimizer`` factory, called with the parameters the strategy
+        made, or an optimizer object built on ``model``'s parameters: its groups are then moved onto
+        the parameters the strategy made (FSDP and tensor parallelism replace them; a pipeline stage
+        keeps some), by name, with every group's hyper-parameters, and the same object is returned
+        (``strategies.repoint``). An optimizer that already holds state (it has stepped), or holds
+        tensors that are not the model's, is refused with a UsageError: pass the factory then."""
+        names = self._check_optimizer(model, optimizer)
         model = self._parallelize(model.to(self.env.device))
+        return model, self._optimizer_on(model, optimizer, names)
+
+    def _check_optimizer(self, model: nn.Module, optimizer: OptimizerLike) -> Optional[dict[int, list[str]]]:
+        """For an optimizer object: its parameters' names in the user's ``model``, taken (and the object
+        checked, ``repoint.check_optimizer``) before anything replaces them; None for a factory."""
         if not isinstance(optimizer, torch.optim.Optimizer):
-            optimizer = optimizer(model.parameters())
-        return model, optimizer
+            return None
+        names = parameter_names(model)
+        check_optimizer(optimizer, names)
+        return names
+
+    def _optimizer_on(self, model: nn.Module, optimizer: OptimizerLike,
+                      names: Optional[dict[int, list[str]]]) -> torch.optim.Optimizer:
+        """The optimizer of the parameters of ``model`` as ``setup`` made it: the factory's, or the
+        object's groups re-pointed at them by the names ``_check_optimizer`` took."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer(model.parameters())
+        assert names is not None
+        repoint(optimizer, names, self._made_parameters(model), part=self._holds_part)
+        return optimizer
+
+    #: This rank trains part of the model's parameters (a pipeline stage): ``setup`` leaves the
+    #: others out of an optimizer object's groups.
+    _holds_part = False
+
+    def _made_parameters(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The parameters this rank trains after ``setup``, by their names in the user's module:
+        FSDP2, tensor parallelism and activation checkpointing keep the names, and ``unwrap`` drops
+        a wrapper's prefix (DDP's ``module.``)."""
+        return dict(self.unwrap(model).named_parameters(remove_duplicate=False))
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's own module inside whatever wrapper ``setup`` added (DDP, DataParallel), and
@@ -145,31 +183,58 @@ class Strategy:
         rank trains on share ``layout.data_rank(rank)`` (tp and pp ranks of one group share theirs)."""
         return self.parallelism.spec
 
-    def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-               drop_last: bool = False, num_workers: int = 0,
+    def loader(self, dataset: Union[Dataset, DataLoader], batch_size: Optional[int] = None, *,
+               shuffle: Optional[bool] = None, seed: int = 0, drop_last: Optional[bool] = None,
+               num_workers: Optional[int] = None, collate_fn: Optional[Callable[[list], Any]] = None,
                uneven: bool = False) -> Union[ShardedLoader, StreamingLoader]:
         """Batches for this rank; ``batch_size`` is the GLOBAL batch of one optimizer step, split over
         the data-parallel ranks of :attr:`layout`. A stream (an ``IterableDataset``) is split by the
         rule of ``data.streaming``, in its own order. The one loader of every strategy.
 
+        ``dataset`` may be a ``torch.utils.data.DataLoader``: its dataset, its ``batch_size`` (taken as
+        the GLOBAL batch, not a per-rank one), shuffling, ``drop_last``, ``collate_fn``, ``num_workers``
+        and ``persistent_workers`` are used; a shuffled epoch's order is still drawn from ``seed``. One
+        it cannot honour (a sampler or batch sampler of its own) is refused with a UsageError that says
+        what to pass (``data.handed``). Defaults otherwise: ``shuffle=True``, ``drop_last=False``,
+        ``num_workers=0``, the default collation.
+
         ``uneven``: a batch that does not split evenly over the ranks is not refused; the ranks'
         shares then differ by one sample and each is weighted by its share (``StepSampler``), so a step
         is still the mean over the global batch (an elastic job on whatever world size it has).
         """
+        persistent = False
+        took: Optional[LoaderArgs] = None   # what a DataLoader gave, if one was handed over
+        if isinstance(dataset, DataLoader):
+            took = from_dataloader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
+                                   num_workers=num_workers, collate_fn=collate_fn)
+            dataset, batch_size, shuffle, drop_last = took.dataset, took.batch_size, took.shuffle, took.drop_last
+            num_workers, collate_fn, persistent = took.num_workers, took.collate_fn, took.persistent_workers
+        elif batch_size is None:
+            raise UsageError("strategy.loader(dataset, batch_size) needs the global batch_size, or a DataLoader "
+                             "whose batch_size is the global batch")
+        shuffle = True if shuffle is None else shuffle
+        drop_last, num_workers = bool(drop_last), num_workers or 0
         world, rank = self.parallelism.data_world, self.parallelism.data_rank
         stream = isinstance(dataset, IterableDataset)
         if not (uneven and not stream and batch_size >= world * self.accumulate_steps):
-            check_batch_split(batch_size, world, self.accumulate_steps)
+            try:
+                check_batch_split(batch_size, world, self.accumulate_steps)
+            except UsageError as err:
+                if took is None:
+                    raise
+                raise UsageError(f"strategy.loader takes the DataLoader's batch_size as the global batch: {err}") from None
         pin, load = self.env.device.type == "cuda", self._loads()
         if stream:
             self._check_stream()
             return StreamingLoader(dataset, StreamSampler(batch_size, world_size=world, rank=rank,
                                                           accumulate=self.accumulate_steps, seed=seed,
                                                           drop_last=drop_last, n=declared_length(dataset)),
-                                   self.env.device, num_workers=num_workers, env=self.env, pin_memory=pin, load=load)
+                                   self.env.device, num_workers=num_workers, collate_fn=collate_fn, env=self.env,
+                                   pin_memory=pin, persistent_workers=persistent, load=load)
         sampler = StepSampler(len(dataset), batch_size, world_size=world, rank=rank,
                               accumulate=self.accumulate_steps, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        return ShardedLoader(dataset, sampler, self.env.device, num_workers=num_workers, pin_memory=pin, load=load)
+        return ShardedLoader(dataset, sampler, self.env.device, num_workers=num_workers, collate_fn=collate_fn,
+                             pin_memory=pin, persistent_workers=persistent, load=load)
 
     def _loads(self) -> tuple[bool, bool]:
         """Whether this rank loads the inputs and the targets (a pipeline's middle stages need neither)."""
