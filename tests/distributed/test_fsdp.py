@@ -70,7 +70,7 @@ def sharded(root: Path) -> Path:
     """The 2-process fsdp runs of scripts/fsdp_runs.py, under ``root/fsdp2``."""
     out = root / "fsdp2"
     described = json.loads(torchrun("fsdp_runs.py", str(out), cwd=root))
-    assert described["accumulate1"] == "fsdp (3 units)", described
+    assert described["accumulate1"] == "fsdp (3 units: 2 x Linear + root)", described
     return out
 
 
@@ -141,7 +141,7 @@ def test_resume_one_process_on_two(root: Path, single) -> None:
     assert shard_files(out / "checkpoints" / "step-00000003") == {"__0_0.distcp"}
     log = scaleloop(["train", "--out", str(out), "--max-steps", "6", "--nproc", "2"], cwd=root).stdout
     assert "written by 1 process(es), this run has 2" in log
-    assert "fsdp (3 units)" in log and "memory per rank (tensor bytes" in log  # the summary's table
+    assert "fsdp (3 units: 2 x Linear + root)" in log and "memory per rank (tensor bytes" in log  # the summary's table
     diff, key = max_rel_diff(weights(single("plain")), weights(out))
     assert diff <= 1e-5, f"fsdp 1 -> 2 resume differs at {key}: {diff:.2e}"
 

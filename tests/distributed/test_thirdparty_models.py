@@ -1,6 +1,7 @@
 """Real third-party models (issue 16): Hugging Face transformers and timm, built from small
 configs with nothing downloaded, train under ddp and fsdp on 2 processes to the weights of 1
-process (within verify's fp32 tolerance), and pass ``scaleloop verify``.
+process (within verify's fp32 tolerance), and pass ``scaleloop verify``; under fsdp with activation
+checkpointing, the layers their ``_no_split_modules`` declares are the units and the recomputed blocks.
 
 The packages are test extras (``pip install -e '.[dev]'`` has transformers; timm needs
 torchvision, see pyproject's ``vision`` extra): each group skips with the reason when its
@@ -79,17 +80,34 @@ def _one(root: Path, settings: dict) -> dict[str, torch.Tensor]:
     return torch.load(out / "model.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("group, name", CASES)
-def test_two_processes_equal_one(two, root: Path, group: str, name: str) -> None:
-    described = two(group)
-    settings = GROUPS[group][0][name]
-    a, b = _one(root, settings), torch.load(root / "two" / name / "model.pt", weights_only=True)
+def _worst(root: Path, group: str, name: str) -> tuple[float, str]:
+    """How far run ``name`` of 2 processes ends from 1 process: the largest difference of a weight,
+    relative to the largest weight, and where."""
+    a, b = _one(root, GROUPS[group][0][name]), torch.load(root / "two" / name / "model.pt", weights_only=True)
     assert a.keys() == b.keys()
     floats = [k for k in a if a[k].is_floating_point()]
     scale = max(a[k].abs().max().item() for k in floats)
-    diff = {k: (a[k] - b[k]).abs().max().item() / scale for k in floats}
-    worst = max(diff, key=diff.get)
-    assert diff[worst] <= TOLERANCE, f"{name} ({described[name]}) differs from one process at {worst}: {diff[worst]:.2e}"
+    return max(((a[k] - b[k]).abs().max().item() / scale, k) for k in floats)
+
+
+@pytest.mark.parametrize("group, name", CASES)
+def test_two_processes_equal_one(two, root: Path, group: str, name: str) -> None:
+    described = two(group)
+    diff, worst = _worst(root, group, name)
+    assert diff <= TOLERANCE, f"{name} ({described[name]}) differs from one process at {worst}: {diff:.2e}"
+
+
+@pytest.mark.skipif(not _importable("transformers"), reason="needs transformers (a test extra)")
+def test_declared_blocks_are_the_units_and_checkpointed_on_two_processes(two, root: Path) -> None:
+    """The decoder layers that _no_split_modules declares are FSDP's units and the checkpointed
+    blocks (strategies/blocks.py), and 2 processes still end at 1 process's weights (to 1e-6;
+    activation checkpointing recomputes the same numbers)."""
+    described = two("HF_RUNS")
+    assert described["llama-fsdp-ac"] == "fsdp (5 units: 4 x LlamaDecoderLayer + root)", described
+    assert described["gpt2-fsdp-ac"] == "fsdp (3 units: 2 x GPT2Block + root)", described   # the tied wte in the root
+    for name in ("llama-fsdp-ac", "gpt2-fsdp-ac"):
+        diff, worst = _worst(root, "HF_RUNS", name)
+        assert diff <= 1e-6, f"{name} differs from one process at {worst}: {diff:.2e}"
 
 
 VERIFY = [pytest.param(model, data, strategy, extra, marks=pytest.mark.skipif(not _importable(package),

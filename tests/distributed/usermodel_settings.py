@@ -67,6 +67,11 @@ HF_RUNS = {
                              strategy="fsdp", max_steps=4),
     "gpt2-pairs-padded-ddp": dict(**THIRD_PARTY, model="hfmodels:gpt2_tiny", data="hfmodels:lm_pairs_padded",
                                   strategy="ddp", accumulate=2, max_steps=4),
+    # The blocks their _no_split_modules declare (strategies/blocks.py) as FSDP units and checkpointed.
+    "llama-fsdp-ac": dict(**THIRD_PARTY, model="hfmodels:llama_tiny", data="hfmodels:lm_data", strategy="fsdp",
+                          activation_checkpointing=True),
+    "gpt2-fsdp-ac": dict(**THIRD_PARTY, model="hfmodels:gpt2_tiny", data="hfmodels:lm_data", strategy="fsdp",
+                         activation_checkpointing=True),
     "bert-ddp": dict(**THIRD_PARTY, model="hfmodels:bert_tiny", data="hfmodels:classification_data", strategy="ddp"),
     "bert-fsdp": dict(**THIRD_PARTY, model="hfmodels:bert_tiny", data="hfmodels:classification_data", strategy="fsdp",
                       accumulate=2),

@@ -110,7 +110,7 @@ def test_one_process_fsdp_trains_like_single_and_writes_a_sharded_checkpoint(tmp
     single = train(cfg(tmp_path, "single"), CPU, log=quiet)
     result = train(cfg(tmp_path, "fsdp", strategy="fsdp"), CPU, log=quiet)
     assert not torch_dist.is_initialized(), "the strategy's own one-rank group outlived the run"
-    assert result.strategy.startswith("fsdp (3 units)")
+    assert result.strategy.startswith("fsdp (3 units: 2 x Linear + root)")
     assert max_diff(weights(single.run_dir), weights(result.run_dir)) <= 1e-6
     ckpt = verify_checkpoint(result.last_checkpoint)
     files = set(ckpt.meta["files"])

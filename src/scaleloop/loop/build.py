@@ -195,8 +195,10 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     placed = model
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(cfg, params, lr.peak, model=placed))
     if strategy.recompute:
-        notes.append(f"activation checkpointing: {strategy.recomputed_blocks} blocks keep only their input and "
-                     "recompute their activations in the backward")
+        what = strategy.parallelism.recomputed_what   # which blocks, and how they were found
+        blocks = f"{strategy.recomputed_blocks} blocks" + (f" ({what})" if what else "")
+        notes.append(f"activation checkpointing: {blocks} keep only their input and recompute their activations "
+                     "in the backward")
     if cfg.compile:
         # In place (nn.Module.compile): the module, its wrappers' isinstance checks and its
         # state_dict keys stay what they were (no ``_orig_mod.`` prefix in checkpoints).

@@ -25,6 +25,7 @@ from scaleloop.runtime.collectives import broadcast_object, gather_object
 from scaleloop.runtime.devices import indexed
 from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.strategies.base import EvalShard, HandWrittenLoop, ProcessGroupStrategy
+from scaleloop.strategies.blocks import DECLARE, count_classes, find_blocks
 from scaleloop.strategies.blocks import _has_params, fsdp_blocks, untied_units  # noqa: F401 (re-exported)
 from scaleloop.strategies.parallelize import Parallelism, default_parallelism
 from scaleloop.strategies.tensor import apply_tensor_parallel, fsdp_placement
@@ -63,6 +64,8 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         self._steps = 0                         # optimizer steps this process has run (for messages)
         self._order: Any = None                 # the units' order, checked (strategies.fsdp_agreement)
         self._blocks: Optional[list[nn.Module]] = None   # the units, found before anything replaced parameters
+        self._no_blocks = ""                    # the note when the model gave no units besides the root
+        self._unit_classes = ""                 # the sub-units by class, for describe(): "4 x LlamaDecoderLayer"
         self.tp_layers = 0                      # layers tensor parallelism split (--mesh tp=N)
 
     def _default_parallelism(self) -> Parallelism:
@@ -125,7 +128,13 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
             model = convert_batchnorm(model, self.env.device)
         # One unit, the root, runs on every rank whatever modules a rank skips (a rarely routed
         # expert); sub-units let a rank gather less at a time, but only run together.
-        self._blocks = [] if self.one_unit else untied_units(model, fsdp_blocks(model))
+        found = find_blocks(model)
+        self._blocks = [] if self.one_unit else untied_units(model, found.modules)
+        if not self.one_unit and not self._blocks:
+            # The whole model one unit: gathered whole on every rank, rarely what sharding is for.
+            why = (f"{type(model).__name__}'s blocks ({found.describe()}, {found.source}) share weights with "
+                   "modules outside them" if found.modules else f"fsdp found no blocks in {type(model).__name__}")
+            self._no_blocks = f"note: {why}, so the whole model is one unit, gathered whole on every rank; {DECLARE}"
         if self.env.is_distributed:
             with torch.no_grad():
                 for tensor in list(model.parameters()) + list(model.buffers()):
@@ -149,6 +158,9 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         mixed = self.precision.dtype is not None
         norms = [m for m in model.modules()
                  if mixed and isinstance(m, nn.modules.batchnorm._BatchNorm) and _has_params(m)]
+        # Named before fully_shard gives each unit a class of its own (FSDPLlamaDecoderLayer).
+        chosen = {id(m) for m in (self._blocks or []) + norms}
+        self._unit_classes = count_classes(m for m in model.modules() if id(m) in chosen and m is not model)
         units = shard_units(model, self._blocks or [], mesh, self._policy(), offload=self._offload(),
                             full_precision=norms, full_policy=self._policy(low_precision=False))
         self.units = len(units) + 1
@@ -330,8 +342,16 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         return {}   # UnitOrder's own: fsdp's
 
     def describe(self) -> str:
+        """``fsdp (5 units: 4 x LlamaDecoderLayer + root)``: how many units, and which."""
         offload = ", cpu offload" if self.cpu_offload else ""
-        return f"fsdp ({self.units} units{offload})" if self.units else "fsdp"
+        if not self.units:
+            return "fsdp"
+        which = f"{self._unit_classes} + root" if self._unit_classes else "root"
+        return f"fsdp ({self.units} unit{'s' if self.units != 1 else ''}: {which}{offload})"
+
+    def details(self) -> list[str]:
+        """The note when the model gave no units besides the root (``_prepare``)."""
+        return super().details() + ([self._no_blocks] if self._no_blocks else [])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,8 @@ class Parallelism:
     recompute: bool = False
     #: Blocks checkpointed by :func:`parallelize` (0 until it ran).
     recomputed_blocks: int = 0
+    #: What those blocks are and how they were found, in words (for the run's note).
+    recomputed_what: str = ""
     _mesh: Any = field(default=None, repr=False)
 
     @classmethod
@@ -143,9 +145,11 @@ def parallelize(model: "nn.Module", strategy: Parallelizable) -> "nn.Module":
     parallelism = strategy.parallelism
     strategy._tensor_parallel(model)
     if parallelism.recompute:
-        from scaleloop.strategies.recompute import checkpoint_blocks
+        from scaleloop.strategies.recompute import checkpoint_found_blocks
 
-        parallelism.recomputed_blocks = checkpoint_blocks(model)
+        found = checkpoint_found_blocks(model)
+        parallelism.recomputed_blocks = len(found)
+        parallelism.recomputed_what = f"{found.describe()}, {found.source}"
     model = strategy._data_parallel(model)
     return strategy._pipeline_split(model)
 

@@ -2,7 +2,8 @@
 tensor memory a step needs at its peak on any device (the CPU included).
 
 **Activation checkpointing** (``--activation-checkpointing``): each block of the model (the
-units ``fsdp`` shards: TinyGPT's transformer blocks, ``fsdp_blocks()``, see docs/strategies.md)
+units ``fsdp`` shards, found by ``strategies.blocks.find_blocks``: ``fsdp_blocks()``, transformers'
+``_no_split_modules``, the largest stack of one class such as TinyGPT's ``blocks``)
 keeps only its input from the forward; its intermediate activations are recomputed in the
 backward, one block at a time. Same numbers (the forward is deterministic), less memory, about
 one more forward of compute. It is ``torch.distributed._composable.checkpoint`` (non-reentrant,
@@ -19,27 +20,35 @@ probe, not something to run every step.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from torch import nn
 
 from scaleloop.errors import UsageError
 
+if TYPE_CHECKING:
+    from scaleloop.strategies.blocks import Blocks
+
 
 def checkpoint_blocks(model: nn.Module) -> int:
     """Checkpoint the activations of each of the model's blocks (recomputed in the backward), in
     place; returns how many. UsageError when the model has no blocks to checkpoint."""
+    return len(checkpoint_found_blocks(model))
+
+
+def checkpoint_found_blocks(model: nn.Module) -> "Blocks":
+    """:func:`checkpoint_blocks`, returning the blocks and how they were found (for the run's note)."""
     from torch.distributed._composable import checkpoint
 
-    from scaleloop.strategies.blocks import fsdp_blocks
+    from scaleloop.strategies.blocks import DECLARE, find_blocks
 
-    blocks = [b for b in fsdp_blocks(model) if b is not model]
-    if not blocks:
+    found = find_blocks(model)
+    if not found.modules:
         raise UsageError(f"--activation-checkpointing checkpoints each block of the model, and {type(model).__name__} "
-                         "has none (a model of one layer); give it fsdp_blocks() or drop the flag")
-    for block in blocks:
+                         f"has none (a model of one layer, or one that declares none): {DECLARE}, or drop the flag")
+    for block in found.modules:
         checkpoint(block)   # non-reentrant: works with FSDP2, TP and DDP, and with inputs that need no grad
-    return len(blocks)
+    return found
 
 
 def peak_step_bytes(step: Callable[[], Any]) -> int:

@@ -1,6 +1,6 @@
 """Real third-party models from small configs (nothing downloaded), for ``--model hfmodels:NAME``.
 
-Hugging Face ``transformers``: a GPT-2-style causal LM on token batches and a BERT-style
+Hugging Face ``transformers``: GPT-2- and Llama-style causal LMs on token batches and a BERT-style
 classifier on sentence batches, both as mappings with ``labels`` (the models compute their own
 loss). ``timm``: a small ResNet and a small ViT (``pretrained=False``) on 3x32x32 images.
 Dropout is off: with it, every rank draws its own masks and N ranks cannot equal 1.
@@ -22,6 +22,16 @@ def gpt2_tiny(info: Any = None) -> torch.nn.Module:
 
     return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def llama_tiny(info: Any = None) -> torch.nn.Module:
+    """A Llama-style causal LM (grouped-query attention, rotary positions, untied head) of 4 decoder
+    layers, which its ``_no_split_modules`` names as the blocks (strategies/blocks.py)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                        bos_token_id=0, eos_token_id=1, pad_token_id=None))
 
 
 def gpt2_ignoring_count(info: Any = None) -> torch.nn.Module:
