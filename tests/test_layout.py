@@ -151,7 +151,8 @@ def test_every_package_docstring_maps_its_modules() -> None:
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "plugins", "option"),  # one-line errors; user code named as pkg.module:attr; a setting's declaration
     ("runtime",),                    # ground: this process (DistEnv, devices, collectives, mesh, signals)
-    ("data", "models", "output"),    # what is trained on, what is trained, what a run writes
+    ("data", "models", "hfconfig", "output"),   # what is trained on, what is trained (built-in, or a
+                                                # transformers config), what a run writes
     ("checkpoint",),                 # store, state, resume, replicas; the Checkpointer
     ("strategies",),                 # parallelism: how the model, optimizer and loader are wrapped
     ("config",),                     # the flat settings, handed out in sections that their owners check

@@ -9,7 +9,7 @@ until a name is used. The map:
   (``scaleloop.ray.train``, an optional extra); ``loop``: the run and its loop; ``strategies``:
   single, dp, ddp, allreduce, fsdp, pipeline, mesh, and precision; ``checkpoint``: save and
   resume; ``config``: ``TrainConfig``; ``data``: datasets, samplers, loaders; ``models``: the
-  built-in models; ``output``: what a run writes and prints; ``runtime``: the ground floor, this
+  built-in models; ``hfconfig``: a causal language model from a transformers ``config.json``; ``output``: what a run writes and prints; ``runtime``: the ground floor, this
   process (``DistEnv``, devices, collectives); ``plugins``: user code as ``pkg.module:factory``;
   ``errors``: ``UsageError``; ``option``: a setting's one declaration (default, help, choices),
   which every config section uses; ``__main__``: ``python -m scaleloop``.

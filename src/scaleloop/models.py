@@ -17,6 +17,7 @@ from torch import nn
 from scaleloop.data.info import DataInfo
 from scaleloop.data.settings import MODEL_NAMES
 from scaleloop.errors import UsageError
+from scaleloop.hfconfig import build_causal_lm, is_config_path
 from scaleloop.plugins import call_factory, is_factory_spec, resolve_factory
 
 
@@ -264,6 +265,8 @@ def build_model(name: str, info: DataInfo, hidden_dim: int = 128) -> nn.Module:
     """Build the model called ``name`` (or from a ``pkg.module:factory`` spec) for ``info``.
 
     Built-in names are case-insensitive (see ``MODEL_NAMES``); ``hidden_dim`` sizes the MLPs.
+    A transformers ``config.json`` (or a directory holding one) builds its causal LM, randomly
+    initialised, for token data (``scaleloop.hfconfig``).
     A factory is called with ``info`` if it takes a required argument, else with none, and
     must return an ``nn.Module``. Raises ``UsageError`` when the model cannot fit the data.
     """
@@ -275,6 +278,9 @@ def build_model(name: str, info: DataInfo, hidden_dim: int = 128) -> nn.Module:
                 "not a torch.nn.Module; make the factory return the model"
             )
         return model
+
+    if is_config_path(name):
+        return _from_config(name, info)
 
     key = name.lower()
     if key not in MODEL_NAMES:
@@ -337,6 +343,14 @@ def _count_of(info: DataInfo) -> str:
 
 def _attr_of(info: DataInfo) -> str:
     return "vocab_size" if info.task == "lm" else "num_classes"
+
+
+def _from_config(name: str, info: DataInfo) -> nn.Module:
+    """A transformers causal LM from config ``name`` (``scaleloop.hfconfig``) for token data."""
+    if info.task != "lm":
+        raise UsageError(f"--model {name}: a causal language model needs token data (task 'lm'); dataset "
+                         f"{info.name!r} is a {info.task} task: use --data tokens or tokenfile")
+    return build_causal_lm(name, seq_len=info.input_shape[0], vocab_size=info.num_classes)
 
 
 def _call_model_factory(name: str, info: DataInfo) -> Any:

@@ -48,3 +48,23 @@ def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], ar
     code = main(["plan", *argv])
     out, err = capsys.readouterr()
     assert code == 2 and len(err.splitlines()) == 1 and says in err and "Traceback" not in err + out
+
+
+def test_a_resized_tinygpts_train_line_runs_once_its_factory_is_saved(
+        capsys: pytest.CaptureFixture[str], tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The line named ``YOUR.module:tinygpt_factory``, which no train could import; now a module the
+    note gives, one line, saved where train runs."""
+    assert main(["plan", "--gpus", "1", "--gpu", "h100", "--d-model", "32", "--n-layers", "3", "--seq-len", "16",
+                 "--batch-size", "4"]) == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.strip().startswith("scaleloop train"))
+    note = next(l for l in out.splitlines() if "where you run train: " in l)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan_tinygpt.py").write_text(note.split("where you run train: ", 1)[1] + "\n")
+    monkeypatch.delitem(__import__("sys").modules, "plan_tinygpt", raising=False)
+    argv = shlex.split(line)[1:]
+    argv[argv.index("--device") + 1] = "cpu"
+    argv[argv.index("--precision") + 1] = "fp32"
+    assert argv[argv.index("--model") + 1] == "plan_tinygpt:build"
+    code = main([*argv, "--max-steps", "1", "--n-samples", "32", "--out", str(tmp_path / "run"), "--no-progress"])
+    assert code == 0, capsys.readouterr().err

@@ -48,3 +48,38 @@ def test_tensor_parallel_share_is_megatrons() -> None:
     assert tp_activation_share(2) == pytest.approx(22 / 34)
     assert tp_activation_share(8) == pytest.approx(13 / 34)
 
+
+
+def test_each_peak_says_its_moment_and_its_parts_add_up(profile) -> None:
+    """Issue 52 point 5: ``dp`` showed grads 0.0 and ``dp +ac`` grads 25.3 with nothing saying why."""
+    options = Options(16, "bf16", "adam")
+    plain = estimate(profile, Layout("dp", dp=4), options)
+    # Without checkpointing the activations are highest when the backward begins: no gradient yet.
+    assert plain.moment == "backward start" and plain.gradients == 0
+    checkpointed = estimate(profile, Layout("dp", dp=4, checkpointing=True), options)
+    # Checkpointing keeps so little that the peak comes later in the backward, with gradients made.
+    assert checkpointed.moment.startswith("backward") and checkpointed.gradients > 0
+    for memory in (plain, checkpointed):
+        assert memory.peak == pytest.approx(memory.parameters + memory.gradients + memory.optimizer
+                                            + memory.activations + memory.buffers)
+
+
+def test_the_optimizer_steps_peak_frees_the_activations_and_keeps_ddps_buckets(profile) -> None:
+    # One sample a rank: the activations are small next to the optimizer's fp32 temporaries.
+    options = Options(4, "fp32", "adam", foreach_optimizer=True)
+    p = profile.parameters
+    dp = estimate(profile, Layout("dp", dp=4), options)
+    assert dp.moment == "optimizer step" and dp.activations == 0
+    # Every gradient; DDP's buckets (a second copy, alive from its construction) and the temporaries.
+    assert dp.gradients == 4 * p and dp.buffers == pytest.approx(4 * p + 4 * p)
+
+
+def test_the_table_names_the_moment_and_explains_the_zeros() -> None:
+    from scaleloop.plan.planner import plan
+    from scaleloop.plan.target import parse_target
+
+    out = plan(SMALL, parse_target("h100", 4, 1), Options(16, "bf16", "adam"))
+    head = next(line for line in out.splitlines() if "peak GB" in line)
+    assert "peak at" in head
+    assert "backward start: the forward's activations all kept, no gradient yet (grads 0.0)" in out
+    assert "the columns add up to the peak" in out

@@ -16,7 +16,8 @@ def register(subparsers: Any) -> None:
                     "without activation checkpointing, CPU offload), rank them, and print the scaleloop train "
                     "line of the best. How and how well: docs/planning.md.")
     parser.add_argument("--model", default="tinygpt",
-                        help="tinygpt (sized by the flags below), a Hugging Face config.json, or package.module:factory "
+                        help="tinygpt (sized by the flags below), a transformers config.json of a causal LM (or its "
+                             "directory; built as train builds it, no download), or package.module:factory "
                              "(default: tinygpt)")
     parser.add_argument("--data", default="tokens", help="the token dataset for the train line (default: tokens)")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in all (over --nodes machines)")
@@ -24,7 +25,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--nodes", type=int, default=1, help="machines the GPUs are in (default: 1)")
     parser.add_argument("--batch-size", type=int, default=None, help="GLOBAL batch size (default: 4 per GPU)")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sample (default: 64)")
-    parser.add_argument("--vocab-size", type=int, default=256, help="vocabulary size (default: 256)")
+    parser.add_argument("--vocab-size", type=int, default=256,
+                        help="vocabulary size of tinygpt and of a factory's data; a config.json has its own "
+                             "(default: 256)")
     parser.add_argument("--d-model", type=int, default=128, help="tinygpt: width (default: 128)")
     parser.add_argument("--n-layers", type=int, default=2, help="tinygpt: transformer blocks (default: 2)")
     parser.add_argument("--n-heads", type=int, default=4, help="tinygpt: attention heads (default: 4)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from scaleloop.config import TrainConfig
 from scaleloop.data.settings import DATASET_NAMES, MODEL_NAMES
 from scaleloop.errors import UsageError
+from scaleloop.hfconfig import config_file, is_config_path
 from scaleloop.plugins import is_factory_spec, resolve_factory
 
 # Devices that no number of processes can fail to fit (the others are checked against this machine).
@@ -22,6 +23,8 @@ def preflight(cfg: TrainConfig) -> None:
     for what, name, known in (("model", cfg.model, MODEL_NAMES), ("data", cfg.data, DATASET_NAMES)):
         if is_factory_spec(name):
             resolve_factory(name, what)
+        elif what == "model" and is_config_path(name):
+            config_file(name)   # a transformers config.json: that it is there (the workers build it)
         elif name.lower() not in known:
             raise UsageError(f"unknown {'dataset' if what == 'data' else what} {name!r}; choose one of "
                              f"{', '.join(known)}, or give 'package.module:factory'")

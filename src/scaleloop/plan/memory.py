@@ -6,7 +6,12 @@ sample and the share of the gradients alive. A rank's peak is its parameters and
 state, plus the largest over the step of (its activations: the traced ones times its micro-batch,
 cut by tensor and pipeline parallelism; plus its gradients alive then: all of them, or 1/F under
 FSDP), plus its communication buffers; or, when larger, the moment after the backward (every
-gradient, the optimizer's temporaries).
+gradient, the optimizer's temporaries, DDP's buckets).
+
+Each peak says when it is reached (:attr:`Memory.moment`), and its parts are the bytes alive at
+that moment, so they add up to it: a part can be 0 there (no gradient yet when the backward
+starts; no activation left at the optimizer step) and large in another layout's row whose peak
+falls elsewhere.
 """
 from __future__ import annotations
 
@@ -42,7 +47,10 @@ class Memory:
     activations: float
     buffers: float
     host: float = 0.0
-    phase: str = "backward"    # when the peak is reached: "backward" or "optimizer step"
+    #: When the peak is reached: "forward", "backward start" (no gradient yet), "backward N%"
+    #: (N% of the gradients made), "backward end", "pieces in flight" (a 1F1B stage) or
+    #: "optimizer step" (activations freed; buffers: the optimizer's temporaries, DDP's buckets).
+    moment: str = "backward start"
 
     @property
     def peak(self) -> float:
@@ -71,15 +79,28 @@ def micro_batch(layout: Layout, options: Options) -> float:
     return per_rank / layout.microbatches
 
 
-def _peak_over(series: StepSeries, act_scale: float, grad_bytes: float) -> tuple[float, float]:
-    """The largest ``other * act_scale + grads_share * grad_bytes`` over the step, and its split."""
+def _peak_over(series: StepSeries, act_scale: float, grad_bytes: float) -> tuple[float, float, str]:
+    """The largest ``other * act_scale + grads_share * grad_bytes`` over the step, its split,
+    and when in the step it is (:func:`moment`)."""
     end = series.grads[-1] or 1
-    best, split = -1.0, (0.0, 0.0)
-    for other, grads in zip(series.other, series.grads):
+    best, split, at = -1.0, (0.0, 0.0), 0
+    for index, (other, grads) in enumerate(zip(series.other, series.grads)):
         act, grad = other * act_scale, grads / end * grad_bytes
         if act + grad > best:
-            best, split = act + grad, (act, grad)
-    return split
+            best, split, at = act + grad, (act, grad), index
+    return split[0], split[1], moment(series, at)
+
+
+def moment(series: StepSeries, index: int) -> str:
+    """When op ``index`` of the traced step runs, in the table's words (:attr:`Memory.moment`)."""
+    if index < series.forward_ops:
+        return "forward"
+    made = series.grads[index] / (series.grads[-1] or 1)
+    if made <= 0:
+        return "backward start"
+    if made >= 1:
+        return "backward end"
+    return f"backward {int(made * 100)}%"   # rounded down: "100%" only when all are made
 
 
 def stage_parameters(profile: ModelProfile, stages: int) -> list[tuple[int, int]]:
@@ -107,8 +128,9 @@ def estimate(profile: ModelProfile, layout: Layout, options: Options) -> Memory:
     static = params * MASTER_BYTES / shards
     optimizer = params * opt_bytes / shards
     grads_all = params * MASTER_BYTES / shards
-    act, grad = _peak_over(series, act_scale, grads_all)
+    act, grad, when = _peak_over(series, act_scale, grads_all)
     block = max(profile.block_parameters, default=0) / layout.tp
+    buckets = 0.0
     if layout.family in FSDP_FAMILIES:   # FSDP2 units (a mesh wraps them even when its fsdp size is 1)
         # Gathered: the root unit all step, the current unit and the next (prefetched); the
         # current unit's unsharded gradient before its reduce-scatter. (Two more with checkpointing
@@ -118,17 +140,22 @@ def estimate(profile: ModelProfile, layout: Layout, options: Options) -> Memory:
         buffers = (profile.root_parameters * options.param_bytes + 2 * block * options.param_bytes
                    + block * MASTER_BYTES)
     else:
-        buffers = grads_all if layout.dp > 1 else 0.0          # DDP's gradient buckets, a second copy
+        # DDP's gradient buckets: a second copy of the gradients, allocated when DDP wraps the
+        # model and kept to the end, the optimizer step included.
+        buckets = buffers = grads_all if layout.dp > 1 else 0.0
         if options.param_bytes < MASTER_BYTES:
             act += params * options.param_bytes                  # autocast's low-precision copies, saved for backward
-    after = grads_all + _optimizer_temporaries(params / shards, block, options)
+    temporaries = _optimizer_temporaries(params / shards, block, options)
     host = 0.0
-    if layout.offload:
+    if layout.offload:   # the states, the gradients and the optimizer's step are on the host
         host, static, optimizer, grads_all = static + optimizer + grads_all, 0.0, 0.0, 0.0
-        grad, after = 0.0, 0.0
+        grad, temporaries = 0.0, 0.0
+    # After the backward the activations and FSDP's gathered units are freed; every gradient is
+    # there, and the optimizer's temporaries come on top of DDP's buckets.
+    after = grads_all + buckets + temporaries
     if after > act + grad + buffers:
-        return Memory(static, grads_all, optimizer, 0.0, after - grads_all, host, "optimizer step")
-    return Memory(static, grad, optimizer, act, buffers, host)
+        return Memory(static, grads_all, optimizer, 0.0, buckets + temporaries, host, "optimizer step")
+    return Memory(static, grad, optimizer, act, buffers, host, when)
 
 
 def _activations(profile: ModelProfile, layout: Layout, options: Options) -> tuple[StepSeries, float]:
@@ -161,11 +188,12 @@ def _pipeline_stage(profile: ModelProfile, layout: Layout, options: Options, sta
     in_flight = min(layout.microbatches, layout.pp - stage)
     opt_bytes = OPTIMIZER_BYTES.get(options.optimizer, 8)
     grads_all = params * MASTER_BYTES
-    act, grad = _peak_over(profile.series, micro_batch(layout, options) * share * in_flight, grads_all)
+    act, grad, when = _peak_over(profile.series, micro_batch(layout, options) * share * in_flight, grads_all)
     if layout.microbatches > 1:
         # After the first piece's backward the stage's gradients are all there, while the
         # pieces still in flight keep their activations.
         act, grad = max(profile.series.other) * micro_batch(layout, options) * share * in_flight, grads_all
+        when = "pieces in flight"
     if options.param_bytes < MASTER_BYTES:
         act += params * options.param_bytes
     # torch.distributed.pipelining allocates, before the step, a receive buffer for every piece:
@@ -177,8 +205,8 @@ def _pipeline_stage(profile: ModelProfile, layout: Layout, options: Options, sta
     after = grads_all + (grads_all if layout.dp > 1 else 0.0) + _optimizer_temporaries(params, 0, options)
     if after > act + grad + recv:
         return Memory(params * MASTER_BYTES, grads_all, params * opt_bytes, 0.0, after - grads_all + recv,
-                      phase="optimizer step")
-    return Memory(params * MASTER_BYTES, grad, params * opt_bytes, act, recv)
+                      moment="optimizer step")
+    return Memory(params * MASTER_BYTES, grad, params * opt_bytes, act, recv, moment=when)
 
 
 def breakdown(memory: Memory) -> Sequence[tuple[str, float]]:

@@ -9,21 +9,27 @@ parameter counts per block, outside the blocks, in the layers tensor parallelism
 pipeline layer come from the same meta model.
 
 Models: ``tinygpt`` at any size (``d_model``, ``n_layers``, ``n_heads``, ``vocab_size``),
-a Hugging Face causal LM from a local ``config.json`` (built with ``from_config``: no
-download, no weights), or ``pkg.module:factory`` (called with the data's ``DataInfo``).
+a Hugging Face causal LM from a local ``config.json`` (built as ``scaleloop train`` builds it,
+:mod:`scaleloop.hfconfig`: no download, no weights), or ``pkg.module:factory`` (called with the
+data's ``DataInfo``). The loss follows the model's output: per-token logits ``(batch, seq, vocab)``
+are a language model's (next token), ``(batch, classes)`` a classifier's; a model whose forward
+or output fits neither is refused in one line.
 """
 from __future__ import annotations
 
-import json
+import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional
 
 import torch
 from torch import nn
 
 from scaleloop.errors import UsageError
 from scaleloop.plan.trace import StepSeries, trace_step
+
+if TYPE_CHECKING:
+    from scaleloop.strategies.blocks import Blocks
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,9 @@ class ModelProfile:
     layers: tuple[nn.Module, ...] = field(default=(), compare=False, repr=False)   # meta: a pipeline's cut
     block_layers: tuple[bool, ...] = ()   # which of ``layers`` are blocks (the rest: embeddings, the head)
     dtype_bytes: int = 4                  # of the traced activations
+    vocab_size: int = 0                   # the model's own (a config's), else the spec's
+    task: str = "lm"                      # what its output is: "lm" (per-token logits) or "classification"
+    summary: str = ""                     # its class and blocks: "LlamaForCausalLM; blocks: 32 x ..."
     #: One tensor-parallel rank's traced steps, by (tp, checkpointed), traced when first asked.
     _rank_series: dict[tuple[int, bool], Optional[StepSeries]] = field(default_factory=dict, compare=False,
                                                                        repr=False)
@@ -89,37 +98,22 @@ def _tinygpt(spec: ModelSpec) -> nn.Module:
     return TinyGPT(spec.vocab_size, spec.seq_len, d_model=spec.d_model, n_layers=spec.n_layers, n_heads=spec.n_heads)
 
 
-def _huggingface(path: str) -> nn.Module:
-    """A causal LM from a local config.json (or a directory holding one): structure only."""
-    file = Path(path) / "config.json" if Path(path).is_dir() else Path(path)
-    if not file.is_file():
-        raise UsageError(f"--model {path}: no such config.json")
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError:
-        raise UsageError("--model CONFIG.json needs transformers installed (pip install transformers)") from None
-    values = json.loads(file.read_text(encoding="utf-8"))
-    kind = values.pop("model_type", None)
-    if kind is None:
-        raise UsageError(f"--model {path}: the config has no model_type (e.g. \"llama\")")
-    config = AutoConfig.for_model(kind, **values)
-    return AutoModelForCausalLM.from_config(config)
-
-
 def build_meta(spec: ModelSpec) -> nn.Module:
     """The model with meta tensors: every shape, no memory."""
+    from scaleloop.hfconfig import build_causal_lm, is_config_path
     from scaleloop.plugins import is_factory_spec
 
     with torch.device("meta"):
         if spec.model == "tinygpt":
             return _tinygpt(spec)
-        if spec.model.endswith(".json") or Path(spec.model).is_dir():
-            return _huggingface(spec.model)
         if is_factory_spec(spec.model):
             from scaleloop.data.info import DataInfo
             from scaleloop.models import build_model
 
             return build_model(spec.model, DataInfo("tokens", "lm", (spec.seq_len,), spec.vocab_size))
+        if is_config_path(spec.model):
+            # As ``scaleloop train --model CONFIG`` builds it: the same checks, no KV cache.
+            return build_causal_lm(spec.model, seq_len=spec.seq_len)
     raise UsageError(f"--model {spec.model!r}: plan takes tinygpt, a Hugging Face config.json, or package.module:factory")
 
 
@@ -170,16 +164,55 @@ def _hidden(model: nn.Module) -> tuple[Optional[int], Optional[int]]:
     return (emb.embedding_dim if isinstance(emb, nn.Embedding) else None), heads
 
 
-def _forward_loss(model: nn.Module, tokens: torch.Tensor) -> Callable[[], torch.Tensor]:
-    def run() -> torch.Tensor:
-        out = model(tokens)
-        logits = getattr(out, "logits", out)
-        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
-    return run
+class Traced(NamedTuple):
+    """One traced step: the bytes op by op, the FLOPs (when counted) and the model's task."""
+
+    series: StepSeries
+    flops: float
+    task: str
+
+
+def _task_loss(model_name: str, output: object, tokens: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """The task the model's output says, and the loss a run of it would take: next-token
+    cross-entropy over per-token logits, or cross-entropy over one row of class logits a sample
+    (against class 0: the target's value costs nothing the trace would see)."""
+    logits = getattr(output, "logits", output)
+    if isinstance(output, dict):
+        logits = output.get("logits")
+    if isinstance(logits, torch.Tensor):
+        if logits.dim() == 3 and logits.shape[:2] == tokens.shape:
+            return "lm", nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+        if logits.dim() == 2 and logits.shape[0] == tokens.shape[0]:
+            target = torch.zeros(tokens.shape[0], dtype=torch.long)
+            return "classification", nn.functional.cross_entropy(logits.float(), target)
+    shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(output).__name__
+    raise UsageError(f"--model {model_name}: given token ids shaped {tuple(tokens.shape)}, it returned {shape}; plan "
+                     "traces a model returning per-token logits (batch, seq, vocab) or class logits (batch, classes)")
+
+
+@contextmanager
+def _user_forward(spec: ModelSpec) -> Iterator[None]:
+    """Around the trace of a model scaleloop did not write: its failure is one line naming it,
+    not a traceback from inside its forward (tinygpt's would be scaleloop's bug: left as it is)."""
+    # The fake tensors log every failed shape check as an error of their own before raising it:
+    # the one line below says it, so that log is held back while the model runs.
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError) as exc:
+        if spec.model == "tinygpt":
+            raise
+        text = str(exc).strip().splitlines()
+        raise UsageError(f"--model {spec.model}: its forward and backward on one sample of {spec.seq_len} token ids "
+                         f"failed ({type(exc).__name__}: {text[0] if text else ''})") from None
+    finally:
+        fake_log.setLevel(level)
 
 
 def _trace(spec: ModelSpec, dtype: torch.dtype, checkpointed: bool, count_flops: bool,
-           tp: int = 1) -> Optional[tuple[StepSeries, float]]:
+           tp: int = 1) -> Optional[Traced]:
     """One sample's traced step on a fresh fake model (and its FLOPs when asked); with ``tp`` > 1
     on one tensor-parallel rank's slices (None when the model's split cannot be cut so)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -194,15 +227,29 @@ def _trace(spec: ModelSpec, dtype: torch.dtype, checkpointed: bool, count_flops:
     model = model.to(dtype)
     if checkpointed:
         checkpoint_blocks(model)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    tasks: list[str] = []
+
+    def forward_loss() -> torch.Tensor:
+        task, loss = _task_loss(spec.model, model(tokens), tokens)
+        tasks.append(task)
+        return loss
+
+    with FakeTensorMode(allow_non_fake_inputs=True), _user_forward(spec):
         model = model.to_empty(device="cpu")
         tokens = torch.zeros((1, spec.seq_len), dtype=torch.long)
-        counter = FlopCounterMode(display=False) if count_flops else None
-        if counter is None:
-            return trace_step(model, _forward_loss(model, tokens), [tokens]), 0.0
+        if not count_flops:
+            return Traced(trace_step(model, forward_loss, [tokens]), 0.0, tasks[0])
+        counter = FlopCounterMode(display=False)
         with counter:
-            series = trace_step(model, _forward_loss(model, tokens), [tokens])
-        return series, float(counter.get_total_flops()) + series.attention_flops
+            series = trace_step(model, forward_loss, [tokens])
+        return Traced(series, float(counter.get_total_flops()) + series.attention_flops, tasks[0])
+
+
+def _summary(model: nn.Module, found: "Blocks") -> str:
+    """The model's class and its blocks, as FSDP and checkpointing will find them."""
+    if not found.modules:
+        return f"{type(model).__name__}; no blocks: {found.source}"
+    return f"{type(model).__name__}; blocks: {found.describe()}, {found.source}"
 
 
 def profile_model(spec: ModelSpec, low_precision: bool = False) -> ModelProfile:
@@ -210,17 +257,23 @@ def profile_model(spec: ModelSpec, low_precision: bool = False) -> ModelProfile:
 
     ``low_precision``: trace the step in bf16 (activations of 2 bytes), as a bf16 run keeps them.
     """
-    from scaleloop.strategies.blocks import fsdp_blocks
+    from scaleloop.strategies.blocks import find_blocks
 
     model = build_meta(spec)
-    blocks = [b for b in fsdp_blocks(model) if b is not model]
+    found = find_blocks(model)
+    blocks = [b for b in found.modules if b is not model]
     hidden, heads = _hidden(model)
     layers = _layers(model)
     dtype = torch.bfloat16 if low_precision else torch.float32
-    series, flops = _trace(spec, dtype, checkpointed=False, count_flops=True)  # type: ignore[misc]
-    checkpointed = _trace(spec, dtype, checkpointed=True, count_flops=False)[0] if blocks else None  # type: ignore[index]
+    plain = _trace(spec, dtype, checkpointed=False, count_flops=True)
+    assert plain is not None   # only a tensor-parallel trace can be None
+    checkpointed = _trace(spec, dtype, checkpointed=True, count_flops=False) if blocks else None
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     return ModelProfile(spec=spec, parameters=_count(model), block_parameters=tuple(_count(b) for b in blocks),
                         tp_parameters=_tp_parameters(model), layers=layers,
                         block_layers=tuple(any(layer is b for b in blocks) for layer in layers), hidden=hidden,
-                        heads=heads, flops_per_sample=flops, series=series, series_checkpointed=checkpointed,
-                        dtype_bytes=2 if low_precision else 4)
+                        heads=heads, flops_per_sample=plain.flops, series=plain.series,
+                        series_checkpointed=checkpointed.series if checkpointed is not None else None,
+                        dtype_bytes=2 if low_precision else 4,
+                        vocab_size=vocab if isinstance(vocab, int) else spec.vocab_size, task=plain.task,
+                        summary=_summary(model, found))

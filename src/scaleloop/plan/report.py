@@ -6,6 +6,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Sequence
 
+from scaleloop.hfconfig import is_config_path
 from scaleloop.plan.layouts import Layout
 from scaleloop.plan.memory import Memory, Options, breakdown
 from scaleloop.plan.profile import ModelProfile
@@ -34,14 +35,47 @@ def _gb(n: float) -> str:
 
 
 def table(rows: Sequence[Row], target: Target) -> list[str]:
-    """The candidates, one line each: per-rank peak and its parts (GB), fits, step time, samples/s."""
-    head = ["layout", "peak GB", "params", "grads", "optim", "activ", "buffers", "host", "fits", "step s", "samples/s"]
-    body = [[r.layout.label, _gb(r.memory.peak), *(_gb(v) for _, v in breakdown(r.memory)),
+    """The candidates, one line each: per-rank peak, when it is reached and its parts then (GB),
+    fits, step time, samples/s."""
+    head = ["layout", "peak GB", "peak at", "params", "grads", "optim", "activ", "buffers", "host", "fits",
+            "step s", "samples/s"]
+    body = [[r.layout.label, _gb(r.memory.peak), r.memory.moment, *(_gb(v) for _, v in breakdown(r.memory)),
              _gb(r.memory.host) if r.memory.host else "-", "yes" if r.fits else "no",
              f"{r.time.total_s:.3g}", f"{r.time.samples_per_s:,.1f}"] for r in rows]
     widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-    return ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+    return ["  " + "  ".join(c.ljust(w) if i in (0, 2) else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(row, widths)))
             for row in [head, *body]]
+
+
+#: What each moment of ``peak at`` means, and why a part can be 0.0 there (memory.Memory.moment).
+MOMENTS = {
+    "forward": "inside the forward (the loss's own temporaries): no gradient yet (grads 0.0)",
+    "backward start": "the forward's activations all kept, no gradient yet (grads 0.0)",
+    "backward N%": "inside the backward, N% of the gradients made, the activations they needed freed "
+                   "(with +ac a smaller peak, so it falls later, when gradients have grown)",
+    "backward end": "every gradient made, the last activations not yet freed",
+    "pieces in flight": "a 1F1B stage: the activations of its pieces in flight, its gradients all made",
+    "optimizer step": "after the backward: activations and FSDP's gathered units freed (activ 0.0), every "
+                      "gradient; buffers are the optimizer's temporaries (one fp32 copy of the rank's parameters "
+                      "when it steps by lists, as on CUDA) and DDP's gradient buckets",
+}
+
+
+def _kind(moment: str) -> str:
+    """``backward 63%`` as ``backward N%``: the legend explains the share once for every row."""
+    return "backward N%" if moment.startswith("backward ") and moment.endswith("%") else moment
+
+
+def legend(rows: Sequence[Row]) -> list[str]:
+    """How to read the table: the moments its rows name, and the parts that are 0.0 by layout."""
+    lines = ["per GPU, at the moment of its peak ('peak at'): the columns add up to the peak (host memory apart)"]
+    kinds = list(dict.fromkeys(_kind(row.memory.moment) for row in rows))   # in the rows' order, once each
+    lines += [f"  {kind}: {MOMENTS.get(kind, '')}" for kind in kinds]
+    if any(r.layout.offload for r in rows):
+        lines.append("  +offload: parameters, gradients and optimizer state live in host memory (host), "
+                     "so 0.0 on the GPU")
+    return lines
 
 
 def why_lost(row: Row, best: Row, target: Target) -> str:
@@ -53,28 +87,53 @@ def why_lost(row: Row, best: Row, target: Target) -> str:
     return f"{row.layout.label}: {slower:.0%} slower ({row.time.total_s:.3g} s against {best.time.total_s:.3g} s per step)"
 
 
+#: The module the train line of a resized TinyGPT imports its factory from (the note gives its text).
+TINYGPT_MODULE = "plan_tinygpt"
+
+
 def train_command(profile: ModelProfile, layout: Layout, options: Options, target: Target, data: str) -> tuple[str, list[str]]:
     """The ``scaleloop train`` line for ``layout``, and notes on what it cannot say itself."""
     spec = profile.spec
     notes = []
     model = spec.model
+    vocab = ["--vocab-size", str(profile.vocab_size or spec.vocab_size)]
     if spec.model == "tinygpt" and (spec.d_model, spec.n_layers, spec.n_heads) != (128, 2, 4):
-        model = "YOUR.module:tinygpt_factory"
-        notes.append(f"train's --model tinygpt has d_model 128, 2 layers and 4 heads; for these sizes give a factory: "
-                     f"def tinygpt_factory(info): return scaleloop.TinyGPT(info.num_classes, info.input_shape[0], "
-                     f"d_model={spec.d_model}, n_layers={spec.n_layers}, n_heads={spec.n_heads})")
-    elif spec.model.endswith(".json"):
-        model = "YOUR.module:factory"
-        notes.append(f"train builds a Hugging Face model from a factory: return "
-                     f"AutoModelForCausalLM.from_config(AutoConfig.from_pretrained({spec.model!r}))")
+        # train's --model tinygpt has one size; this factory, saved where train runs (it imports
+        # from the current directory first), gives it the planned one.
+        model = f"{TINYGPT_MODULE}:build"
+        notes.append(f"train's --model tinygpt has d_model 128, 2 layers and 4 heads; for these sizes save this line "
+                     f"as {TINYGPT_MODULE}.py where you run train: def build(info): import scaleloop; return "
+                     f"scaleloop.TinyGPT(info.num_classes, info.input_shape[0], d_model={spec.d_model}, "
+                     f"n_layers={spec.n_layers}, n_heads={spec.n_heads})")
+    elif is_config_path(spec.model):
+        notes.append("train builds the config's model with random weights (a config has none); from a checkpoint's "
+                     "weights: a factory returning AutoModelForCausalLM.from_pretrained(...)")
+    if profile.task == "classification":
+        vocab = []
+        # The built-in token data are a language model's (the next token is the target).
+        need = (f"--data {data} is next-token data: give token sequences with class labels instead"
+                if data in ("tokens", "tokenfile", "tokenfile-seq") else f"--data {data} must give token sequences "
+                "with class labels")
+        notes.append(f"the model classifies (one row of class logits a sample): {need}, e.g. a data factory "
+                     "(docs/models-and-data.md)")
     argv = ["scaleloop", "train", "--model", model, "--data", data, "--seq-len", str(spec.seq_len),
-            "--vocab-size", str(spec.vocab_size), "--batch-size", str(options.batch_size),
+            *vocab, "--batch-size", str(options.batch_size),
             "--precision", options.precision, "--optimizer", options.optimizer, "--device", "cuda",
             *layout.train_flags(target.per_node, target.nodes)]
     if target.nodes > 1:
         notes.append("this is node 0's line: run it on every node with --node-rank 0..N-1 and NODE0_HOST replaced by "
                      "node 0's address (docs/multinode.md)")
     return shlex.join(argv), notes
+
+
+def describe(profile: ModelProfile) -> str:
+    """The model in the plan's first line: the spec, then its class, blocks and vocabulary."""
+    what = profile.summary
+    if profile.task == "classification":
+        what += "; a classifier (class logits, not tokens)"
+    elif profile.vocab_size and profile.spec.model != "tinygpt":   # tinygpt's spec says its own
+        what += f"; vocabulary {profile.vocab_size:,}"
+    return f"{profile.spec.describe()}: {what}" if what else profile.spec.describe()
 
 
 def host_line(rows: Sequence[Row], profile: ModelProfile, measured: bool) -> str:
@@ -96,7 +155,7 @@ def format_plan(profile: ModelProfile, rows: Sequence[Row], options: Options, ta
                 data: str, left_out: Sequence[str] = (), measured_host: bool = False) -> str:
     """The whole report ``scaleloop plan`` prints."""
     ranked = rank(rows)
-    lines = [f"scaleloop plan: {profile.spec.describe()}: {profile.parameters / 1e9:.3g} B parameters, "
+    lines = [f"scaleloop plan: {describe(profile)}: {profile.parameters / 1e9:.3g} B parameters, "
              f"{profile.flops_per_sample / 1e12:.3g} TFLOPs per sample (forward and backward, counted)",
              f"on {target.gpus} x {target.name} ({target.nodes} node(s) of {target.per_node}; {target.inside.name} "
              f"inside a node, {target.between.name} between), {_gb(target.memory_bytes * target.usable)} GB "
@@ -105,6 +164,7 @@ def format_plan(profile: ModelProfile, rows: Sequence[Row], options: Options, ta
              f"{mfu:.0%} MFU (an assumption: --mfu); memory estimated, not measured (docs/planning.md)",
              host_line(rows, profile, measured_host), ""]
     lines += table(ranked, target)
+    lines += legend(ranked)
     best = ranked[0] if ranked and ranked[0].fits else None
     if best is None:
         lines += ["", "nothing fits: use more GPUs, a smaller --batch-size or --seq-len, or GPUs with more memory"]
