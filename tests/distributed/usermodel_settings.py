@@ -72,6 +72,9 @@ HF_RUNS = {
                           activation_checkpointing=True),
     "gpt2-fsdp-ac": dict(**THIRD_PARTY, model="hfmodels:gpt2_tiny", data="hfmodels:lm_data", strategy="fsdp",
                          activation_checkpointing=True),
+    # Tensor parallelism by the model's own plan (transformers' tp_plan: strategies/tensor.py): the
+    # attention and MLP Linears, the vocabulary-split embedding and the gathered output layer.
+    "llama-tp": dict(**THIRD_PARTY, model="hfmodels:llama_tiny", data="hfmodels:lm_data", mesh="tp=2"),
     "bert-ddp": dict(**THIRD_PARTY, model="hfmodels:bert_tiny", data="hfmodels:classification_data", strategy="ddp"),
     "bert-fsdp": dict(**THIRD_PARTY, model="hfmodels:bert_tiny", data="hfmodels:classification_data", strategy="fsdp",
                       accumulate=2),

@@ -119,8 +119,12 @@ class MeshParallel(FSDP):
                 "remedy": ""}
 
     def describe(self) -> str:
+        """``mesh fsdp=2,tp=2 (fsdp x tp, 5 units: 4 x LlamaDecoderLayer + root, 30 tp layers)``: the
+        units named as fsdp's line names them, and how many layers tensor parallelism split."""
         offload = ", cpu offload" if self.cpu_offload else ""
-        units = "1 unit: the whole model, --find-unused-parameters" if self.one_unit else f"{self.units} units"
+        which = f"{self._unit_classes} + root" if self._unit_classes else "root"
+        units = ("1 unit: the whole model, --find-unused-parameters" if self.one_unit
+                 else f"{self.units} unit{'s' if self.units != 1 else ''}: {which}")
         return f"mesh {self.spec} ({self.composition()}, {units}, {self.tp_layers} tp layers{offload})"
 
     def details(self) -> list[str]:
