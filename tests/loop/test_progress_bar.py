@@ -70,7 +70,7 @@ def test_the_bar_labels_its_loss_and_fits_the_terminal(tmp_path: Path, columns: 
     assert bars, text
     labelled = [line for line in bars if "samples/s" in line]
     assert labelled, bars
-    assert re.search(r"loss \d+\.\d{4} \(last 4 steps\), [\d,]+ samples/s$", labelled[-1]), labelled[-1]
+    assert re.search(r"loss \d+\.\d{4} \(last 4 steps\), grad norm [\d.e+-]+, [\d,]+ samples/s$", labelled[-1]), labelled[-1]
     assert "samples_s" not in text
     assert all(len(line) <= width for line in bars), max(bars, key=len)
     assert re.search(r"^epoch 1: train loss \d", text, re.MULTILINE)

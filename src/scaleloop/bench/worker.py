@@ -47,7 +47,7 @@ class CommRecorder:
     """Bytes and in-flight time of the gradient all-reduces of each step.
 
     For DDP it is a communication hook that wraps PyTorch's default all-reduce hook; for the
-    hand-written ``allreduce`` strategy it wraps the strategy's ``_sync_gradients`` hook.
+    hand-written ``allreduce`` strategy it wraps the strategy's ``sync_gradients`` hook.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -108,7 +108,7 @@ class CommRecorder:
 
     def wrap_gradient_sync(self, strategy: Any, model: torch.nn.Module) -> None:
         """Time the explicit all-reduce that ``allreduce`` runs after backward."""
-        inner = strategy._sync_gradients
+        inner = strategy.sync_gradients
         nbytes = grad_bytes(model)
 
         def timed() -> None:
@@ -121,7 +121,7 @@ class CommRecorder:
                 synchronize(self.device)
             self._record(start, time.perf_counter(), nbytes if strategy.env.is_distributed else 0)
 
-        strategy._sync_gradients = timed  # an instance attribute wins over the method
+        strategy.sync_gradients = timed  # an instance attribute wins over the method
 
 
 def _endless(loader: Any) -> Iterator[list[Any]]:
@@ -194,7 +194,7 @@ class _TimedSteps:
         for i in range(count):
             t0 = time.perf_counter()
             micro_batches = next(self.steps)
-            losses = train_step(self.built, micro_batches, watch)
+            losses = train_step(self.built, micro_batches, watch).losses
             recorder.end_step()
             if losses[-1] is not None:
                 self.last_loss = losses[-1]

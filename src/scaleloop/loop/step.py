@@ -3,12 +3,14 @@
 One optimizer step is one or more micro-batches, then one update::
 
     for micro_batches in steps_of(run.loader):
-        losses = train_step(run, micro_batches, watch)
+        losses, grad_norm = train_step(run, micro_batches, watch)
 
 Each micro-batch is a forward, its loss and a backward weighted by the micro-batch's share of the
-global step; the strategy skips gradient synchronisation on all but the last. Then the update:
-clip, optimizer step, schedule step. What differs between one process and many is the
-strategy's (``scaleloop.strategies``); the step itself is the same for all.
+global step; the strategy skips gradient synchronisation on all but the last. (A pipeline runs
+forward and backward as one call of its schedule: the one branch.) Then, once: unscale (fp16), the
+gradient norm, clip, the optimizer step, ``zero_grad``, the schedule's step. What differs between
+one process and many is the strategy's few hooks (``no_sync``, ``autocast``, ``sync_gradients``,
+``grad_norm``; ``scaleloop.strategies``); the step itself is the same for all.
 
 Whoever watches a step (the trainer's clock, ``verify``'s recorder, ``bench``'s timers) passes an
 :class:`Observer`; its methods are called at fixed points of the step and change nothing in it.
@@ -20,13 +22,15 @@ mean over its real targets. That is why the losses are handed back only after th
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, NamedTuple, Optional
 
 import torch
 
+from scaleloop.data.batch import call_model
 from scaleloop.data.loader import Batch
 from scaleloop.loop.build import Run
 from scaleloop.loop.tasks import LossFn
+from scaleloop.strategies.base import clip_gradients, weighted
 
 
 class Observer:
@@ -54,13 +58,23 @@ class Observer:
         """After the optimizer and the schedule have stepped."""
 
 
-def train_step(run: Run, micro_batches: list[Batch], watch: Observer) -> list[Optional[torch.Tensor]]:
-    """One optimizer step of ``run`` over ``micro_batches`` (the step's, in order).
+class Step(NamedTuple):
+    """What :func:`train_step` hands back."""
 
-    Returns each micro-batch's mean loss, detached (None on a rank that computes no loss: a
-    pipeline's earlier stages). The learning rate the step used is the optimizer's before the call.
-    """
+    #: Each micro-batch's mean loss, detached (None on a rank that computes no loss: a pipeline's
+    #: earlier stages).
+    losses: list[Optional[torch.Tensor]]
+    #: The whole gradient's 2-norm before clipping (unscaled under fp16), on the device; None when
+    #: neither clipping nor the caller (``norm=True``) asked for it.
+    grad_norm: Optional[torch.Tensor]
+
+
+def train_step(run: Run, micro_batches: list[Batch], watch: Observer, norm: bool = False) -> Step:
+    """One optimizer step of ``run`` over ``micro_batches`` (the step's, in order); ``norm``: take
+    the gradient norm even without clipping (a log row's). The learning rate the step used is the
+    optimizer's before the call."""
     model, strategy, optimizer, count = run.model, run.strategy, run.optimizer, run.count
+    precision, clip = strategy.precision, run.cfg.clip_grad
     loss_fn = _watched(count.checked(run.loss_fn) if count is not None else run.loss_fn, watch)
     losses: list[Optional[torch.Tensor]] = []
     for batch in micro_batches:
@@ -68,9 +82,20 @@ def train_step(run: Run, micro_batches: list[Batch], watch: Observer) -> list[Op
         # Over -100 padding the batch's real targets are counted (a Hugging Face model is told the
         # divisor in its inputs), and its loss kept to be weighted by the whole step's count.
         fed = count.batch(batch) if count is not None else batch
-        # Forward, loss and weighted backward; the strategy synchronises the gradients after the
-        # step's last micro-batch (DDP's no_sync, FSDP's deferred reduce-scatter, ...).
-        loss = strategy.forward_backward(model, fed, loss_fn)
+        if strategy.pipelined:   # forward and backward are one call of the pipeline's schedule
+            loss = strategy.forward_backward(model, fed, loss_fn)
+        else:
+            x, y = fed
+            # Gradients stay local on all but the step's last micro-batch (DDP's no_sync, FSDP's
+            # deferred reduce-scatter); its backward synchronises them.
+            with strategy.no_sync(model, last=batch.last_micro):
+                with strategy.autocast():
+                    loss = loss_fn(call_model(model, x), y)
+                # Weighted by the micro-batch's share of the global step; scaled under fp16.
+                precision.scale(weighted(loss, batch.loss_scale)).backward()
+            if batch.last_micro:
+                strategy.sync_gradients()   # what the wrapper does not (allreduce's all-reduce)
+            loss = loss.detach()
         if count is not None:
             loss = count.keep(loss)
         watch.micro_done(batch, loss)
@@ -79,12 +104,15 @@ def train_step(run: Run, micro_batches: list[Batch], watch: Observer) -> list[Op
         # A collective: every rank learns the step's count (and whether the model took it) at once.
         watch.counted(count.finish(model))
     watch.synced()
-    if run.cfg.clip_grad is not None:
-        strategy.clip_grad_norm(model, optimizer, run.cfg.clip_grad)
-    strategy.optimizer_step(optimizer)   # fp16: skipped on overflow; then zero_grad(set_to_none=True)
+    precision.unscale_(optimizer)   # fp16: the gradients' true size, before the norm and the step
+    grad_norm = strategy.grad_norm(model) if clip is not None or norm else None
+    if clip is not None:
+        clip_gradients(model, grad_norm, clip)
+    precision.step(optimizer)   # fp16: skipped when the gradients overflowed
+    optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
     watch.stepped()
-    return losses
+    return Step(losses, grad_norm)
 
 
 def steps_of(batches: Iterable[Batch]) -> Iterator[list[Batch]]:

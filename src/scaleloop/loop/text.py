@@ -58,10 +58,12 @@ def _terminal_width(stream: Any) -> Optional[int]:
     return int(columns) if columns.isdigit() else 0
 
 
-def bar_postfix(loss: float, steps: int, samples_per_s: float) -> str:
+def bar_postfix(loss: float, steps: int, samples_per_s: float, grad_norm: Optional[float] = None) -> str:
     """What the bar shows after a log row: the mean loss of the steps since the previous row (not
-    the epoch's running mean, which the epoch line prints), and the samples per second."""
-    return f"loss {loss:.4f} (last {steps} step{'s' if steps != 1 else ''}), {samples_per_s:,.0f} samples/s"
+    the epoch's running mean, which the epoch line prints), the last step's gradient norm before
+    clipping, and the samples per second."""
+    norm = f", grad norm {grad_norm:.3g}" if grad_norm is not None else ""
+    return f"loss {loss:.4f} (last {steps} step{'s' if steps != 1 else ''}){norm}, {samples_per_s:,.0f} samples/s"
 
 
 def announce(run: Run, resumed: Optional[Resumed], say: Log) -> None:

@@ -76,6 +76,8 @@ class Trainer(Observer):
         self.clocked = run.env.world_size > 1
         self.gradient_bytes: Optional[int] = None
         self.own_s = 0.0   # since the last take_own_s
+        #: The gradient norm of the step before the next log row (``train_step``'s, on the device).
+        self.grad_norm: Optional[torch.Tensor] = None
         #: ``time.perf_counter()`` when the loop last moved on: the last step's end, or a restart.
         self.last_progress = self._loss_known = time.perf_counter()
         self.pauses = Pauses(run, self.result, self.running, checkpointer, self.emit, self.metrics, say)
@@ -161,8 +163,11 @@ class Trainer(Observer):
         self.restart_clock()
         for micro_batches in steps_of(run.loader):
             result.step_lr = run.optimizer.param_groups[0]["lr"]   # the learning rate this step uses
-            losses = train_step(run, micro_batches, self.watch)   # the trainer watches its step (below)
+            logs = (result.steps + 1) % cfg.log_every == 0   # a log row after this step: it shows the norm
+            losses, grad_norm = train_step(run, micro_batches, self.watch, norm=logs)   # watched (below)
             result.steps += 1
+            if grad_norm is not None:
+                self.grad_norm = grad_norm
             for batch, loss in zip(micro_batches, losses):
                 if loss is not None:  # None: this rank computes no loss (a pipeline's earlier stage)
                     self.running.add(loss, len(batch), result.steps)
@@ -209,10 +214,13 @@ class Trainer(Observer):
         rate = window_samples / max(now - window_start, 1e-9)
         values: dict[str, Any] = dict(train_loss=totals.loss, lr=result.step_lr, samples_per_s=rate,
                                       wall_s=now - result.started, **totals.skew(steps))
+        if self.grad_norm is not None:   # the last step's, before clipping (the same on every rank)
+            values["grad_norm"] = float(self.grad_norm)
+            self.grad_norm = None
         if skipped is not None:
             result.skipped_steps = values["skipped_steps"] = result.skipped_before + totals.skipped
         if bar is not None:
-            bar.set_postfix_str(bar_postfix(totals.loss, steps, rate))
+            bar.set_postfix_str(bar_postfix(totals.loss, steps, rate, values.get("grad_norm")))
         running.new_window()
         result.window_loss, result.window_steps = totals.loss, (result.window_from + 1, result.steps)
         result.window_from = result.steps

@@ -52,6 +52,7 @@ METRIC_COLUMNS: tuple[str, ...] = (
     "recovery_s",
     # Added after the others (older readers of the file find their columns where they were).
     "train_eval_loss",
+    "grad_norm",   # the log row's step: the whole gradient's norm before clipping
 )
 
 # Columns a caller may pass as keyword values; the others are positional.

@@ -52,6 +52,7 @@ TAGS = {
     "world_size": "elastic/world_size",
     "recovery_s": "elastic/recovery_s",
     "train_eval_loss": "train/eval_loss",
+    "grad_norm": "train/grad_norm",
 }
 
 

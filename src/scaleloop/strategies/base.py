@@ -243,10 +243,27 @@ class Strategy:
     def _check_stream(self) -> None:
         """Raise UsageError if this strategy cannot split a stream over its layout."""
 
-    # --- one step -----------------------------------------------------------------------
+    # --- one step (loop.step.train_step calls these; a hand-written loop, HandWrittenLoop's) ---
+    #: Forward and backward of a micro-batch are one call of the strategy's schedule
+    #: (:meth:`forward_backward`), not the model's forward and a backward: the pipeline.
+    pipelined = False
+
+    def no_sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+        """Context for a micro-batch's forward and backward: on all but the step's ``last``, the
+        strategy keeps gradients local (DDP's ``no_sync``, FSDP's deferred reduce-scatter)."""
+        return _NOTHING  # (not a generator: entered on every micro-step)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Context for the forward pass and the loss: autocast to the run's precision."""
+        return self.precision.autocast()
+
+    def sync_gradients(self) -> None:
+        """After the step's last backward: synchronisation that the wrapper does not do itself
+        (``allreduce``'s all-reduce; the checks of parameters no rank used)."""
+
     def forward_backward(self, model: nn.Module, batch: Batch, loss_fn: LossFn) -> Optional[torch.Tensor]:
-        """Forward and backward of one micro-batch, gradient synchronisation skipped on all but
-        the step's last micro-batch (after whose backward the gradients are synchronised).
+        """A pipelined strategy's forward and backward of one micro-batch (see :attr:`pipelined`),
+        gradients synchronised after the step's last micro-batch.
 
         ``loss_fn(output, target)`` is the mean loss over the samples it is given. Returns that
         loss for the whole micro-batch, detached, or None on a rank that does not compute it
@@ -255,10 +272,19 @@ class Strategy:
         raise NotImplementedError(f"{type(self).__name__} must implement forward_backward "
                                   "(or derive from HandWrittenLoop)")
 
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """The 2-norm of the whole step's gradient, the same on every rank: where gradients are
+        split (FSDP's shards, tensor-parallel pieces, pipeline stages) the strategy reduces the
+        pieces' norms. Call it after unscaling (fp16)."""
+        return torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """Unscale (fp16) and clip the global gradient norm; returns the norm before clipping."""
+        """A hand-written loop's clipping: unscale (fp16), then clip to the global gradient norm
+        (:meth:`grad_norm`, :func:`clip_gradients`); returns the norm before clipping."""
         self.precision.unscale_(optimizer)
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        norm = self.grad_norm(model)
+        clip_gradients(model, norm, max_norm)
+        return norm
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step (skipped by the fp16 scaler on overflow) and zero the gradients. True if stepped."""
@@ -362,11 +388,13 @@ class HandWrittenLoop(Strategy):
             strategy.backward(loss, batch)
         if batch.last_micro:
             strategy.optimizer_step(optimizer)
+
+    (``scaleloop train``'s step, ``loop.step.train_step``, is written with the same hooks.)
     """
 
     def accumulate(self, model: nn.Module, batch: Union[Batch, int]) -> contextlib.AbstractContextManager:
-        """Context for one micro-step's forward and backward (strategies skip sync inside it)."""
-        return _NOTHING  # (not a generator: entered on every micro-step)
+        """A hand-written loop's :meth:`no_sync` for ``batch`` (a ``Batch``, or a micro-step's index)."""
+        return self.no_sync(model, last=self.is_sync_step(batch))
 
     def is_sync_step(self, batch: Union[Batch, int]) -> bool:
         """True on the micro-step after which gradients are synchronised and the optimizer steps."""
@@ -374,25 +402,17 @@ class HandWrittenLoop(Strategy):
             return batch.last_micro
         return (batch + 1) % self.accumulate_steps == 0
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """Context for the forward pass and the loss: autocast to the run's precision."""
-        return self.precision.autocast()
-
     def backward(self, loss: torch.Tensor, batch: Optional[Batch] = None) -> None:
-        """Backward on the loss weighted for accumulation (and fp16 loss scaling).
+        """A hand-written loop's backward on the loss weighted for accumulation (and fp16 loss
+        scaling), gradients synchronised after the last micro-step (:meth:`sync_gradients`).
 
         With a ``Batch`` the weight is its exact share of the global step; without one, the
         micro-batches are assumed equal (weight ``1 / accumulate``).
         """
-        scale = batch.loss_scale if batch is not None else 1.0 / self.accumulate_steps
-        # A weight of exactly 1 (one process, no accumulation) is skipped: x * 1.0 is x, bit
-        # for bit, forward and backward, and the multiplication would be one more op per step.
-        self.precision.scale(loss * scale if scale != 1.0 else loss).backward()
+        weight = batch.loss_scale if batch is not None else 1.0 / self.accumulate_steps
+        self.precision.scale(weighted(loss, weight)).backward()
         if batch is None or batch.last_micro:
-            self._sync_gradients()
-
-    def _sync_gradients(self) -> None:
-        """Hook after the last micro-step's backward (manual gradient synchronisation goes here)."""
+            self.sync_gradients()
 
     def forward_backward(self, model: nn.Module, batch: Batch, loss_fn: LossFn) -> Optional[torch.Tensor]:
         x, y = batch
@@ -405,6 +425,25 @@ class HandWrittenLoop(Strategy):
     def eval_forward(self, model: nn.Module, x: Any) -> Any:
         with self.autocast():
             return call_model(model, x)
+
+
+def weighted(loss: torch.Tensor, weight: float) -> torch.Tensor:
+    """``loss`` times its micro-batch's share of the step. A weight of exactly 1 (one process, no
+    accumulation) is skipped: ``x * 1.0`` is ``x`` bit for bit, forward and backward, and the
+    multiplication would be one more op per step."""
+    return loss * weight if weight != 1.0 else loss
+
+
+def clip_gradients(model: nn.Module, norm: torch.Tensor, max_norm: float) -> None:
+    """Scale every gradient of ``model`` by ``max_norm / norm`` where that is below 1 (the rule of
+    ``torch.nn.utils.clip_grad_norm_``, bit for bit); ``norm`` is the whole gradient's
+    (:meth:`Strategy.grad_norm`). A sharded gradient (DTensor) scales its own shard."""
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.grad is not None:
+                local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+                local.mul_(coef)
 
 
 def _uncompiled(model: nn.Module) -> nn.Module:

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from scaleloop.data.loader import Batch
 from scaleloop.errors import UsageError
 from scaleloop.runtime.dist import DistEnv, release_reducer
 from scaleloop.strategies.base import HandWrittenLoop, ProcessGroupStrategy
@@ -72,7 +71,7 @@ class DDP(HandWrittenLoop, ProcessGroupStrategy):
                                    ("static graph", self.static_graph)) if on]
         return self.name + (f" ({', '.join(options)})" if options else "")
 
-    def _sync_gradients(self) -> None:
+    def sync_gradients(self) -> None:
         # After each step's last backward, before its optimizer step: DDP without its options
         # never all-reduces a bucket that holds a parameter with no gradient, so the step would
         # use unsynchronised gradients, the next forward fail ("Expected to have finished
@@ -115,10 +114,10 @@ class DDP(HandWrittenLoop, ProcessGroupStrategy):
             self._reached.add(id(param))
 
     @contextlib.contextmanager
-    def accumulate(self, model: nn.Module, batch: Union[Batch, int]) -> Iterator[None]:
+    def no_sync(self, model: nn.Module, last: bool) -> Iterator[None]:
         # On micro-steps before the last, no_sync keeps gradients local: no all-reduce until
         # the final micro-step, whose backward then reduces the accumulated sum once.
-        if self.is_sync_step(batch) or not isinstance(model, DistributedDataParallel):
+        if last or not isinstance(model, DistributedDataParallel):
             if self._reached is not None:
                 self._reached.clear()
             yield

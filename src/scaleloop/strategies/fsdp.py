@@ -11,14 +11,13 @@ from __future__ import annotations
 import contextlib
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 import torch.distributed as torch_dist
 from torch import nn
 
 from scaleloop.checkpoint.background import ShardedSave
-from scaleloop.data.loader import Batch
 from scaleloop.errors import UsageError
 import scaleloop.strategies.distcp as distcp
 from scaleloop.runtime.collectives import broadcast_object, gather_object
@@ -210,7 +209,7 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
                 param.register_post_accumulate_grad_hook(_Reached(self._reached, i))
         return done
 
-    def _sync_gradients(self) -> None:
+    def sync_gradients(self) -> None:
         # After the step's last backward, its gradients reduce-scattered: a parameter that no
         # rank used has a zero gradient from FSDP (see _watch_gradients), where one process has
         # none; it gets none here, so the optimizer steps neither it nor its state.
@@ -243,12 +242,11 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
 
     # --- one step -----------------------------------------------------------------------
     @contextlib.contextmanager
-    def accumulate(self, model: nn.Module, batch: Union[Batch, int]) -> Iterator[None]:
+    def no_sync(self, model: nn.Module, last: bool) -> Iterator[None]:
         # Micro-steps before the last keep their (unsharded) gradients local: no
         # reduce-scatter until the last micro-step's backward reduces the accumulated sum.
-        sync = self.is_sync_step(batch)
         setter = getattr(model, "set_requires_gradient_sync", None)
-        if setter is None or sync:
+        if setter is None or last:
             yield
             return
         setter(False)
@@ -261,11 +259,10 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         # The MixedPrecisionPolicy already runs the forward with bf16/fp16 parameters.
         return contextlib.nullcontext()
 
-    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        # The gradients are DTensor shards; clip_grad_norm_ reduces the norm over the ranks,
-        # so this is the norm of the whole gradient, the same on every rank.
-        self.precision.unscale_(optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        # The gradients are DTensor shards: their norm is reduced over the ranks (DTensor's
+        # partial norm), so this is the norm of the whole gradient, the same on every rank.
+        norm = super().grad_norm(model)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     # --- evaluation ---------------------------------------------------------------------

@@ -77,19 +77,13 @@ class MeshParallel(FSDP):
                          "split over mesh dimensions yet: use --strategy fsdp")
 
     # --- one step -----------------------------------------------------------------------
-    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
         """The norm of the whole gradient, computed per parameter: the gradients are DTensors on
         different meshes (split layers on ``(data, tp)``, the rest on the data mesh alone), which
-        ``clip_grad_norm_`` cannot combine in one call."""
-        self.precision.unscale_(optimizer)
+        ``get_total_norm`` cannot combine in one call."""
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         squares = [_whole(torch.linalg.vector_norm(g.float())) ** 2 for g in grads]
-        total = torch.stack(squares).sum().sqrt() if squares else torch.zeros((), device=self.env.device)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)   # clip_grad_norm_'s rule
-        with torch.no_grad():
-            for g in grads:
-                g.mul_(float(coef))
-        return total
+        return torch.stack(squares).sum().sqrt() if squares else torch.zeros((), device=self.env.device)
 
     # --- evaluation ---------------------------------------------------------------------
     def eval_shard(self, n: int, batch_size: int) -> EvalShard:

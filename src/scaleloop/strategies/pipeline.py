@@ -462,6 +462,8 @@ class PipelineParallel(ProcessGroupStrategy):
         self._piece_losses.append(weighted.detach().float())
         return self.precision.scale(weighted)
 
+    pipelined = True   # a micro-batch's forward and backward are one call of the schedule
+
     def forward_backward(self, model: nn.Module, batch: Batch, loss_fn: LossFn) -> Optional[torch.Tensor]:
         x, y = batch
         _check_one_tensor(x, y)
@@ -538,22 +540,15 @@ class PipelineParallel(ProcessGroupStrategy):
                 p.grad.copy_(mean)
             offset += p.numel()
 
-    def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """Clip by the norm over ALL stages' gradients (a tied parameter counted once), taken of the
-        unscaled gradients under fp16 (the scaler's overflow check spans every stage: a collective)."""
+    def grad_norm(self, model: nn.Module) -> torch.Tensor:
+        """The norm over ALL stages' gradients (a tied parameter counted once: by the stage that owns it)."""
         assert self._module is not None
-        self.precision.unscale_(optimizer)
         grads = [p.grad for p in self._module.parameters()
                  if p.grad is not None and self._module.param_index[id(p)] in self._owned]
         local = (torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]).pow(2).sum()
                  if grads else torch.zeros((), device=self.env.device))
         torch_dist.all_reduce(local, group=self._pp_group)   # the replicas hold equal gradients by now
-        total = local.sqrt()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in self._module.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
-        return total
+        return local.sqrt()
 
     # --- evaluation ---------------------------------------------------------------------
     def eval_shard(self, n: int, batch_size: int) -> EvalShard:
