@@ -26,7 +26,10 @@ The tutorial's scratch directory starts with a copy of examples/, since it is wr
 followed from the repository root; from-the-post.md's starts empty.
 
 Also checked here: the examples the README and the tutorial list are the files in examples/, and
-every ``make`` target the README and the docs name is one the Makefile has.
+every ``make`` target the README and the docs name is one the Makefile has. The ``scaleloop``
+commands of every other page (and the README) run in tests/test_doc_commands.py and
+tests/distributed/test_doc_commands_dist.py, found with this module's parsing and checked with its
+output matching (tests/doc_commands.py).
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ and docs/kubernetes.md's manifests checked against the variables the operators d
 ``pytorchjob_env`` and ``trainjob_env`` derive a pod's variables from a manifest the way the
 operators' code does (cited in docs/kubernetes.md: training-operator's envvar.go, master.go and
 elastic.go; Trainer's torch.go), so that a manifest in the docs that the operator would turn into
-something scaleloop reads differently fails here.
+something scaleloop reads differently fails here. tests/distributed/test_doc_commands_dist.py runs
+each manifest's pods with these variables.
 """
 from __future__ import annotations
 
@@ -87,10 +88,14 @@ def trainjob_env(job: dict[str, Any], index: int, runtime_nproc: str = "auto", r
 
 
 def doc_manifests() -> dict[str, dict[str, Any]]:
-    """docs/kubernetes.md's YAML blocks by ``kind`` (an elastic PyTorchJob as ``PyTorchJob-elastic``)."""
+    """docs/kubernetes.md's YAML blocks by ``kind`` (an elastic PyTorchJob as ``PyTorchJob-elastic``;
+    the TrainJob's part for Trainer v2.1, a manifest's ``spec`` alone, as ``TrainJob-v2.1``)."""
     found: dict[str, dict[str, Any]] = {}
     for block in re.findall(r"```yaml\n(.*?)```", DOC.read_text(encoding="utf-8"), re.S):
         doc = yaml.safe_load(block)
+        if "kind" not in doc and "podTemplateOverrides" in doc.get("spec", {}):
+            found["TrainJob-v2.1"] = doc
+            continue
         kind = doc["kind"] + ("-elastic" if "elasticPolicy" in doc.get("spec", {}) else "")
         found[kind] = doc
     return found
@@ -127,10 +132,10 @@ def test_the_docs_pytorchjob_gives_every_pod_its_place_and_the_same_command() ->
         found = read_job(pytorchjob_env(job, rtype, index))
         assert found.kind == KUBEFLOW and found.kubeflow is not None
         assert found.kubeflow.describe() == (f"kubernetes (PyTorchJob): pod {node} of 2 (PET_NODE_RANK), 2 processes a "
-                                             "pod, master mnist-ddp-master-0:23456")
+                                             "pod, master digits-ddp-master-0:23456")
         placed, said = settings_in_job(cfg, found, {})
         assert (placed.nnodes, placed.nproc, placed.node_rank, placed.master_addr, placed.master_port) == \
-            (2, 2, node, "mnist-ddp-master-0", 23456)
+            (2, 2, node, "digits-ddp-master-0", 23456)
         assert placed.world_size == 4 and said == found.kubeflow.describe()
 
 
@@ -138,31 +143,61 @@ def test_the_docs_elastic_pytorchjob_meets_at_its_rendezvous() -> None:
     job = doc_manifests()["PyTorchJob-elastic"]
     found = read_job(pytorchjob_env(job, "Worker", 1))
     assert found.kubeflow is not None and found.kubeflow.describe() == (
-        "kubernetes (PyTorchJob, elastic): 2 to 3 pods, 1 process a pod, rendezvous at mnist-elastic-worker-0:23456")
+        "kubernetes (PyTorchJob, elastic): 2 to 3 pods, 1 process a pod, rendezvous at digits-elastic-worker-0:23456")
     placed, _ = settings_in_job(resolve({}, {}), found, {})
     assert (placed.min_nnodes, placed.nnodes, placed.nproc, placed.rdzv_endpoint, placed.max_restarts,
-            placed.master_addr) == (2, 3, 1, "mnist-elastic-worker-0:23456", 5, None)
+            placed.master_addr) == (2, 3, 1, "digits-elastic-worker-0:23456", 5, None)
+
+
+def node_patch(job: dict[str, Any]) -> dict[str, Any]:
+    """The pod spec that a TrainJob's ``runtimePatches`` (Trainer v2.2 and later) give the runtime's
+    ``node`` replicated job: the doc's one patch, by its one manager."""
+    patches = job["spec"]["runtimePatches"]
+    assert len({p["manager"] for p in patches}) == len(patches) == 1, "one entry, owned by one manager"
+    jobs = patches[0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    # Since v2.3 a name the runtime lacks adds a replicated job (strategic merge): it must be the runtime's.
+    assert [j["name"] for j in jobs] == ["node"]
+    return jobs[0]["template"]["spec"]["template"]["spec"]
+
+
+def test_the_docs_trainjob_mounts_the_claim_through_its_runtime_patches_and_the_v21_form() -> None:
+    manifests = doc_manifests()
+    job, claim = manifests["TrainJob"], manifests["PersistentVolumeClaim"]["metadata"]["name"]
+    assert "podTemplateOverrides" not in job["spec"], "Trainer v2.2 and later have no podTemplateOverrides"
+    pod = node_patch(job)
+    mounts = next(c for c in pod["containers"] if c["name"] == "node")["volumeMounts"]
+    check_volume(out_of(job["spec"]["trainer"]["command"]), mounts, pod["volumes"], claim)
+    # The form for Trainer v2.1 and older gives the same volume and mount.
+    [override] = manifests["TrainJob-v2.1"]["spec"]["podTemplateOverrides"]
+    assert override["targetJobs"] == [{"name": "node"}]
+    assert override["spec"]["volumes"] == pod["volumes"] and override["spec"]["containers"] == pod["containers"]
 
 
 def test_the_docs_trainjob_reaches_the_pod_as_auto_and_starts_one_process_a_gpu() -> None:
-    manifests = doc_manifests()
-    job = manifests["TrainJob"]
-    override = job["spec"]["podTemplateOverrides"][0]
-    assert override["targetJobs"] == [{"name": "node"}]
-    mounts = next(c for c in override["spec"]["containers"] if c["name"] == "node")["volumeMounts"]
-    check_volume(out_of(job["spec"]["trainer"]["command"]), mounts, override["spec"]["volumes"],
-                 manifests["PersistentVolumeClaim"]["metadata"]["name"])
+    job = doc_manifests()["TrainJob"]
+    # The patches change the pod template, not the variables of Trainer's torch plugin (an
+    # assumption for v2.3, stated in docs/kubernetes.md): derived as before, from the trainer.
     env = trainjob_env(job, 1)
     assert env["PET_NPROC_PER_NODE"] == "auto"   # the resources name a GPU: the operator leaves it to the pod
     found = read_job(env)
     assert found.kubeflow is not None and found.kubeflow.api == "TrainJob"
     placed, said = settings_in_job(resolve({}, {}), found, {})
     assert (placed.nnodes, placed.node_rank, placed.master_addr, placed.master_port) == \
-        (2, 1, "mnist-ddp-node-0-0.mnist-ddp", 29500)
+        (2, 1, "digits-ddp-node-0-0.digits-ddp", 29500)
     assert placed.nproc == processes_a_machine("auto")
     count = processes_a_machine("auto")
     assert said == (f"kubernetes (TrainJob): pod 1 of 2 (PET_NODE_RANK), {count} process{'es' if count > 1 else ''} "
-                    "a pod (auto), master mnist-ddp-node-0-0.mnist-ddp:29500")
+                    "a pod (auto), master digits-ddp-node-0-0.digits-ddp:29500")
+
+
+def test_the_docs_jobs_restart_a_failing_pod_only_a_few_times() -> None:
+    """A command that fails at every start (a usage error) must not restart for ever under
+    ``restartPolicy: OnFailure``: the PyTorchJobs bound the restarts (``runPolicy.backoffLimit``)."""
+    manifests = doc_manifests()
+    for kind in ("PyTorchJob", "PyTorchJob-elastic"):
+        spec = manifests[kind]["spec"]
+        policies = {r["restartPolicy"] for r in spec["pytorchReplicaSpecs"].values()}
+        assert policies != {"OnFailure"} or 0 < spec.get("runPolicy", {}).get("backoffLimit", 0) <= 10, kind
 
 
 def test_trainer_turns_auto_into_the_cpu_limit_on_a_cpu_pod() -> None:

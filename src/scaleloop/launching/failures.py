@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from scaleloop.errors import EXIT_USAGE
 from scaleloop.output.endings import FAILURE_FILE, Failure  # (re-exported: the launch side names them from here)
 from scaleloop.output.rundir import LOGS_DIR  # (re-exported: the launch side names it from here)
 from scaleloop.runtime.frames import Frame, FrameKinds
@@ -333,6 +334,8 @@ def _died(errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]], e
         lines.append(f"scaleloop: error: rank {rank} crashed: {dump.fatal}")
         if frame is not None:
             lines.append(f"  at: {frame}")
+    elif cause is not None and (said := _said_usage_error(run_dir, rank, cause[1])) is not None:
+        lines.append(f"scaleloop: error: rank {rank}{of} stopped on bad input: {said}")
     elif cause is not None:
         lines.append(f"scaleloop: error: rank {rank}{of} {_ended(cause[1])}")
         last = _last_words(run_dir / LOGS_DIR / f"rank-{rank}.log")
@@ -350,8 +353,18 @@ def _died(errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]], e
         lines.append(f"  then: {_ranks(others)} lost {their} peer ({first.error_type}: {_short(first.message, 60)})")
     # What doctor says after "failed on rank R: ".
     message = (f"crashed: {dumps[crashed[0]].fatal}" if crashed  # type: ignore[union-attr]
-               else _ended(cause[1]) if cause is not None else lines[0].partition(": error: ")[2])
+               else lines[0].partition(": error: ")[2] if cause is None or "stopped on bad input" in lines[0]
+               else _ended(cause[1]))
     return Failure("failed", rank, message=message, frame=str(frame) if frame is not None else None, report=lines)
+
+
+def _said_usage_error(run_dir: Path, rank: Optional[int], code: int) -> Optional[str]:
+    """What rank ``rank`` said before it ended with ``code``, where that is a usage error's exit
+    code and its log's last line one (scaleloop's one-line error): bad input, not a crash."""
+    if rank is None or code != EXIT_USAGE:
+        return None
+    last = _last_line(run_dir / LOGS_DIR / f"rank-{rank}.log")
+    return last[len(_USAGE_LINE):] if last is not None and last.startswith(_USAGE_LINE) else None
 
 
 _AGENT_ERROR = re.compile(r"^(?:[\w.]+\.)?(?P<type>\w*(?:Error|Exception|Failure)\w*): (?P<message>.+)$")
@@ -373,6 +386,31 @@ def _agent_failed(agent_log: Path, exit_code: int) -> str:
     said = (f"with {errors[-1]['type']}: {_short(errors[-1]['message'], 120)}" if errors
             else f"with this last message: {_short(last, 120)}" if last else "without a message")
     return f"the workers failed (torchrun exit code {exit_code}) and recorded no Python error; torchrun ended {said}"
+
+
+_USAGE_LINE = "scaleloop: error: "
+
+
+def usage_error_in_logs(run_dir: Path, ranks: list[int]) -> Optional[tuple[int, str]]:
+    """The first of ``ranks`` that stopped on bad input, and its one-line message, read from its
+    log: a rank that says ``scaleloop: error: ...`` last and did not end with another exit code
+    than :data:`~scaleloop.errors.EXIT_USAGE` (where torchrun's summary names one). A rank leaves
+    the message in a file for its launcher too, but in a run directory that several machines
+    share another machine's launcher may have taken it; the log stays."""
+    codes = exit_codes(run_dir / LOGS_DIR)
+    for rank in sorted(ranks):
+        if codes.get(rank, EXIT_USAGE) != EXIT_USAGE:
+            continue
+        last = _last_line(run_dir / LOGS_DIR / f"rank-{rank}.log")
+        if last is not None and last.startswith(_USAGE_LINE):
+            return rank, last[len(_USAGE_LINE):]
+    return None
+
+
+def _last_line(log: Path) -> Optional[str]:
+    text = _last_attempt(log) or ""
+    lines = [line.strip() for line in text.splitlines()[1 if ATTEMPT_MARK in text else 0:] if line.strip()]
+    return lines[-1] if lines else None
 
 
 def _last_words(log: Path) -> Optional[str]:

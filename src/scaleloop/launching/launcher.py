@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from scaleloop.config import TrainConfig, to_toml
 from scaleloop.errors import EXIT_INTERRUPTED, UsageError
-from scaleloop.launching.failures import LOGS_DIR, Failure
+from scaleloop.launching.failures import LOGS_DIR, Failure, usage_error_in_logs
 from scaleloop.launching.supervisor import LaunchOutcome, supervise
 from scaleloop.launching.torchrun import WorkerLaunch, launch_for, workers_env
 from scaleloop.ray import in_ray_train_worker, started_by_ray_worker
@@ -197,7 +197,15 @@ def _launch_workers(cfg: TrainConfig) -> None:
         raise _interrupted(run_dir)
     if code != 0:
         ranks = ended.ranks_logged()
-        said = _take_usage_error(run_dir, ranks)
+        # Several machines may share the run directory (a Kubeflow job's claim): each launcher takes
+        # only its own workers' files where it knows them, so that rank 0's stays for its machine.
+        here = _machine_ranks(cfg)
+        said = _take_usage_error(run_dir, ranks if here is None else here, only=here)
+        if said is None:
+            # Where the machines are numbered by a rendezvous, another launcher may have taken this
+            # machine's files: the ranks' logs still say it.
+            found = usage_error_in_logs(run_dir, ranks if here is None else here)
+            said = (found[1], False) if found is not None else None
         if said is not None:  # a worker found bad input (the user's model or data): said in one line, once
             _record_usage_error(run_dir, said[0], since=started)
             error = UsageError(said[0])
@@ -206,6 +214,15 @@ def _launch_workers(cfg: TrainConfig) -> None:
         failure = ended.failure(run_dir, continue_line=_continue_line(run_dir), timeout_s=cfg.timeout, ranks=ranks)
         failure.write(run_dir)
         raise WorkersFailed(code, failure)
+
+
+def _machine_ranks(cfg: TrainConfig) -> Optional[list[int]]:
+    """The global ranks of this machine's workers where the machines are numbered (``--node-rank``
+    with ``--master-addr``, as in a Kubeflow pod); None on one machine, or where a rendezvous
+    numbers them."""
+    if cfg.nnodes > 1 and not cfg.rdzv_endpoint:
+        return list(range(cfg.node_rank * cfg.nproc, (cfg.node_rank + 1) * cfg.nproc))
+    return None
 
 
 def _record_usage_error(run_dir: Path, message: str, since: float) -> None:
@@ -289,13 +306,17 @@ def _leave_usage_error(run_dir: Path, rank: int, message: str) -> None:
         pass  # this node does not see the run directory, or cannot write it
 
 
-def _take_usage_error(run_dir: Path, local_ranks: list[int]) -> Optional[tuple[str, bool]]:
+def _take_usage_error(run_dir: Path, local_ranks: list[int],
+                      only: Optional[list[int]] = None) -> Optional[tuple[str, bool]]:
     """The workers' usage error (rank 0's first, else the lowest rank's), and whether it was shown on
-    this console already (rank 0 runs here and said it); the files are removed."""
+    this console already (rank 0 runs here and said it); the files are removed (``only``: those of
+    these ranks, the others' are another machine's)."""
     said: dict[int, str] = {}
     for path in run_dir.glob(f"{USAGE_ERROR_PREFIX}*.txt"):
         try:
             rank = int(path.stem[len(USAGE_ERROR_PREFIX):])
+            if only is not None and rank not in only:
+                continue
             said[rank] = path.read_text(encoding="utf-8").strip()
             path.unlink()
         except (OSError, ValueError):

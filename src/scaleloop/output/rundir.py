@@ -99,6 +99,29 @@ def never_stepped(path: Path) -> bool:
             and not any((path / "checkpoints").glob("step-*")))
 
 
+def _machines_of(config: Path) -> int:
+    """How many machines the run of ``config`` (a config.toml scaleloop wrote) spans: its
+    ``[launch] nnodes``, the most of an elastic job's; 1 where it cannot be read."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        nnodes = tomllib.loads(config.read_text(encoding="utf-8")).get("launch", {}).get("nnodes", 1)
+    except (OSError, ValueError):
+        return 1
+    return nnodes if isinstance(nnodes, int) else 1
+
+
+def another_machine_starting(path: Path) -> bool:
+    """Whether the run in ``path`` is one that another machine of a several-machine job is starting
+    now, in an ``--out`` all machines share: every machine's launcher writes the job's config.toml
+    there before the workers meet, so the machine that comes second finds it with no step taken.
+    That is no run that stopped before its first step: a start that failed records it
+    (failure.json), and only then is the directory one to start over in."""
+    return not (path / "failure.json").exists() and _machines_of(path / "config.toml") > 1
+
+
 def _note(message: str) -> None:
     print(f"scaleloop: {message}", file=sys.stderr, flush=True)
 
@@ -111,7 +134,8 @@ def prepare_run_dir(out: Optional[str], model: str, data: str, *, continuing: bo
     ``continuing``: this run resumes the run in that directory (or is its restarted worker
     group), so an existing run there is expected. A run there that stopped before its first
     step (:func:`never_stepped`) is not one to keep: the retry starts over in the directory,
-    and ``say`` says so in one line.
+    and ``say`` says so in one line. Another machine of the same job starting in a shared
+    directory (:func:`another_machine_starting`) is neither: its files stay, and nothing is said.
     """
     path = Path(out) if out else default_run_dir(model, data)
     if path.exists() and not path.is_dir():
@@ -122,7 +146,7 @@ def prepare_run_dir(out: Optional[str], model: str, data: str, *, continuing: bo
         # A run killed between writing its config.toml and its metrics.csv left only the former.
         left_a_run = (any((path / name).exists() for name in ("metrics.csv", "failure.json"))
                       or _starts_with(path / "config.toml", _CONFIG_HEAD))
-        if not continuing and left_a_run:
+        if not continuing and left_a_run and not (never_stepped(path) and another_machine_starting(path)):
             if not never_stepped(path):
                 if (path / "config.toml").is_file() and not any((path / "checkpoints").glob("step-*")):
                     # It trained, but no checkpoint holds where it was: it can only start over, elsewhere.
