@@ -341,3 +341,21 @@ def test_a_batch_larger_than_the_dataset_is_said_or_refused(capsys: pytest.Captu
     code, out, err = run_cli(capsys, *common, "--drop-last", "--out", str(tmp_path / "b"))
     assert_usage_error(code, out, err, "--batch-size 1,000 with --drop-last leaves no step",
                        "use --batch-size 80 or less")
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["train", "--stratgy", "ddp"], "; did you mean --strategy? (see: scaleloop --help)"),
+    (["train", "--stratgy", "ddp", "--epoch", "3"], "; did you mean --strategy (for --stratgy), --epochs (for --epoch)?"),
+    (["bench", "scaling", "--nprocs", "2"], "; did you mean --nproc?"),
+    (["train", "--strategy", "dpp"], "; did you mean 'dp' or 'ddp'? (see: scaleloop train --help)"),
+    (["trian"], "; did you mean 'train'?"),
+])
+def test_a_typo_gets_the_nearest_flag_or_choice(capsys: pytest.CaptureFixture[str], argv: list[str], hint: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("scaleloop: error: ") and hint in err, err
+
+
+def test_nothing_close_gets_no_guess(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--xyz", "3"]) == 2
+    assert "did you mean" not in capsys.readouterr().err

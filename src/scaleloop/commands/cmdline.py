@@ -28,7 +28,7 @@ class Parser(argparse.ArgumentParser):
         self.common: Optional[frozenset[str]] = None
 
     def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see: {self.prog} --help)")
+        raise UsageError(f"{message}{_nearest(message, self)} (see: {self.prog} --help)")
 
     def format_help(self) -> str:
         """The common options only, where ``help_tiers`` gave the parser two tiers; else every one."""
@@ -104,3 +104,43 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 def flag_values(args: argparse.Namespace) -> dict[str, Any]:
     """The settings' flags that were given, as typed values (flags left out are absent)."""
     return {k: coerce(k, v, flag(k)) for k, v in vars(args).items() if k in SETTINGS}
+
+
+def _nearest(message: str, parser: argparse.ArgumentParser) -> str:
+    """``; did you mean ...?`` for an unknown flag or choice in argparse's ``message``, naming the
+    closest known one (difflib's similarity); empty when nothing is close."""
+    import difflib
+    import re
+
+    choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+    if choice is not None:
+        known = re.findall(r"'([^']*)'", choice.group(2))
+        close = difflib.get_close_matches(choice.group(1), known, n=2, cutoff=0.6)
+        return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    unknown = re.match(r"unrecognized arguments: (.*)$", message)
+    if unknown is None:
+        return ""
+    flags = sorted(_flags_of(parser))
+    hints = {}
+    for word in unknown.group(1).split():
+        flag = word.split("=", 1)[0]
+        if flag.startswith("--"):
+            close = difflib.get_close_matches(flag, flags, n=1, cutoff=0.7)
+            if close:
+                hints[flag] = close[0]
+    if len(hints) == 1:
+        return f"; did you mean {next(iter(hints.values()))}?"
+    return ("; did you mean " + ", ".join(f"{known} (for {typed})" for typed, known in hints.items()) + "?"
+            if hints else "")
+
+
+def _flags_of(parser: argparse.ArgumentParser) -> set[str]:
+    """Every long flag of ``parser`` and of its subcommands' parsers (the error is the top
+    parser's, which does not know which subcommand's flag was meant)."""
+    flags: set[str] = set()
+    for action in parser._actions:   # argparse keeps no public list of them
+        flags.update(o for o in action.option_strings if o.startswith("--"))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                flags |= _flags_of(sub)
+    return flags
