@@ -202,3 +202,74 @@ def test_a_run_resumed_mid_epoch_ends_bitwise_equal_to_the_uninterrupted_run(tmp
     a = torch.load(whole.run_dir / "model.pt", weights_only=True)
     b = torch.load(resumed.run_dir / "model.pt", weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --- nanoGPT's meta.pkl, and the vocabulary rule (issue 55) -----------------------------------
+
+def nanogpt_dir(directory: Path, text: str = "hello world, hello tokens\n" * 20) -> Path:
+    """A directory as nanoGPT's shakespeare_char/prepare.py leaves it: train.bin, val.bin, meta.pkl."""
+    chars = sorted(set(text))
+    stoi = {ch: i for i, ch in enumerate(chars)}
+    ids = np.array([stoi[c] for c in text], dtype=np.uint16)
+    write(directory, ids[: len(ids) * 9 // 10], ids[len(ids) * 9 // 10:])
+    with open(directory / "meta.pkl", "wb") as fh:
+        pickle.dump({"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": stoi}, fh)
+    return directory
+
+
+def test_meta_pkl_gives_the_vocabulary(tmp_path: Path) -> None:
+    data = build_datasets("tokenfile", data_dir=str(nanogpt_dir(tmp_path)), seq_len=8, vocab_size=256)
+    assert data.info.num_classes == 14 and data.train.vocab_size == 14
+    assert data.notes == [f"note: vocabulary of 14 tokens, as '{tmp_path}/meta.pkl' declares"]
+
+
+def test_a_larger_vocab_size_is_used_with_a_note_and_a_smaller_one_refused(tmp_path: Path) -> None:
+    directory = str(nanogpt_dir(tmp_path))
+    data = build_datasets("tokenfile", data_dir=directory, seq_len=8, vocab_size=64)
+    assert data.info.num_classes == 64 and len(data.notes) == 1 and "is larger than the 14" in data.notes[0]
+    with pytest.raises(UsageError, match=r"--vocab-size 10 is smaller than the vocabulary of 14 .*give at least 14"):
+        build_datasets("tokenfile", data_dir=directory, seq_len=8, vocab_size=10)
+    assert build_datasets("tokenfile", data_dir=directory, seq_len=8, vocab_size=14).notes == []
+
+
+def test_meta_json_and_meta_pkl_that_disagree_are_refused(tmp_path: Path) -> None:
+    directory = nanogpt_dir(tmp_path)
+    (directory / "meta.json").write_text(json.dumps({"vocab_size": 50}))
+    with pytest.raises(UsageError, match="declare different vocabularies"):
+        build_datasets("tokenfile", data_dir=str(directory), seq_len=8, vocab_size=256)
+
+
+class _Runs:
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (open, (self.marker, "w"))
+
+
+def test_a_meta_pkl_that_would_run_code_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    directory, marker = nanogpt_dir(tmp_path / "data"), tmp_path / "ran"
+    with open(directory / "meta.pkl", "wb") as fh:
+        pickle.dump({"vocab_size": 14, "itos": _Runs(marker)}, fh)
+    with pytest.raises(UsageError, match=r"refusing to read .*meta.pkl': it names io.open") as exc:
+        build_datasets("tokenfile", data_dir=str(directory), seq_len=8, vocab_size=256)
+    assert "\n" not in str(exc.value) and not marker.exists()
+    pickle.loads(pickle.dumps(_Runs(marker)))   # the same object, loaded plainly, does run
+    assert marker.exists()
+
+
+def test_the_default_vocab_size_is_the_config_s() -> None:
+    from scaleloop.config import TrainConfig
+    from scaleloop.data.tokenfile import DEFAULT_VOCAB
+
+    assert TrainConfig().vocab_size == DEFAULT_VOCAB
+
+
+def test_a_nanogpt_directory_trains_with_its_vocabulary_and_says_so(tmp_path: Path) -> None:
+    directory = nanogpt_dir(tmp_path / "data")
+    said: list[str] = []
+    cfg = TrainConfig(model="tinygpt", data="tokenfile", data_dir=str(directory), seq_len=8, max_steps=2,
+                      batch_size=8, progress=False, tensorboard=False, device="cpu", out=str(tmp_path / "run"))
+    train(cfg.validate(), DistEnv(), log=said.append)
+    assert any("vocabulary of 14 tokens" in line for line in said), said
+    assert any("language modelling over 14 tokens" in line for line in said), said

@@ -1,7 +1,7 @@
 """What a model needs to know about a dataset, and the bundle a dataset builder returns."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from torch.utils.data import Dataset
@@ -41,3 +41,5 @@ class Datasets:
     train: Dataset
     test: Optional[Dataset]
     info: DataInfo
+    #: What reading the data decided that the run's header should say (one line each).
+    notes: list[str] = field(default_factory=list)

@@ -16,12 +16,18 @@ Both have ``(tokens - 1) // L`` windows, so an epoch reads about as many tokens 
 
 The file is read through ``np.memmap``, opened lazily in each process (and DataLoader worker)
 that reads, never copied whole into memory; start-up reads one window. The token type is
-``uint16`` unless ``DIR/meta.json`` says ``{"dtype": "uint32"}``; the vocabulary is
-``--vocab-size``, or ``meta.json``'s ``"vocab_size"``, which wins.
+``uint16`` unless ``DIR/meta.json`` says ``{"dtype": "uint32"}``.
+
+The vocabulary is declared by ``DIR/meta.json``'s ``"vocab_size"`` or by ``DIR/meta.pkl``'s
+``vocab_size`` (the file nanoGPT's ``prepare.py`` writes, with ``itos``/``stoi`` for decoding:
+read without running code, as plain dicts, numbers and strings only). Without ``--vocab-size``
+the file's is used; a larger ``--vocab-size`` is used with a note (room for more tokens than the
+file's); a smaller one is refused: the file's tokens would not fit.
 """
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -34,7 +40,9 @@ from scaleloop.errors import UsageError
 
 #: ``--data`` names: random windows, sequential windows.
 TOKENFILE_NAMES = ("tokenfile", "tokenfile-seq")
-TRAIN_FILE, VAL_FILE, META_FILE = "train.bin", "val.bin", "meta.json"
+TRAIN_FILE, VAL_FILE, META_FILE, META_PICKLE = "train.bin", "val.bin", "meta.json", "meta.pkl"
+#: ``--vocab-size``'s default (config/sections.py; a test checks they agree): a value the user did not choose.
+DEFAULT_VOCAB = 256
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 Windows = Literal["random", "sequential"]
 
@@ -109,7 +117,7 @@ class TokenFileDataset(Dataset):
             row = int((windows >= self.vocab_size).any(dim=1).nonzero()[0])
             high, i, s = int(windows[row].max()), indices[row], int(starts[row])
             raise UsageError(f"{str(self.path)!r} holds token {high} (window {i}, from token {s}), beyond the "
-                             f"vocabulary of {self.vocab_size}: give --vocab-size (or {META_FILE}'s \"vocab_size\") "
+                             f"vocabulary of {self.vocab_size}: give --vocab-size (or {META_FILE}'s or {META_PICKLE}'s \"vocab_size\") "
                              "larger than every token id")
         return list(zip(windows[:, :-1].unbind(0), windows[:, 1:].unbind(0)))
 
@@ -118,13 +126,14 @@ def token_files(name: str, data_dir: Optional[str], seq_len: int, vocab_size: in
     """``--data tokenfile`` / ``tokenfile-seq``: the training windows of ``DIR/train.bin`` and the
     sequential test windows of ``DIR/val.bin`` (no test set without it). Reads one window."""
     directory = check_token_dir(name, data_dir)
-    dtype, vocab_size = _meta(directory, vocab_size)
+    dtype, declared = _meta(directory)
+    vocab_size, notes = _vocabulary(directory, vocab_size, declared)
     windows: Windows = "random" if name == "tokenfile" else "sequential"
     train = TokenFileDataset(directory / TRAIN_FILE, seq_len, vocab_size, dtype=dtype, windows=windows, seed=seed)
     val = directory / VAL_FILE
     test = TokenFileDataset(val, seq_len, vocab_size, dtype=dtype) if val.is_file() else None
     train[0]   # one window: a token beyond the vocabulary fails here, before the model is built
-    return Datasets(train, test, DataInfo(name, "lm", (seq_len,), vocab_size))
+    return Datasets(train, test, DataInfo(name, "lm", (seq_len,), vocab_size), notes)
 
 
 def check_token_dir(name: str, data_dir: Optional[str]) -> Path:
@@ -139,24 +148,75 @@ def check_token_dir(name: str, data_dir: Optional[str]) -> Path:
     return directory
 
 
-def _meta(directory: Path, vocab_size: int) -> tuple[str, int]:
-    """The token type and vocabulary size: ``meta.json``'s, else uint16 and ``vocab_size``."""
+def _meta(directory: Path) -> tuple[str, Optional[tuple[int, Path]]]:
+    """The token type (``meta.json``'s, else uint16) and the vocabulary size the directory declares,
+    with the file that declares it (None: neither ``meta.json`` nor ``meta.pkl`` says)."""
     path = directory / META_FILE
-    if not path.is_file():
-        return "uint16", vocab_size
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{str(path)!r} cannot be read as JSON: {exc}") from None
-    if not isinstance(meta, dict):
-        raise UsageError(f"{str(path)!r} must hold a JSON object such as {{\"dtype\": \"uint16\", \"vocab_size\": 50304}}")
+    meta: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            meta = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{str(path)!r} cannot be read as JSON: {exc}") from None
+        if not isinstance(meta, dict):
+            raise UsageError(f"{str(path)!r} must hold a JSON object such as {{\"dtype\": \"uint16\", \"vocab_size\": 50304}}")
     dtype = meta.get("dtype", "uint16")
     if dtype not in DTYPES:
         raise UsageError(f"{str(path)!r}: \"dtype\" {dtype!r} is not a token type; use one of {', '.join(DTYPES)}")
-    size = meta.get("vocab_size", vocab_size)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise UsageError(f"{str(path)!r}: \"vocab_size\" must be a positive integer, got {size!r}")
-    return dtype, size
+    sizes = {file: size for file, size in ((path, meta.get("vocab_size")),
+                                           (directory / META_PICKLE, read_meta_pickle(directory).get("vocab_size")))
+             if size is not None}
+    for file, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise UsageError(f"{str(file)!r}: \"vocab_size\" must be a positive integer, got {size!r}")
+    if len(set(sizes.values())) > 1:
+        raise UsageError(f"{' and '.join(repr(str(f)) for f in sizes)} declare different vocabularies "
+                         f"({' and '.join(str(v) for v in sizes.values())}): remove or fix one")
+    return dtype, next(((size, file) for file, size in sizes.items()), None)
+
+
+def _vocabulary(directory: Path, asked: int, declared: Optional[tuple[int, Path]]) -> tuple[int, list[str]]:
+    """The vocabulary to train with, from ``--vocab-size`` (``asked``) and the file's, with the
+    note that says why when they differ (rules in the module docstring)."""
+    if declared is None or declared[0] == asked:
+        return asked, []
+    size, file = declared
+    if asked == DEFAULT_VOCAB:   # not a choice the user made: the data's vocabulary
+        return size, [f"note: vocabulary of {size:,} tokens, as {str(file)!r} declares"]
+    if asked > size:
+        return asked, [f"note: --vocab-size {asked:,} is larger than the {size:,} that {str(file)!r} declares: "
+                       f"the model gets {asked:,} outputs, {asked - size:,} of them for tokens the data never holds"]
+    raise UsageError(f"--vocab-size {asked:,} is smaller than the vocabulary of {size:,} that {str(file)!r} "
+                     f"declares: its tokens would not fit; drop --vocab-size, or give at least {size:,}")
+
+
+class _PlainValues(pickle.Unpickler):
+    """Unpickles dicts, lists, tuples, numbers and strings only: a pickle that names any class or
+    function (and so could run code) is refused before anything is called."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+
+def read_meta_pickle(directory: Path) -> dict[str, Any]:
+    """``DIR/meta.pkl`` as nanoGPT's ``prepare.py`` writes it (``vocab_size``, ``itos``, ``stoi``),
+    read without running code; {} when there is none. UsageError (one line) for anything else."""
+    path = directory / META_PICKLE
+    if not path.is_file():
+        return {}
+    try:
+        with open(path, "rb") as fh:
+            meta = _PlainValues(fh).load()
+    except pickle.UnpicklingError as exc:
+        raise UsageError(f"refusing to read {str(path)!r}: {exc}; a meta.pkl holds only plain values "
+                         "(vocab_size, itos, stoi), so this one was not written by nanoGPT's prepare.py "
+                         "or was tampered with (nothing in it was run)") from None
+    except Exception as exc:   # a truncated or garbled pickle
+        raise UsageError(f"{str(path)!r} cannot be read as a pickle of plain values: "
+                         f"{' '.join(str(exc).split())[:160]}") from None
+    if not isinstance(meta, dict):
+        raise UsageError(f"{str(path)!r} must hold a dict such as {{'vocab_size': 65, 'itos': ..., 'stoi': ...}}")
+    return meta
 
 
 def _token_count(path: Path, dtype: str) -> int:

@@ -188,7 +188,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     decay = describe_decay(model, cfg.weight_decay, cfg.decay_params)   # of the whole model, before any cut
     strategy = _make_strategy(cfg, env)
     lr = scaled_lr(cfg.optim)
-    notes = speed_up_model(model, cfg, env.device) + padding_notes
+    notes = datasets.notes + speed_up_model(model, cfg, env.device) + padding_notes
     # The strategy makes the model parallel in its fixed order (strategies/parallelize.py): TP, activation
     # checkpointing, data parallelism (FSDP2/DDP/all-reduce), the pipeline split.
     # The optimizer is made after that, from ``placed``'s modules as they then are.
