@@ -44,6 +44,7 @@ import torch
 import matrix_cells
 from matrix_cells import FACTOR, FACTORS, FLOOR, FP32_BOUND, Cell, all_pairs, cells, ddp_cell, pairs_of, table
 from procs import run
+from weights import max_rel_diff, weights
 from scaleloop.config import TrainConfig
 from scaleloop.loop.training import train
 from scaleloop.runtime.dist import DistEnv
@@ -62,16 +63,6 @@ DESCRIBED = {"ddp": "ddp", "allreduce": "allreduce", "fsdp": "fsdp (", "gpipe": 
              "interleaved": "pipeline (4 stages, 2 per process, 4 micro-batch(es), interleaved 1F1B)",
              "dp-tp": "mesh dp=2,tp=2 (replicated x tp", "fsdp-tp": "mesh fsdp=2,tp=2 (fsdp x tp",
              "pp-dp": "pipeline (2 stages x 2 replicas, 2 micro-batch(es), 1F1B)", "hsdp": "mesh dp=2,fsdp=2 (hsdp"}
-
-
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "model.pt", weights_only=True)
-
-
-def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
-    assert a.keys() == b.keys()
-    scale = max(t.float().abs().max().item() for t in a.values())
-    return max(((a[k].float() - b[k].float()).abs().max().item() / scale, k) for k in a)
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from procs import run, scaleloop
+from weights import max_rel_diff, weights
 from scaleloop.config import TrainConfig
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.loop.training import train
@@ -37,16 +37,6 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 from pipeline_settings import RUNS, SIMPLE  # noqa: E402
-
-
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "model.pt", weights_only=True)
-
-
-def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
-    assert a.keys() == b.keys()
-    scale = max(t.float().abs().max().item() for t in a.values())
-    return max(((a[k].float() - b[k].float()).abs().max().item() / scale, k) for k in a)
 
 
 def launch(root: Path, which: str, nproc: int, *extra: str) -> dict:

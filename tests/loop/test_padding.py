@@ -114,7 +114,7 @@ def steps(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
     run.loader.set_epoch(0)
     losses = []
     for micro_batches in steps_of(run.loader):
-        kept = train_step(run, micro_batches, Observer()).losses
+        kept, _ = train_step(run, micro_batches, Observer())
         sizes = [len(batch) for batch in micro_batches]
         losses.append(sum(float(loss) * n for loss, n in zip(kept, sizes)) / sum(sizes))
         if len(losses) == cfg.max_steps:

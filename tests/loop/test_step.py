@@ -53,7 +53,7 @@ def by_train_step(cfg: TrainConfig, watch: Observer) -> tuple[list[float], list[
     losses, lrs = [], []
     for micro_batches in steps_of(run.loader):
         lrs.append(run.optimizer.param_groups[0]["lr"])
-        losses += [float(loss) for loss in train_step(run, micro_batches, watch).losses]
+        losses += [float(loss) for loss in train_step(run, micro_batches, watch)[0]]
     return losses, lrs, {k: v.clone() for k, v in run.model.state_dict().items()}
 
 

@@ -194,7 +194,7 @@ class _TimedSteps:
         for i in range(count):
             t0 = time.perf_counter()
             micro_batches = next(self.steps)
-            losses = train_step(self.built, micro_batches, watch).losses
+            losses, _ = train_step(self.built, micro_batches, watch)
             recorder.end_step()
             if losses[-1] is not None:
                 self.last_loss = losses[-1]

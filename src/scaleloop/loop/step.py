@@ -22,7 +22,7 @@ mean over its real targets. That is why the losses are handed back only after th
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, NamedTuple, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
@@ -58,21 +58,16 @@ class Observer:
         """After the optimizer and the schedule have stepped."""
 
 
-class Step(NamedTuple):
-    """What :func:`train_step` hands back."""
-
-    #: Each micro-batch's mean loss, detached (None on a rank that computes no loss: a pipeline's
-    #: earlier stages).
-    losses: list[Optional[torch.Tensor]]
-    #: The whole gradient's 2-norm before clipping (unscaled under fp16), on the device; None when
-    #: neither clipping nor the caller (``norm=True``) asked for it.
-    grad_norm: Optional[torch.Tensor]
-
-
-def train_step(run: Run, micro_batches: list[Batch], watch: Observer, norm: bool = False) -> Step:
+def train_step(run: Run, micro_batches: list[Batch], watch: Observer,
+               norm: bool = False) -> tuple[list[Optional[torch.Tensor]], Optional[torch.Tensor]]:
     """One optimizer step of ``run`` over ``micro_batches`` (the step's, in order); ``norm``: take
     the gradient norm even without clipping (a log row's). The learning rate the step used is the
-    optimizer's before the call."""
+    optimizer's before the call.
+
+    Returns each micro-batch's mean loss, detached (None on a rank that computes no loss: a
+    pipeline's earlier stages), and the whole gradient's 2-norm before clipping (unscaled under
+    fp16), on the device; None when neither clipping nor ``norm`` asked for it.
+    """
     model, strategy, optimizer, count = run.model, run.strategy, run.optimizer, run.count
     precision, clip = strategy.precision, run.cfg.clip_grad
     loss_fn = _watched(count.checked(run.loss_fn) if count is not None else run.loss_fn, watch)
@@ -112,7 +107,7 @@ def train_step(run: Run, micro_batches: list[Batch], watch: Observer, norm: bool
     optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
     watch.stepped()
-    return Step(losses, grad_norm)
+    return losses, grad_norm
 
 
 def steps_of(batches: Iterable[Batch]) -> Iterator[list[Batch]]:
