@@ -51,6 +51,7 @@ _EXPORTS = {
     "sum_over_ranks": "scaleloop.runtime.collectives",
     "profile": "scaleloop.loop.profiler",
     "Profiler": "scaleloop.loop.profiler",
+    "sample": "scaleloop.loop.sampling",
     "find_max_batch": "scaleloop.loop.tune",
     "search_max_batch": "scaleloop.loop.tune",
     "BatchSearch": "scaleloop.loop.tune",

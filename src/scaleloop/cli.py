@@ -10,7 +10,7 @@ import os
 import sys
 from typing import NoReturn, Optional, Sequence
 
-from scaleloop.commands import bench, doctor, env, plan, plot, train, tune_batch, verify
+from scaleloop.commands import bench, doctor, env, plan, plot, sample, train, tune_batch, verify
 from scaleloop.commands.cmdline import EXIT_INTERRUPTED, EXIT_USAGE, Parser
 from scaleloop.errors import UsageError
 from scaleloop.launching.launcher import Interrupted, WorkersFailed
@@ -19,7 +19,7 @@ from scaleloop.runtime.preempt import EXIT_PREEMPTED, Preempted
 
 # The subcommands, in the order ``scaleloop --help`` lists them.
 COMMANDS = {"train": train, "tune-batch": tune_batch, "plan": plan, "verify": verify, "bench": bench, "doctor": doctor,
-            "plot": plot, "env": env}
+            "plot": plot, "sample": sample, "env": env}
 
 
 def build_parser() -> argparse.ArgumentParser:

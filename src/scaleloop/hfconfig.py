@@ -109,3 +109,30 @@ def build_causal_lm(name: str, seq_len: Optional[int] = None, vocab_size: Option
                          f"({_first_line(exc)}); for another model give package.module:factory") from None
     model.train()
     return model
+
+
+def save_causal_lm(name: str, state_dict: dict[str, Any], directory: Path) -> None:
+    """Write the causal LM of config ``name`` with ``state_dict``'s weights (the full weights, on
+    the CPU) as transformers' ``save_pretrained`` does: ``config.json`` and safetensors, which
+    ``AutoModelForCausalLM.from_pretrained(directory)`` loads. The model is built on the meta
+    device only to carry the config and its tied-weight rules: the weights written are
+    ``state_dict``'s, so no second copy is made, whatever strategy trained them."""
+    import torch
+
+    config = load_config(name)
+    # Training turned the KV cache off (build_causal_lm); whoever loads this generates with it.
+    config.use_cache = True
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Its "Writing model shards" bar would be the last line of a run's output: not ours to show.
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        # (safetensors is save_pretrained's default format since transformers 4.35.)
+        model.save_pretrained(str(directory), state_dict=dict(state_dict))
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

@@ -9,6 +9,8 @@
 - ``manager``: :class:`Checkpointer`, which saves and restores through a strategy on every rank;
 - ``writing``: the writing rank's files of one checkpoint, and the one line when they cannot be written;
 - ``background``: ``--async-checkpoint``'s writer thread and the host copy it writes from;
+- ``weights``: the final weights as ``model.safetensors``, and weights read back (``--init-from``,
+  ``scaleloop sample``) from safetensors, a transformers directory, a run or ``model.pt``, never running code;
 - ``replicas``: a verified copy of each checkpoint on every machine that does not share rank 0's disk.
 
 Sharded (FSDP) state goes through ``scaleloop.strategies.distcp``.

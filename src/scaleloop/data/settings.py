@@ -31,6 +31,11 @@ class DataSettings:
                             common=True)
     data_dir: Optional[str] = _model_data(None, "directory holding the MNIST IDX files (--data mnist; never "
                                           "downloads), or train.bin and val.bin (--data tokenfile)")
+    init_from: Optional[str] = _model_data(None, "start from these weights instead of random ones: a .safetensors "
+                                           "file, a transformers directory (config.json and model.safetensors) or a "
+                                           "run directory (its model.safetensors, else model.pt); their names and "
+                                           "shapes must be the model's. A run resumed from a checkpoint continues "
+                                           "from the checkpoint instead")
     hidden_dim: int = _model_data(128, "hidden width of simplenet/biggernet", common=True)
     n_samples: int = _model_data(10_000, "training samples for generated datasets (random, images, tokens)")
     input_dim: int = _model_data(20, "features per sample for --data random")

@@ -25,6 +25,8 @@
 - ``ending``: the record of an ending the loop decides (a non-finite loss, a stop signal, ...).
 - ``preempt``: ``StopVote``, every rank agreeing to stop after the same step on a stop signal.
 - ``summary``: the end-of-run summary ``scaleloop train`` prints.
+- ``sampling``: ``sample``, text from a finished run's language model (``scaleloop sample``):
+  the model rebuilt from its ``config.toml``, its weights loaded weights-only.
 - ``profiler``: ``Profiler``, ``--profile N``'s torch.profiler around the trainer's steps (an
   ``Observer`` that passes each call on), and ``profile()``, the same for a hand-written loop.
 
@@ -48,6 +50,7 @@ _EXPORTS = {
     "train_step": "scaleloop.loop.step",
     "steps_of": "scaleloop.loop.step",
     "Observer": "scaleloop.loop.step",
+    "sample": "scaleloop.loop.sampling",
 }
 
 

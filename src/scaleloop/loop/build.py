@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from scaleloop.checkpoint.weights import init_weights
 from scaleloop.config import TrainConfig
 from scaleloop.data.datasets import build_datasets, infer_info
 from scaleloop.data.info import Datasets
@@ -176,6 +177,10 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     seed; the strategy then places it.
     """
     datasets, model = (data or build_data_and_model)(cfg)
+    # --init-from: into the user's own module, on every rank, before any strategy wraps, shards or
+    # cuts it (each then places the loaded weights as it would random ones). A checkpoint resumed
+    # later (checkpoint.manager) overwrites them: a resume continues the run, whatever it started from.
+    init_weights(model, cfg.init_from)
     check_eval_data(cfg.evaluation, datasets)
     check_trainable(cfg.model, model)   # here, before any strategy: every one says it alike
     keep_target = keeps_target(model, datasets.train, datasets.info.task)

@@ -4,6 +4,8 @@ final weights and outputs, and the result completed.
 from __future__ import annotations
 
 import io
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +15,9 @@ import torch
 from torch.utils.data import IterableDataset
 
 from scaleloop.checkpoint.manager import Checkpointer, Resumed
+from scaleloop.checkpoint.weights import (SAFETENSORS_FILE, TORCH_FILE, safetensors_available,
+                                         safetensors_bytes)
+from scaleloop.hfconfig import is_config_path, save_causal_lm
 from scaleloop.loop.build import Run
 from scaleloop.loop.evaluate import EvalResult
 from scaleloop.loop.health import Stragglers
@@ -111,14 +116,43 @@ def finish(run: Run, result: RunResult, checkpointer: Checkpointer, resumed: Opt
 
 def _write_outputs(run: Run, run_dir: Path, checkpointer: Checkpointer, final_weights: dict[str, Any],
                    memory: tuple[RankMemory, ...]) -> None:
-    """Rank 0: ``model.pt``, ``memory.json`` and ``curves.png`` in the run directory."""
-    buf = io.BytesIO()
-    torch.save(to_cpu(final_weights), buf)  # on CPU for every strategy: loads anywhere
+    """Rank 0: ``model.pt`` (and ``model.safetensors``, ``hf/``: :func:`_write_weights`),
+    ``memory.json`` and ``curves.png`` in the run directory."""
     try:
-        write_atomic(run_dir / "model.pt", buf.getvalue())
+        _write_weights(run, run_dir, to_cpu(final_weights))  # on CPU for every strategy: loads anywhere
         write_json(run_dir / "memory.json", memory, run.strategy.name)
         plot_curves(run_dir / "metrics.csv", run_dir / "curves.png")
     except RunDirWriteError as exc:
         raise exc.with_hint(checkpointer.continue_hint(exc.once)) from None
     except OSError as exc:   # memory.json, curves.png
         raise unwritable(run_dir, exc).with_hint(checkpointer.continue_hint("the disk has space")) from None
+
+
+#: Where a run of a transformers config (``--model config.json``) saves it as transformers does.
+HF_DIR = "hf"
+
+
+def _write_weights(run: Run, run_dir: Path, weights: dict[str, Any]) -> None:
+    """The final weights (the user's module's full ``state_dict``, on the CPU) as ``model.pt``;
+    as ``model.safetensors`` too where the safetensors package is installed (transformers brings
+    it; scaleloop does not require it); and for a ``--model config.json`` run, as the
+    transformers model in ``hf/`` (``save_pretrained``: config and safetensors), which
+    ``AutoModelForCausalLM.from_pretrained`` loads. Each file appears whole or not at all."""
+    buf = io.BytesIO()
+    torch.save(weights, buf)
+    write_atomic(run_dir / TORCH_FILE, buf.getvalue())
+    if safetensors_available():
+        write_atomic(run_dir / SAFETENSORS_FILE, safetensors_bytes(weights))
+    if not is_config_path(run.cfg.model):
+        return
+    # save_pretrained writes several files: into a fresh directory, then renamed into place.
+    final, tmp = run_dir / HF_DIR, run_dir / f".{HF_DIR}.tmp-{os.getpid()}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_causal_lm(run.cfg.model, weights, tmp)
+        if final.exists():   # an earlier finish of this run directory (a run continued after it)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise unwritable(final, exc) from None
