@@ -76,6 +76,31 @@ def test_the_error_file_holds_rank_epoch_step_and_the_users_frame(run: Path, mon
     assert ours["communication"] is False and ours["waiting_in"] is None
 
 
+def test_a_dataloaders_sigchld_handler_does_not_break_the_record(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's DataLoader raises from its SIGCHLD handler when one of its workers ends, in whatever
+    code runs then: here while the failure is being described (issue 51.6: no error file was written)."""
+    import os
+    import signal
+
+    from scaleloop.launching import worker
+
+    def like_torchs(signum: int, frame: object) -> None:
+        raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Killed.")
+
+    class ChildEndsNow(worker.FrameKinds):
+        def __init__(self) -> None:
+            os.kill(os.getpid(), signal.SIGCHLD)   # a worker ends while the record is being made
+            super().__init__()
+
+    monkeypatch.setattr(worker, "FrameKinds", ChildEndsNow)
+    previous = signal.signal(signal.SIGCHLD, like_torchs)
+    try:
+        data = record(run, monkeypatch, 1, raise_in_loop)
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+    assert data["message"]["extraInfo"]["scaleloop"]["error_type"] == "ValueError"
+
+
 def test_a_raising_rank_is_named_and_the_others_summarised(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     record(run, monkeypatch, 1, raise_in_loop)
     record(run, monkeypatch, 0, lambda: (_ for _ in ()).throw(RuntimeError(GLOO_CLOSED)))

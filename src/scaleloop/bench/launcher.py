@@ -83,6 +83,10 @@ def run_workers(workload: Workload, runs: Sequence[RunSpec], nproc: int, say: Sa
                                     "allreduce_reps": allreduce_reps}), encoding="utf-8")
         launch = bench_launch(nproc, spec, out, logs, worker_env(threads))
         code, lines = _run(launch, say, timeout_s)
+        if code != 0 and LaunchOutcome(launch, code, 0.0).interrupted():
+            # SIGINT reached the workers, not this process: an interrupt, not a failure to report
+            # (the temporary directory goes, as after a Ctrl-C heard here).
+            raise KeyboardInterrupt
         if code != 0:
             keep = True
             failure = LaunchOutcome(launch, code, 0.0).failure(tmp, continue_line=None, ranks=range(nproc), doctor=False)

@@ -351,6 +351,11 @@ def run(args: argparse.Namespace) -> int:
     except BenchFailure as exc:
         print(f"scaleloop: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # Here or in the workers: nothing is written before the end (the report), nothing is kept.
+        from scaleloop.launching.launcher import Interrupted
+
+        raise Interrupted(None, kept=None) from None
     from scaleloop.bench.report import write_report
 
     report.tag = args.tag

@@ -54,5 +54,11 @@ def run(args: argparse.Namespace) -> int:
     spec = ModelSpec(args.model, args.seq_len, args.vocab_size, args.d_model, args.n_layers, args.n_heads)
     batch = args.batch_size if args.batch_size is not None else 4 * args.gpus
     options = Options(batch, args.precision, args.optimizer, foreach_optimizer=True)
-    print(plan(spec, target, options, args.mfu, args.data, measure_host=args.measure_host))
+    try:
+        print(plan(spec, target, options, args.mfu, args.data, measure_host=args.measure_host))
+    except KeyboardInterrupt:
+        # Here, or in --measure-host's worker: a plan writes nothing, so nothing is kept.
+        from scaleloop.launching.launcher import Interrupted
+
+        raise Interrupted(None, kept=None) from None
     return 0

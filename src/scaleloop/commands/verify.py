@@ -22,7 +22,7 @@ DESCRIPTION = (
     "(BatchNorm without --sync-batchnorm, dropout, a loss normalised per micro-batch, unused "
     "parameters, padded samples). --check sync hashes every tensor on every rank; --check data "
     "audits each rank's batches and each epoch's coverage; --explain shows one step rank by "
-    "rank. Exit code: 0 pass, 1 fail, 2 bad input.")
+    "rank. Exit code: 0 pass, 1 fail, 2 bad input, 130 interrupted.")
 
 
 # What ``verify --help`` shows: verify's own options and the training flags a first comparison
@@ -108,13 +108,21 @@ def resolve_verify(args: argparse.Namespace) -> tuple[TrainConfig, VerifyOptions
 
 
 def run(args: argparse.Namespace) -> int:
-    """Execute ``scaleloop verify``: 0 if every check passed, 1 if one failed (UsageError: bad input)."""
+    """Execute ``scaleloop verify``: 0 if every check passed, 1 if one failed (UsageError: bad input;
+    Interrupted: Ctrl-C)."""
     cfg, opts = resolve_verify(args)
     from scaleloop.loop.preflight import preflight
     from scaleloop.verify.command import verify
 
     preflight(cfg)
-    return verify(cfg, opts)
+    try:
+        return verify(cfg, opts)
+    except KeyboardInterrupt:
+        # Ctrl-C here or in the workers: no verdict (a script would read "FAIL" as "not equivalent");
+        # the temporary records are gone by now, --report DIR keeps them.
+        from scaleloop.launching.launcher import Interrupted
+
+        raise Interrupted(None, kept=f"records kept in {opts.report}" if opts.report else None) from None
 
 
 def register(subparsers: Any) -> None:

@@ -83,6 +83,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     _log_to(args[0])  # after the imports: importing torch sets up its own handlers
+    # A message that finds its disk full is lost, not printed on the console with logging's own
+    # traceback: the launcher says in one line that the run directory cannot be written.
+    logging.raiseExceptions = False
     log = logging.getLogger("torch.distributed.run")
     try:
         torchrun.run(torchrun.parse_args(args[1:]))

@@ -4,11 +4,13 @@
 ``BrokenPipeError``. In one rank of several that ended the rank's run alone, and the others then
 waited for it in their next collective; in a one-process run it ended the training early, as a
 failure (exit code 1, ``failure.json``). A run's output is also in its files (``metrics.csv``, ``logs/``), so the console's
-writes simply go nowhere from then on, and training goes on.
+writes simply go nowhere from then on, and training goes on. A write that finds its disk full (a
+rank's output goes to its log file) is dropped alike.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import sys
@@ -43,6 +45,12 @@ class Console(io.RawIOBase):
                 return os.write(self.fd, data)
             except BrokenPipeError:
                 self.gone = True
+            except OSError as exc:
+                # A rank's output that goes to its log (scaleloop.launching.worker) on a full disk:
+                # this write is lost, not the rank (the run says the disk is full where it needs
+                # room itself). A later write may find room again.
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
         return size
 
 

@@ -16,6 +16,7 @@ The result is printed (at most ~15 lines) and written as ``failure.json`` for ``
 """
 from __future__ import annotations
 
+import errno
 import json
 import linecache
 import os
@@ -23,7 +24,7 @@ import re
 import signal
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from scaleloop.errors import EXIT_USAGE
 from scaleloop.output.endings import FAILURE_FILE, Failure  # (re-exported: the launch side names them from here)
@@ -140,6 +141,48 @@ def read_stack_dump(log: Path) -> Optional[StackDump]:
     if not mains:
         return StackDump((), fatal) if fatal else None
     return StackDump(tuple(reversed(mains[-1])), fatal)
+
+
+# A rank that cannot write its error record, or the message of the usage error it stopped on (its
+# disk is full or read-only), leaves an empty file under LOGS_DIR named after it and the errno,
+# ``unrecorded-rank-<R>.<ENOSPC>``, instead: a name takes no room on the disk, a file's contents do.
+UNRECORDED_PREFIX = "unrecorded-rank-"
+
+
+def leave_unrecorded(log_dir: Path, rank: int, exc: OSError) -> None:
+    """Say (for the launcher) that rank ``rank`` could not write a record because of ``exc``."""
+    name = errno.errorcode.get(exc.errno or 0, "EIO")
+    try:
+        (log_dir / f"{UNRECORDED_PREFIX}{rank}.{name}").touch()
+    except OSError:
+        pass   # not even a name fits: the launcher's own look at the disk is all there is
+
+
+def take_unrecorded(log_dir: Path, only: Optional[list[int]] = None) -> dict[int, str]:
+    """The ranks that left :func:`leave_unrecorded`'s file, with the errno's name; the files are
+    removed (``only``: those of these ranks, the others' are another machine's)."""
+    found: dict[int, str] = {}
+    for path in log_dir.glob(f"{UNRECORDED_PREFIX}*"):
+        rank, _, name = path.name[len(UNRECORDED_PREFIX):].partition(".")
+        if not rank.isdigit() or (only is not None and int(rank) not in only):
+            continue
+        found[int(rank)] = name
+        path.unlink(missing_ok=True)
+    return found
+
+
+def remove_partial_records(paths: Iterable[Path]) -> None:
+    """Remove the temporary files (``*.tmp-<pid>``) among ``paths`` (files, or folders searched
+    through) that the workers' records left when their disk filled up: a record is written
+    through one and renamed once whole, so that a reader never sees half; once the workers have
+    ended, one that is left was never finished."""
+    for root in paths:
+        for path in root.rglob("*.tmp-*") if root.is_dir() else [root]:
+            if path.name.rpartition(".tmp-")[2].isdigit():
+                try:
+                    path.unlink()
+                except OSError:
+                    pass
 
 
 _SUMMARY = "Failures:"      # torchrun's summary of a failed launch: every failed worker, then the first

@@ -20,11 +20,14 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from scaleloop.config import TrainConfig, to_toml
 from scaleloop.errors import EXIT_INTERRUPTED, UsageError
-from scaleloop.launching.failures import LOGS_DIR, Failure, usage_error_in_logs
+from scaleloop.launching.failures import (LOGS_DIR, Failure, leave_unrecorded, remove_partial_records, take_unrecorded,
+                                         usage_error_in_logs)
 from scaleloop.launching.supervisor import LaunchOutcome, supervise
 from scaleloop.launching.torchrun import WorkerLaunch, launch_for, workers_env
+from scaleloop.output.rundir import RunDirWriteError
 from scaleloop.ray import in_ray_train_worker, started_by_ray_worker
 from scaleloop.runtime import preempt
+from scaleloop.runtime.frames import where_of
 from scaleloop.runtime.recovery import clear_faults
 
 if TYPE_CHECKING:
@@ -34,10 +37,11 @@ if TYPE_CHECKING:
 class Interrupted(Exception):
     """Ctrl-C (or SIGINT/SIGTERM of the workers); says how to continue if a checkpoint exists."""
 
-    def __init__(self, run_dir: Optional[Path]) -> None:
+    def __init__(self, run_dir: Optional[Path], kept: Optional[str] = "everything written so far is kept") -> None:
         from scaleloop.checkpoint.store import CHECKPOINTS_DIR, list_checkpoints
 
-        text = "interrupted; everything written so far is kept"
+        # ``kept``: what stays of the interrupted work (None: nothing, as for verify's temporary records).
+        text = "interrupted" + (f"; {kept}" if kept else "")
         if run_dir is not None and list_checkpoints(run_dir / CHECKPOINTS_DIR):
             text += f"; continue from the last checkpoint with: scaleloop train --out {run_dir}"
         super().__init__(text)
@@ -105,10 +109,14 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
     else:
         dist.init_process_group(env)
     failed = True
+    started = time.time()
     try:
         result = train(cfg, env)
         failed = False
     except UsageError as exc:
+        if here and cfg.out and isinstance(exc, RunDirWriteError):
+            # The loop's own record found no room on a full disk; its lock, released now, leaves some.
+            _record_unwritable(Path(cfg.out), str(exc), since=started, where=where_of(exc))
         if env.is_distributed and cfg.out:
             if env.is_main:
                 # Rank 0's console is the launcher's: said here, once; the launcher then stays quiet.
@@ -136,9 +144,10 @@ def _failed_here(run_dir: Path, cfg: TrainConfig, exc: BaseException) -> Excepti
     import traceback
 
     from scaleloop.launching.failures import ATTEMPT_MARK, one_process
-    from scaleloop.launching.worker import describe_exception
+    from scaleloop.launching.worker import describe_exception, quiet_loader_workers
     from scaleloop.output.rundir import is_run_dir, write_atomic
 
+    quiet_loader_workers()   # the run is over: a DataLoader worker that ends now must not break the report
     if run_dir.exists() and not is_run_dir(run_dir):
         return exc   # a failure before the directory was checked: it may hold the user's own files
     try:
@@ -176,7 +185,13 @@ def _launch_workers(cfg: TrainConfig) -> None:
     run_dir, lock = claim.path, claim.lock
     _take_usage_error(run_dir, [])   # an earlier run's, never this one's
     resolved = run_dir / "config.toml"
-    write_atomic(resolved, to_toml(cfg).encode())
+    try:
+        write_atomic(resolved, to_toml(cfg).encode())
+    except RunDirWriteError as exc:
+        lock.release()   # a later run is not told the directory is in use; its room takes the record
+        error = exc.with_hint(f"once {exc.once}, run the same command again")
+        _record_unwritable(run_dir, str(error), since=time.time())
+        raise error from None
     logs = run_dir / LOGS_DIR
     clear_faults(logs)   # an earlier launch's: this launch reports only the faults it recovers from
     launch_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
@@ -193,19 +208,34 @@ def _launch_workers(cfg: TrainConfig) -> None:
     finally:
         lock.release()
     code = ended.code
-    if code == EXIT_INTERRUPTED or code < 0:
+    if code == EXIT_INTERRUPTED or code < 0 or ended.interrupted():
         raise _interrupted(run_dir)
     if code != 0:
         ranks = ended.ranks_logged()
         # Several machines may share the run directory (a Kubeflow job's claim): each launcher takes
         # only its own workers' files where it knows them, so that rank 0's stays for its machine.
         here = _machine_ranks(cfg)
-        said = _take_usage_error(run_dir, ranks if here is None else here, only=here)
-        if said is None:
+        local = ranks if here is None else here
+        said = _take_usage_error(run_dir, local, only=here)
+        if said is None or not said[0]:
             # Where the machines are numbered by a rendezvous, another launcher may have taken this
             # machine's files: the ranks' logs still say it.
-            found = usage_error_in_logs(run_dir, ranks if here is None else here)
-            said = (found[1], False) if found is not None else None
+            found = usage_error_in_logs(run_dir, local)
+            said = (found[1], bool(said and said[1])) if found is not None else said
+        # What the workers could not write for want of room (their records, their messages); their
+        # half-written records go (the workers have ended: none is still being written).
+        unrecorded = take_unrecorded(logs, only=here)
+        remove_partial_records([ended.launch.error_dir,
+                                *(p for r in local for p in logs.glob(f"fault-rank-{r}.json.tmp-*"))])
+        # An empty message: a rank's usage error found no room in its file.
+        if unrecorded or (said is not None and (not said[0] or said[0].startswith(UNWRITABLE_START))):
+            # The run directory's disk is full (or read-only): one line, exit 2, as when rank 0's own
+            # loop finds it so, not "no Python error" for the ranks whose words found no room.
+            line = said[0] if said is not None and said[0] else _unrecorded_line(run_dir, unrecorded)
+            _record_unwritable(run_dir, line, since=started)
+            error = RunDirWriteError(line)
+            error.shown = said is not None and said[1]
+            raise error
         if said is not None:  # a worker found bad input (the user's model or data): said in one line, once
             _record_usage_error(run_dir, said[0], since=started)
             error = UsageError(said[0])
@@ -214,6 +244,50 @@ def _launch_workers(cfg: TrainConfig) -> None:
         failure = ended.failure(run_dir, continue_line=_continue_line(run_dir), timeout_s=cfg.timeout, ranks=ranks)
         failure.write(run_dir)
         raise WorkersFailed(code, failure)
+
+
+# How every line of a RunDirWriteError starts (``scaleloop.output.rundir.unwritable``).
+UNWRITABLE_START = "cannot write '"
+
+
+def _unrecorded_line(run_dir: Path, unrecorded: dict[int, str]) -> str:
+    """The one line for ranks that stopped on a disk that took none of their words (``unrecorded``:
+    rank -> the errno's name): the disk, its free space now, and how to go on."""
+    import errno
+    import shutil
+
+    from scaleloop.output.rundir import _size as size_text   # the sizes as unwritable() words them
+    from scaleloop.output.rundir import unwritable
+
+    number = getattr(errno, next(iter(unrecorded.values()), "ENOSPC"), errno.ENOSPC)
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        free = None
+    ranks = sorted(unrecorded)
+    who = (f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}") if ranks else "the ranks"
+    exc = unwritable(run_dir / LOGS_DIR, OSError(number, os.strerror(number)))
+    room = f" ({size_text(free)} free now)" if free is not None else ""
+    once = "space is freed" if number in (errno.ENOSPC, errno.EDQUOT) else "the run directory is writable again"
+    their = "its" if len(ranks) == 1 else "their"
+    return (f"{exc}{room}: {who} stopped, and {their} record of why found no room; "
+            + _continue_line(run_dir).replace("once fixed", f"once {once}"))
+
+
+def _record_unwritable(run_dir: Path, message: str, since: float,
+                       where: Optional[Mapping[str, Any]] = None) -> None:
+    """``failure.json`` for a run directory that could not be written, for ``scaleloop doctor``,
+    unless rank 0's loop recorded it since ``since`` (its record has the epoch and step)."""
+    from scaleloop.output.endings import FAILURE_FILE
+
+    try:
+        recorded_now = (run_dir / FAILURE_FILE).stat().st_mtime >= since
+    except OSError:
+        recorded_now = False
+    if not recorded_now:
+        where = where or {}
+        Failure("unwritable", epoch=where.get("epoch"), step=where.get("step"), during=where.get("during"),
+                error_type="RunDirWriteError", message=message, report=[f"scaleloop: error: {message}"]).write(run_dir)
 
 
 def _machine_ranks(cfg: TrainConfig) -> Optional[list[int]]:
@@ -299,11 +373,18 @@ USAGE_ERROR_PREFIX = "usage-error-rank-"
 
 
 def _leave_usage_error(run_dir: Path, rank: int, message: str) -> None:
+    path = run_dir / f"{USAGE_ERROR_PREFIX}{rank}.txt"
     try:
-        with open(run_dir / f"{USAGE_ERROR_PREFIX}{rank}.txt", "w", encoding="utf-8") as f:
+        with open(path, "w", encoding="utf-8") as f:
             f.write(message)
-    except OSError:
-        pass  # this node does not see the run directory, or cannot write it
+    except OSError as exc:
+        # This node does not see the run directory, or its disk is full: an empty file (a name takes
+        # no room) still says that this rank stopped on a message, which rank 0 has shown.
+        try:
+            path.open("w").close()
+        except OSError:
+            pass
+        leave_unrecorded(run_dir / LOGS_DIR, rank, exc)
 
 
 def _take_usage_error(run_dir: Path, local_ranks: list[int],
@@ -321,11 +402,13 @@ def _take_usage_error(run_dir: Path, local_ranks: list[int],
             path.unlink()
         except (OSError, ValueError):
             continue
-    said = {rank: message for rank, message in said.items() if message}
     if not said:
         return None
-    first = min(said)
-    return said[first], first == 0 and 0 in local_ranks
+    # An empty file: the rank's message found no room on the disk; rank 0 showed its own all the
+    # same (it prints first). None is known: ("", shown).
+    shown = 0 in said and 0 in local_ranks
+    said = {rank: message for rank, message in said.items() if message}
+    return (said[min(said)], shown) if said else ("", shown)
 
 
 def _check_resume(cfg: TrainConfig) -> Optional[Path]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import faulthandler
 import gc
-import json
 import multiprocessing
 import os
 import pickle
@@ -41,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, Optional, Sequence, Union
 
-from scaleloop.errors import UsageError
+from scaleloop.errors import EXIT_INTERRUPTED, UsageError
 from scaleloop.launching import lifeline
 from scaleloop.launching.failures import ELASTIC_DIR, LOGS_DIR, analyse, read_stack_dump
 from scaleloop.launching.forks import wait_for_siblings
@@ -145,6 +144,15 @@ class _Worker:
             if hasattr(signal, name):
                 default = signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL
                 signal.signal(getattr(signal, name), default)
+        try:
+            return self._run(args)
+        except KeyboardInterrupt:
+            # Ended on SIGINT: said by the exit code. torch's process wrapper takes a KeyboardInterrupt
+            # for its own stop and ends the worker with 0 and no result, and the agent would wait
+            # for that result for ever.
+            raise SystemExit(EXIT_INTERRUPTED) from None
+
+    def _run(self, args: tuple[Any, ...]) -> Any:
         if self.threads is not None:
             import torch
 
@@ -156,7 +164,7 @@ class _Worker:
         try:
             return self.fn(*args, **self.kwargs)
         except Exception as exc:
-            _record(exc, rank)
+            _record(exc, rank, Path(self.logs))
             # Recorded: leave quietly. (An exception would be printed by multiprocessing and
             # recorded again, without scaleloop's part, by torch's own record around this call.)
             raise SystemExit(1) from None
@@ -182,21 +190,19 @@ def _stack_dumps(logs: Path, rank: int) -> IO[str]:
     return log
 
 
-def _record(exc: BaseException, rank: int) -> None:
+def _record(exc: BaseException, rank: int, logs: Path) -> None:
     """``exc`` in torchrun's error file, as ``scaleloop.launching.worker`` records it (its extras
     under ``extraInfo.scaleloop``), for the launcher's report."""
-    from scaleloop.launching.worker import describe_exception
+    from scaleloop.launching.worker import describe_exception, quiet_loader_workers, write_record
 
+    quiet_loader_workers()   # the worker is ending: a DataLoader worker's end must not break its record
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     data = {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": {
         "py_callstack": traceback.format_exc(), "timestamp": str(int(time.time())),
         "scaleloop": describe_exception(exc, rank)}}}
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
+    write_record(Path(path), data, logs, rank)
 
 
 def launch(fn: Callable[..., Any], nproc: int, *, args: Sequence[Any] = (),
@@ -312,7 +318,14 @@ class _Agent:
         """The results by rank; WorkerError for failed workers; the agent's own exception; for an
         agent stopped by Ctrl-C (``code``: 128 + SIGINT), KeyboardInterrupt, as Ctrl-C is here."""
         if (out / "failures.pkl").is_file():
+            from scaleloop.launching.supervisor import INTERRUPTED_CODES
+
             failures = _load(out / "failures.pkl")
+            codes = [f.exitcode for f in failures.values()]
+            if any(c in INTERRUPTED_CODES for c in codes) and all(c in (*INTERRUPTED_CODES, -signal.SIGTERM)
+                                                                  for c in codes):
+                # A worker ended on SIGINT and the agent stopped the others: Ctrl-C, as here.
+                raise KeyboardInterrupt
             error = WorkerError(failures, _report(out, failures))
             # The worker's traceback as the cause; torch's own exception adds nothing to it.
             raise error from _remote_traceback(error)

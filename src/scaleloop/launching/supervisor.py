@@ -27,7 +27,8 @@ from types import TracebackType
 from typing import IO, Any, Optional, Sequence, Union
 
 from scaleloop.launching import lifeline
-from scaleloop.launching.failures import Failure, analyse
+from scaleloop.errors import EXIT_INTERRUPTED
+from scaleloop.launching.failures import Failure, analyse, exit_codes
 from scaleloop.launching.torchrun import WorkerLaunch
 from scaleloop.runtime import preempt
 
@@ -45,6 +46,10 @@ _SIGTERM_BIT = 1 << (signal.SIGTERM - 1)   # in /proc/<pid>/status's pending-sig
 
 _Output = Union[None, int, IO[Any]]
 
+# How a process that ended on SIGINT exits: with 130 once it said so itself (the workers, torchrun),
+# or killed by the signal (before any handler of its own was set).
+INTERRUPTED_CODES = (EXIT_INTERRUPTED, -signal.SIGINT)
+
 
 @dataclass(frozen=True)
 class LaunchOutcome:
@@ -58,6 +63,18 @@ class LaunchOutcome:
     @property
     def ok(self) -> bool:
         return self.code == 0
+
+    def interrupted(self) -> bool:
+        """Whether the workers ended on an interrupt, not on a failure: torchrun stopped by SIGINT (exit
+        code 130; a ``direct`` worker's own), or the first worker to end did so on SIGINT. Also when
+        the SIGINT reached them but not this process (``kill -INT`` on torchrun or a worker, or a
+        shell that started this process with SIGINT ignored), which then hears of it only here."""
+        if self.code in INTERRUPTED_CODES:
+            return True
+        if self.code == 0:
+            return False
+        first = next(iter(exit_codes(self.launch.logs).values()), None)
+        return first in INTERRUPTED_CODES
 
     def ranks_logged(self) -> list[int]:
         """The ranks of this machine that wrote their log in this launch."""

@@ -24,6 +24,7 @@ import faulthandler
 import importlib
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -41,7 +42,8 @@ from scaleloop.launching import lifeline
 from scaleloop.launching.console import console_stream
 from scaleloop.runtime import preempt
 from scaleloop.errors import EXIT_INTERRUPTED
-from scaleloop.runtime.frames import Frame, FrameKinds, where_of
+from scaleloop.launching.failures import leave_unrecorded
+from scaleloop.runtime.frames import Frame, FrameKinds, where_of, worker_traceback
 from scaleloop.runtime.recovery import leave_fault
 from scaleloop.runtime.slurm import in_slurm_job
 
@@ -119,6 +121,7 @@ class _RankErrorHandler(ErrorHandler):
         faulthandler.register(signal.SIGTERM, file=self.log, all_threads=True, chain=True)
 
     def record_exception(self, e: BaseException) -> None:
+        quiet_loader_workers()
         described = describe_exception(e, self.rank)
         # For the next attempt of an elastic job: what ended this one, and when (runtime.recovery).
         leave_fault(self.log_dir, self.rank, described, int(os.environ.get("WORLD_SIZE", "1") or 1))
@@ -130,10 +133,25 @@ class _RankErrorHandler(ErrorHandler):
             "timestamp": str(int(time.time())),
             "scaleloop": described,
         }}}
-        tmp = f"{path}.tmp-{os.getpid()}"
+        write_record(Path(path), data, self.log_dir, self.rank)
+
+
+def write_record(path: Path, data: dict[str, Any], log_dir: Path, rank: int) -> None:
+    """``data`` as ``path`` (a worker's error file), replaced at once: the agent never reads half a
+    file. Where the disk takes no more (full, read-only), the part written is removed and an empty
+    file says so to the launcher instead (``failures.leave_unrecorded``): the exception this rank
+    raised then goes on to end it as it would have, not an ``OSError`` of its record."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(data, f)
-        os.replace(tmp, path)  # the agent never reads half a file
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        leave_unrecorded(log_dir, rank, exc)
 
 
 def describe_exception(exc: BaseException, rank: int) -> dict[str, Any]:
@@ -142,17 +160,83 @@ def describe_exception(exc: BaseException, rank: int) -> dict[str, Any]:
     summary = [Frame(f.f_code.co_filename, line, f.f_code.co_name) for f, line in frames]
     text = str(exc).lower()
     communication = _is_communication_error(exc, text)
+    error_type, message = type(exc).__name__, str(exc)
+    remote = worker_traceback(message)
+    if remote is not None:
+        # Raised in a DataLoader worker process and raised again here: the place and the error are
+        # the worker's (its traceback comes as text), not scaleloop's loop that asked for the batch.
+        summary = remote.frames
+        error_type, message = remote.error_type or error_type, remote.described()
+    elif (ended := _loader_worker_ended(message, frames)) is not None:
+        # A worker process that died raised nothing: no line of code is its cause.
+        summary, message = [], ended
     frame = FrameKinds().innermost_user(summary)
     return {
         "rank": rank, **where_of(exc),
-        "error_type": type(exc).__name__,
-        "message": str(exc),
+        "error_type": error_type,
+        "message": message,
         "frame": str(frame) if frame is not None else None,
         "communication": communication,
         "timed_out": communication and any(m in text for m in _TIMEOUT_MARKERS),
         "waiting_in": describe_collective(frames) if communication else None,
         "time": time.time(),
     }
+
+
+def quiet_loader_workers() -> None:
+    """Let the DataLoader's worker processes end in peace while this rank reports its failure.
+
+    torch's SIGCHLD handler (set by a DataLoader with worker processes) raises a RuntimeError in
+    whatever code runs when one of its workers ends: once this rank failed, its other workers end
+    too, and that error would break the very record of the failure (no error file, and the report
+    "no Python error"). The rank is ending: the default (nothing) is what it needs now.
+    """
+    sigchld = getattr(signal, "SIGCHLD", None)
+    if sigchld is not None and callable(signal.getsignal(sigchld)):
+        try:
+            signal.signal(sigchld, signal.SIG_DFL)
+        except ValueError:   # not the main thread: torch set none there either
+            pass
+
+
+# torch's words for a DataLoader worker that ended without a Python error: its SIGCHLD handler's,
+# and the batch wait's that found it gone.
+_LOADER_KILLED = re.compile(r"DataLoader worker \(pid (\d+)\) is killed by signal: (.+?)\.?\s*$", re.S)
+_LOADER_EXITED = re.compile(r"DataLoader worker \(pid\(s\) ([\d, ]+)\) exited unexpectedly")
+
+
+def _loader_worker_ended(message: str, frames: Sequence[tuple[FrameType, int]]) -> Optional[str]:
+    """torch's message for a DataLoader worker process that died, said with its signal and the likely
+    cause (None for any other message). The exit status, where torch's words lack it, is read from
+    the DataLoader iterator on the stack (its worker processes, which know theirs)."""
+    killed, exited = _LOADER_KILLED.search(message), _LOADER_EXITED.search(message)
+    if killed is not None:
+        pid = int(killed[1])
+        sig = next((s for s in signal.Signals if signal.strsignal(s) == killed[2].strip()), None)
+        code = -sig if sig is not None else None
+    elif exited is not None:
+        pid = int(exited[1].split(",")[0])
+        code = _worker_exit_code(pid, frames)
+    else:
+        return None
+    if code is None or code >= 0:
+        return (f"a DataLoader worker (pid {pid}) exited unexpectedly"
+                + (f" with code {code}" if code is not None else "") + " (os._exit, a crash, or a signal)")
+    name = signal.Signals(-code).name if -code in signal.Signals.__members__.values() else f"signal {-code}"
+    said = f"a DataLoader worker (pid {pid}) was killed by signal {name}"
+    if -code == signal.SIGKILL:
+        said += ": most often the kernel's out-of-memory killer (see `dmesg`); fewer --num-workers use less memory"
+    return said
+
+
+def _worker_exit_code(pid: int, frames: Sequence[tuple[FrameType, int]]) -> Optional[int]:
+    """The exit code of DataLoader worker ``pid`` (negative: its signal), from the iterator on the stack."""
+    for frame, _ in reversed(frames):
+        for process in getattr(frame.f_locals.get("self"), "_workers", None) or ():
+            if getattr(process, "pid", None) == pid:
+                code = getattr(process, "exitcode", None)
+                return code if isinstance(code, int) else None
+    return None
 
 
 def _tb_frames(tb: Optional[TracebackType]) -> list[tuple[FrameType, int]]:
@@ -228,8 +312,11 @@ def _open_log(log_dir: Path, rank: int) -> IO[str]:
     log_dir.mkdir(parents=True, exist_ok=True)
     log = open(log_path(log_dir, rank), "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - lives with the process
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    log.write(f"{ATTEMPT_MARK} rank {rank}, attempt {attempt}, pid {os.getpid()}, "
-              f"{time.strftime('%Y-%m-%dT%H:%M:%S')} ====\n")
+    try:
+        log.write(f"{ATTEMPT_MARK} rank {rank}, attempt {attempt}, pid {os.getpid()}, "
+                  f"{time.strftime('%Y-%m-%dT%H:%M:%S')} ====\n")
+    except OSError:
+        pass   # a full disk: the run goes on, and says so in one line where it needs room itself
     return log
 
 

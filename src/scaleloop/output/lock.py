@@ -20,6 +20,7 @@ lock is taken over only when its holder is gone and no process holds the file an
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -259,10 +260,23 @@ class RunDirLock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(asdict(me)))
-            fh.flush()
-            os.fsync(fh.fileno())
+        text = json.dumps(asdict(me))
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            # A full disk still creates the (empty) file: removed, or the next run would find an
+            # unreadable lock and wait on it. Said as every other file of the run directory that
+            # cannot be written (rundir imports this module: imported here).
+            from scaleloop.output.rundir import unwritable
+
+            self.path.unlink(missing_ok=True)
+            raise unwritable(self.path, exc, needed=len(text.encode()),
+                             then="once space is freed, run the same command again"
+                             if exc.errno in (errno.ENOSPC, errno.EDQUOT) else
+                             "once the directory is writable, run the same command again") from None
         return True
 
     def _take_over(self, stale_text: str) -> None:

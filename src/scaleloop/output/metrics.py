@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Mapping, Optional, Sequence, Union
 
-from scaleloop.output.rundir import unwritable
+from scaleloop.output.rundir import RunDirWriteError, unwritable
 from scaleloop.output.trackers import TensorBoardTracker, Tracker, open_tracker, tracker_row
 
 # Seconds between flushes of metrics.csv inside an epoch: a killed run loses at most this much.
@@ -101,10 +101,25 @@ class MetricsLogger:
             self._open_csv(keep_until_step)
         except BaseException as exc:
             if self.tracker is not None:
-                self.tracker.close(exc)
+                try:
+                    self.tracker.close(exc)
+                except (OSError, RunDirWriteError):
+                    pass   # the same disk: the error on its way says it
             raise
 
     def _open_csv(self, keep_until_step: int | None) -> None:
+        try:
+            self._open_csv_file(keep_until_step)
+        except OSError as exc:   # a full or read-only disk at the start: one line naming the file
+            file, self._file = getattr(self, "_file", None), None
+            if file is not None:
+                try:
+                    file.close()   # now: closed later, its unwritten rows would be reported again
+                except OSError:
+                    pass
+            raise unwritable(self.csv_path, exc) from None
+
+    def _open_csv_file(self, keep_until_step: int | None) -> None:
         if keep_until_step is not None and self.csv_path.exists():
             # A resumed run: keep what was logged up to its checkpoint and append after it;
             # rows of steps that the resumed run takes again are dropped, not duplicated.
@@ -216,7 +231,13 @@ class MetricsLogger:
                     raise unwritable(self.csv_path, exc) from None
         if self.tracker is not None:
             tracker, self.tracker = self.tracker, None
-            tracker.close(passing)
+            try:
+                tracker.close(passing)
+            except (OSError, RunDirWriteError):
+                if passing is None:
+                    raise
+                # The tracker's files are on the disk that failed: its own error on the way out
+                # (TensorBoard raises a failed write again at close) must not hide the one passing.
 
     def __enter__(self) -> MetricsLogger:
         return self

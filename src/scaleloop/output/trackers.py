@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
 from scaleloop.errors import UsageError
+from scaleloop.output.rundir import unwritable
 
 __all__ = ["TRACKERS", "TB_EVERY_S", "Tracker", "TensorBoardTracker", "WandbTracker", "MlflowTracker",
            "check_installed", "open_tracker", "tracker_row"]
@@ -192,23 +194,44 @@ class TensorBoardTracker(BufferedTracker):
         # max_queue: an epoch's step scalars arrive in one burst (see BufferedTracker); with
         # the default queue of 10 the training thread would wait for the writer thread every
         # few scalars (~60 us each), with room for 1000 a scalar costs ~6 us.
-        writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step, max_queue=1000, flush_secs=10)
+        _quiet_writer_threads()
+        try:
+            writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step, max_queue=1000, flush_secs=10)
+        except OSError as exc:
+            raise unwritable(log_dir, exc) from None
         return cls(writer, log_dir)
 
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Nothing: the run directory's config.toml, beside the events, holds the settings."""
 
     def _send(self, rows: list[tuple[int, dict[str, float], float]]) -> None:
-        for step, metrics, _ in rows:
-            for tag, value in metrics.items():
-                self._writer.add_scalar(tag, value, global_step=step)
-        self._writer.flush()
+        if self._writer is None:   # closed
+            return
+        try:
+            for step, metrics, _ in rows:
+                for tag, value in metrics.items():
+                    self._writer.add_scalar(tag, value, global_step=step)
+            self._writer.flush()
+        except OSError as exc:
+            # The writer thread's own failure (a full disk), kept by TensorBoard and raised at the
+            # next write or flush: one line naming the events file, as for every other file of the run.
+            raise unwritable(self._events_file(), exc) from None
+
+    def _events_file(self) -> Path:
+        name = getattr(getattr(getattr(self._writer, "file_writer", None), "event_writer", None), "_file_name", None)
+        return Path(name) if isinstance(name, str) else self.log_dir
 
     def close(self, error: Optional[BaseException] = None) -> None:
-        if self._writer is not None:
+        if self._writer is None:
+            return
+        try:
             self.flush()
-            self._writer.close()
-            self._writer = None
+        finally:
+            writer, self._writer = self._writer, None
+            try:
+                writer.close()
+            except OSError:
+                pass   # its failed write is what flush() said (or what ended the run)
 
 
 class WandbTracker(BufferedTracker):
@@ -324,6 +347,27 @@ def _file_store_allowed(uri: str) -> Iterator[None]:
         yield
     finally:
         os.environ.pop(key, None)
+
+
+def _quiet_writer_threads() -> None:
+    """Keep the console free of TensorBoard's writer-thread tracebacks.
+
+    The thread that writes the events file keeps the ``OSError`` it hits (a full disk) for the
+    next write or flush in the training thread, which the tracker says in one line; it also
+    re-raises it, and Python's ``threading.excepthook`` would print the thread's traceback on the
+    console first. Installed once; every other thread's exception is printed as before.
+    """
+    previous = threading.excepthook
+    if getattr(previous, "scaleloop_tensorboard", False):
+        return
+
+    def hook(args: Any) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    hook.scaleloop_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def open_tracker(name: str, run_dir: Path, resume_step: Optional[int] = None) -> Optional[Tracker]:

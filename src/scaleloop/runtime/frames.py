@@ -2,12 +2,14 @@
 
 Shared by the worker (which records its exception) and the launcher (which reads a stuck
 rank's stack dump), so that both name "the user's code" the same way: the innermost frame that
-is not torch's, not scaleloop's and not Python's own library.
+is not torch's, not scaleloop's and not Python's own library. A DataLoader worker process's
+exception reaches its rank as text: :func:`worker_traceback` reads its frames and its sample back.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,3 +103,53 @@ class FrameKinds:
             if found:
                 return found[-1]
         return listed[-1] if listed else None
+
+
+# How torch raises again, in the process that asked for a batch, an exception of one of its
+# DataLoader worker processes: "Caught <Type> in DataLoader worker process <N>.", then the
+# worker's own traceback as text ("Original Traceback (most recent call last): ...").
+_CAUGHT = re.compile(r"^Caught (?P<type>[\w.]+) (?P<where>in DataLoader worker process \d+)\.\s*$")
+_TB_FRAME = re.compile(r'^\s+File "(?P<path>.+)", line (?P<line>\d+), in (?P<name>.+?)\s*$')
+# The note scaleloop's worker adds with the index the dataset was asked for (launching.worker.note_samples).
+_SAMPLE_NOTE = "scaleloop: while reading sample "
+
+
+@dataclass(frozen=True)
+class WorkerTraceback:
+    """A DataLoader worker's exception, read from the text torch raised it again with."""
+
+    where: str                  # "in DataLoader worker process 0"
+    error_type: Optional[str]   # the worker's exception's type
+    message: str                # and its message (first line)
+    frames: tuple[Frame, ...]   # the worker's stack, outermost first
+    sample: Optional[str]       # the index of the sample it was reading, when noted
+
+    def described(self) -> str:
+        """The message, with where it was raised and the sample it read:
+        ``bad value (in DataLoader worker process 0, reading sample 12)``."""
+        reading = f", reading sample {self.sample}" if self.sample is not None else ""
+        return f"{self.message} ({self.where}{reading})"
+
+
+def worker_traceback(message: str) -> Optional[WorkerTraceback]:
+    """The DataLoader worker's exception that ``message`` carries (None: it is not one)."""
+    lines = message.splitlines()
+    caught = _CAUGHT.match(lines[0]) if lines else None
+    if caught is None:
+        return None
+    # The last traceback in the text (a chained exception prints those before it first).
+    starts = [i for i, line in enumerate(lines) if line.endswith("Traceback (most recent call last):")]
+    if not starts:
+        return None
+    frames: list[Frame] = []
+    i = starts[-1] + 1
+    while i < len(lines) and (lines[i].startswith(" ") or not lines[i].strip()):
+        found = _TB_FRAME.match(lines[i])
+        if found:
+            frames.append(Frame(found["path"], int(found["line"]), found["name"]))
+        i += 1
+    rest = lines[i:]
+    error_type, _, text = (rest[0] if rest else "").partition(": ")
+    sample = next((line[len(_SAMPLE_NOTE):].strip() for line in rest if line.startswith(_SAMPLE_NOTE)), None)
+    return WorkerTraceback(caught["where"], error_type.rpartition(".")[2] or caught["type"], text.strip(),
+                           tuple(frames), sample)

@@ -43,6 +43,7 @@ from scaleloop.verify.diagnose import (Cause, buffer_cause, fallback, failure_ca
                                        piece_groups, rank_code_cause, scale_cause)
 from scaleloop.verify.explain import format_explain
 from scaleloop.launching.failures import Failure
+from scaleloop.launching.supervisor import LaunchOutcome
 from scaleloop.verify.dirs import (CONFIG_FILE, OPTIONS_FILE, distributed_dir, lockstep_dir, reference_dir,
                                    states_dir)
 from scaleloop.verify.launch import failure_report, start_workers, worker_errors
@@ -209,10 +210,19 @@ def _run_both(s: Session) -> tuple[Optional[dict[str, Any]], int]:
         if s.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the reference's cached memory back before rank 0 needs it
         with start_workers(s.cfg, s.root, indent) as workers:
-            return ref, workers.wait().code
+            return ref, _ended(workers.wait())
     with start_workers(s.cfg, s.root, indent) as workers:
         ref = reference()
-        return ref, workers.wait().code
+        return ref, _ended(workers.wait())
+
+
+def _ended(outcome: LaunchOutcome) -> int:
+    """The workers' exit code; KeyboardInterrupt when they ended on SIGINT that did not reach this
+    process (``kill -INT`` on torchrun, a shell that started verify with SIGINT ignored): an
+    interrupted comparison has no verdict, as for a Ctrl-C heard here."""
+    if outcome.code != 0 and outcome.interrupted():
+        raise KeyboardInterrupt
+    return outcome.code
 
 
 def _run_reference(s: Session) -> dict[str, Any]:
