@@ -256,8 +256,7 @@ def _unrecorded_line(run_dir: Path, unrecorded: dict[int, str]) -> str:
     import errno
     import shutil
 
-    from scaleloop.output.rundir import _size as size_text   # the sizes as unwritable() words them
-    from scaleloop.output.rundir import unwritable
+    from scaleloop.output.unwritable import size_text, unwritable   # the sizes as unwritable() words them
 
     number = getattr(errno, next(iter(unrecorded.values()), "ENOSPC"), errno.ENOSPC)
     try:

@@ -1,7 +1,8 @@
 """What a run writes and prints.
 
 - ``settings``: ``OutputSettings``, the config's output section, and its checks.
-- ``rundir``: the run directory (what ``--out`` accepts) and atomic file writes.
+- ``rundir``: the run directory (what ``--out`` accepts) and atomic file writes;
+- ``unwritable``: the one-line error for a run-directory file that cannot be written.
 - ``lock``: the lock a run holds on its run directory (host, pid; stale ones taken over).
 - ``endings``: ``failure.json``, the record of how a run ended when it did not finish.
 - ``metrics``: ``metrics.csv``, ``curves.png``, number formatting.

@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import Mapping, Optional
 
 from scaleloop.errors import UsageError
+from scaleloop.output.unwritable import unwritable
 
 LOCK_FILE = "scaleloop.lock"
 # Set by a launcher that holds a lock for the processes it starts: the lock file they hold too.
@@ -269,9 +270,7 @@ class RunDirLock:
         except OSError as exc:
             # A full disk still creates the (empty) file: removed, or the next run would find an
             # unreadable lock and wait on it. Said as every other file of the run directory that
-            # cannot be written (rundir imports this module: imported here).
-            from scaleloop.output.rundir import unwritable
-
+            # cannot be written.
             self.path.unlink(missing_ok=True)
             raise unwritable(self.path, exc, needed=len(text.encode()),
                              then="once space is freed, run the same command again"

@@ -6,17 +6,16 @@ user's own files. While a run writes into it, it holds a lock (:class:`RunDirLoc
 """
 from __future__ import annotations
 
-import errno
 import os
 import re
 import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 from scaleloop.errors import UsageError
+from scaleloop.output.unwritable import RunDirWriteError, unwritable  # noqa: F401 (also imported from here)
 from scaleloop.output.lock import LOCK_FILE, RunDirLock, lock_run_dir, refuse_if_locked
 
 __all__ = ["LOCK_FILE", "RunDirLock", "RunDirWriteError", "default_run_dir", "is_run_dir", "lock_run_dir",
@@ -27,24 +26,6 @@ LOGS_DIR = "logs"   # each rank's log, torchrun's messages, fault records (scale
 _CONFIG_HEAD = "# scaleloop "
 _TEMPORARY = re.compile(r"^\.[^/]+\.tmp-\d+$")   # write_atomic's: .<name>.tmp-<pid>
 _METRICS_HEAD = "kind,epoch,step"
-
-
-class RunDirWriteError(UsageError):
-    """A file of the run directory cannot be written (disk full, read-only, ...): one line
-    naming the file, what it needed, and how to continue.
-
-    ``once`` says what must change before the run can go on ("space is freed", ...).
-    """
-
-    def __init__(self, message: str, once: str = "the run directory is writable again") -> None:
-        super().__init__(message)
-        self.once = once
-
-    def with_hint(self, hint: str) -> "RunDirWriteError":
-        """The same error with ``hint`` (where and how to continue) added, if it has none yet."""
-        if not hint or "continue with:" in str(self) or "start over" in str(self):
-            return self
-        return RunDirWriteError(f"{self}; {hint}", self.once)
 
 
 def default_run_dir(model: str, data: str, root: str = "runs") -> Path:
@@ -197,33 +178,3 @@ def write_atomic(path: Path, data: bytes) -> None:
         except OSError:
             pass
         raise unwritable(path, exc, needed=len(data)) from None
-
-
-def _size(n: float) -> str:
-    for unit in ("bytes", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
-def _free(path: Path) -> Optional[int]:
-    for candidate in (path, *path.parents):
-        try:
-            return shutil.disk_usage(candidate).free
-        except OSError:
-            continue
-    return None
-
-
-def unwritable(path: Path, exc: OSError, *, needed: Optional[int] = None, then: str = "") -> RunDirWriteError:
-    """The one-line error for a run-directory file that cannot be written: the file, why, the
-    space it needed against the space free, and ``then`` (what to do next)."""
-    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-    why = "disk full" if exc.errno == errno.ENOSPC else exc.strerror or exc.__class__.__name__
-    text = f"cannot write {str(path)!r}: {why[:1].lower() + why[1:]}"
-    if needed is not None:
-        free = _free(path.parent)
-        text += f" (it needs {_size(needed)}" + (f", {_size(free)} free)" if free is not None else ")")
-    return RunDirWriteError(text + (f"; {then}" if then else ""),
-                            "space is freed" if full else "the run directory is writable again")
