@@ -1,6 +1,8 @@
 """Tests for scaleloop.data.loader: the in-memory fast path and the DataLoader path agree."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
@@ -272,3 +274,30 @@ def test_a_part_that_is_not_a_tensor_is_kept_so_every_rank_sees_the_batch_shape(
     sampler = StepSampler(8, 4, world_size=1, rank=0, accumulate=1, seed=0, shuffle=False)
     x, y = next(iter(ShardedLoader(Named(), sampler, CPU, load=(False, False))))
     assert isinstance(x, dict) and y is None
+
+
+class _RaisesAt(PlainDataset):
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i == 5:
+            raise KeyError(f"no record {i}")
+        return super().__getitem__(i)
+
+
+class _ReadsBatches(_RaisesAt):
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self[i] for i in indices]
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes (add_note) are Python 3.11's")
+@pytest.mark.parametrize("dataset, note", [(_RaisesAt, "scaleloop: while reading sample 5"),
+                                           (_ReadsBatches, "scaleloop: while reading sample 0 or one of the 9 after it")])
+def test_a_sample_that_raises_is_named_on_the_error_and_in_the_runs_report(dataset: type, note: str) -> None:
+    from scaleloop.launching.worker import describe_exception
+
+    x, y = _data()
+    loader = ShardedLoader(dataset(x[:10], y[:10]), StepSampler(10, 10, shuffle=False), CPU)
+    with pytest.raises(KeyError) as caught:
+        list(loader)
+    assert caught.value.__notes__ == [note]   # the user's own exception, its type and message kept
+    if dataset is _RaisesAt:
+        assert describe_exception(caught.value, 0)["message"] == "'no record 5' (reading sample 5)"

@@ -25,6 +25,9 @@ left out, so every rank still sees a batch of another shape and can refuse it al
 """
 from __future__ import annotations
 
+import sys
+import traceback
+from types import TracebackType
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -75,6 +78,55 @@ class Batch(tuple):
 
     def __len__(self) -> int:  # tuple length is 2; len(batch) means samples
         return int(self.place.indices.numel())
+
+
+class _SampleNamed(Dataset):
+    """The user's dataset, read as the DataLoader reads it, with the index of a sample whose
+    reading raised added to the error as a note (``scaleloop: while reading sample N``): the
+    run's error line names it (runtime.frames reads it back from the worker's traceback)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[Any]) -> list[Any]:
+        read = getattr(self.dataset, "__getitems__", None)
+        try:
+            # A dataset that reads a batch at once (Hugging Face datasets) does so here too.
+            return list(read(indices)) if read else [self._one(i) for i in indices]
+        except Exception as exc:
+            if read and hasattr(exc, "add_note"):
+                exc.add_note(f"scaleloop: while reading sample {indices[0]} or one of the {len(indices) - 1} after it")
+            raise
+
+    def _one(self, index: Any) -> Any:
+        try:
+            return self.dataset[index]
+        except Exception as exc:
+            if hasattr(exc, "add_note"):   # Python 3.11 and newer
+                exc.add_note(f"scaleloop: while reading sample {index}")
+            raise
+
+
+def _quiet_lost_reader(worker_id: int) -> None:
+    """Set in each DataLoader worker process (``worker_init_fn``): when the rank that reads the
+    batches ends at once (another worker was killed, the run failed), the thread that hands this
+    worker's tensors over (multiprocessing's resource sharer) finds its reader gone and would print
+    a traceback of BrokenPipeError or ConnectionResetError on the console, under the run's own
+    report of what happened. That one is left out; every other error is shown as before."""
+    shown = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
+        handing_over = any(frame.filename.endswith("resource_sharer.py") for frame in traceback.extract_tb(tb))
+        if not (issubclass(kind, (BrokenPipeError, ConnectionResetError)) and handing_over):
+            shown(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 class _EpochBatches:
@@ -180,14 +232,16 @@ class ShardedLoader:
             # Built once: its workers stay alive and re-read the batch sampler every epoch (their
             # random state then runs on from epoch to epoch instead of being re-seeded).
             if self._loader is None:
-                self._loader = DataLoader(self.dataset, batch_sampler=_EpochBatches(),
+                self._loader = DataLoader(_SampleNamed(self.dataset), batch_sampler=_EpochBatches(),
                                           num_workers=self.num_workers, collate_fn=self.collate_fn,
-                                          pin_memory=self.pin_memory, generator=seeds, persistent_workers=True)
+                                          pin_memory=self.pin_memory, generator=seeds, persistent_workers=True,
+                                          worker_init_fn=_quiet_lost_reader)
             loader = self._loader
             loader.batch_sampler.batches = batches
         else:
-            loader = DataLoader(self.dataset, batch_sampler=batches, num_workers=self.num_workers,
-                                collate_fn=self.collate_fn, pin_memory=self.pin_memory, generator=seeds)
+            loader = DataLoader(_SampleNamed(self.dataset), batch_sampler=batches, num_workers=self.num_workers,
+                                collate_fn=self.collate_fn, pin_memory=self.pin_memory, generator=seeds,
+                                worker_init_fn=_quiet_lost_reader)
         for p, sample in zip(places, loader):
             x, y = self._moved(split(sample, self.keep_target))
             if self.channels_last:

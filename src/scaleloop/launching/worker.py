@@ -43,7 +43,7 @@ from scaleloop.launching.console import console_stream
 from scaleloop.runtime import preempt
 from scaleloop.errors import EXIT_INTERRUPTED
 from scaleloop.launching.failures import leave_unrecorded
-from scaleloop.runtime.frames import Frame, FrameKinds, where_of, worker_traceback
+from scaleloop.runtime.frames import Frame, FrameKinds, noted_sample, where_of, worker_traceback
 from scaleloop.runtime.recovery import leave_fault
 from scaleloop.runtime.slurm import in_slurm_job
 
@@ -170,6 +170,8 @@ def describe_exception(exc: BaseException, rank: int) -> dict[str, Any]:
     elif (ended := _loader_worker_ended(message, frames)) is not None:
         # A worker process that died raised nothing: no line of code is its cause.
         summary, message = [], ended
+    elif (sample := noted_sample(exc)) is not None:   # the dataset raised, read in this process
+        message = f"{message} (reading sample {sample})"
     frame = FrameKinds().innermost_user(summary)
     return {
         "rank": rank, **where_of(exc),

@@ -110,8 +110,15 @@ class FrameKinds:
 # worker's own traceback as text ("Original Traceback (most recent call last): ...").
 _CAUGHT = re.compile(r"^Caught (?P<type>[\w.]+) (?P<where>in DataLoader worker process \d+)\.\s*$")
 _TB_FRAME = re.compile(r'^\s+File "(?P<path>.+)", line (?P<line>\d+), in (?P<name>.+?)\s*$')
-# The note scaleloop's worker adds with the index the dataset was asked for (launching.worker.note_samples).
+# The note scaleloop's DataLoader path adds with the index the dataset was asked for (data.loader).
 _SAMPLE_NOTE = "scaleloop: while reading sample "
+
+
+def noted_sample(exc: BaseException) -> Optional[str]:
+    """The sample index data.loader noted on ``exc`` (raised in this process), or None."""
+    notes = getattr(exc, "__notes__", None) or ()
+    return next((note[len(_SAMPLE_NOTE):].strip() for note in notes
+                 if isinstance(note, str) and note.startswith(_SAMPLE_NOTE)), None)
 
 
 @dataclass(frozen=True)
