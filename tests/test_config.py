@@ -388,7 +388,7 @@ def test_every_setting_is_declared_once_with_its_help() -> None:
             assert f.metadata["group"] in GROUPS and isinstance(f.metadata["choices"], tuple), f.name
     assert {name: where for name, where in owners.items() if len(where) > 1} == {}
     assert not set(owners) & set(SECTIONS)
-    assert set(owners) == set(SETTINGS) and len(SETTINGS) == 83
+    assert set(owners) == set(SETTINGS) and len(SETTINGS) == 86
     assert all(SETTINGS[name].section == where[0] for name, where in owners.items())
 
 

@@ -258,3 +258,54 @@ def test_factory_taking_info(user_module) -> None:
     """)
     model = build_model("mymod:make", MNIST)
     assert model(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+
+
+# --- TinyGPT's sizes: --d-model, --n-layers, --n-heads ------------------------------------------
+
+def test_tinygpt_takes_its_sizes_and_keeps_the_defaults_of_those_not_given() -> None:
+    model = build_model("tinygpt", TOKENS, d_model=48, n_layers=3, n_heads=6)
+    assert (model.tok_emb.embedding_dim, len(model.blocks), model.blocks[0].attn.n_heads) == (48, 3, 6)
+    model = build_model("tinygpt", TOKENS, n_layers=1)
+    assert (model.tok_emb.embedding_dim, len(model.blocks), model.blocks[0].attn.n_heads) == (128, 1, 4)
+
+
+@pytest.mark.parametrize("name, sizes, says", [
+    ("simplenet", dict(d_model=64), "--d-model 64 sizes the built-in --model tinygpt only, not --model simplenet"),
+    ("mymod:make", dict(n_layers=2, n_heads=2), "--n-layers 2 --n-heads 2 size the built-in --model tinygpt only"),
+    ("tinygpt", dict(d_model=130), "--d-model 130 must be divisible by --n-heads 4"),
+    ("tinygpt", dict(n_heads=0), "--n-heads must be a positive integer"),
+])
+def test_sizes_that_cannot_apply_are_refused_in_one_line(name: str, sizes: dict, says: str) -> None:
+    with pytest.raises(UsageError) as exc:
+        build_model(name, TOKENS, **sizes)
+    assert says in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_the_sizes_are_saved_with_the_run_and_rebuilt_from_it(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``scaleloop sample`` and a resumed run rebuild the model from config.toml; other sizes on
+    resume are refused in one line; a config.toml from before the sizes existed builds today's TinyGPT."""
+    from scaleloop.cli import main
+    from scaleloop.config import TrainConfig, load_toml, resolve, to_toml
+    from scaleloop.loop.build import build_data_and_model
+    from scaleloop.loop.sampling import sample
+
+    run = tmp_path / "run"
+    base = ["train", "--no-progress", "--tracker", "none", "--out", str(run)]
+    assert main([*base, "--model", "tinygpt", "--data", "tokens", "--n-samples", "64", "--seq-len", "16",
+                 "--batch-size", "16", "--device", "cpu", "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
+                 "--max-steps", "1"]) == 0
+    assert len(sample(run, "1 2 3", max_new_tokens=4)[0].split()) == 7   # the weights fit the rebuilt model
+    capsys.readouterr()
+    assert main([*base, "--max-steps", "2", "--n-heads", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "trained with --n-heads 2, this run asks for --n-heads 4" in err and len(err.splitlines()) == 1
+    assert main([*base, "--max-steps", "2"]) == 0   # without them: the saved sizes
+    assert load_toml(run / "config.toml")["d_model"] == 32
+
+    saved = to_toml(TrainConfig(model="tinygpt", data="tokens", n_samples=64, seq_len=16))
+    older = "".join(line for line in saved.splitlines(keepends=True)
+                    if not line.lstrip("# ").startswith(("d_model", "n_layers", "n_heads")))
+    assert "d_model" not in older
+    (tmp_path / "older.toml").write_text(older)
+    _, model = build_data_and_model(resolve(load_toml(tmp_path / "older.toml"), {}))
+    assert (model.tok_emb.embedding_dim, len(model.blocks), model.blocks[0].attn.n_heads) == (128, 2, 4)

@@ -33,7 +33,7 @@ TRAIN = (*SCALELOOP, "train", "--device", "cuda", "--epochs", "1", "--max-steps"
 BUDGET_S = 20 * 60
 #: Test files that hold the CUDA tests (they skip without a GPU, so on a GPU they run).
 CUDA_TEST_FILES = ("tests/runtime/test_devices.py", "tests/data/test_loader.py", "tests/loop/test_speed_options.py",
-                   "tests/loop/test_gpu_paths.py",
+                   "tests/loop/test_gpu_paths.py", "tests/loop/test_throughput.py",
                    "tests/loop/test_tune.py", "tests/distributed/test_precision_dist.py",
                    "tests/commands/test_bench_cli.py", "tests/commands/test_verify_cli.py")
 

@@ -8,14 +8,14 @@ strategy can wrap one block at a time.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from scaleloop.data.info import DataInfo
-from scaleloop.data.settings import MODEL_NAMES
+from scaleloop.data.settings import MODEL_NAMES, TINYGPT_DEFAULTS, tinygpt_sizes
 from scaleloop.errors import UsageError
 from scaleloop.hfconfig import build_causal_lm, is_config_path
 from scaleloop.plugins import call_factory, is_factory_spec, resolve_factory
@@ -190,9 +190,9 @@ class TinyGPT(nn.Module):
         self,
         vocab_size: int,
         seq_len: int,
-        d_model: int = 128,
-        n_layers: int = 2,
-        n_heads: int = 4,
+        d_model: int = TINYGPT_DEFAULTS.d_model,
+        n_layers: int = TINYGPT_DEFAULTS.n_layers,
+        n_heads: int = TINYGPT_DEFAULTS.n_heads,
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
@@ -261,15 +261,19 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "(" + ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
-def build_model(name: str, info: DataInfo, hidden_dim: int = 128) -> nn.Module:
+def build_model(name: str, info: DataInfo, hidden_dim: int = 128, *, d_model: Optional[int] = None,
+                n_layers: Optional[int] = None, n_heads: Optional[int] = None) -> nn.Module:
     """Build the model called ``name`` (or from a ``pkg.module:factory`` spec) for ``info``.
 
-    Built-in names are case-insensitive (see ``MODEL_NAMES``); ``hidden_dim`` sizes the MLPs.
+    Built-in names are case-insensitive (see ``MODEL_NAMES``); ``hidden_dim`` sizes the MLPs,
+    ``d_model``, ``n_layers`` and ``n_heads`` TinyGPT (None: its default; given for another
+    model, or a width the heads do not divide: ``UsageError``).
     A transformers ``config.json`` (or a directory holding one) builds its causal LM, randomly
     initialised, for token data (``scaleloop.hfconfig``).
     A factory is called with ``info`` if it takes a required argument, else with none, and
     must return an ``nn.Module``. Raises ``UsageError`` when the model cannot fit the data.
     """
+    sizes = tinygpt_sizes(name, d_model, n_layers, n_heads)
     if is_factory_spec(name):
         model = _call_model_factory(name, info)
         if not isinstance(model, nn.Module):
@@ -297,7 +301,8 @@ def build_model(name: str, info: DataInfo, hidden_dim: int = 128) -> nn.Module:
         if info.num_classes is None:
             raise UsageError(f"model 'tinygpt' is sized by the vocabulary size, which dataset {info.name!r} does not "
                              f"say and one sample cannot tell: {_DECLARE.format(attr='vocab_size')}")
-        return TinyGPT(vocab_size=info.num_classes, seq_len=info.input_shape[0])
+        return TinyGPT(vocab_size=info.num_classes, seq_len=info.input_shape[0], d_model=sizes.d_model,
+                       n_layers=sizes.n_layers, n_heads=sizes.n_heads)
     if info.task == "lm":
         raise UsageError(
             f"model {key!r} cannot model token sequences from dataset {info.name!r}; "

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from scaleloop.loop.result import RunResult
     from scaleloop.runtime.dist import DistEnv
 
-__all__ = ["train", "in_ray_train_worker", "started_by_ray_worker", "join_beside_ray", "metrics_of"]
+__all__ = ["train", "in_ray_train_worker", "started_by_ray_worker", "join_beside_ray", "metrics_of", "HandOff", "printed_once"]
 
 # What Ray sets in each worker process, and what its children inherit: the raylet's pid and
 # torchrun's variables for the process group Ray has made (ray/train/torch/config.py); read by
@@ -100,13 +100,21 @@ def train(cfg: "TrainConfig", *, log: Optional[Callable[[str], None]] = None,
         raise decided
     out, resume, note = decided
     cfg = cfg.replace(out=out, resume=resume)
-    with _rank_log(Path(out), env.rank):
+    with _rank_log(Path(out), env.rank) as rank_log:
         if env.is_main:
             (log or print)(f"scaleloop: in a Ray Train worker: rank 0 of {env.world_size}, in Ray's process group "
                            f"({env.backend or 'one process'}); checkpoints and metrics go to Ray (ray.train.report)"
                            + (f"\n{note}" if note else ""))
-        result = train_run(cfg, env, log=log, on_batch=on_batch, on_checkpoint=_report_checkpoint)
+        hand_off = HandOff(env)
+        result = train_run(cfg, env, log=log, on_batch=on_batch, on_checkpoint=hand_off.written)
+        hand_off.finish()   # the newest checkpoint, if it was held back
         ray.train.report(metrics_of(result))   # the summary; result.checkpoint stays the last one reported
+        if env.is_main:
+            from scaleloop.loop.summary import format_result
+
+            (log or print)(hand_off.line(result))
+            # Into the log only: the console's summary is the caller's to print (the CLI does).
+            rank_log.write(format_result(result) + "\n")
     return result
 
 
@@ -149,15 +157,68 @@ def metrics_of(result: "RunResult") -> dict[str, Any]:
     return {k: v for k, v in metrics.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
 
 
-def _report_checkpoint(path: Optional[Path], result: "RunResult") -> None:
-    """A checkpoint was written (every rank is here): rank 0 hands its directory to Ray.
+#: Ray's own setting (ray/train/v2/_internal/constants.py): how often its controller takes a
+#: report from the workers, in seconds; 2 unless the driver's environment sets it.
+RAY_POLL_VARIABLE, RAY_POLL_DEFAULT_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", 2.0
 
-    Ray copies it into its own storage; scaleloop's copy stays (and is pruned by
-    ``--keep-checkpoints`` as always), so Ray must not delete it after the upload."""
-    import ray.train
 
-    checkpoint = ray.train.Checkpoint.from_directory(str(path)) if path is not None else None
-    ray.train.report(metrics_of(result), checkpoint=checkpoint, delete_local_checkpoint_after_upload=False)
+class HandOff:
+    """Which checkpoints go to Ray (``ray.train.report``), and what handing them over cost.
+
+    Ray's controller takes one report from the workers per poll (every 2 s by default), and a
+    report waits until the one before it has been taken: handing Ray every checkpoint of a run
+    that writes one every 0.1 s would leave training waiting 2 s for each. So a checkpoint is
+    handed over only when the last hand-off is at least one poll old; the ones in between stay in
+    the run directory, and the newest is handed over at the end if it was held back. Rank 0
+    decides, and every rank follows (``ray.train.report`` is a barrier: all ranks call it alike).
+    """
+
+    def __init__(self, env: "DistEnv", interval_s: Optional[float] = None) -> None:
+        self.env = env
+        self.interval_s = float(os.environ.get(RAY_POLL_VARIABLE, RAY_POLL_DEFAULT_S)) if interval_s is None \
+            else interval_s
+        self.last: Optional[float] = None          # time.monotonic() of the last hand-off (rank 0)
+        self.held: Optional[tuple[Optional[Path], dict[str, Any]]] = None   # the newest held back
+        self.count = self.handed = 0
+        self.seconds = 0.0                          # spent in ray.train.report for checkpoints, on this rank
+
+    def written(self, path: Optional[Path], result: "RunResult") -> None:
+        """A checkpoint was written (every rank is here; ``path`` is rank 0's directory)."""
+        import time
+
+        from scaleloop.runtime.collectives import broadcast_object
+
+        self.count += 1
+        due = self.last is None or time.monotonic() - self.last >= self.interval_s
+        if broadcast_object(due if self.env.is_main else None, self.env):
+            self._report(path, metrics_of(result))
+        else:
+            self.held = (path, metrics_of(result))
+
+    def finish(self) -> None:
+        """Hand over the newest checkpoint if it was held back (every rank calls this)."""
+        if self.held is not None:
+            self._report(*self.held)
+
+    def _report(self, path: Optional[Path], metrics: dict[str, Any]) -> None:
+        import time
+
+        import ray.train
+
+        start = time.perf_counter()
+        # Ray copies the directory into its storage; scaleloop's copy stays (pruned by
+        # --keep-checkpoints as always), so Ray must not delete it after the upload.
+        checkpoint = ray.train.Checkpoint.from_directory(str(path)) if path is not None else None
+        ray.train.report(metrics, checkpoint=checkpoint, delete_local_checkpoint_after_upload=False)
+        self.seconds += time.perf_counter() - start
+        self.last, self.held = time.monotonic(), None
+        self.handed += 1
+
+    def line(self, result: "RunResult") -> str:
+        """What the hand-off cost, beside what writing the checkpoints cost."""
+        return (f"ray: {self.handed} of {self.count} checkpoint(s) handed to Ray in {self.seconds:.2f} s "
+                f"(writing them took {result.checkpoint_s:.2f} s); at most one per {self.interval_s:g} s, "
+                f"as often as Ray takes a report ({RAY_POLL_VARIABLE})")
 
 
 def _copy_checkpoint(directory: Path, step: int, out: Path) -> str:
@@ -201,7 +262,29 @@ def join_beside_ray(env: "DistEnv") -> None:
 
 
 @contextlib.contextmanager
-def _rank_log(run_dir: Path, rank: int) -> Iterator[None]:
+def printed_once() -> Iterator[None]:
+    """While the block runs, each ``print`` of a Ray Train worker reaches the console once.
+
+    Ray Train replaces ``print`` in its workers: each line goes to the logging module (whose
+    console handler shows it) and, when ``sys.stdout`` is not the process's own stream, is printed
+    there too. Ray's workers replace ``sys.stdout`` themselves, so every line would be shown
+    twice; the block writes to the process's own stream instead. Outside Ray's ``print`` (a plain
+    process) it changes nothing."""
+    import builtins
+
+    if builtins.print.__module__ == "builtins" or sys.__stdout__ is None:
+        yield
+        return
+    saved = sys.stdout
+    sys.stdout = sys.__stdout__
+    try:
+        yield
+    finally:
+        sys.stdout = saved
+
+
+@contextlib.contextmanager
+def _rank_log(run_dir: Path, rank: int) -> Iterator["_RankLog"]:
     """This rank's output, also into ``<run>/logs/rank-<R>.log``.
 
     Ray Train replaces ``print`` in its workers with its own, which hands each line to the
@@ -218,7 +301,8 @@ def _rank_log(run_dir: Path, rank: int) -> Iterator[None]:
         handler = _LogHandler(log)
         logging.getLogger().addHandler(handler)
     try:
-        yield
+        with printed_once():
+            yield log
     except BaseException:
         import traceback
 

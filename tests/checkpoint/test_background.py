@@ -1,15 +1,19 @@
-"""``--async-checkpoint`` in one process: the host copy a background write is made from, and a
-write that fails in the background ending the run in the synchronous path's one line."""
+"""``--async-checkpoint`` in one process: the host copy a background write is made from, a
+write that fails in the background ending the run in the synchronous path's one line, and the
+warning of a write that another rank's loss cut short, in plain words."""
 from __future__ import annotations
 
 import errno
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from scaleloop.checkpoint.background import host_copy
+from scaleloop.checkpoint.background import BackgroundWrite, InFlight, Outcome, host_copy, why_not_written
+from scaleloop.checkpoint.manager import Checkpointer
+from scaleloop.checkpoint.settings import CheckpointSettings
 from scaleloop.commands.doctor import diagnose
 from scaleloop.config import TrainConfig
 from scaleloop.loop.training import train
@@ -54,3 +58,40 @@ def test_a_background_write_that_fills_the_disk_ends_the_run_in_the_same_one_lin
     told = diagnose(Path(cfg.out))
     assert told.state == "unwritable" and told.what == f"stopped while writing the checkpoint of step 4: {caught.value}"
     assert told.checkpoint is not None and told.checkpoint.step == 2
+
+
+#: What Gloo raised on rank 0 when rank 1 was SIGKILLed mid-write of a --mesh fsdp=2 checkpoint
+#: (torch 2.13, seen by hand), and what it says when the peer's socket closes cleanly.
+GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:14007: "
+              "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the "
+              "application. Check the logs of the remote worker before reporting an error. GLHF! 🏖️")
+GLOO_CLOSED = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:20660"
+NCCL_REMOTE = ("NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:317, remote process exited or there was "
+               "a network error, NCCL version 2.21.5\nncclRemoteError: A call failed possibly due to a network error")
+PEER_LOST = "another rank was lost during the write (its process ended or its connection closed)"
+
+
+@pytest.mark.parametrize("text", [GLOO_RESET, GLOO_CLOSED, NCCL_REMOTE])
+def test_a_peer_lost_during_a_write_is_said_in_plain_words(text: str) -> None:
+    assert why_not_written(RuntimeError(text)) == PEER_LOST
+
+
+def test_another_failure_keeps_its_first_line_without_the_library_s_source_place() -> None:
+    timeout = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms "
+                           "for recv operation to complete\nmore detail")
+    assert why_not_written(timeout) == "RuntimeError: Timed out waiting 1800000ms for recv operation to complete"
+    assert why_not_written(ValueError()) == "ValueError"
+
+
+def test_the_warning_of_a_write_that_lost_its_peer_names_no_library_text() -> None:
+    said: list[str] = []
+    checkpointer = Checkpointer(SimpleNamespace(env=DistEnv()), CheckpointSettings(), {}, seed=0, say=said.append)
+
+    def lost_peer() -> Outcome:   # DCP's wait for the shards, in the writer thread, as Gloo raised it
+        raise RuntimeError(GLOO_RESET)
+
+    write = BackgroundWrite(6, lost_peer)
+    checkpointer._pending = InFlight(6, 3, write.wait, write)   # as save() leaves a write in flight
+    checkpointer.wait_alone()   # an exception is leaving the loop (the lost peer's, on the training thread)
+    assert said == [f"warning: the checkpoint of step 6 was not written: {PEER_LOST}"]
+    assert checkpointer.last_step == 3

@@ -106,3 +106,22 @@ def test_no_checkpoints_flag(capsys: pytest.CaptureFixture[str], tmp_path: Path)
     assert code == 0, err
     assert "none written" in summary_line(out, "checkpoints")
     assert list((run / "checkpoints").glob("step-*")) == []
+
+
+def test_a_continue_with_nothing_left_says_so_in_one_line_and_prints_no_summary(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    run = tmp_path / "run"   # 2 steps an epoch
+    code, _, err = run_cli(capsys, "train", *SMALL, "--max-steps", "3", "--out", str(run))
+    assert code == 0, err
+    for argv, line in [
+        (["--max-steps", "3"], "the run already reached step 3 (--max-steps 3); pass a larger --max-steps"),
+        (["--max-steps", "2", "--profile"],
+         "the run already reached step 3 (--max-steps 2); pass a larger --max-steps"),
+        (["--epochs", "1", "--max-steps", "9"],
+         "the run already reached step 3, past the end of epoch 1 (--epochs 1); pass a larger --epochs"),
+    ]:
+        code, out, err = run_cli(capsys, "train", "--out", str(run), *argv)
+        assert (code, err) == (0, "")   # not an error
+        assert out.splitlines()[-1] == f"nothing left to train: {line} to train further", out
+        assert "summary" not in out and "nan" not in out and "wall time" not in out, out
+        assert "profile" not in out, out   # no "no step recorded" of a profile never begun

@@ -51,7 +51,7 @@ def test_single_process_checkpoint_loads_bit_for_bit(tmp_path: Path, capsys) -> 
     # --max-steps 7 leaves nothing to train: model.pt holds the weights exactly as loaded.
     _train(["--resume", str(FIXTURES / "single-step7"), "--out", str(tmp_path / "run"),
             *[a for a in COMMON if a not in ("--max-steps", "12")], "--max-steps", "7"])
-    assert "nothing left to train: the checkpoint is at step 7" in capsys.readouterr().out
+    assert "nothing left to train: the run already reached step 7 (--max-steps 7)" in capsys.readouterr().out
     loaded = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
     saved = torch.load(FIXTURES / "single-step7" / "state.pt", weights_only=True)["model"]
     assert loaded.keys() == saved.keys()

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 
+from scaleloop.checkpoint.manager import Progress
 from scaleloop.checkpoint.resume import FIXED_ON_RESUME, check_compatible
 from scaleloop.config import config_for_resume
 from scaleloop.checkpoint.store import (MANIFEST_FILE, STATE_FILE, CheckpointError, list_checkpoints,
@@ -157,7 +158,8 @@ def test_interrupted_and_resumed_run_is_bitwise_identical(tmp_path: Path, precis
     assert torch.equal(final["sums"], ref_final["sums"])
     progress = {k: v for k, v in final["progress"].items() if k != "train_s"}
     assert progress == {k: v for k, v in ref_final["progress"].items() if k != "train_s"}
-    assert progress == {"epoch": 2, "step_in_epoch": 0, "global_step": 12, "samples": 2 * 560, "skipped_steps": 0}
+    assert progress == {"epoch": 2, "step_in_epoch": 0, "global_step": 12, "samples": 2 * 560, "skipped_steps": 0,
+                        "window_from": 12}   # the log row of step 12 came before its checkpoint
 
 
 def test_resume_continues_the_random_number_streams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -310,11 +312,31 @@ def test_a_finished_run_resumed_again_has_nothing_left_to_train(tmp_path: Path) 
 def test_max_steps_reached_has_nothing_left_to_train(tmp_path: Path) -> None:
     cfg = small(tmp_path, max_steps=3, epochs=5)
     first = train(cfg, CPU, log=quiet)
-    assert first.steps == 3
+    assert first.steps == 3 and not first.nothing_left
     lines: list[str] = []
     again = train(cfg, CPU, log=lines.append)
-    assert any("nothing left to train" in line and "--max-steps 3" in line for line in lines), lines
-    assert again.steps == 3
+    assert ("nothing left to train: the run already reached step 3 (--max-steps 3); pass a larger --max-steps "
+            "to train further") in lines, lines
+    assert again.steps == 3 and again.nothing_left
+
+
+def test_a_resumed_run_s_last_log_window_is_labelled_with_the_steps_its_loss_is_over(tmp_path: Path) -> None:
+    from scaleloop.loop.summary import format_result
+
+    # Never interrupted, a log row every 2 steps: the last window is steps 3-4.
+    whole = train(small(tmp_path, "whole", max_steps=4, log_every=2), CPU, log=quiet)
+    assert whole.window_steps == (3, 4)
+    # Stopped at step 3 (its checkpoint's window holds step 3's loss), then continued with a log row
+    # every 4 steps: the row at step 4 is the mean over steps 3-4, the whole run's, bit for bit.
+    cfg = small(tmp_path, "resumed", max_steps=3, log_every=2)
+    train(cfg, CPU, log=quiet)
+    resumed = train(cfg.replace(max_steps=4, log_every=4), CPU, log=quiet)
+    assert resumed.window_loss == whole.window_loss
+    assert resumed.window_steps == (3, 4)
+    assert f"last log window (steps 3-4) {whole.window_loss:.4f}" in format_result(resumed)
+    # A checkpoint from before the window's start was saved: the last multiple of --log-every.
+    assert Progress(global_step=7).log_window_from(5) == 5
+    assert Progress(global_step=7, window_from=3).log_window_from(5) == 3
 
 
 # --- how many checkpoints ------------------------------------------------------------------

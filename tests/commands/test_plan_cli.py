@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from scaleloop.cli import build_parser, main
 from scaleloop.commands.cmdline import flag_values
-from scaleloop.config import resolve
+from scaleloop.config import load_toml, resolve
+from scaleloop.models import TinyGPT
 
 
 def test_plan_ranks_the_layouts_and_gives_a_train_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -43,6 +47,7 @@ def test_a_model_too_large_for_the_gpus_is_said_to_fit_nowhere(capsys: pytest.Ca
     (["--gpus", "4", "--gpu", "h100", "--batch-size", "0"], "--batch-size must be a positive integer"),
     (["--gpus", "4", "--gpu", "h100", "--mfu", "1.5"], "--mfu must be in (0, 1]"),
     (["--gpus", "4", "--gpu", "h100", "--d-model", "130"], "must be divisible by --n-heads"),
+    (["--gpus", "4", "--gpu", "h100", "--data", "tokens", "--data-dir", "d"], "--data tokens reads none"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], says: str) -> None:
     code = main(["plan", *argv])
@@ -50,21 +55,37 @@ def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], ar
     assert code == 2 and len(err.splitlines()) == 1 and says in err and "Traceback" not in err + out
 
 
-def test_a_resized_tinygpts_train_line_runs_once_its_factory_is_saved(
-        capsys: pytest.CaptureFixture[str], tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The line named ``YOUR.module:tinygpt_factory``, which no train could import; now a module the
-    note gives, one line, saved where train runs."""
+def write_token_files(directory: Path, vocab: int, tokens: int = 4096) -> None:
+    """``train.bin`` and ``val.bin`` of uint16 token ids, as nanoGPT's prepare.py writes them."""
+    rng = np.random.default_rng(0)
+    directory.mkdir(parents=True, exist_ok=True)
+    rng.integers(0, vocab, tokens, dtype=np.uint16).tofile(directory / "train.bin")
+    rng.integers(0, vocab, tokens // 4, dtype=np.uint16).tofile(directory / "val.bin")
+
+
+def test_a_resized_tinygpts_train_line_runs_as_printed(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The line once named ``YOUR.module:tinygpt_factory`` and ``--data tokens``, which no train could run as
+    printed; now train's own flags and the user's data named as such. Only the data directory is filled in,
+    and ``--device cpu --max-steps 1`` added: the run trains the planned model, and saves its sizes."""
     assert main(["plan", "--gpus", "1", "--gpu", "h100", "--d-model", "32", "--n-layers", "3", "--seq-len", "16",
                  "--batch-size", "4"]) == 0
     out = capsys.readouterr().out
     line = next(l for l in out.splitlines() if l.strip().startswith("scaleloop train"))
-    note = next(l for l in out.splitlines() if "where you run train: " in l)
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "plan_tinygpt.py").write_text(note.split("where you run train: ", 1)[1] + "\n")
-    monkeypatch.delitem(__import__("sys").modules, "plan_tinygpt", raising=False)
-    argv = shlex.split(line)[1:]
-    argv[argv.index("--device") + 1] = "cpu"
-    argv[argv.index("--precision") + 1] = "fp32"
-    assert argv[argv.index("--model") + 1] == "plan_tinygpt:build"
-    code = main([*argv, "--max-steps", "1", "--n-samples", "32", "--out", str(tmp_path / "run"), "--no-progress"])
-    assert code == 0, capsys.readouterr().err
+    assert "--model tinygpt --d-model 32 --n-layers 3 --n-heads 4 --vocab-size 256" in line
+    assert "--data tokenfile --data-dir YOUR_DATA_DIR" in line and "--data tokens " not in line
+    assert "note: YOUR_DATA_DIR: a directory with train.bin and val.bin as nanoGPT's prepare.py writes them" in out
+    write_token_files(tmp_path / "data", vocab=256)
+    monkeypatch.chdir(tmp_path)   # where the run directory goes: the line names none
+    argv = shlex.split(line.replace("YOUR_DATA_DIR", str(tmp_path / "data")))[1:]
+    assert main([*argv, "--device", "cpu", "--max-steps", "1"]) == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    [config] = tmp_path.glob("**/config.toml")
+    saved = load_toml(config)
+    assert (saved["model"], saved["d_model"], saved["n_layers"], saved["n_heads"]) == ("tinygpt", 32, 3, 4)
+    assert saved["data_dir"] == str(tmp_path / "data") and saved["precision"] == "bf16"
+    # The weights it wrote are those of the planned model, name for name and shape for shape.
+    planned = TinyGPT(256, 16, d_model=32, n_layers=3, n_heads=4).state_dict()
+    trained = torch.load(config.parent / "model.pt", weights_only=True)
+    assert {k: tuple(v.shape) for k, v in trained.items()} == {k: tuple(v.shape) for k, v in planned.items()}

@@ -1,13 +1,16 @@
 """``scaleloop plot``: runs' curves on one picture, and its one-line errors."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from scaleloop.cli import main
 from scaleloop.commands.plot import label_of
-from scaleloop.output.compare import Curves
+from scaleloop.output import profile_summary
+from scaleloop.output.compare import END_ROWS, Curves
+from scaleloop.output.profile_trace import analyse
 
 HEADER = "kind,epoch,step,samples,train_loss,test_loss,test_acc,lr,samples_per_s,wall_s\n"
 
@@ -43,3 +46,36 @@ def test_what_is_not_a_run_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest
     assert main(["plot", str(empty), "--out", str(tmp_path / "x.png")]) == 2
     assert "logged no training step yet" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def _short_profiled_run(root: Path) -> Path:
+    """A finished 6-step run with --log-every 10 and --profile 1: metrics.csv has its ``stop`` row
+    only (no step reached a log row), and profile/summary.json as the run wrote it."""
+    run = root / "short"
+    (run / "profile").mkdir(parents=True)
+    (run / "config.toml").write_text('[model_data]\nmodel = "simplenet"\n[output]\nlog_every = 10\nprofile = 1\n')
+    (run / "metrics.csv").write_text(HEADER + "stop,1,6,384,0.5646,0.4358,0.869,0.01,7891.8,1.19\n")
+    step = {"ph": "X", "name": "scaleloop.step", "ts": 0, "dur": 1000, "tid": 1, "pid": 1, "cat": "user_annotation"}
+    addmm = {"ph": "X", "name": "aten::addmm", "ts": 100, "dur": 300, "tid": 1, "pid": 1, "cat": "cpu_op"}
+    trace = run / "profile" / "rank-0.pt.trace.json"
+    trace.write_text(json.dumps({"traceEvents": [step, addmm]}))
+    profile_summary.write(run / "profile", profile_summary.combine([analyse(trace)], first_step=3))
+    return run
+
+
+def test_a_run_shorter_than_log_every_is_drawn_from_its_end_row_with_its_profile(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    short = _short_profiled_run(tmp_path)
+    png = tmp_path / "compare.png"
+    assert main(["plot", str(short), "--out", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"wrote {png}: 1 run(s), loss by step and by wall time, throughput"
+    # One line says what is missing and what was drawn instead.
+    assert out[1] == (f"note: {str(short)!r} logged no step row (its 6 steps are fewer than --log-every 10): "
+                      "drawn from the mean loss at each epoch's end or where it stopped (1 point)")
+    # The profile summary the docs promise, as the run printed it.
+    assert out[2] == f"{short}:" and out[3].startswith("profile: 1 step(s) (step 3) on 1 rank(s)")
+    assert any(line.startswith("  top operators, rank 0 (self ms per step): aten::addmm") for line in out)
+    curves = Curves.read(short / "metrics.csv", "short", kinds=END_ROWS)
+    assert curves.step == [6.0] and curves.loss == [0.5646] and curves.wall_s == [1.19]

@@ -4,20 +4,59 @@ The fork server (``forkserver.py``) runs one request at a time, but the machines
 Kubeflow job's pods, a SLURM job's tasks, the launchers of ``--nnodes 2``) must all be running
 for any of them to get past the rendezvous. Started as one request of the server, this script
 forks every run of ``SPEC`` (a JSON object: ``runs``, a list of the server's requests, each with
-an optional ``delay`` in seconds; ``codes``, the file that gets their exit codes) and turns each
-fork into its run exactly as the server does (``forkserver._child``): this process, like the
-server, has only imported modules, so its forks are as clean as the server's. It ends once every
-run has ended.
+an optional ``delay`` in seconds and an optional ``netns``; ``codes``, the file that gets their
+exit codes) and turns each fork into its run exactly as the server does (``forkserver._child``):
+this process, like the server, has only imported modules, so its forks are as clean as the
+server's. A run with ``netns`` first joins that network namespace as ``ip netns exec NETNS``
+would (:func:`enter_network_namespace`): a pod of tests/distributed/test_kubernetes.py. It ends
+once every run has ended.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import forkserver
+
+# <sched.h> and <sys/mount.h>
+CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
+MS_RDONLY, MS_BIND, MS_REC, MS_SLAVE = 0x1, 0x1000, 0x4000, 0x80000
+MNT_DETACH = 0x2
+
+
+def enter_network_namespace(name: str) -> None:
+    """Do what ``ip netns exec NAME`` does before it starts its command: join the network
+    namespace ``ip netns add NAME`` made, in a mount namespace of this process's own (nothing
+    mounted here reaches the host) where /sys describes that namespace's network and each file of
+    /etc/netns/NAME is bind-mounted over its namesake in /etc (a pod's own /etc/hosts)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def call(what: str, result: int) -> None:
+        if result != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"{what} (joining network namespace {name!r}): {os.strerror(errno)}")
+
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        call("setns", libc.setns(fd, CLONE_NEWNET))
+    finally:
+        os.close(fd)
+    call("unshare", libc.unshare(CLONE_NEWNS))
+    call("mount --make-rslave /", libc.mount(b"", b"/", b"none", MS_SLAVE | MS_REC, None))
+    # As ip does: a /sys that cannot be unmounted is overlaid (read-only if it was).
+    flags = 0
+    if libc.umount2(b"/sys", MNT_DETACH) != 0 and os.statvfs("/sys").f_flag & os.ST_RDONLY:
+        flags = MS_RDONLY
+    call("mount /sys", libc.mount(name.encode(), b"/sys", b"sysfs", flags, None))
+    etc = Path("/etc/netns") / name
+    for config in sorted(etc.iterdir()) if etc.is_dir() else []:
+        call(f"bind-mount {config}", libc.mount(str(config).encode(), f"/etc/{config.name}".encode(), b"none",
+                                                MS_BIND, None))
 
 
 def main(spec_path: str) -> int:
@@ -31,6 +70,12 @@ def main(spec_path: str) -> int:
             stream.flush()
         pid = os.fork()
         if pid == 0:
+            if request.get("netns"):
+                try:
+                    enter_network_namespace(request["netns"])
+                except BaseException:
+                    traceback.print_exc()
+                    os._exit(1)
             forkserver._child(request)   # never returns
         pids.append(pid)
     codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]

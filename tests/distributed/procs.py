@@ -81,9 +81,11 @@ class ForkServer:
         return json.loads(line)
 
     def run(self, cmd: Sequence[str], *, cwd: Path, timeout: float, env: dict[str, str],
-            merge: bool = False) -> subprocess.CompletedProcess:
+            merge: bool = False, sweep: bool = True) -> subprocess.CompletedProcess:
         """``cmd`` (``python -m M ...``, ``python -c CODE`` or ``python SCRIPT ...``) in a fork: its
-        status and output (``merge``: the standard error in the output, as ``2>&1``)."""
+        status and output (``merge``: the standard error in the output, as ``2>&1``). Its session is
+        ended after it, and (``sweep``) every other process this test session started: False for a
+        run that goes on beside one on another server (two machines at once), whose caller sweeps."""
         with self._lock, tempfile.TemporaryDirectory(prefix="sl-fork-") as tmp:
             server = self._start()
             out = Path(tmp) / "stdout"
@@ -94,11 +96,11 @@ class ForkServer:
             try:
                 code = self._reply(timeout)["code"]
             except subprocess.TimeoutExpired:
-                _kill_session(pid)
+                _kill_session(pid, sweep)
                 self._reply(60)
                 raise subprocess.TimeoutExpired(list(cmd), timeout, _text(out), None if merge else _text(err)) from None
             finally:
-                _kill_session(pid)   # torchrun's workers, should any outlive it
+                _kill_session(pid, sweep)   # torchrun's workers, should any outlive it
             return subprocess.CompletedProcess(list(cmd), code, _text(out), None if merge else _text(err))
 
 
@@ -123,12 +125,13 @@ def _text(path: Path) -> str:
         return ""
 
 
-def _kill_session(pid: int) -> None:
+def _kill_session(pid: int, sweep: bool = True) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    kill_owned()
+    if sweep:
+        kill_owned()
 
 
 SERVER = ForkServer()

@@ -1,10 +1,15 @@
-"""``--async-checkpoint`` on real 2-process runs, started as users start them (issue 43.2).
+"""``--async-checkpoint`` on real multi-process runs, started as users start them (issues 43.2, 53.7).
 
-- ddp and fsdp: every process SIGKILLed while the checkpoint of step 8 is being written in the
-  background (its ``.tmp-step-00000008-*`` directory is there) leaves step 4 the newest valid
-  checkpoint; ``scaleloop train --out DIR`` continues from it to the weights, and the last
-  checkpoint's state, of the same run written synchronously and never interrupted, bit for bit;
+- ddp, fsdp, pipeline (SimpleNet in 2 stages) and ``--mesh dp=2``: every process SIGKILLed while
+  the checkpoint of step 8 is being written in the background (its ``.tmp-step-00000008-*``
+  directory is there) leaves step 4 the newest valid checkpoint; ``scaleloop train --out DIR``
+  continues from it to the weights, and the last checkpoint's state, of the same run written
+  synchronously and never interrupted, bit for bit;
 - the ddp one also continues on 1 process (another world size), to those weights within rounding;
+- two machines (one process each, on loopback) with ``--shared-fs no``, each with its own run
+  directory: killed the same way, both continue from their step-4 checkpoints, and both
+  directories end with the uninterrupted ddp run's state bit for bit (machine 0's weights and
+  checkpoint, machine 1's verified copy of it);
 - SIGTERM to the launcher while a checkpoint is written in the background: the workers wait for
   that write, write the stop checkpoint, and end in the one line that says how to continue; every
   checkpoint left verifies.
@@ -19,6 +24,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,8 +39,21 @@ from scaleloop.checkpoint.store import list_checkpoints, newest_valid, verify_ch
 
 pytestmark = pytest.mark.distributed
 
-SETTINGS = ["--data", "random", "--n-samples", "640", "--batch-size", "64", "--epochs", "1", "--hidden-dim", "100000",
-            "--checkpoint-every", "4", "--nproc", "2", "--no-progress", "--no-tensorboard", "--device", "cpu"]
+# 10 steps: checkpoints at steps 4, 8 and 10 (the epoch's end); each run is killed in the second.
+RUN = ["--data", "random", "--n-samples", "640", "--batch-size", "64", "--epochs", "1", "--hidden-dim", "100000",
+       "--checkpoint-every", "4", "--no-progress", "--no-tensorboard", "--device", "cpu"]
+SETTINGS = [*RUN, "--nproc", "2"]
+STRATEGIES = {
+    "ddp": ["--strategy", "ddp"],
+    "fsdp": ["--strategy", "fsdp"],
+    # SimpleNet cut into [Flatten, Linear, ReLU] and [Linear]; rank 0 gathers and writes the whole model.
+    "pipeline": ["--strategy", "pipeline"],
+    # The cheapest mesh of 2 processes (SimpleNet has no tp_plan): replicated over dp; DCP writes it, as fsdp's.
+    "mesh": ["--mesh", "dp=2"],
+}
+SHARDED = {"fsdp", "mesh"}   # their model and optimizer are in DCP's files, not in state.pt
+# Two machines of one process each on loopback, each with its own run directory (no shared disk).
+MACHINES = ["--nproc", "1", "--nnodes", "2", "--master-addr", "127.0.0.1", "--shared-fs", "no", "--strategy", "ddp"]
 RUN_S = 240
 ENV = {"OMP_NUM_THREADS": "1"}
 
@@ -85,17 +104,33 @@ def equal(a: object, b: object) -> bool:
     return a == b
 
 
-@pytest.fixture(scope="module", params=["ddp", "fsdp"])
-def killed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path]:
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The run of a strategy written synchronously and never interrupted, made once per strategy
+    (the two machines' test compares with the ddp one: the same sums of the same 2 ranks)."""
+    made: dict[str, Path] = {}
+
+    def get(strategy: str) -> Path:
+        if strategy not in made:
+            whole = tmp_path_factory.mktemp(f"whole-{strategy}") / "whole"
+            res = train(*SETTINGS, *STRATEGIES[strategy], "--out", str(whole), cwd=whole.parent)
+            assert res.returncode == 0, res.stdout + res.stderr
+            made[strategy] = whole
+        return made[strategy]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=list(STRATEGIES))
+def killed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+           uninterrupted: Callable[[str], Path]) -> tuple[str, Path, Path]:
     """(strategy, the run written synchronously and never interrupted, an async run SIGKILLed
     mid-write of its step-8 checkpoint)."""
     strategy = request.param
+    whole = uninterrupted(strategy)
     base = tmp_path_factory.mktemp(f"async-{strategy}")
-    whole = base / "whole"
-    res = train(*SETTINGS, "--strategy", strategy, "--out", str(whole), cwd=base)
-    assert res.returncode == 0, res.stdout + res.stderr
     out = base / "killed"
-    proc = start([*SETTINGS, "--strategy", strategy, "--async-checkpoint", "--out", str(out)], base)
+    proc = start([*SETTINGS, *STRATEGIES[strategy], "--async-checkpoint", "--out", str(out)], base)
     try:
         wait_until(writing(out, 8), proc, "the background write of step 8")
         kill_owned()   # every process of the run at once: launcher, torchrun and both workers
@@ -123,7 +158,7 @@ def test_a_run_killed_mid_background_write_keeps_the_previous_checkpoint_and_res
     assert "written in the background" in res.stdout
     assert not list(root.glob(".tmp-*")), "the dead write's temporary directory was not cleaned up"
     assert equal(weights(out), weights(whole)), "the continued async run's weights differ from the sync run's"
-    if strategy == "ddp":   # state.pt holds the whole state (fsdp's is in DCP's files)
+    if strategy not in SHARDED:   # state.pt holds the whole state
         assert equal(last_state(out), last_state(whole)), "the last async checkpoint differs from the sync one"
     for path in list_checkpoints(root):
         verify_checkpoint(path)
@@ -135,6 +170,61 @@ def test_a_run_killed_mid_background_write_keeps_the_previous_checkpoint_and_res
         got, want = weights(copy), weights(whole)
         scale = max(float(t.abs().max()) for t in want.values())
         assert all(torch.allclose(got[k], want[k], rtol=0, atol=1e-5 * scale) for k in want)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def machines(args_of: Callable[[int], list[str]], cwd: Path) -> list[subprocess.Popen]:
+    """Both machines' launchers at once, machine ``i`` with ``args_of(i)``, on a master port free now."""
+    port = str(free_port())
+    return [start([*args_of(i), "--master-port", port], cwd) for i in (0, 1)]
+
+
+def test_two_machines_without_a_shared_disk_killed_mid_background_write_both_resume_bitwise(
+        tmp_path: Path, uninterrupted: Callable[[str], Path]) -> None:
+    whole = uninterrupted("ddp")
+    dirs = [tmp_path / f"machine{i}" for i in (0, 1)]
+    procs = machines(lambda i: [*RUN, *MACHINES, "--node-rank", str(i), "--async-checkpoint", "--out", str(dirs[i])],
+                     tmp_path)
+    try:
+        wait_until(writing(dirs[0], 8), procs[0], "machine 0's background write of step 8")
+        kill_owned()   # both machines' launchers, torchruns and workers at once
+        for proc in procs:
+            proc.wait(timeout=60)
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    roots = [d / "checkpoints" for d in dirs]
+    assert list(roots[0].glob(".tmp-step-00000008-*"))   # the write it was killed in
+    for root in roots:   # machine 1's copy of step 4 was made at the save of step 8, before its write
+        assert [p.name for p in list_checkpoints(root)] == ["step-00000004"], root
+        assert verify_checkpoint(root / "step-00000004").step == 4
+
+    # Each machine continues with its run directory's saved settings (a new port: the old one may linger).
+    procs = machines(lambda i: ["--out", str(dirs[i])], tmp_path)
+    said = []
+    try:
+        for i, proc in enumerate(procs):   # machine 0 first: if it fails, it says why, and the other is ended
+            said.append(proc.communicate(timeout=RUN_S))
+            assert proc.returncode == 0, f"machine {i}:\n{said[i][0]}\n{said[i][1]}"
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    assert f"resuming from {roots[0]}/step-00000004" in said[0][0], said[0][0]
+    assert "written in the background" in said[0][0]
+    assert equal(weights(dirs[0]), weights(whole)), "machine 0's weights differ from the uninterrupted run's"
+    if (dirs[1] / "model.pt").exists():   # a machine's copy of the final weights, where it keeps one
+        assert equal(weights(dirs[1]), weights(whole)), "machine 1's copy of the weights differs from the sync run's"
+    for i, root in enumerate(roots):
+        assert not list(root.glob(".tmp-*")), f"machine {i} kept a temporary directory"
+        for path in list_checkpoints(root):
+            verify_checkpoint(path)
+        assert equal(last_state(dirs[i]), last_state(whole)), f"machine {i}'s last checkpoint differs from the sync run's"
+    assert [p.name for p in list_checkpoints(roots[1])] == [p.name for p in list_checkpoints(roots[0])]
 
 
 def test_sigterm_during_a_background_write_waits_for_it_then_stops_with_a_checkpoint(tmp_path: Path) -> None:

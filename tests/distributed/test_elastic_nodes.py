@@ -34,6 +34,7 @@ import torch
 from netns import Host, can_make_namespaces, cut, hosts, kill_inside, reconnect
 from procs import SRC, child_env, kill_group, run
 
+from scaleloop.commands.doctor import diagnose, format_diagnosis
 from scaleloop.data.sampler import StepSampler
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -214,6 +215,14 @@ def assert_recovery_reported(run_dir: Path, output: str, world_before: int, worl
     assert doctor.returncode == 0 and "recovered (torchrun's restart 1 of " in doctor.stdout, doctor.stdout + doctor.stderr
 
 
+def assert_a_finished_copy(machine: Path, rank0: Path) -> None:
+    """A machine that finished the run beside rank 0's keeps the final weights too, and its own run
+    directory reads as the finished run (not "stopped without finishing")."""
+    assert (machine / "model.pt").read_bytes() == (rank0 / "model.pt").read_bytes()
+    told = diagnose(machine)
+    assert told.state == "finished" and told.what.startswith("finished after "), format_diagnosis(told)
+
+
 @pytest.mark.skipif(reason is not None, reason=reason or "")
 def test_machine_zero_dies_and_the_others_finish_from_their_copies(cluster: Cluster, references: dict[int, Path]) -> None:
     for i in range(3):
@@ -232,6 +241,7 @@ def test_machine_zero_dies_and_the_others_finish_from_their_copies(cluster: Clus
     assert_same_weights(continued(references[3], step, 2), cluster.run_dir(1) / "model.pt")
     assert_recovery_reported(cluster.run_dir(1), out, 3, 2, step)
     assert "rank 0 of 3 stopped answering" in out
+    assert_a_finished_copy(cluster.run_dir(2), cluster.run_dir(1))
 
     # Samples: machine 1 was rank 1 of 3, then rank 0 of 2; machine 2 rank 2 of 3, then rank 1 of 2.
     assert_attempts(cluster.records(1), 3, 2, step, (1, None), (0, None))
@@ -257,6 +267,7 @@ def test_machine_cut_off_and_the_others_finish(cluster: Cluster, references: dic
     assert_same_weights(continued(references[3], step, 2), cluster.run_dir(0) / "model.pt")
     assert_recovery_reported(cluster.run_dir(0), out, 3, 2, step)
     assert "rank 1 of 3 stopped answering: the others' collective timed out" in out
+    assert_a_finished_copy(cluster.run_dir(2), cluster.run_dir(0))
     # Both survivors' workers failed (timed out), so each agent counted one restart.
     assert_attempts(cluster.records(0), 3, 2, step, (0, 0), (0, 1))
     assert_attempts(cluster.records(2), 3, 2, step, (2, 0), (1, 1))

@@ -1,18 +1,27 @@
-"""Two nodes, each its own network namespace, joined with --nnodes/--node-rank/--master-addr."""
+"""Two nodes, each its own network namespace, joined with --nnodes/--node-rank/--master-addr; and
+two nodes on loopback, each its own run directory (``--shared-fs no``), read by ``scaleloop doctor``
+on each machine after a failure and the continue that finishes it."""
 from __future__ import annotations
 
 import re
 
 import os
+import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
 
 from netns import can_make_namespaces, two_hosts
-from procs import child_env, kill_group, scaleloop
+from procs import SERVER, SRC, ForkServer, child_env, kill_group, scaleloop
+
+from scaleloop.commands.doctor import diagnose, format_diagnosis
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -46,5 +55,70 @@ def test_two_nodes_over_veth_match_one_process(tmp_path: Path) -> None:
     assert re.search(r"^  world size +2$", outputs[0][0], re.M), outputs[0][0]
     single = torch.load(tmp_path / "single" / "model.pt", weights_only=True)
     multi = torch.load(tmp_path / "node0" / "model.pt", weights_only=True)
-    assert not (tmp_path / "node1" / "model.pt").exists()  # only global rank 0 writes
+    # Global rank 0 writes the final weights; the other machine, which does not see its run directory,
+    # keeps a copy, and its own directory reads as the finished run it is.
+    assert (tmp_path / "node1" / "model.pt").read_bytes() == (tmp_path / "node0" / "model.pt").read_bytes()
+    assert diagnose(tmp_path / "node1").what == "finished after 5 step(s)"
     assert max((single[k] - multi[k]).abs().max().item() for k in single) <= 1e-5
+
+
+@pytest.fixture
+def second_server() -> Iterator[ForkServer]:
+    """A fork server of its own for the second machine: each serves one run at a time, and the two
+    machines run at once (forks, not fresh interpreters: the runs cost a few seconds, not tens)."""
+    server = ForkServer()
+    try:
+        yield server
+    finally:
+        if server.proc is not None:   # idle now: no run of its own is left to end
+            server.proc.kill()
+            server.proc.wait(timeout=60)
+
+
+def two_machines(tmp_path: Path, servers: tuple[ForkServer, ForkServer], *argv: str) -> list[subprocess.CompletedProcess]:
+    """``scaleloop train ARGV`` on two "machines" of this host at once (loopback), each with its own
+    run directory ``machine<I>`` (``{out}`` in ``argv``) and node rank (``{rank}``); each one's outcome."""
+    env = child_env({"PYTHONPATH": os.pathsep.join([str(SRC), str(SCRIPTS)]), "OMP_NUM_THREADS": "1"})
+    commands = [[sys.executable, "-m", "scaleloop",
+                 *(a.replace("{out}", str(tmp_path / f"machine{i}")).replace("{rank}", str(i)) for a in argv)]
+                for i in (0, 1)]
+    # Each run's session is ended after it, not every process of the tests (the other machine's would
+    # go too); anything left once the test ends is ended, and reported, by conftest's check.
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(server.run, cmd, cwd=tmp_path, timeout=180, env=env, merge=True, sweep=False)
+                for server, cmd in zip(servers, commands)]
+        return [r.result() for r in runs]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_doctor_reads_each_machines_directory_right_after_a_failure_and_its_continue(
+        tmp_path: Path, second_server: ForkServer) -> None:
+    servers = (SERVER, second_server)
+    # Rank 1 (machine 1's worker) raises at step 3, after the checkpoint of step 2 (copied to machine 1).
+    failed = two_machines(tmp_path, servers, "train", "--model", "failing_models:raises", "--epochs", "1",
+                          "--batch-size", "64", "--checkpoint-every", "2", "--strategy", "ddp", "--no-progress",
+                          "--no-tensorboard", "--nproc", "1", "--nnodes", "2", "--node-rank", "{rank}",
+                          "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--shared-fs", "no",
+                          "--out", "{out}")
+    assert all(r.returncode == 1 for r in failed), "\n".join(r.stdout for r in failed)
+    assert diagnose(tmp_path / "machine1").state == "failed"
+    # The continue stops at step 4, before rank 1's model raises again (its third forward in this process).
+    done = two_machines(tmp_path, servers, "train", "--out", "{out}", "--max-steps", "4")
+    assert all(r.returncode == 0 for r in done), "\n".join(r.stdout for r in done)
+
+    machine0, machine1 = diagnose(tmp_path / "machine0"), diagnose(tmp_path / "machine1")
+    assert machine0.state == machine1.state == "finished", format_diagnosis(machine1)
+    assert (tmp_path / "machine1" / "failure.json").exists()   # the failed attempt's, older than the weights
+    lines = format_diagnosis(machine1).splitlines()
+    assert lines[1:3] == ["what happened: finished after 4 step(s)",
+                          "  this is one machine's copy of the run (its machines do not share the run directory): "
+                          "its metrics and summary are in rank 0's run directory, on that machine"], lines
+    assert lines[-1] == (f"to continue: nothing left to train; to train further: scaleloop train --out "
+                         f"{tmp_path / 'machine1'} --max-steps 8   (on each of the 2 nodes, with its --node-rank)")
+    assert machine0.what.startswith("finished: 1 epoch(s), 4 step(s), train loss ")
+    assert (tmp_path / "machine1" / "model.pt").read_bytes() == (tmp_path / "machine0" / "model.pt").read_bytes()

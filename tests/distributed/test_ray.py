@@ -32,7 +32,8 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The Ray job's and the torchrun runs' directories, made once for the file (every process
     they started is ended by ``procs.run``: Ray's own carry the test's mark too)."""
     root = tmp_path_factory.mktemp("ray")
-    res = run([sys.executable, str(HERE / "ray_jobs.py"), str(root)], cwd=root, timeout=900, fresh=True, merge=True)
+    # The driver is a fork of the tests' fork server (torch imported); Ray starts its processes fresh.
+    res = run([sys.executable, str(HERE / "ray_jobs.py"), str(root)], cwd=root, timeout=900, merge=True)
     assert res.returncode == 0, res.stdout[-6000:]
     for strategy in ("ddp", "fsdp"):
         scaleloop(["train", "--nproc", "2", *flags(strategy), "--out", str(root / f"torchrun-{strategy}")], cwd=root)

@@ -2,7 +2,8 @@
 configs with nothing downloaded, train under ddp and fsdp on 2 processes to the weights of 1
 process (within verify's fp32 tolerance), and pass ``scaleloop verify``; under fsdp with activation
 checkpointing, the layers their ``_no_split_modules`` declares are the units and the recomputed blocks;
-under ``--mesh tp=2``, Llama is split by its own transformers plan.
+under ``--mesh tp=2``, Llama is split by its own transformers plan; under the pipeline, Llama, GPT-2
+and Qwen2 are cut at those layers.
 
 The packages are test extras (``pip install -e '.[dev]'`` has transformers; timm needs
 torchvision, see pyproject's ``vision`` extra): each group skips with the reason when its
@@ -73,7 +74,8 @@ def _one(root: Path, settings: dict) -> dict[str, torch.Tensor]:
     if not (out / "model.pt").exists():
         sys.path.insert(0, str(SCRIPTS))
         try:
-            alone = {k: v for k, v in settings.items() if k != "mesh"}   # --mesh implies its own strategy
+            # --mesh implies its own strategy; micro-batches and schedules are a pipeline's
+            alone = {k: v for k, v in settings.items() if k not in ("mesh", "microbatches", "pipeline_schedule")}
             cfg = TrainConfig(**{**BASE, **alone, "strategy": "single", "sync_batchnorm": False,
                                  "out": str(out)}).validate()
             train(cfg, DistEnv(device=torch.device("cpu")), log=lambda _msg: None)
@@ -122,6 +124,23 @@ def test_tensor_parallel_by_the_models_own_plan_on_two_processes(two, root: Path
     assert described["llama-tp"] == "mesh tp=2 (tp, 5 units: 4 x LlamaDecoderLayer + root, 30 tp layers)", described
     diff, worst = _worst(root, "HF_RUNS", "llama-tp")
     assert diff <= 1e-6, f"llama-tp differs from one process at {worst}: {diff:.2e}"
+
+
+@pytest.mark.skipif(not _importable("transformers"), reason="needs transformers (a test extra)")
+def test_decoder_lms_are_cut_at_their_blocks_under_the_pipeline_on_two_processes(two, root: Path) -> None:
+    """--strategy pipeline (and --mesh pp=2) cuts Llama, GPT-2 and Qwen2 at their decoder layers
+    (strategies/hf_stages.py), names the blocks of each stage, and ends at 1 process's weights
+    to 1e-6 (measured: 1.2e-7; the pieces' and the tied head's gradients are summed in another
+    order). The flat layers' forward is the model's bitwise: tests/strategies/test_hf_stages.py."""
+    described = two("HF_RUNS")
+    expected = {"llama-pipeline": "pipeline (2 stages of 2 + 2 LlamaDecoderLayer, 2 micro-batch(es), GPipe)",
+                # GPT-2's tied wte/lm_head on both stages, its gradients summed
+                "gpt2-pipeline": "pipeline (2 stages of 1 + 1 GPT2Block, 1 micro-batch(es), GPipe)",
+                "qwen2-mesh-pp": "pipeline (2 stages of 2 + 2 Qwen2DecoderLayer, 2 micro-batch(es), 1F1B)"}
+    for name, first in expected.items():
+        assert described[name] == first, described
+        diff, worst = _worst(root, "HF_RUNS", name)
+        assert diff <= 1e-6, f"{name} differs from one process at {worst}: {diff:.2e}"
 
 
 VERIFY = [pytest.param(model, data, strategy, extra, marks=pytest.mark.skipif(not _importable(package),

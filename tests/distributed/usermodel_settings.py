@@ -54,7 +54,8 @@ CONDITIONAL_4 = {
 #: softmax ignores a shift) into full-size steps, so 2 ranks and 1 would part by lr per step.
 THIRD_PARTY = dict(optimizer="sgd", lr=0.1)
 
-#: Hugging Face transformers models (scripts/hfmodels.py): their own loss, keyword batches.
+#: Hugging Face transformers models (scripts/hfmodels.py): their own loss, keyword batches (the
+#: pipeline's: (input_ids, next tokens) pairs and scaleloop's loss).
 HF_RUNS = {
     "gpt2-ddp": dict(**THIRD_PARTY, model="hfmodels:gpt2_tiny", data="hfmodels:lm_data", strategy="ddp", accumulate=2),
     "gpt2-fsdp": dict(**THIRD_PARTY, model="hfmodels:gpt2_tiny", data="hfmodels:lm_data", strategy="fsdp"),
@@ -75,6 +76,13 @@ HF_RUNS = {
     # Tensor parallelism by the model's own plan (transformers' tp_plan: strategies/tensor.py): the
     # attention and MLP Linears, the vocabulary-split embedding and the gathered output layer.
     "llama-tp": dict(**THIRD_PARTY, model="hfmodels:llama_tiny", data="hfmodels:lm_data", mesh="tp=2"),
+    # The pipeline cuts the decoder LMs at their blocks (strategies/hf_stages.py): in pieces, with
+    # GPT-2's and Qwen2's tied head summed over the end stages, and as --mesh pp=2.
+    "llama-pipeline": dict(**THIRD_PARTY, model="hfmodels:llama_tiny", data="hfmodels:lm_pairs", strategy="pipeline",
+                           microbatches=2),
+    "gpt2-pipeline": dict(**THIRD_PARTY, model="hfmodels:gpt2_tiny", data="hfmodels:lm_pairs", strategy="pipeline"),
+    "qwen2-mesh-pp": dict(**THIRD_PARTY, model="hfmodels:qwen2_tiny", data="hfmodels:lm_pairs", mesh="pp=2",
+                          microbatches=2, pipeline_schedule="1f1b"),
     "bert-ddp": dict(**THIRD_PARTY, model="hfmodels:bert_tiny", data="hfmodels:classification_data", strategy="ddp"),
     "bert-fsdp": dict(**THIRD_PARTY, model="hfmodels:bert_tiny", data="hfmodels:classification_data", strategy="fsdp",
                       accumulate=2),

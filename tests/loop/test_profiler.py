@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -32,10 +33,13 @@ TRAIN = ["--data", "random", "--n-samples", "512", "--batch-size", "64", "--max-
          "--no-tensorboard", "--no-checkpoints", "--device", "cpu"]
 
 
-def scaleloop(*args: str, cwd: Path) -> str:
+def scaleloop(*args: str, cwd: Path, stderr: Optional[list[str]] = None) -> str:
+    """What ``scaleloop ARGS`` printed on stdout (its stderr appended to ``stderr``, if given)."""
     res = run([sys.executable, "-m", "scaleloop", *args], cwd=cwd, timeout=120,
               env=child_env({"OMP_NUM_THREADS": "1"}))
     assert res.returncode == 0, f"scaleloop {' '.join(args)} failed:\n{res.stdout}\n{res.stderr}"
+    if stderr is not None:
+        stderr.append(res.stderr)
     return res.stdout
 
 
@@ -43,9 +47,10 @@ def scaleloop(*args: str, cwd: Path) -> str:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """One run profiled (2 steps after the warm-up) and the same run without, each started as a user would."""
     root = tmp_path_factory.mktemp("profile")
-    printed = scaleloop("train", *TRAIN, "--profile", "2", "--out", str(root / "profiled"), cwd=root)
+    stderr: list[str] = []
+    printed = scaleloop("train", *TRAIN, "--profile", "2", "--out", str(root / "profiled"), cwd=root, stderr=stderr)
     scaleloop("train", *TRAIN, "--out", str(root / "plain"), cwd=root)
-    return {"root": root, "printed": printed, "dir": root / "profiled"}
+    return {"root": root, "printed": printed, "stderr": stderr[0], "dir": root / "profiled"}
 
 
 def test_the_trace_is_chrome_json_with_the_steps_and_their_operators(runs) -> None:
@@ -81,6 +86,13 @@ def test_the_run_prints_the_table_and_doctor_and_plot_print_it_again(runs, capsy
     assert "profile: 2 step(s) (steps 3-4)" in doctor and "top operators, rank 0" in doctor
     assert sl.cli.main(["plot", str(runs["dir"]), "--out", str(runs["root"] / "compare.png")]) == 0
     assert "top operators, rank 0" in capsys.readouterr().out
+
+
+def test_the_profiler_s_own_log_lines_stay_off_the_console(runs) -> None:
+    # Kineto, torch's C++ profiler, writes "USDT:... profiler_start" lines straight to the process's
+    # stderr (its file descriptor, below Python) unless KINETO_LOG_LEVEL says otherwise.
+    assert "USDT" not in runs["stderr"] and "profiler_start" not in runs["stderr"], runs["stderr"]
+    assert "profile: 2 step(s)" in runs["printed"]   # the profile itself was taken
 
 
 def test_a_profiled_run_trains_the_same_weights_bitwise(runs) -> None:

@@ -91,6 +91,12 @@ def test_the_postfix_names_its_window() -> None:
     assert _bar_postfix(2.0, 1, 5.0) == "loss 2.0000 (last 1 step), 5 samples/s"
 
 
+def test_token_data_shows_tokens_per_s_and_the_mfu_where_known() -> None:
+    assert (_bar_postfix(2.5, 10, 100.0, 0.5123, 6400.0, 0.3814)
+            == "loss 2.5000 (last 10 steps), grad norm 0.512, 6,400 tokens/s, MFU 38.1%")
+    assert _bar_postfix(2.5, 10, 100.0, None, 6400.0, None) == "loss 2.5000 (last 10 steps), 6,400 tokens/s"
+
+
 @pytest.mark.parametrize("total, fmt, drawn", [
     (20, BAR_FORMAT, r"epoch 1/3:  25%\|.*\| \S+ left, loss 0\.5000 \(last 4 steps\), 1,000 samples/s"),
     (None, UNSIZED_BAR_FORMAT, r"epoch 1/3: 5 steps \[\S+, loss 0\.5000 \(last 4 steps\), 1,000 samples/s\]"),

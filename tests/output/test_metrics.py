@@ -65,6 +65,27 @@ def test_header_and_rows(tmp_path: Path) -> None:
     assert epoch["train_loss"] == "" and epoch["lr"] == ""
 
 
+def test_a_file_from_before_the_newer_columns_is_read_and_continued(tmp_path: Path) -> None:
+    """A run resumed into a metrics.csv written before grad_norm, tokens_per_s and mfu existed: its
+    rows keep their values, under the header of today's columns, and the new rows add theirs."""
+    older = METRIC_COLUMNS[:METRIC_COLUMNS.index("train_eval_loss")]
+    with open(tmp_path / "metrics.csv", "w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(older)
+        writer.writerow(["step", "1", "10", "640", "2.5", "", "", "0.1", "900.0"] + [""] * (len(older) - 9))
+        writer.writerow(["step", "1", "20", "1280", "2.25", "", "", "0.1", "950.0"] + [""] * (len(older) - 9))
+    assert read_metrics(tmp_path / "metrics.csv")[0]["samples_per_s"] == "900.0"   # as older readers read it
+    with MetricsLogger(tmp_path, tensorboard=False, keep_until_step=10) as logger:
+        logger.log_step(20, 1, 1280, train_loss=2.0, samples_per_s=1000.0, grad_norm=0.5, tokens_per_s=64000.0,
+                        mfu=None)
+    raw = _raw_rows(tmp_path / "metrics.csv")
+    assert tuple(raw[0]) == METRIC_COLUMNS
+    first, again = read_metrics(tmp_path / "metrics.csv")
+    assert (first["step"], first["train_loss"], first["samples_per_s"]) == ("10", "2.5", "900.0")
+    assert first["grad_norm"] == first["tokens_per_s"] == first["mfu"] == ""
+    assert (again["step"], float(again["tokens_per_s"]), again["mfu"]) == ("20", 64000.0, "")
+
+
 def test_float_values_round_trip_exactly(tmp_path: Path) -> None:
     value = 1.0 / 3.0
     with MetricsLogger(tmp_path, tensorboard=False) as logger:

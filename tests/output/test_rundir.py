@@ -210,6 +210,8 @@ def test_a_write_that_fails_names_the_file_and_leaves_no_temporary(tmp_path: Pat
 def test_a_job_over_several_machines_takes_no_lock(tmp_path: Path) -> None:
     lock = lock_run_dir(tmp_path, single_node=False)
     assert not (tmp_path / LOCK_FILE).exists() and not lock.owned
+    with lock:   # as rank 0 of such a job holds it while it trains
+        assert not (tmp_path / LOCK_FILE).exists() and not lock.owned
     lock.release()
 
 

@@ -9,6 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from scaleloop.cli import build_parser, main
@@ -92,14 +93,21 @@ def test_gpt2_plans_with_its_vocabulary_and_blocks(tmp_path: Path, capsys: pytes
 
 def test_the_printed_train_line_trains_a_config_for_two_steps(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    """The plan's own line, run on this CPU: random weights from the config, the config's vocabulary."""
+    """The plan's own line, run on this CPU: random weights from the config, the config's vocabulary,
+    on token files of the user's (the line's YOUR_DATA_DIR, filled in)."""
     path = write_config(tmp_path / "tiny", TINY_LLAMA)
     assert main(["plan", "--model", str(path), "--gpus", "1", "--gpu", "h100", "--seq-len", "16",
                  "--batch-size", "4"]) == 0
     argv = train_line(capsys.readouterr().out)
-    argv[argv.index("--device") + 1] = "cpu"
+    assert flag(argv, "--model") == str(path) and flag(argv, "--data-dir") == "YOUR_DATA_DIR"
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for name, tokens in (("train.bin", 2048), ("val.bin", 512)):
+        rng.integers(0, TINY_LLAMA["vocab_size"], tokens, dtype=np.uint16).tofile(data / name)
+    argv[argv.index("--data-dir") + 1] = str(data)
     argv[argv.index("--precision") + 1] = "fp32"
-    code = main([*argv, "--max-steps", "2", "--n-samples", "64", "--out", str(tmp_path / "run"), "--no-progress"])
+    code = main([*argv, "--device", "cpu", "--max-steps", "2", "--out", str(tmp_path / "run"), "--no-progress"])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "Traceback" not in err

@@ -134,3 +134,24 @@ def test_a_single_task_needs_no_node_list() -> None:
 def test_bad_slurm_environment_is_a_usage_error(change: dict[str, str], match: str) -> None:
     with pytest.raises(UsageError, match=match):
         DistEnv.from_env({**SRUN_TASK_3, **change}, device="cpu")
+
+
+def test_a_task_knows_its_job_step_and_the_variables_it_was_read_from() -> None:
+    task = task_from_env(SRUN_TASK_3)
+    assert (task.job, task.step) == ("123456", "0")
+    assert task.describe() == "rank 3 of 4 of SLURM job 123456, step 0"
+    assert task.rendezvous == "gpu07:18456"
+    # Every variable read, and only those: a shell left with them is told which to unset.
+    assert task.read == ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_LOCALID",
+                         "SLURM_NODEID", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_NODELIST",
+                         "SLURM_JOB_NODELIST")
+    assert set(task.read) == set(SRUN_TASK_3)
+    assert task.unset_command() == "unset " + " ".join(task.read)
+    ipv6 = task_from_env({**SRUN_TASK_3, "MASTER_ADDR": "fd00::7", "MASTER_PORT": "29400"})
+    assert ipv6.rendezvous == "[fd00::7]:29400" and ipv6.read[-2:] == ("MASTER_ADDR", "MASTER_PORT")
+
+
+def test_from_env_keeps_the_srun_task_for_the_rendezvous() -> None:
+    assert DistEnv.from_env(SRUN_TASK_3, device="cpu").srun_task == task_from_env(SRUN_TASK_3)
+    one_task = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    assert DistEnv.from_env(one_task, device="cpu").srun_task is None

@@ -12,36 +12,15 @@ MFU = (training FLOPs per sample x samples/s) / peak FLOP/s.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-# Dense peak TFLOP/s (datasheet, SXM parts at boost clock unless named). Keys are matched as
-# substrings of the CUDA device name, most specific first. bf16 also stands for fp16.
-# None: the part has no such mode (V100 and T4 have no bf16; their fp16 figure is used).
-GPU_PEAK_TFLOPS: tuple[tuple[str, dict[str, Optional[float]]], ...] = (
-    ("GH200", {"bf16": 989.0, "tf32": 494.0, "fp32": 67.0}),
-    ("H200", {"bf16": 989.0, "tf32": 494.0, "fp32": 67.0}),
-    ("H100 PCIe", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.0}),
-    ("H100 NVL", {"bf16": 835.0, "tf32": 418.0, "fp32": 60.0}),
-    ("H100", {"bf16": 989.0, "tf32": 494.0, "fp32": 67.0}),
-    ("B200", {"bf16": 2250.0, "tf32": 1100.0, "fp32": None}),
-    ("A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
-    ("L40S", {"bf16": 362.0, "tf32": 183.0, "fp32": 91.6}),
-    ("L4", {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3}),
-    ("A10", {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2}),
-    ("V100", {"bf16": 125.0, "tf32": None, "fp32": 15.7}),
-    ("T4", {"bf16": 65.0, "tf32": None, "fp32": 8.1}),
-)
+# The datasheet peaks live with the devices (``runtime.devices``), where a training run reads them too.
+from scaleloop.runtime.devices import GPU_PEAK_TFLOPS, Peak, datasheet_peak, gpu_datasheet_peak
 
-
-@dataclass(frozen=True)
-class Peak:
-    """A peak FLOP/s and where the number comes from."""
-
-    flops_per_s: float
-    source: str
+__all__ = ["GPU_PEAK_TFLOPS", "Peak", "gpu_datasheet_peak", "train_flops_per_sample", "workload_flops_per_sample",
+           "measure_matmul_peak", "peak_for", "mfu"]
 
 
 def train_flops_per_sample(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, info: Any) -> float:
@@ -109,27 +88,11 @@ def measure_matmul_peak(device: torch.device, precision: str = "fp32", threads: 
         torch.set_num_threads(previous)
 
 
-def gpu_datasheet_peak(name: str, precision: str) -> Optional[Peak]:
-    """The datasheet dense peak for a CUDA device name and precision, or None if unknown.
-
-    fp32 counts as TF32 when PyTorch lets matmuls use it (``torch.backends.cuda.matmul``).
-    """
-    mode = "bf16" if precision in ("bf16", "fp16") else "fp32"
-    if mode == "fp32" and torch.backends.cuda.matmul.allow_tf32:
-        mode = "tf32"
-    for key, peaks in GPU_PEAK_TFLOPS:
-        if key.lower() in name.lower() and peaks.get(mode):
-            return Peak(peaks[mode] * 1e12, f"{key} {mode} dense, datasheet")
-    return None
-
-
 def peak_for(device: torch.device, precision: str, threads: Optional[int] = None, quick: bool = False) -> Peak:
     """The peak to divide by: the datasheet's for a known GPU, else a measured matmul peak."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        known = gpu_datasheet_peak(name, precision)
-        if known is not None:
-            return known
+    known = datasheet_peak(device, precision)
+    if known is not None:
+        return known
     size = 1024 if quick else 2048
     measured = measure_matmul_peak(device, precision, threads, size=size)
     where = f"{threads} thread" + ("" if threads == 1 else "s") if device.type == "cpu" and threads else device.type

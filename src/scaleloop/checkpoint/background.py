@@ -17,6 +17,7 @@ loop. This module holds only the thread and the copies; the checkpointer decides
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -31,6 +32,25 @@ from scaleloop.runtime.dist import DistEnv
 #: error that ends the run (None when it was written). ``refused``: the error is a CheckpointError
 #: (a sharded checkpoint's shards missing), not a file that could not be written.
 Outcome = tuple[Optional[Path], Optional[str], bool]
+
+
+#: What Gloo's and NCCL's errors say when another rank went away in the middle of a collective:
+#: its process ended (killed, crashed) or its connection closed.
+_PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "socket closed",
+              "remote process exited", "ncclremoteerror")
+#: The place in the library's own source a C++ error begins with: ``[.../pair.cc:537] ``.
+_SOURCE_PLACE = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def why_not_written(exc: BaseException) -> str:
+    """Why a background write ended in ``exc``, in one line of plain words. A rank lost during the
+    write (DCP's collectives raise the library's own text, with its source file, advice and
+    emoji) is said as such; another error keeps its type and first line."""
+    text = str(exc).strip()
+    if any(marker in text.lower() for marker in _PEER_LOST):
+        return "another rank was lost during the write (its process ended or its connection closed)"
+    first = _SOURCE_PLACE.sub("", text.splitlines()[0]) if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 @dataclass

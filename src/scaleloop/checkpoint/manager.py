@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from scaleloop.checkpoint.background import (BackgroundWrite, InFlight, Outcome, ShardedSave, checkpoint_group,
-                                             host_copy, other_ranks_shards)
+                                             host_copy, other_ranks_shards, why_not_written)
 from scaleloop.checkpoint.replicas import Replicas, machines, newest_among_machines
 from scaleloop.checkpoint.resume import check_compatible, find_checkpoint
 from scaleloop.checkpoint.state import capture_rng, from_bytes, restore_rng, state_bytes, to_bytes
@@ -82,6 +82,14 @@ class Progress:
     samples: int = 0
     train_s: float = 0.0
     skipped_steps: int = 0      # optimizer steps the fp16 GradScaler skipped so far (counted in global_step)
+    #: The global step the log window in the saved loss sums began after (its last log row); None in a
+    #: checkpoint written before it was kept (see :meth:`log_window_from`).
+    window_from: Optional[int] = None
+
+    def log_window_from(self, log_every: int) -> int:
+        """The step the saved log window began after: as saved, else the last multiple of
+        ``log_every`` (right unless ``--log-every`` changed since)."""
+        return self.window_from if self.window_from is not None else self.global_step - self.global_step % log_every
 
 
 @dataclass
@@ -133,6 +141,11 @@ class Checkpointer:
         self.root = run_dir / CHECKPOINTS_DIR if run_dir is not None else None
         self.replicas = Replicas.arrange(self.strategy.env, self.settings, run_dir, sharded=self.strategy.writes_sharded,
                                          say=self.say)
+
+    def keep_final_copies(self, run_dir: Optional[Path]) -> None:
+        """Once rank 0 wrote the final weights into ``run_dir`` (None elsewhere, or if it could not),
+        each machine that keeps copies of the checkpoints keeps a copy of them too (a collective)."""
+        self.replicas.copy_final(run_dir, self.say)
 
     def retire_after(self, step: int) -> list[Path]:
         """On the writing rank (and a machine's copies): move the checkpoints of steps after ``step`` aside."""
@@ -303,7 +316,7 @@ class Checkpointer:
         try:
             _, error, _ = pending.outcome()
         except Exception as exc:   # noqa: BLE001 - reported; the exception on its way out goes on
-            error = f"{exc.__class__.__name__}: {exc}"
+            error = why_not_written(exc)
         if error is not None:
             self._last_step = pending.previous
             self.say(f"warning: the checkpoint of step {pending.step} was not written: {error}")

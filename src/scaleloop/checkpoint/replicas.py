@@ -8,6 +8,11 @@ atomic way, then checks every file against rank 0's manifest (sizes and SHA-256)
 fault, the surviving machines resume from the newest checkpoint any of them holds
 (:func:`newest_among_machines`).
 
+When the run finishes, rank 0 sends its final weights (``model.pt``, and ``model.safetensors``
+where written) the same way: each machine's run directory then holds the finished run, and
+``scaleloop doctor`` reads it as finished there too (a failure record left by an earlier attempt
+is older than the weights of the attempt that finished).
+
 Whether the machines share the run directory is checked once per run (``--shared-fs auto``):
 rank 0 leaves a file with a random name there, and each machine looks for it in its own
 ``--out``. ``--shared-fs yes`` skips the check and the copies; ``no`` copies without checking.
@@ -24,11 +29,14 @@ from scaleloop.checkpoint.store import (CHECKPOINTS_DIR, MANIFEST_FILE, Checkpoi
                                         copy_checkpoint, prune, retire_after, step_of)
 from scaleloop.checkpoint.settings import CheckpointSettings
 from scaleloop.errors import UsageError
+from scaleloop.output.rundir import write_atomic
 from scaleloop.runtime.collectives import broadcast_object, gather_object
 from scaleloop.runtime.dist import DistEnv
 
 Say = Callable[[str], None]
 _PROBE = ".scaleloop-shared-fs-"
+#: A finished run's final weights, as rank 0 writes them (``scaleloop.loop.result``); each machine keeps a copy.
+FINAL_FILES = ("model.pt", "model.safetensors")
 
 
 def machines(env: DistEnv) -> int:
@@ -106,6 +114,26 @@ class Replicas:
         for e in errors:
             say(f"warning: a machine could not keep its copy of checkpoint {files['name'] if files else ''}: {e}")
 
+    def copy_final(self, run_dir: Optional[Path], say: Say) -> None:
+        """After rank 0 wrote the final weights into ``run_dir`` (None elsewhere, or if it could not):
+        every holder writes them into its own run directory, then reads them back to check them. A
+        collective (when copies are kept at all); a holder that fails is reported, not fatal."""
+        if not self.active:
+            return
+        files = broadcast_object(_read_final(run_dir) if self.env.is_main and run_dir is not None else None, self.env)
+        error = None
+        if files and self.root is not None:
+            try:
+                for name, data in files.items():
+                    write_atomic(self.root.parent / name, data)
+                    if (self.root.parent / name).read_bytes() != data:
+                        raise OSError(f"{self.root.parent / name} reads back different from rank 0's")
+            except (OSError, UsageError) as exc:   # RunDirWriteError: a full or read-only disk
+                error = f"rank {self.env.rank}: {exc}"
+        errors = [e for e in gather_object(error, self.env) if e]
+        for e in errors:
+            say(f"warning: a machine could not keep its copy of the final weights: {e}")
+
     def retire_after(self, step: int) -> list[Path]:
         """A holder's copies of steps after ``step`` moved aside (as rank 0 does with its own)."""
         return retire_after(self.root, step) if self.root is not None else []
@@ -125,6 +153,15 @@ def _read_all(checkpoint: Path) -> dict:
     if MANIFEST_FILE not in files:
         raise CheckpointError(f"checkpoint {str(checkpoint)!r} has no {MANIFEST_FILE}")
     return {"name": checkpoint.name, "files": files}
+
+
+def _read_final(run_dir: Path) -> dict[str, bytes]:
+    """The final weights rank 0 wrote, by name (``model.safetensors`` only where it was written);
+    nothing where they cannot be read (the others must still hear from rank 0)."""
+    try:
+        return {name: (run_dir / name).read_bytes() for name in FINAL_FILES if (run_dir / name).is_file()}
+    except OSError:
+        return {}
 
 
 def newest_among_machines(env: DistEnv, mine: Optional[CheckpointInfo]) -> tuple[int, Optional[int]]:

@@ -28,8 +28,8 @@ from scaleloop.checkpoint.settings import CheckpointSettings
 
 # Settings that decide which samples step s holds, the model's shape and the optimizer's state
 # layout: changing one mid-run would not continue the run but start a different one.
-FIXED_ON_RESUME = ("model", "data", "data_dir", "hidden_dim", "n_samples", "input_dim", "image_size",
-                   "seq_len", "vocab_size", "test_fraction", "seed", "batch_size", "drop_last",
+FIXED_ON_RESUME = ("model", "data", "data_dir", "hidden_dim", "d_model", "n_layers", "n_heads", "n_samples",
+                   "input_dim", "image_size", "seq_len", "vocab_size", "test_fraction", "seed", "batch_size", "drop_last",
                    "optimizer", "lr", "weight_decay", "momentum", "lr_schedule", "warmup_steps",
                    "lr_scaling", "base_batch_size", "betas", "eps", "min_lr", "decay_params")
 

@@ -171,8 +171,11 @@ def load_weights(model: nn.Module, state: Mapping[str, torch.Tensor], source: st
     model.load_state_dict(state)
 
 
-def init_weights(model: nn.Module, init_from: Optional[str]) -> None:
-    """``--init-from PATH``: the model starts from the weights at PATH (every rank reads them)."""
+def init_weights(model: nn.Module, init_from: Optional[str]) -> list[str]:
+    """``--init-from PATH``: the model starts from the weights at PATH (every rank reads them).
+    Returns the note line that says so (none without ``--init-from``)."""
     if init_from is None:
-        return
-    load_weights(model, read_weights(Path(init_from)), f"--init-from {init_from}")
+        return []
+    state = read_weights(Path(init_from))
+    load_weights(model, state, f"--init-from {init_from}")
+    return [f"note: the model starts from the weights in {init_from} ({len(state):,} tensors), not random ones"]

@@ -3,7 +3,9 @@
 It reads only what a run leaves behind, so it works after any ending, on any machine that sees
 the directory, without torch:
 
-- ``model.pt``: written last, when a run finishes (after its final checkpoint);
+- ``model.pt``: written last, when a run finishes (after its final checkpoint); on a job whose
+  machines do not share the run directory, each machine's directory gets a copy of it, as of every
+  checkpoint (``scaleloop.checkpoint.replicas``), but only rank 0's has ``metrics.csv``;
 - ``failure.json``: every ending but a finished run's (``scaleloop.output.endings``): workers
   that failed, stalled or were interrupted, a non-finite loss, a stop signal, a full disk, bad
   input (``docs/troubleshooting.md`` lists its keys);
@@ -116,8 +118,9 @@ def _diagnose(run_dir: Path) -> Diagnosis:
     model_t = _mtime(run_dir / MODEL_FILE)
     newest_other = max(_mtime(checkpoint.path) if checkpoint else 0.0, _mtime(run_dir / FAILURE_FILE))
     if model_t and model_t >= newest_other:
-        return Diagnosis(run_dir, "finished", _finished(rows, config), checkpoint=checkpoint,
-                         continue_with=_extend_command(run_dir, config), warnings=tuple(warnings))
+        return Diagnosis(run_dir, "finished", _finished(rows, config, checkpoint), _copy_note(run_dir, config),
+                         checkpoint=checkpoint, continue_with=_extend_command(run_dir, config),
+                         warnings=tuple(warnings))
     if failure is not None:
         state, what, details = _from_failure(failure, run_dir, config)
         return Diagnosis(run_dir, state, what, details, checkpoint, resume, tuple(warnings))
@@ -199,9 +202,10 @@ def _last_step(rows: list[dict[str, str]]) -> Optional[int]:
     return max(steps) if steps else None
 
 
-def _finished(rows: list[dict[str, str]], config: dict[str, Any]) -> str:
+def _finished(rows: list[dict[str, str]], config: dict[str, Any], checkpoint: Optional[CheckpointInfo]) -> str:
     epochs = [r for r in rows if r.get("kind") in ("epoch", "stop")]   # stop: --max-steps inside an epoch
-    steps = _last_step(rows)
+    # No rows: another machine's copy of the run (its final checkpoint is the run's last step).
+    steps = _last_step(rows) if rows else (checkpoint.step if checkpoint is not None else None)
     text = "finished"
     if epochs:
         last = epochs[-1]
@@ -215,6 +219,15 @@ def _finished(rows: list[dict[str, str]], config: dict[str, Any]) -> str:
     elif steps is not None:
         text += f" after {steps} step(s)"
     return text
+
+
+def _copy_note(run_dir: Path, config: dict[str, Any]) -> tuple[str, ...]:
+    """For a machine's own copy of a several-machine run (no ``metrics.csv``: rank 0 writes it, on
+    its machine): where the rest of the story is."""
+    if (_int(config.get("nnodes")) or 1) > 1 and not (run_dir / METRICS_FILE).exists():
+        return ("this is one machine's copy of the run (its machines do not share the run directory): its "
+                "metrics and summary are in rank 0's run directory, on that machine",)
+    return ()
 
 
 def _where(failure: dict[str, Any]) -> str:
@@ -309,7 +322,9 @@ def _extend_command(run_dir: Path, config: dict[str, Any]) -> str:
         more = f" --max-steps {2 * max_steps}"   # the limit that stopped it, raised
     else:
         more = f" --epochs {epochs + 1}" if epochs else " --epochs N"
-    return f"nothing left to train; to train further: scaleloop train --out {shlex.quote(str(run_dir))}{more}"
+    nodes = _int(config.get("nnodes")) or 1
+    where = f"   (on each of the {nodes} nodes, with its --node-rank)" if nodes > 1 else ""
+    return f"nothing left to train; to train further: scaleloop train --out {shlex.quote(str(run_dir))}{more}{where}"
 
 
 def register(subparsers: Any) -> None:

@@ -19,7 +19,11 @@ def register(subparsers: Any) -> None:
                         help="tinygpt (sized by the flags below), a transformers config.json of a causal LM (or its "
                              "directory; built as train builds it, no download), or package.module:factory "
                              "(default: tinygpt)")
-    parser.add_argument("--data", default="tokens", help="the token dataset for the train line (default: tokens)")
+    parser.add_argument("--data", default=None,
+                        help="the dataset the train line names (default: your token files, --data tokenfile "
+                             "--data-dir YOUR_DATA_DIR)")
+    parser.add_argument("--data-dir", default=None, metavar="DIR",
+                        help="the directory of --data tokenfile for the train line (default: YOUR_DATA_DIR, to fill in)")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in all (over --nodes machines)")
     parser.add_argument("--gpu", required=True, help="h100, h200, a100, or the memory of each GPU in GB (e.g. 48)")
     parser.add_argument("--nodes", type=int, default=1, help="machines the GPUs are in (default: 1)")
@@ -45,17 +49,21 @@ def run(args: argparse.Namespace) -> int:
     from scaleloop.plan.memory import Options
     from scaleloop.plan.planner import plan
     from scaleloop.plan.profile import ModelSpec
+    from scaleloop.plan.report import TOKEN_FILES
     from scaleloop.plan.target import parse_target
 
     target = parse_target(args.gpu, args.gpus, args.nodes)
     for flag in ("seq_len", "vocab_size", "d_model", "n_layers", "n_heads"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, not {getattr(args, flag)}")
+    if args.data_dir is not None and args.data not in (None, *TOKEN_FILES):
+        raise UsageError(f"--data-dir is the directory of --data tokenfile (or tokenfile-seq), and --data {args.data} "
+                         "reads none: drop --data-dir, or use --data tokenfile")
     spec = ModelSpec(args.model, args.seq_len, args.vocab_size, args.d_model, args.n_layers, args.n_heads)
     batch = args.batch_size if args.batch_size is not None else 4 * args.gpus
     options = Options(batch, args.precision, args.optimizer, foreach_optimizer=True)
     try:
-        print(plan(spec, target, options, args.mfu, args.data, measure_host=args.measure_host))
+        print(plan(spec, target, options, args.mfu, args.data, measure_host=args.measure_host, data_dir=args.data_dir))
     except KeyboardInterrupt:
         # Here, or in --measure-host's worker: a plan writes nothing, so nothing is kept.
         from scaleloop.launching.launcher import Interrupted

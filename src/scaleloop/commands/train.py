@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     with kept_console():
         # Resuming a run starts from that run's saved settings; flags still override them.
         result = launch_train(config_for_resume(file_values, flags), given=typed)
-        if result is not None:
+        # A run with nothing left to train has said so in its one line: no summary of no steps.
+        if result is not None and not result.nothing_left:
             from scaleloop.loop.summary import format_result
 
             print(format_result(result))

@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 from scaleloop.checkpoint.resume import LEGACY_VALUES
 from scaleloop.checkpoint.store import locate, run_dir_of
-from scaleloop.config.settings import FileValues, TrainConfig, load_toml, resolve
+from scaleloop.config.settings import FileValues, TrainConfig, load_toml, resolve, resume_settings
 
 
 def config_for_resume(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> TrainConfig:
@@ -16,15 +16,14 @@ def config_for_resume(file_values: Mapping[str, Any], flag_values: Mapping[str, 
     A run in ``--out`` that wrote no checkpoint yet (stopped at start-up, or killed before or
     while writing its first) still gives its saved settings: the run that starts over in its
     directory (``output.rundir.prepare_run_dir``) trains with them, never with the defaults."""
-    cfg = resolve(file_values, flag_values)
-    if cfg.checkpointing.resume == "never":
-        return cfg
-    settings = cfg.checkpointing
+    settings = resume_settings(file_values, flag_values)   # where to continue from, first
+    if settings.resume == "never":
+        return resolve(file_values, flag_values)
     source = Path(settings.out) if settings.resume == "auto" and settings.out else None
     if settings.resume not in ("auto", "never"):
         source = run_dir_of(locate(Path(settings.resume)))
     if source is None or not (source / "config.toml").is_file():
-        return cfg
+        return resolve(file_values, flag_values)
     # A run saved before a setting existed continues as it trained (weight decay on every tensor).
     saved = FileValues.layered(LEGACY_VALUES, load_toml(source / "config.toml"))
     # Which checkpoint to take is this invocation's choice, never an old run's.

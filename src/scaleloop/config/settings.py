@@ -365,6 +365,19 @@ def resolve(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> T
         raise _located(exc, origin, merged) from None
 
 
+def resume_settings(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> "CheckpointSettings":
+    """The checkpointing section alone of these values, checked: where a run continues from is
+    known before the other settings are checked (they are, with a saved run's settings under them:
+    ``--n-heads 8`` alone reads as a size for the default model; for a saved tinygpt run it is not)."""
+    settings = TrainConfig(**{**file_values, **flag_values}).checkpointing
+    try:
+        settings.check()
+    except UsageError:
+        resolve(file_values, flag_values)   # raises it, naming the file a value came from
+        raise
+    return settings
+
+
 def _located(exc: UsageError, origin: Mapping[str, tuple[str, str]], values: Mapping[str, Any]) -> UsageError:
     """``exc`` with the file and key of the first setting it names (as a flag: the checks speak the
     command line's language) whose value came from a config file; as it was if none did."""

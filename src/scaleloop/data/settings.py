@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from scaleloop.errors import UsageError
 from scaleloop.option import flag, option, require
@@ -18,6 +18,38 @@ _speed = partial(option, group="speed")
 # The built-in datasets and models, by name (here, without torch, for the launcher's checks).
 DATASET_NAMES: tuple[str, ...] = ("digits", "random", "mnist", "images", "tokens", "tokenfile", "tokenfile-seq")
 MODEL_NAMES: tuple[str, ...] = ("simplenet", "biggernet", "convnet", "tinygpt")
+
+
+class TinyGPTSizes(NamedTuple):
+    """TinyGPT's shape: ``--d-model``, ``--n-layers`` and ``--n-heads`` (the defaults: train's TinyGPT)."""
+
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+
+
+#: ``--model tinygpt`` without size flags (and every run saved before they existed).
+TINYGPT_DEFAULTS = TinyGPTSizes()
+
+
+def tinygpt_sizes(model: str, d_model: Optional[int] = None, n_layers: Optional[int] = None,
+                  n_heads: Optional[int] = None) -> TinyGPTSizes:
+    """The sizes of ``--model tinygpt``, each the one given or its default; UsageError (one line) for a
+    size that is not positive, a width the heads do not divide, or sizes given for another model."""
+    given = {name: value for name, value in (("d_model", d_model), ("n_layers", n_layers), ("n_heads", n_heads))
+             if value is not None}
+    if given and model.lower() != "tinygpt":
+        flags = " ".join(f"{flag(name)} {value}" for name, value in given.items())
+        one = len(given) == 1
+        raise UsageError(f"{flags} {'sizes' if one else 'size'} the built-in --model tinygpt only, not --model "
+                         f"{model}: drop {'it' if one else 'them'}, or use --model tinygpt")
+    for name, value in given.items():
+        require(value >= 1, name, "a positive integer")
+    sizes = TINYGPT_DEFAULTS._replace(**given)
+    if sizes.d_model % sizes.n_heads:
+        raise UsageError(f"--d-model {sizes.d_model} must be divisible by --n-heads {sizes.n_heads} (each head takes "
+                         f"d_model / n_heads of the width): give a multiple of {sizes.n_heads} or another --n-heads")
+    return sizes
 
 
 @dataclass(frozen=True)
@@ -37,6 +69,10 @@ class DataSettings:
                                            "shapes must be the model's. A run resumed from a checkpoint continues "
                                            "from the checkpoint instead")
     hidden_dim: int = _model_data(128, "hidden width of simplenet/biggernet", common=True)
+    d_model: Optional[int] = _model_data(None, f"tinygpt: width of the token vectors, divisible by --n-heads "
+                                         f"(default: {TINYGPT_DEFAULTS.d_model})")
+    n_layers: Optional[int] = _model_data(None, f"tinygpt: transformer blocks (default: {TINYGPT_DEFAULTS.n_layers})")
+    n_heads: Optional[int] = _model_data(None, f"tinygpt: attention heads (default: {TINYGPT_DEFAULTS.n_heads})")
     n_samples: int = _model_data(10_000, "training samples for generated datasets (random, images, tokens)")
     input_dim: int = _model_data(20, "features per sample for --data random")
     image_size: int = _model_data(32, "side of the square images for --data images")
@@ -66,6 +102,7 @@ class DataSettings:
         for name in ("hidden_dim", "n_samples", "input_dim", "image_size", "seq_len", "vocab_size"):
             require(getattr(self, name) >= 1, name, "a positive integer")
         require(0 <= self.test_fraction < 1, "test_fraction", "in [0, 1)")
+        tinygpt_sizes(self.model, self.d_model, self.n_layers, self.n_heads)
         require(self.num_workers >= 0, "num_workers", "zero or positive")
         for name in ("loss", "metrics"):
             for spec in (getattr(self, name) or "").split(","):

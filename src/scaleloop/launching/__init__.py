@@ -15,6 +15,8 @@
 - ``rendezvous``: a multi-machine job's c10d rendezvous: this machine's address, and whether it hosts.
 - ``jobs``: ``scaleloop train`` in the job that started it: a Kubeflow pod as one machine of the job;
   leftover ``RANK``/``WORLD_SIZE`` refused or ignored in one line.
+- ``srun``: ``scaleloop train`` as an ``srun`` task: its first line says what it read, and its wait
+  for the other tasks ends in one line (who never came and what to do, or the signal that stopped it).
 - ``failures``: after a failure, which rank failed first or stalled, and where; the report and
   ``failure.json``.
 """

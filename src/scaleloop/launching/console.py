@@ -63,7 +63,15 @@ def console_stream(fd: int, like: Any, errors: str) -> io.TextIOWrapper:
 @contextlib.contextmanager
 def kept_console() -> Iterator[None]:
     """While the block runs, ``sys.stdout`` and ``sys.stderr`` write through :class:`Console` when
-    they are this process's own file descriptors (left as they are when something captures them)."""
+    they are this process's own file descriptors (left as they are when something captures them).
+
+    In a Ray Train worker, Ray's ``print`` owns the console: see :func:`scaleloop.ray.printed_once`."""
+    from scaleloop.ray import in_ray_train_worker, printed_once
+
+    if in_ray_train_worker():
+        with printed_once():
+            yield
+        return
     saved = sys.stdout, sys.stderr
     try:
         out, err = sys.stdout.fileno(), sys.stderr.fileno()

@@ -32,6 +32,7 @@ from scaleloop.runtime.recovery import clear_faults
 
 if TYPE_CHECKING:
     from scaleloop.loop.result import RunResult
+    from scaleloop.runtime.dist import DistEnv
 
 
 class Interrupted(Exception):
@@ -70,7 +71,9 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
     from scaleloop.checkpoint.resume import run_dir_for
     from scaleloop.launching.jobs import settings_in_job
     from scaleloop.output.rundir import default_run_dir, refuse_if_in_use
-    from scaleloop.runtime.cluster import read_job
+    from scaleloop.launching import srun
+    from scaleloop.runtime import slurm
+    from scaleloop.runtime.cluster import SRUN, read_job
 
     if in_ray_train_worker():   # called in a Ray Train worker: Ray's process group, reports to Ray
         from scaleloop.ray import train as train_in_ray
@@ -82,6 +85,10 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
     # interpreters that import it themselves, as under plain torchrun. In a Kubeflow pod it is
     # one machine's launcher; with leftover RANK/WORLD_SIZE it says so before anything waits.
     job = read_job(os.environ)
+    task = slurm.task_from_env(os.environ) if job.kind == SRUN else None
+    if task is not None and given and "nproc" in given:   # --nproc wins over an srun task's variables
+        print(f"scaleloop: {srun.ignored_line(task, os.environ, given['nproc'])}", flush=True)
+        job = read_job({})   # as without the variables: a plain launch on this machine
     here = not job.is_worker
     if here:
         cfg, said = settings_in_job(cfg, job, given or {})
@@ -106,6 +113,8 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
         from scaleloop.ray import join_beside_ray
 
         join_beside_ray(env)
+    elif env.srun_task is not None:
+        _meet_srun_tasks(env)
     else:
         dist.init_process_group(env)
     failed = True
@@ -135,6 +144,25 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
     finally:
         dist.end_process_group(failed=failed)   # after a failure, maybe once its error is recorded
     return result if env.is_main else None
+
+
+def _meet_srun_tasks(env: "DistEnv") -> None:
+    """An srun task: say what was read, then join the other tasks within ``--timeout``; the wait ends
+    in one line (who never came and what to do, or the signal that stopped it)."""
+    from scaleloop.launching import srun
+    from scaleloop.runtime import dist
+    from scaleloop.runtime.srun_rendezvous import MeetTimeout
+
+    task = env.srun_task
+    assert task is not None
+    try:
+        with srun.stops_said(task):   # before the first line: a signal after it is always answered
+            print(f"scaleloop: {srun.first_line(task, env.timeout_s)}", flush=True)
+            dist.init_process_group(env)
+    except MeetTimeout as exc:
+        raise srun.gave_up(exc, task) from None
+    except KeyboardInterrupt:
+        raise Interrupted(None, kept=srun.interrupted_words(task)) from None
 
 
 def _failed_here(run_dir: Path, cfg: TrainConfig, exc: BaseException) -> Exception:

@@ -9,8 +9,9 @@
 - ``training``: ``train``, a run's life (build, restore, claim the run directory, the trainer).
 - ``trainer``: ``Trainer``, the loop over epochs and steps, and its log rows. ``pauses``: the
   evaluations and checkpoints it pauses for. ``rows``: where its rows go (``metrics.csv``, the
-  tracker) and the health checks on them. ``result``: what the loop counts and a finished
-  run's ``RunResult``. ``text``: what the loop prints (the header, the progress bar).
+  tracker) and the health checks on them. ``throughput``: a log row's tokens/s and MFU, from what
+  the run fixed once. ``result``: what the loop counts and a finished run's ``RunResult``.
+  ``text``: what the loop prints (the header, the progress bar).
 - ``evaluate``: exact evaluation over ranks. ``evaluations``: what the trainer evaluates and
   when (``--eval-every``, ``--eval-batches``' fixed sample, ``--eval-train``). ``schedule``: learning-rate scaling and schedules
   (``--min-lr``). ``decay``: which tensors weight decay applies to (``--decay-params``).

@@ -28,6 +28,7 @@ from scaleloop.loop.schedule import LearningRate, build_scheduler, scaled_lr
 from scaleloop.loop.speed import speed_up_model
 from scaleloop.loop.scoring import MetricFn, resolve_metrics
 from scaleloop.loop.tasks import LossFn, resolve_loss
+from scaleloop.loop.throughput import Throughput, throughput_of
 from scaleloop.models import build_model, count_parameters
 from scaleloop.output.memory import parameter_bytes
 from scaleloop.runtime.dist import DistEnv
@@ -57,6 +58,7 @@ class Run:
     notes: list[str] = field(default_factory=list)   # what --compile/--channels-last did
     weight_decay: str = ""           # which tensors --weight-decay applies to ("" without weight decay)
     count: Optional[StepCount] = None     # the steps' count of real targets over -100 padding (loop.padding)
+    throughput: Throughput = field(default_factory=Throughput)   # a log row's tokens/s and MFU (loop.throughput)
 
 
 def seed_everything(seed: int) -> None:
@@ -74,7 +76,8 @@ def build_data_and_model(cfg: TrainConfig) -> tuple[Datasets, nn.Module]:
                           vocab_size=cfg.vocab_size, test_fraction=cfg.test_fraction, seed=cfg.seed, task=cfg.task)
     if cfg.task != "auto" and data.info.task != cfg.task:
         data = Datasets(data.train, data.test, infer_info(cfg.data, data.train, data.test, task=cfg.task))
-    return data, build_model(cfg.model, data.info, hidden_dim=cfg.hidden_dim)
+    return data, build_model(cfg.model, data.info, hidden_dim=cfg.hidden_dim, d_model=cfg.d_model,
+                             n_layers=cfg.n_layers, n_heads=cfg.n_heads)
 
 
 def build_optimizer(cfg: TrainConfig, params: Iterable[nn.Parameter], lr: Optional[float] = None, *,
@@ -180,7 +183,7 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     # --init-from: into the user's own module, on every rank, before any strategy wraps, shards or
     # cuts it (each then places the loaded weights as it would random ones). A checkpoint resumed
     # later (checkpoint.manager) overwrites them: a resume continues the run, whatever it started from.
-    init_weights(model, cfg.init_from)
+    init_notes = init_weights(model, cfg.init_from)
     check_eval_data(cfg.evaluation, datasets)
     check_trainable(cfg.model, model)   # here, before any strategy: every one says it alike
     keep_target = keeps_target(model, datasets.train, datasets.info.task)
@@ -189,11 +192,12 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     # Of the user's own module, before the strategy wraps it (a Hugging Face model is told counts).
     counting, padding_notes = counting_for(datasets.info, datasets.train, model, cfg.loss, keep_target)
     parameters, model_bytes = count_parameters(model), parameter_bytes(model)
+    throughput = throughput_of(model, datasets.info, cfg.precision, env)   # of the whole model, as for parameters
     check_decay_with_pipeline(cfg)
     decay = describe_decay(model, cfg.weight_decay, cfg.decay_params)   # of the whole model, before any cut
     strategy = _make_strategy(cfg, env)
     lr = scaled_lr(cfg.optim)
-    notes = datasets.notes + speed_up_model(model, cfg, env.device) + padding_notes
+    notes = datasets.notes + init_notes + speed_up_model(model, cfg, env.device) + padding_notes
     # The strategy makes the model parallel in its fixed order (strategies/parallelize.py): TP, activation
     # checkpointing, data parallelism (FSDP2/DDP/all-reduce), the pipeline split.
     # The optimizer is made after that, from ``placed``'s modules as they then are.
@@ -236,7 +240,8 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
                                     per_sample=counting.per_sample if counting and not counting.tell else None),
                user_loss=cfg.loss is not None, metrics=resolve_metrics(cfg.metrics), lr=lr, total_steps=total_steps,
                parameters=parameters, model_bytes=model_bytes, notes=notes, weight_decay=decay,
-               count=StepCount(counting, env, strategy.layout.data_parallel) if counting is not None else None)
+               count=StepCount(counting, env, strategy.layout.data_parallel) if counting is not None else None,
+               throughput=throughput)
 
 
 def _make_strategy(cfg: TrainConfig, env: DistEnv) -> Strategy:

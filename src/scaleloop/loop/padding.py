@@ -147,6 +147,8 @@ class StepCount:
         self._refused = False
         #: Off after a refusal, on every rank alike: nothing is counted or weighted any more.
         self.off = False
+        #: The real targets of the steps since :meth:`take_targets` (all ranks'): a log row's tokens.
+        self._targets = 0.0
 
     def batch(self, batch: Batch) -> Batch:
         """Count ``batch``'s real targets; the batch to train on (a told model's inputs get the divisor)."""
@@ -202,6 +204,12 @@ class StepCount:
         else:
             self._refused = True
 
+    def take_targets(self) -> Optional[float]:
+        """The real targets of the steps since the last call (summed over the ranks, as
+        :meth:`finish` learnt them: nothing is read from the device here); None once :attr:`off`."""
+        targets, self._targets = self._targets, 0.0
+        return None if self.off else targets
+
     def finish(self, model: nn.Module) -> float:
         """After the step's last backward (gradients synchronised): sum the count over the ranks and
         multiply the gradients and the step's losses (module docstring, 2); returns the factor
@@ -226,6 +234,7 @@ class StepCount:
         # Ranks that share a batch share (tensor-parallel ranks; a pipeline's last stages only hold
         # targets) counted the same targets: each share is counted once.
         real = counted * self.data_parallel / holders if holders else 0.0
+        self._targets += real
         if real <= 0:
             return 1.0   # no real target in the step: its gradients are zero whatever the weight
         factor = self._samples * self.counting.per_sample / real

@@ -131,6 +131,7 @@ class Pauses:
         With ``--async-checkpoint`` the write in flight is completed first, and this one goes on in
         the background; a run that hands its checkpoints on waits for it at once (it hands on whole ones)."""
         run, written = self.run, self.checkpointer.written
+        progress.window_from = self.result.window_from   # where the log window in the saved sums began
         doing, self.doing = self.doing, None
         self.finish_write()
         self.doing = doing

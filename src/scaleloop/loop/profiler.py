@@ -14,6 +14,7 @@ table. Only ``--profile`` makes one: off, this module is not imported.
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -30,6 +31,11 @@ from scaleloop.runtime.dist import DistEnv
 
 #: Steps run before the profiler records (``--profile``'s, from its declaration).
 WARMUP_STEPS = PROFILE_WARMUP
+#: Kineto (the profiler's C++ side) writes its log straight to the process's stderr, below Python:
+#: "USDT:... profiler_start" and "profiler_stop" at every start and stop, at its highest severity
+#: (5). One above it keeps all of its lines off the console and the rank logs. Kineto reads the
+#: variable once, when a process first profiles; a value the user set is kept.
+KINETO_QUIET = "6"
 
 
 class Profiler(Observer):
@@ -157,6 +163,7 @@ class Profiler(Observer):
     # --- recording -----------------------------------------------------------------------
     def _start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
+        os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda else [])
         if self._cuda:   # for a snapshot on an out-of-memory error while profiling (abandon)
             torch.cuda.memory._record_memory_history(max_entries=100_000)

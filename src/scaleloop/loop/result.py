@@ -70,6 +70,7 @@ class RunResult:
     window_steps: tuple[int, int] = (0, 0)   # ... and that window's first and last global step
     train_eval: Optional[EvalResult] = None   # --eval-train: the last training loss in evaluation mode ...
     train_eval_step: int = 0         # ... and the global step it was taken at
+    nothing_left: bool = False       # the checkpoint had already reached the run's end: no step was taken
 
     # The loop's own bookkeeping while it runs (not part of the report).
     started: float = field(default=0.0, repr=False)       # perf_counter() when the process group formed
@@ -92,8 +93,13 @@ def finish(run: Run, result: RunResult, checkpointer: Checkpointer, resumed: Opt
                                          run.model_bytes), env))
     strategy.close()
     result.skipped_steps = result.skipped_before + strategy.precision.skipped_steps()
-    if result.run_dir is not None:
-        _write_outputs(run, result.run_dir, checkpointer, final_weights, memory)
+    try:
+        if result.run_dir is not None:
+            _write_outputs(run, result.run_dir, checkpointer, final_weights, memory)
+    except Exception:
+        checkpointer.keep_final_copies(None)   # the other machines wait to hear from rank 0
+        raise
+    checkpointer.keep_final_copies(result.run_dir)   # a machine that does not share the run directory
     result.device, result.strategy, result.world_size = describe_device(env.device), strategy.describe(), env.world_size
     result.precision, result.parameters, result.memory = run.cfg.precision, run.parameters, memory
     result.samples_per_s = result.samples / max(result.train_s, 1e-9)

@@ -58,12 +58,16 @@ def _terminal_width(stream: Any) -> Optional[int]:
     return int(columns) if columns.isdigit() else 0
 
 
-def bar_postfix(loss: float, steps: int, samples_per_s: float, grad_norm: Optional[float] = None) -> str:
+def bar_postfix(loss: float, steps: int, samples_per_s: float, grad_norm: Optional[float] = None,
+                tokens_per_s: Optional[float] = None, mfu: Optional[float] = None) -> str:
     """What the bar shows after a log row: the mean loss of the steps since the previous row (not
     the epoch's running mean, which the epoch line prints), the last step's gradient norm before
-    clipping, and the samples per second."""
+    clipping, the tokens per second for token data (else the samples per second), and the MFU
+    where it is known (``loop.throughput``)."""
     norm = f", grad norm {grad_norm:.3g}" if grad_norm is not None else ""
-    return f"loss {loss:.4f} (last {steps} step{'s' if steps != 1 else ''}){norm}, {samples_per_s:,.0f} samples/s"
+    speed = f"{tokens_per_s:,.0f} tokens/s" if tokens_per_s is not None else f"{samples_per_s:,.0f} samples/s"
+    share = f", MFU {mfu:.1%}" if mfu is not None else ""
+    return f"loss {loss:.4f} (last {steps} step{'s' if steps != 1 else ''}){norm}, {speed}{share}"
 
 
 def announce(run: Run, resumed: Optional[Resumed], say: Log) -> None:
@@ -104,12 +108,21 @@ def _size(dataset: Dataset) -> str:
 
 
 def nothing_left(cfg: TrainConfig, at: Progress, say: Log) -> bool:
-    """True (and says so) when the checkpoint already reached the run's end."""
-    if (cfg.max_steps is None or at.global_step < cfg.max_steps) and at.epoch < cfg.epochs:
+    """True (and says so, in one line: it is no error) when the checkpoint already reached the run's
+    end: ``--max-steps``, ``--epochs``, or both, each named with the flag that would go further."""
+    steps_done = cfg.max_steps is not None and at.global_step >= cfg.max_steps
+    epochs_done = at.epoch >= cfg.epochs
+    if not (steps_done or epochs_done):
         return False
-    say(f"nothing left to train: the checkpoint is at step {at.global_step}, epoch {at.epoch} of {cfg.epochs}"
-        + (f", --max-steps {cfg.max_steps}" if cfg.max_steps is not None else "")
-        + "; raise --epochs or --max-steps to train further")
+    where, flags = f"the run already reached step {at.global_step}", []
+    if steps_done:
+        where += f" (--max-steps {cfg.max_steps})"
+        flags.append("--max-steps")
+    if epochs_done:
+        at_end = at.epoch == cfg.epochs and at.step_in_epoch == 0
+        where += f", {'the end' if at_end else 'past the end'} of epoch {cfg.epochs} (--epochs {cfg.epochs})"
+        flags.append("--epochs")
+    say(f"nothing left to train: {where}; pass a larger {' and '.join(flags)} to train further")
     return True
 
 

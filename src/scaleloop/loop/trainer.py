@@ -68,7 +68,7 @@ class Trainer(Observer):
         self.result = RunResult(run_dir=run_dir, steps=at.global_step, samples=at.samples, train_s=at.train_s,
                                 epochs=at.epoch, skipped_steps=at.skipped_steps, started=started,
                                 step_lr=run.optimizer.param_groups[0]["lr"], skipped_before=at.skipped_steps,
-                                window_from=at.global_step, out=run_dir or run_dir_for(cfg))
+                                window_from=at.log_window_from(cfg.log_every), out=run_dir or run_dir_for(cfg))
         self.running = RunningLoss()  # loss x samples and samples, of the epoch and of the log window
         if resumed is not None:
             self.running.load(resumed.sums)
@@ -111,7 +111,7 @@ class Trainer(Observer):
         evaluations = self.pauses.evals.describe()
         if evaluations is not None:
             self.say(evaluations)
-        done = nothing_left(cfg, at, self.say)
+        done = result.nothing_left = nothing_left(cfg, at, self.say)
         self.recovery = recovery
         vote = self.vote = StopVote(self.env, cfg.signal, torchrun_worker=launched_by_torchrun())
         self.run.model.train()
@@ -139,7 +139,7 @@ class Trainer(Observer):
         finally:
             if self.metrics is not None:
                 self.metrics.close()
-        if self.profiler is not None:   # every rank's numbers to rank 0: the summary, printed
+        if self.profiler is not None and not result.nothing_left:   # every rank's numbers to rank 0: the summary
             self.profiler.report()
         if result.test is None:
             result.test = self.pauses.evals.test()  # nothing trained: the checkpoint's model
@@ -206,7 +206,8 @@ class Trainer(Observer):
         steps (``scaleloop.loop.health``), which the health checks read (``loop.rows``).
         """
         run, result, running = self.run, self.result, self.running
-        steps = result.steps - result.window_from
+        # The window's loss began after window_from, before a resume perhaps; its clock, in this process.
+        steps = result.steps - max(result.window_from, self.at.global_step)
         skipped = run.strategy.precision.skipped
         totals = reduce_window(run.env, running.window_values(), self.take_own_s(),
                                running.first_nonfinite_step(), skipped)
@@ -217,10 +218,14 @@ class Trainer(Observer):
         if self.grad_norm is not None:   # the last step's, before clipping (the same on every rank)
             values["grad_norm"] = float(self.grad_norm)
             self.grad_norm = None
+        # Token data: tokens/s, and MFU where the device's peak is known (loop.throughput).
+        counted = run.count.take_targets() if run.count is not None else None
+        values.update(run.throughput.values(run.throughput.tokens(window_samples, counted), now - window_start))
         if skipped is not None:
             result.skipped_steps = values["skipped_steps"] = result.skipped_before + totals.skipped
         if bar is not None:
-            bar.set_postfix_str(bar_postfix(totals.loss, steps, rate, values.get("grad_norm")))
+            bar.set_postfix_str(bar_postfix(totals.loss, steps, rate, values.get("grad_norm"),
+                                            values.get("tokens_per_s"), values.get("mfu")))
         running.new_window()
         result.window_loss, result.window_steps = totals.loss, (result.window_from + 1, result.steps)
         result.window_from = result.steps

@@ -12,10 +12,13 @@ from typing import Optional, Sequence
 
 from scaleloop.output.metrics import read_metrics
 
+#: The rows of a run's ends: each epoch's, and the one where a run stopped inside an epoch.
+END_ROWS = ("epoch", "stop")
+
 
 @dataclass
 class Curves:
-    """One run's logged step rows (``kind`` "step" in ``metrics.csv``)."""
+    """One run's logged step rows (``kind`` "step" in ``metrics.csv``), or other rows of a loss."""
 
     label: str
     step: list[float] = field(default_factory=list)
@@ -24,11 +27,12 @@ class Curves:
     samples_per_s: list[float] = field(default_factory=list)
 
     @classmethod
-    def read(cls, metrics_csv: Path, label: str) -> "Curves":
-        """The step rows of ``metrics_csv`` that hold a loss (an empty :class:`Curves` if none)."""
+    def read(cls, metrics_csv: Path, label: str, kinds: Sequence[str] = ("step",)) -> "Curves":
+        """The rows of ``kinds`` (log rows by default; :data:`END_ROWS`: the loss at each epoch's end)
+        of ``metrics_csv`` that hold a loss (an empty :class:`Curves` if none)."""
         curves = cls(label)
         for row in read_metrics(metrics_csv):
-            if row.get("kind") != "step" or not row.get("train_loss") or not row.get("step"):
+            if row.get("kind") not in kinds or not row.get("train_loss") or not row.get("step"):
                 continue
             curves.step.append(float(row["step"]))
             curves.loss.append(float(row["train_loss"]))
@@ -47,9 +51,10 @@ def plot_runs(runs: Sequence[Curves], png_path: Path, title: Optional[str] = Non
     FigureCanvasAgg(fig)
     by_step, by_time, rate = fig.subplots(1, 3)
     for curves in runs:
-        by_step.plot(curves.step, curves.loss, label=curves.label)
-        by_time.plot(curves.wall_s, curves.loss, label=curves.label)
-        rate.plot(curves.step, curves.samples_per_s, label=curves.label)
+        marker = "o" if len(curves.step) < 2 else None   # a line of one point is not drawn: its marker is
+        by_step.plot(curves.step, curves.loss, label=curves.label, marker=marker)
+        by_time.plot(curves.wall_s, curves.loss, label=curves.label, marker=marker)
+        rate.plot(curves.step, curves.samples_per_s, label=curves.label, marker=marker)
     for ax, (title_, xlabel, ylabel) in zip((by_step, by_time, rate), (
             ("Training loss by step", "step", "train loss (log window)"),
             ("Training loss by wall time", "seconds since the run started", "train loss (log window)"),

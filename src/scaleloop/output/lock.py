@@ -312,8 +312,8 @@ class RunDirLock:
         self.owned = self.held = False
 
     def __enter__(self) -> "RunDirLock":
-        if not self.held:
-            self.acquire()
+        # Taken by lock_run_dir, or deliberately not for a job over several machines (whose rank 0
+        # enters it all the same): entering only scopes the release.
         return self
 
     def __exit__(self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],

@@ -55,6 +55,8 @@ TAGS = {
     "recovery_s": "elastic/recovery_s",
     "train_eval_loss": "train/eval_loss",
     "grad_norm": "train/grad_norm",
+    "tokens_per_s": "train/tokens_per_s",
+    "mfu": "train/mfu",
 }
 
 

@@ -39,17 +39,18 @@ def evaluate(profile: ModelProfile, target: Target, options: Options, mfu: float
     return rows, left_out
 
 
-def plan(spec: ModelSpec, target: Target, options: Options, mfu: float = 0.4, data: str = "tokens",
-         profile: Optional[ModelProfile] = None, measure_host: bool = False) -> str:
+def plan(spec: ModelSpec, target: Target, options: Options, mfu: float = 0.4, data: Optional[str] = None,
+         profile: Optional[ModelProfile] = None, measure_host: bool = False, data_dir: Optional[str] = None) -> str:
     """The report for ``spec`` on ``target`` (``profile``: one already made, to skip the trace;
-    ``measure_host``: the host's work per layout measured on this machine, a few seconds more)."""
+    ``measure_host``: the host's work per layout measured on this machine, a few seconds more;
+    ``data``, ``data_dir``: the train line's, None: the user's own data, named as such)."""
     if not 0 < mfu <= 1:
         raise UsageError(f"--mfu must be in (0, 1], not {mfu}")
     if options.batch_size < 1:
         raise UsageError(f"--batch-size must be a positive integer, not {options.batch_size}")
     profile = profile or profile_model(spec, low_precision=options.precision in ("bf16", "fp16"))
     rows, left_out = evaluate(profile, target, options, mfu, measure_host)
-    return format_plan(profile, rows, options, target, mfu, data, left_out, measure_host)
+    return format_plan(profile, rows, options, target, mfu, data, left_out, measure_host, data_dir)
 
 
 def largest_batch(profile: ModelProfile, layout: Layout, options: Options, capacity: float,

@@ -91,10 +91,10 @@ class ModelProfile:
 
 
 def _tinygpt(spec: ModelSpec) -> nn.Module:
+    from scaleloop.data.settings import tinygpt_sizes
     from scaleloop.models import TinyGPT
 
-    if spec.d_model % spec.n_heads:
-        raise UsageError(f"--d-model {spec.d_model} must be divisible by --n-heads {spec.n_heads}")
+    tinygpt_sizes("tinygpt", spec.d_model, spec.n_layers, spec.n_heads)   # train's checks, train's words
     return TinyGPT(spec.vocab_size, spec.seq_len, d_model=spec.d_model, n_layers=spec.n_layers, n_heads=spec.n_heads)
 
 

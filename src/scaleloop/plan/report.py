@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from scaleloop.hfconfig import is_config_path
 from scaleloop.plan.layouts import Layout
@@ -87,39 +87,69 @@ def why_lost(row: Row, best: Row, target: Target) -> str:
     return f"{row.layout.label}: {slower:.0%} slower ({row.time.total_s:.3g} s against {best.time.total_s:.3g} s per step)"
 
 
-#: The module the train line of a resized TinyGPT imports its factory from (the note gives its text).
-TINYGPT_MODULE = "plan_tinygpt"
+#: The train line's stand-ins for what only the user has, each explained in a note under it.
+DATA_DIR = "YOUR_DATA_DIR"
+DATA_FACTORY = "YOUR_DATA"
+#: The token-file datasets: they read ``--data-dir``.
+TOKEN_FILES = ("tokenfile", "tokenfile-seq")
 
 
-def train_command(profile: ModelProfile, layout: Layout, options: Options, target: Target, data: str) -> tuple[str, list[str]]:
-    """The ``scaleloop train`` line for ``layout``, and notes on what it cannot say itself."""
+def data_flags(data: Optional[str], data_dir: Optional[str], task: str) -> tuple[list[str], list[str]]:
+    """The train line's data flags, and notes on what they leave to the user.
+
+    ``data`` None: the user's own data, named as such: a language model's token files
+    (``--data tokenfile --data-dir YOUR_DATA_DIR``), a classifier's data factory (``YOUR_DATA``);
+    a placeholder is never the name of a dataset that would train on something else. A dataset
+    ``data`` names is kept as given."""
+    if task == "classification":
+        return _classifier_data(data)
+    name = data or "tokenfile"
+    if name in TOKEN_FILES:
+        notes = [] if data_dir else [f"{DATA_DIR}: a directory with train.bin and val.bin as nanoGPT's prepare.py "
+                                     "writes them (uint16 token ids; meta.pkl or meta.json beside them may give "
+                                     "vocab_size)"]
+        return ["--data", name, "--data-dir", data_dir or DATA_DIR], notes
+    notes = (["--data tokens is random token ids, a test of speed with nothing to learn: for your data, --data "
+              f"tokenfile --data-dir {DATA_DIR}"] if name == "tokens" else [])
+    return ["--data", name], notes
+
+
+def _classifier_data(data: Optional[str]) -> tuple[list[str], list[str]]:
+    """A classifier of token sequences needs class labels, which no built-in token data has (their
+    target is the next token): the user's data factory."""
+    classifies = "the model classifies (one row of class logits a sample)"
+    if data is None:
+        return ["--data", DATA_FACTORY], [f"{classifies}: {DATA_FACTORY} is your data factory, package.module:function, "
+                                          "giving token sequences with class labels (docs/models-and-data.md)"]
+    need = (f"--data {data} is next-token data: give token sequences with class labels instead"
+            if data in ("tokens", *TOKEN_FILES) else f"--data {data} must give token sequences with class labels")
+    return ["--data", data], [f"{classifies}: {need}, e.g. a data factory (docs/models-and-data.md)"]
+
+
+def model_flags(profile: ModelProfile) -> tuple[list[str], list[str]]:
+    """The train line's model flags (TinyGPT's sizes; a config's own vocabulary), and a note."""
     spec = profile.spec
+    vocab = [] if profile.task == "classification" else ["--vocab-size", str(profile.vocab_size or spec.vocab_size)]
+    if spec.model == "tinygpt":
+        return ["--model", "tinygpt", "--d-model", str(spec.d_model), "--n-layers", str(spec.n_layers),
+                "--n-heads", str(spec.n_heads), *vocab], []
     notes = []
-    model = spec.model
-    vocab = ["--vocab-size", str(profile.vocab_size or spec.vocab_size)]
-    if spec.model == "tinygpt" and (spec.d_model, spec.n_layers, spec.n_heads) != (128, 2, 4):
-        # train's --model tinygpt has one size; this factory, saved where train runs (it imports
-        # from the current directory first), gives it the planned one.
-        model = f"{TINYGPT_MODULE}:build"
-        notes.append(f"train's --model tinygpt has d_model 128, 2 layers and 4 heads; for these sizes save this line "
-                     f"as {TINYGPT_MODULE}.py where you run train: def build(info): import scaleloop; return "
-                     f"scaleloop.TinyGPT(info.num_classes, info.input_shape[0], d_model={spec.d_model}, "
-                     f"n_layers={spec.n_layers}, n_heads={spec.n_heads})")
-    elif is_config_path(spec.model):
-        notes.append("train builds the config's model with random weights (a config has none); from a checkpoint's "
-                     "weights: a factory returning AutoModelForCausalLM.from_pretrained(...)")
-    if profile.task == "classification":
-        vocab = []
-        # The built-in token data are a language model's (the next token is the target).
-        need = (f"--data {data} is next-token data: give token sequences with class labels instead"
-                if data in ("tokens", "tokenfile", "tokenfile-seq") else f"--data {data} must give token sequences "
-                "with class labels")
-        notes.append(f"the model classifies (one row of class logits a sample): {need}, e.g. a data factory "
-                     "(docs/models-and-data.md)")
-    argv = ["scaleloop", "train", "--model", model, "--data", data, "--seq-len", str(spec.seq_len),
-            *vocab, "--batch-size", str(options.batch_size),
-            "--precision", options.precision, "--optimizer", options.optimizer, "--device", "cuda",
-            *layout.train_flags(target.per_node, target.nodes)]
+    if is_config_path(spec.model):
+        notes.append("train builds the config's model with random weights (a config has none); to start from "
+                     "trained ones add --init-from DIR (a transformers directory, a .safetensors file or a run)")
+    return ["--model", spec.model, *vocab], notes
+
+
+def train_command(profile: ModelProfile, layout: Layout, options: Options, target: Target, data: Optional[str],
+                  data_dir: Optional[str] = None) -> tuple[str, list[str]]:
+    """The ``scaleloop train`` line for ``layout``, and notes on what it cannot say itself
+    (``data`` None: the user's own data, named as such: :func:`data_flags`)."""
+    model, model_notes = model_flags(profile)
+    data_part, data_notes = data_flags(data, data_dir, profile.task)
+    argv = ["scaleloop", "train", *model, *data_part, "--seq-len", str(profile.spec.seq_len),
+            "--batch-size", str(options.batch_size), "--precision", options.precision,
+            "--optimizer", options.optimizer, "--device", "cuda", *layout.train_flags(target.per_node, target.nodes)]
+    notes = data_notes + model_notes
     if target.nodes > 1:
         notes.append("this is node 0's line: run it on every node with --node-rank 0..N-1 and NODE0_HOST replaced by "
                      "node 0's address (docs/multinode.md)")
@@ -152,7 +182,8 @@ def host_line(rows: Sequence[Row], profile: ModelProfile, measured: bool) -> str
 
 
 def format_plan(profile: ModelProfile, rows: Sequence[Row], options: Options, target: Target, mfu: float,
-                data: str, left_out: Sequence[str] = (), measured_host: bool = False) -> str:
+                data: Optional[str] = None, left_out: Sequence[str] = (), measured_host: bool = False,
+                data_dir: Optional[str] = None) -> str:
     """The whole report ``scaleloop plan`` prints."""
     ranked = rank(rows)
     lines = [f"scaleloop plan: {describe(profile)}: {profile.parameters / 1e9:.3g} B parameters, "
@@ -169,7 +200,7 @@ def format_plan(profile: ModelProfile, rows: Sequence[Row], options: Options, ta
     if best is None:
         lines += ["", "nothing fits: use more GPUs, a smaller --batch-size or --seq-len, or GPUs with more memory"]
         return "\n".join(lines)
-    command, notes = train_command(profile, best.layout, options, target, data)
+    command, notes = train_command(profile, best.layout, options, target, data, data_dir)
     lines += ["", f"recommended: {best.layout.label}: {best.time.total_s:.3g} s per step, "
                   f"{best.time.samples_per_s * profile.spec.seq_len:,.0f} tokens/s, {_gb(best.memory.peak)} GB per GPU",
               f"  {command}", *(f"  note: {n}" for n in notes), "why the others lost:"]

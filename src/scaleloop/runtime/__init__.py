@@ -7,8 +7,9 @@ Nothing here starts a process or reads the config; every floor above may use it.
 - ``started``: who started this process (torchrun, ``srun``, the user), from the environment alone.
 - ``cluster``: which job this process is in (torchrun, ``srun``, a Kubeflow pod, leftover variables).
 - ``slurm``: ranks and the master address from SLURM's variables; ``scontrol requeue``.
+- ``srun_rendezvous``: ``srun`` tasks meet at rank 0's store within a time limit, heard by signals.
 - ``kubeflow``: a pod's place in its PyTorchJob or TrainJob, from the operator's variables.
-- ``devices``: the best device and a local rank's device.
+- ``devices``: the best device and a local rank's device; the datasheet peak FLOP/s of known GPUs.
 - ``collectives``: sums, gathers and broadcasts over ranks as plain functions of a ``DistEnv``,
   and the exact, padding-free helpers for user metrics (``gather_tensor``, ``shard_indices``).
 - ``mesh``: ``MeshSpec``, the ranks laid out on named dimensions (pp, dp, fsdp, tp).

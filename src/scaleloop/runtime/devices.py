@@ -211,3 +211,53 @@ def say_once(note: Optional[str], local_rank: int) -> None:
     """Print ``note`` on the first process of each machine (a device choice concerns the machine)."""
     if note and local_rank == 0:
         print(f"scaleloop: {note}", file=sys.stderr, flush=True)
+
+
+# Dense peak TFLOP/s (datasheet, SXM parts at boost clock unless named). Keys are matched as
+# substrings of the CUDA device name, most specific first. bf16 also stands for fp16.
+# None: the part has no such mode (V100 and T4 have no bf16; their fp16 figure is used).
+GPU_PEAK_TFLOPS: tuple[tuple[str, dict[str, Optional[float]]], ...] = (
+    ("GH200", {"bf16": 989.0, "tf32": 494.0, "fp32": 67.0}),
+    ("H200", {"bf16": 989.0, "tf32": 494.0, "fp32": 67.0}),
+    ("H100 PCIe", {"bf16": 756.0, "tf32": 378.0, "fp32": 51.0}),
+    ("H100 NVL", {"bf16": 835.0, "tf32": 418.0, "fp32": 60.0}),
+    ("H100", {"bf16": 989.0, "tf32": 494.0, "fp32": 67.0}),
+    ("B200", {"bf16": 2250.0, "tf32": 1100.0, "fp32": None}),
+    ("A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    ("L40S", {"bf16": 362.0, "tf32": 183.0, "fp32": 91.6}),
+    ("L4", {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    ("A10", {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+    ("V100", {"bf16": 125.0, "tf32": None, "fp32": 15.7}),
+    ("T4", {"bf16": 65.0, "tf32": None, "fp32": 8.1}),
+)
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A peak FLOP/s and where the number comes from."""
+
+    flops_per_s: float
+    source: str
+
+
+def gpu_datasheet_peak(name: str, precision: str) -> Optional[Peak]:
+    """The datasheet dense peak for a CUDA device name and precision, or None if unknown.
+
+    fp32 counts as TF32 when PyTorch lets matmuls use it (``torch.backends.cuda.matmul``).
+    """
+    mode = "bf16" if precision in ("bf16", "fp16") else "fp32"
+    if mode == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+        mode = "tf32"
+    for key, peaks in GPU_PEAK_TFLOPS:
+        peak = peaks.get(mode)
+        if key.lower() in name.lower() and peak:
+            return Peak(peak * 1e12, f"{key} {mode} dense, datasheet")
+    return None
+
+
+def datasheet_peak(device: torch.device, precision: str) -> Optional[Peak]:
+    """The datasheet peak of ``device`` in ``precision``: a CUDA device of :data:`GPU_PEAK_TFLOPS`;
+    None elsewhere (a CPU or MPS has no datasheet figure to rely on, an unlisted GPU none here)."""
+    if device.type != "cuda":
+        return None
+    return gpu_datasheet_peak(torch.cuda.get_device_name(device), precision)

@@ -50,6 +50,9 @@ class DistEnv:
     # ``--timeout``: how long any collective of this job waits for the slowest rank, on the
     # default group and on every group the strategies make beside it (``group_timeout``).
     timeout_s: float = DEFAULT_TIMEOUT_S
+    # The srun task this was read from (its job, step and variables): its tasks meet with a time
+    # limit and say who never came (``scaleloop.runtime.srun_rendezvous``). None: not an srun task.
+    srun_task: Optional[slurm.SlurmTask] = field(default=None, repr=False, compare=False)
 
     @property
     def group_timeout(self) -> timedelta:
@@ -94,7 +97,8 @@ class DistEnv:
             backend = "nccl" if dev.type == "cuda" else "gloo"
         return cls(rank=rank, local_rank=local_rank, world_size=world_size,
                    local_world_size=local_world_size, device=dev, backend=backend,
-                   master_addr=master_addr, master_port=master_port, timeout_s=timeout_s)
+                   master_addr=master_addr, master_port=master_port, timeout_s=timeout_s,
+                   srun_task=task if task is not None and world_size > 1 else None)
 
 
 def _torchrun_ranks(env: Mapping[str, str]) -> tuple[int, int, int, int]:
@@ -134,18 +138,25 @@ def init_process_group(env: DistEnv, timeout_s: Optional[float] = None) -> None:
     sets the default group's instead; the groups a strategy makes take ``env.timeout_s``, so
     prefer ``DistEnv.from_env(timeout_s=...)``.
     torchrun has already set MASTER_ADDR/MASTER_PORT, so the default ``env://`` rendezvous is
-    used; under ``srun`` the address comes from ``env`` (the node list and job id) instead.
+    used; under ``srun`` the address comes from ``env`` (the node list and job id) instead, and the
+    tasks meet within the same timeout, saying who never came (``scaleloop.runtime.srun_rendezvous``).
     """
     if not env.is_distributed or torch_dist.is_initialized():
         return
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
     init_method = None
-    if env.master_addr is not None and env.master_port is not None:
+    timeout = env.group_timeout if timeout_s is None else timedelta(seconds=timeout_s)
+    if env.srun_task is not None:
+        from scaleloop.runtime.srun_rendezvous import meet
+
+        store = meet(env.srun_task, timeout.total_seconds(), timeout)
+    elif env.master_addr is not None and env.master_port is not None:
         host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr  # IPv6
         init_method = f"tcp://{host}:{env.master_port}"
-    timeout = env.group_timeout if timeout_s is None else timedelta(seconds=timeout_s)
-    store = None if init_method is not None else _per_attempt_store(os.environ, env, timeout)
+        store = None
+    else:
+        store = _per_attempt_store(os.environ, env, timeout)
     torch_dist.init_process_group(
         backend=env.backend, init_method=init_method, store=store, rank=env.rank, world_size=env.world_size,
         timeout=timeout,

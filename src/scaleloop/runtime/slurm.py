@@ -26,9 +26,20 @@ PORT_BASE = 15000
 PORT_SPAN = 10000
 
 
+#: Every variable :func:`task_from_env` may read, in the order a line names them.
+TASK_VARIABLES = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID", "SLURM_JOBID", "SLURM_STEP_ID", "SLURM_STEPID",
+                  "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
+                  "SLURM_NTASKS_PER_NODE", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST",
+                  "MASTER_ADDR", "MASTER_PORT")
+
+
 @dataclass(frozen=True)
 class SlurmTask:
-    """This task's place in an ``srun`` job step, and where rank 0 listens."""
+    """This task's place in an ``srun`` job step, and where rank 0 listens.
+
+    ``job`` and ``step``: SLURM's ids (as given; "" when absent); ``read``: the variables the task
+    was read from, for the line that says so (a shell may hold them long after its job ended).
+    """
 
     rank: int
     world_size: int
@@ -36,6 +47,23 @@ class SlurmTask:
     local_world_size: int
     master_addr: str
     master_port: int
+    job: str = ""
+    step: str = ""
+    read: tuple[str, ...] = ()
+
+    @property
+    def rendezvous(self) -> str:
+        """``host:port`` of rank 0's store (IPv6 hosts in brackets)."""
+        host = f"[{self.master_addr}]" if ":" in self.master_addr else self.master_addr
+        return f"{host}:{self.master_port}"
+
+    def describe(self) -> str:
+        """Who this task is, e.g. ``rank 1 of 2 of SLURM job 1, step 0``."""
+        return f"rank {self.rank} of {self.world_size} of SLURM job {self.job or '?'}, step {self.step or '?'}"
+
+    def unset_command(self) -> str:
+        """The shell command that drops the variables this task was read from."""
+        return "unset " + " ".join(self.read)
 
 
 def in_srun_step(environ: Mapping[str, str]) -> bool:
@@ -69,10 +97,13 @@ def task_from_env(environ: Mapping[str, str]) -> Optional[SlurmTask]:
         raise UsageError(f"SLURM environment: SLURM_PROCID={rank} is outside SLURM_NTASKS={world_size}")
     # One task needs no rendezvous, so it does not need a node list either.
     master_addr = environ.get("MASTER_ADDR") or (first_host(_nodelist(environ)) if world_size > 1 else "localhost")
+    job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID", "")
     if master_port is None:
-        master_port = port_for_job(environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID", ""))
+        master_port = port_for_job(job)
     return SlurmTask(rank=rank, world_size=world_size, local_rank=local_rank,
-                     local_world_size=local_world_size, master_addr=master_addr, master_port=master_port)
+                     local_world_size=local_world_size, master_addr=master_addr, master_port=master_port,
+                     job=job, step=environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID", ""),
+                     read=tuple(name for name in TASK_VARIABLES if name in environ))
 
 
 def _nodelist(environ: Mapping[str, str]) -> str:

@@ -10,7 +10,8 @@
   ``single``: one device; ``dataparallel``: ``nn.DataParallel``; ``ddp``: DistributedDataParallel;
   ``allreduce``: the gradient all-reduce written out by hand; ``fsdp``: FSDP2 sharding;
   ``pipeline``: layers cut into stages, one per process (or several: interleaved), and
-  ``pipeline_schedules``: how a micro-step is cut into pieces and which schedules run them;
+  ``pipeline_schedules``: how a micro-step is cut into pieces and which schedules run them, and
+  ``hf_stages``: a transformers decoder-only causal LM as the pipeline's layers, cut at its blocks;
   ``mesh_parallel``: ``--mesh``, tensor parallelism with FSDP or HSDP (``tensor``: a model's TP plan;
   the mesh itself is ``scaleloop.runtime.mesh``).
 - ``precision``: autocast and the fp16 GradScaler; ``syncbn``: BatchNorm over all ranks on any

@@ -2,7 +2,8 @@
 several: the interleaved schedule).
 
 The stages run with ``torch.distributed.pipelining`` (``PipelineStage`` and its GPipe, 1F1B and
-interleaved 1F1B schedules); this module decides the cut (``as_sequential()``, balanced by
+interleaved 1F1B schedules); this module decides the cut (``as_sequential()``, an
+``nn.Sequential``'s children or a transformers causal LM's blocks: ``hf_stages``; balanced by
 parameters), weights each piece's loss so that a step equals one on the whole batch, sums tied
 weights' gradients, shares fp16's overflow check between stages and makes checkpoints
 whole-model ones. The rules and what is not offered: docs/strategies.md, "--strategy pipeline".
@@ -38,7 +39,9 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def pipeline_layers(model: nn.Module) -> list[nn.Module]:
-    """The model as a flat list of layers run one after another (see the module docstring)."""
+    """The model as a flat list of layers run one after another, each taking and returning one
+    tensor: its ``as_sequential()``, an ``nn.Sequential``'s children, or a transformers causal
+    LM cut at its decoder blocks (``hf_stages``); else UsageError."""
     flat = getattr(model, "as_sequential", None)
     if callable(flat):
         seq = flat()
@@ -48,9 +51,31 @@ def pipeline_layers(model: nn.Module) -> list[nn.Module]:
         return list(seq)
     if isinstance(model, nn.Sequential):
         return list(model)
+    from scaleloop.strategies import hf_stages
+
+    if hf_stages.is_transformers(model):
+        return hf_stages.decoder_layers(model)   # cut at its decoder blocks, or refused in one line
     raise UsageError(f"--strategy pipeline cannot cut {type(model).__name__} into stages: make the model an "
                      "nn.Sequential or give it an as_sequential() method returning one with the same "
                      "computation; or use --strategy ddp or fsdp")
+
+
+def _label(layer: nn.Module) -> str:
+    """How the stage lines name a layer: the name its maker gave it (``hf_stages``: ``embed_tokens``,
+    ``LlamaDecoderLayer``), else its class."""
+    label = getattr(layer, "pipeline_label", None)
+    return label if isinstance(label, str) else type(layer).__name__
+
+
+def _runs(names: tuple[str, ...]) -> list[str]:
+    """``names`` with each run of one name said once: ``embed_tokens, 2 x LlamaDecoderLayer``."""
+    out: list[tuple[str, int]] = []
+    for name in names:
+        if out and out[-1][0] == name:
+            out[-1] = (name, out[-1][1] + 1)
+        else:
+            out.append((name, 1))
+    return [name if n == 1 else f"{n} x {name}" for name, n in out]
 
 
 @dataclass(frozen=True)
@@ -60,11 +85,15 @@ class StageAssignment:
     layers: tuple[range, ...]
     parameters: tuple[int, ...]
     names: tuple[tuple[str, ...], ...]
+    #: each stage's blocks, where the layers say which are (``hf_stages``' decoder layers); else ()
+    blocks: tuple[int, ...] = ()
+    block_name: str = ""   # what those blocks are: ``LlamaDecoderLayer``
 
     def describe(self) -> list[str]:
         lines = []
         for i, (span, count, names) in enumerate(zip(self.layers, self.parameters, self.names)):
-            shown = ", ".join(names) if len(names) <= 6 else ", ".join(names[:5]) + f", ... {names[-1]}"
+            runs = _runs(names)
+            shown = ", ".join(runs) if len(runs) <= 6 else ", ".join(runs[:5]) + f", ... {runs[-1]}"
             lines.append(f"  stage {i}: layers {span.start}-{span.stop - 1} ({shown}), {count:,} parameters")
         return lines
 
@@ -91,9 +120,13 @@ def cut_stages(layers: list[nn.Module], n_stages: int, model_name: str = "the mo
     unit_cost = [sum(counts[bounds[u]:bounds[u + 1]]) for u in range(len(starts))]
     cuts = _balanced_cuts(unit_cost, n_stages)
     spans = tuple(range(bounds[a], bounds[b]) for a, b in zip(cuts[:-1], cuts[1:]))
+    is_block = [getattr(layer, "pipeline_block", False) is True for layer in layers]
+    block_names = dict.fromkeys(_label(layer) for layer, block in zip(layers, is_block) if block)
     return StageAssignment(layers=spans,
                            parameters=tuple(sum(counts[i] for i in span) for span in spans),
-                           names=tuple(tuple(type(layers[i]).__name__ for i in span) for span in spans))
+                           names=tuple(tuple(_label(layers[i]) for i in span) for span in spans),
+                           blocks=tuple(sum(is_block[i] for i in span) for span in spans) if block_names else (),
+                           block_name=" or ".join(block_names))
 
 
 def _balanced_cuts(costs: list[int], parts: int) -> list[int]:
@@ -406,7 +439,15 @@ class PipelineParallel(ProcessGroupStrategy):
         stages = self.positions * self.stages_per_rank
         per_rank = f", {self.stages_per_rank} per process" if self.stages_per_rank > 1 else ""
         replicas = f" x {self.replicas} replicas" if self.replicas > 1 else ""
-        return f"pipeline ({stages} stages{per_rank}{replicas}, {self.microbatches} micro-batch(es), {name})"
+        return (f"pipeline ({stages} stages{self._blocks_per_stage()}{per_rank}{replicas}, "
+                f"{self.microbatches} micro-batch(es), {name})")
+
+    def _blocks_per_stage(self) -> str:
+        """`` of 2 + 2 LlamaDecoderLayer`` where the cut knows the model's blocks (``hf_stages``), else ''."""
+        cut = self.stage_assignment
+        if cut is None or not cut.blocks:
+            return ""
+        return f" of {' + '.join(map(str, cut.blocks))} {cut.block_name}"
 
     def details(self) -> list[str]:
         lines = self.stage_assignment.describe() if self.stage_assignment is not None else []

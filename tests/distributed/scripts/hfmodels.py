@@ -1,8 +1,9 @@
 """Real third-party models from small configs (nothing downloaded), for ``--model hfmodels:NAME``.
 
-Hugging Face ``transformers``: GPT-2- and Llama-style causal LMs on token batches and a BERT-style
-classifier on sentence batches, both as mappings with ``labels`` (the models compute their own
-loss). ``timm``: a small ResNet and a small ViT (``pretrained=False``) on 3x32x32 images.
+Hugging Face ``transformers``: GPT-2-, Llama- and Qwen2-style causal LMs on token batches and a
+BERT-style classifier on sentence batches, as mappings with ``labels`` (the models compute their
+own loss) or, for the LMs, as ``(input_ids, next tokens)`` pairs (``lm_pairs``: the pipeline's).
+``timm``: a small ResNet and a small ViT (``pretrained=False``) on 3x32x32 images.
 Dropout is off: with it, every rank draws its own masks and N ranks cannot equal 1.
 """
 from __future__ import annotations
@@ -32,6 +33,16 @@ def llama_tiny(info: Any = None) -> torch.nn.Module:
     return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                                         bos_token_id=0, eos_token_id=1, pad_token_id=None))
+
+
+def qwen2_tiny(info: Any = None) -> torch.nn.Module:
+    """A Qwen2 causal LM (grouped-query attention with q/k/v biases, rotary positions, tied head)
+    of 4 decoder layers."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                        tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=None))
 
 
 def gpt2_ignoring_count(info: Any = None) -> torch.nn.Module:
@@ -91,6 +102,15 @@ def lm_pairs_padded() -> tuple[TensorDataset, TensorDataset]:
     real = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], 1)
     targets = following.masked_fill(real == 0, -100)
     return TensorDataset(ids[:192], targets[:192]), TensorDataset(ids[192:], targets[192:])
+
+
+def lm_pairs() -> tuple[TensorDataset, TensorDataset]:
+    """``(input_ids, next tokens)`` pairs without padding: one input tensor and one target, as a
+    pipeline takes them (the model is called with the ids alone; scaleloop computes the loss)."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (240, SEQ + 1), generator=g)
+    ids[:, 1::2] = (ids[:, :-1:2] + 1) % VOCAB  # every other token follows from the one before
+    return TensorDataset(ids[:192, :-1], ids[:192, 1:]), TensorDataset(ids[192:, :-1], ids[192:, 1:])
 
 
 def classification_data() -> tuple[DictTensorDataset, DictTensorDataset]:
