@@ -9,6 +9,7 @@ missing ``ray`` fails here, it is not skipped.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,10 @@ def test_the_cli_in_a_ray_worker_trains_torchruns_weights_reports_to_ray_and_log
     rank0, rank1 = ((run_dir / "logs" / f"rank-{rank}.log").read_text() for rank in (0, 1))
     assert rank0.startswith("scaleloop: in a Ray Train worker: rank 0 of 2, in Ray's process group (gloo)")
     assert rank0.count("epoch 1: train loss") == 1   # each line once, though Ray's print logs it too
+    # What a torchrun rank 0's log holds: the summary too; and what handing checkpoints to Ray cost.
+    assert "\nsummary\n" in rank0 and f"  run directory    {run_dir}" in rank0, rank0[-2000:]
+    handed = re.search(r"^ray: (\d+) of (\d+) checkpoint\(s\) handed to Ray in [\d.]+ s \(writing them took", rank0, re.M)
+    assert handed and 2 <= int(handed[1]) <= int(handed[2]), rank0[-2000:]   # the first and the last at least
     assert "from rank 1" in rank1   # Ray's own lines for rank 1 (scaleloop's other ranks print nothing)
     assert "started by a Ray Train worker" not in rank0 and job(work)["error"] is None
 
