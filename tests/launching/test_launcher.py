@@ -67,3 +67,23 @@ def test_the_workers_usage_error_is_recorded_for_doctor_unless_their_loop_did(tm
     Failure("diverged", rank=1, epoch=1, step=3, message="the run diverged: ...").write(tmp_path)
     launcher._record_usage_error(tmp_path, "the run diverged: ... on rank 1", since=2000.0)
     assert diagnose(tmp_path).state == "diverged"
+
+
+def test_a_sigterm_while_rank_0_says_its_usage_error_waits_until_it_is_said_and_left() -> None:
+    # torchrun ends the other ranks once one has exited; a rank ended between printing its message and
+    # leaving its file made the launcher print the message a second time.
+    import signal
+
+    from scaleloop.launching.launcher import _termination_held
+
+    order: list[str] = []
+    before = signal.signal(signal.SIGTERM, lambda *_: order.append("SIGTERM"))
+    try:
+        with _termination_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            order.append("said")
+            order.append("left")
+        order.append("after")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert order == ["said", "left", "SIGTERM", "after"]

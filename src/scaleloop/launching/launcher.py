@@ -9,14 +9,16 @@ Torch is imported only when a run starts.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 from scaleloop.config import TrainConfig, to_toml
 from scaleloop.errors import EXIT_INTERRUPTED, UsageError
@@ -127,11 +129,14 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
             # The loop's own record found no room on a full disk; its lock, released now, leaves some.
             _record_unwritable(Path(cfg.out), str(exc), since=started, where=where_of(exc))
         if env.is_distributed and cfg.out:
-            if env.is_main:
-                # Rank 0's console is the launcher's: said here, once; the launcher then stays quiet.
-                print(f"scaleloop: error: {exc}", file=sys.stderr, flush=True)
-                exc.shown = True
-            _leave_usage_error(Path(cfg.out), env.rank, str(exc))
+            # torchrun ends the other ranks as soon as one has exited: held off until this rank's
+            # message is both said and left, so that the launcher never says it a second time.
+            with _termination_held():
+                if env.is_main:
+                    # Rank 0's console is the launcher's: said here, once; the launcher then stays quiet.
+                    print(f"scaleloop: error: {exc}", file=sys.stderr, flush=True)
+                    exc.shown = True
+                _leave_usage_error(Path(cfg.out), env.rank, str(exc))
         raise
     except KeyboardInterrupt:
         raise Interrupted(Path(cfg.out) if cfg.out and env.is_main else None) from None
@@ -397,6 +402,25 @@ def _continue_line(run_dir: Path) -> str:
 # A worker that stops on bad input leaves its one-line message here for the launcher
 # (usage-error-rank-<R>.txt): rank 0 has printed it already, any other rank's is only in its log.
 USAGE_ERROR_PREFIX = "usage-error-rank-"
+
+
+@contextlib.contextmanager
+def _termination_held() -> Iterator[None]:
+    """SIGTERM and SIGINT wait until the block ends, then arrive as usual. (A signal mask would not
+    do: the kernel hands a process's signal to any thread that does not block it.)"""
+    if threading.current_thread() is not threading.main_thread():   # a Ray worker's thread
+        yield
+        return
+    arrived: list[int] = []
+    held = (signal.SIGTERM, signal.SIGINT)
+    before = {sig: signal.signal(sig, lambda sig, _frame: arrived.append(sig)) for sig in held}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+        for sig in dict.fromkeys(arrived):
+            signal.raise_signal(sig)
 
 
 def _leave_usage_error(run_dir: Path, rank: int, message: str) -> None:
