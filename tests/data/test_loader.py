@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -301,3 +303,19 @@ def test_a_sample_that_raises_is_named_on_the_error_and_in_the_runs_report(datas
     assert caught.value.__notes__ == [note]   # the user's own exception, its type and message kept
     if dataset is _RaisesAt:
         assert describe_exception(caught.value, 0)["message"] == "'no record 5' (reading sample 5)"
+
+
+def test_worker_processes_refuse_a_temporary_directory_too_long_for_their_sockets(monkeypatch: pytest.MonkeyPatch,
+                                                                                   tmp_path: Path) -> None:
+    # Past 75 characters, the socket a worker process hands its batch through no longer binds
+    # (AF_UNIX: 107), the worker's sending thread fails unreported, and the run waits forever.
+    from scaleloop.data.loader import check_worker_socket_dir
+    from scaleloop.errors import UsageError
+
+    fits = tmp_path / ("f" * (75 - len(str(tmp_path)) - 1))
+    monkeypatch.setattr(tempfile, "tempdir", str(fits))
+    assert len(str(fits)) == 75
+    check_worker_socket_dir()
+    monkeypatch.setattr(tempfile, "tempdir", str(fits) + "x")
+    with pytest.raises(UsageError, match=r"\(76 characters; at most 75 fit\): set TMPDIR to a shorter path"):
+        check_worker_socket_dir()

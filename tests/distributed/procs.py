@@ -98,10 +98,20 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 _kill_session(pid, sweep)
                 self._reply(60)
-                raise subprocess.TimeoutExpired(list(cmd), timeout, _text(out), None if merge else _text(err)) from None
+                raise RunTimedOut(list(cmd), timeout, _text(out), None if merge else _text(err)) from None
             finally:
                 _kill_session(pid, sweep)   # torchrun's workers, should any outlive it
             return subprocess.CompletedProcess(list(cmd), code, _text(out), None if merge else _text(err))
+
+
+class RunTimedOut(subprocess.TimeoutExpired):
+    """A run past its time limit, whose message ends with the last lines it printed (a hang inside
+    the whole suite is then seen where it stopped)."""
+
+    def __str__(self) -> str:
+        said = "\n".join(f"{name}: {text[-3000:]}" for name, text in (("stdout", self.output), ("stderr", self.stderr))
+                         if text)
+        return f"{super().__str__()}; the last of what it printed:\n{said or '(nothing)'}"
 
 
 def sigint_state(pid: int) -> str:

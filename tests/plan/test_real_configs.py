@@ -63,6 +63,9 @@ def test_llama_7b_fits_8_h100s_with_plausible_numbers(llama_7b) -> None:
     assert profile.parameters == 6_738_415_616                    # Llama-7B's published count
     assert len(profile.block_parameters) == 32                    # one block per decoder layer, not one for all
     assert "32 x LlamaDecoderLayer" in profile.summary
+    # The pipeline's layers: the embedding, 32 decoder layers (in the stage wrappers that
+    # strategies.hf_stages puts around them), the head; the memory model splits activations by blocks.
+    assert profile.block_layers.count(True) == 32, profile.block_layers
     options = Options(64, "bf16", "adam")
     fsdp_ac = estimate(profile, Layout("fsdp", fsdp=8, checkpointing=True), options)
     # Model states: 16 bytes a parameter (fp32 parameter, gradient, two Adam moments) over 8 shards.

@@ -25,7 +25,9 @@ left out, so every rank still sees a batch of another shape and can refuse it al
 """
 from __future__ import annotations
 
+import multiprocessing.util
 import sys
+import tempfile
 import traceback
 from types import TracebackType
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -35,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from scaleloop.data.batch import Columns, TargetRoute, move, split, take, tensors_of
 from scaleloop.data.sampler import MicroBatch, StepSampler
+from scaleloop.errors import UsageError
 
 
 class Batch(tuple):
@@ -129,6 +132,26 @@ def _quiet_lost_reader(worker_id: int) -> None:
     sys.excepthook = hook
 
 
+# The socket path a worker process hands its tensors through under torch's default sharing strategy:
+# TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, at most 107 characters on Linux (AF_UNIX).
+_SOCKET_SUFFIX = len("/pymp-12345678/listener-12345678")
+_SOCKET_PATH_MAX = 107
+
+
+def check_worker_socket_dir() -> None:
+    """Raise UsageError where DataLoader worker processes could not hand over a batch: the socket
+    they pass it through lies in the temporary directory, and a path over Linux's limit fails in the
+    worker's sending thread, where nothing reports it; the run then waits for the batch forever."""
+    if (sys.platform != "linux" or torch.multiprocessing.get_sharing_strategy() != "file_descriptor"
+            or hasattr(multiprocessing.util, "_get_base_temp_dir")):   # Python 3.13+ picks a short one itself
+        return
+    tmp = tempfile.gettempdir()
+    if len(tmp) + _SOCKET_SUFFIX > _SOCKET_PATH_MAX:
+        raise UsageError(f"DataLoader worker processes (--num-workers) cannot pass batches through a socket in "
+                         f"the temporary directory {tmp} ({len(tmp)} characters; at most "
+                         f"{_SOCKET_PATH_MAX - _SOCKET_SUFFIX} fit): set TMPDIR to a shorter path, or use --num-workers 0")
+
+
 class _EpochBatches:
     """The current epoch's index lists, as a DataLoader ``batch_sampler`` that outlives epochs
     (a DataLoader with persistent workers is built once and re-iterated every epoch)."""
@@ -159,6 +182,8 @@ class ShardedLoader:
         # A collate function of the user's own must see the samples: the fast path, which gathers
         # the tensors as the default collation would, is only for the default.
         self._tensors = tensors_of(dataset) if collate_fn in (None, default_collate) else None
+        if num_workers > 0 and self._tensors is None:
+            check_worker_socket_dir()
         self.epoch = 0
         self.start_step = 0
         self._loader: Optional[DataLoader] = None
