@@ -139,13 +139,14 @@ def test_mfu_quick(tmp_path: Path) -> None:
     assert [r["model"] for r in rows] == ["simplenet", "biggernet", "convnet", "tinygpt"]
     for r in rows:
         assert r["flops_per_sample"] > 0 and r["samples_per_s"] > 0
-        assert 0 < r["mfu"] < 1
+        assert r["mfu"] > 0   # (not < 1: on a busy machine the measured peak can come out below a model's rate)
         assert r["mfu"] == pytest.approx(r["flops_per_sample"] * r["samples_per_s"] / r["peak_flops_per_s"])
     # For the MLPs the counted FLOPs are at most the 6N estimate (the first layer needs no input grad).
     assert rows[0]["flops_per_sample"] <= rows[0]["six_n"]
     # The CPU's peak is measured; a known GPU's is its datasheet's (device auto picks the GPU).
     assert ("datasheet" if torch.cuda.is_available() else "measured") in data["data"]["peak"]["source"]
     assert "| model | data |" in md
+    assert any(r["mfu"] > 1 for r in rows) == ("MFU over 100%" in md)
 
 
 def test_multiprocess_bench_fits_workers_to_gpus() -> None:

@@ -105,4 +105,9 @@ def run_mfu(opts: MfuOptions, say: Say) -> BenchReport:
     if device.type == "cpu":
         report.notes.append("No GPU was available for this run; the CPU peak is measured here, as the best of "
                             "several large matmuls with the same threads and dtype.")
+    over = [r["model"] for r in rows if r["mfu"] > 1]
+    if over and peak.source.startswith("measured"):
+        # Not possible on a quiet machine: other work slowed the peak's matmuls more than the model's steps.
+        report.notes.append(f"MFU over 100% ({', '.join(over)}): the peak was measured while the machine was "
+                            f"busy; run again on an idle machine for figures to compare.")
     return report
