@@ -174,6 +174,10 @@ def test_resume_continues_the_random_number_streams(tmp_path: Path, monkeypatch:
     result = train(cfg, CPU, log=quiet)
     assert result.resumed_from == Path(cfg.out) / "checkpoints" / "step-00000006"
     assert_bitwise_equal(weights(Path(cfg.out)), weights(Path(reference.run_dir)))
+    # Its training time counts the first run's too, as its steps do: said, so that it may exceed the wall time.
+    from scaleloop.loop.summary import format_result
+    assert " over every run since the first)" in format_result(result)
+    assert " over every run" not in format_result(reference)
 
 
 def test_resume_after_an_epoch_end_checkpoint_with_extended_epochs_matches_a_longer_run(tmp_path: Path) -> None:

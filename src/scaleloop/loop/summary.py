@@ -23,7 +23,7 @@ def format_result(result: RunResult) -> str:
         _test_row(test),
         *([_train_eval_row(result.train_eval, result.train_eval_step)] if result.train_eval is not None else []),
         ("throughput", format_rate(result.samples_per_s)),
-        ("wall time", f"{format_seconds(result.wall_s)} (training {format_seconds(result.train_s)})"),
+        ("wall time", _wall_time(result)),
     ]
     if result.precision == "fp16":
         rows.append(("fp16 skipped steps", f"{result.skipped_steps} of {result.steps} (inf/NaN gradients: the "
@@ -113,3 +113,10 @@ def describe_checkpoints(result: RunResult) -> str:
     if result.resumed_from is not None:
         text += f"; resumed from {result.resumed_from}"
     return text
+
+
+def _wall_time(result: RunResult) -> str:
+    """This process's wall time and the training time; a resumed run's training time counts its
+    earlier runs too (as its steps and samples do), which is said, or it could exceed the wall time."""
+    over = " over every run since the first" if result.resumed_from is not None else ""
+    return f"{format_seconds(result.wall_s)} (training {format_seconds(result.train_s)}{over})"
