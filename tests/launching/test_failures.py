@@ -101,6 +101,33 @@ def test_a_dataloaders_sigchld_handler_does_not_break_the_record(run: Path, monk
     assert data["message"]["extraInfo"]["scaleloop"]["error_type"] == "ValueError"
 
 
+def test_a_batch_whose_worker_died_mid_hand_over_is_said_as_the_workers_death() -> None:
+    # The batch's hand-over (multiprocessing's resource sharer) can find the SIGKILLed worker gone
+    # before torch's own check does: a ConnectionResetError, which is the same death.
+    import signal
+    from types import SimpleNamespace
+
+    from scaleloop.launching.worker import describe_exception
+
+    class Iterator:   # stands for torch's multi-process DataLoader iterator: its workers, one killed
+        _workers = [SimpleNamespace(pid=4242, exitcode=0), SimpleNamespace(pid=4343, exitcode=-signal.SIGKILL)]
+
+        def next_batch(self) -> None:
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+    try:
+        Iterator().next_batch()
+    except ConnectionResetError as exc:
+        said = describe_exception(exc, 0)
+    assert said["error_type"] == "RuntimeError"
+    assert said["message"] == ("a DataLoader worker (pid 4343) was killed by signal SIGKILL: most often the kernel's "
+                               "out-of-memory killer (see `dmesg`); fewer --num-workers use less memory")
+    try:
+        raise ConnectionResetError(104, "Connection reset by peer")   # no DataLoader on the stack: as it is
+    except ConnectionResetError as exc:
+        assert describe_exception(exc, 0)["error_type"] == "ConnectionResetError"
+
+
 def test_a_raising_rank_is_named_and_the_others_summarised(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     record(run, monkeypatch, 1, raise_in_loop)
     record(run, monkeypatch, 0, lambda: (_ for _ in ()).throw(RuntimeError(GLOO_CLOSED)))

@@ -488,3 +488,19 @@ def _log_lines(run_dir: Path, rank: Optional[int], ranks: list[int]) -> list[str
     if rank is None:
         return [f"  logs: {logs}/rank-<N>.log (one per rank); torchrun's messages: {logs / AGENT_LOG}"]
     return [f"  logs: {logs / f'rank-{rank}.log'} (rank {rank}'s full output); every rank: {logs}/rank-<N>.log"]
+
+
+def quiet_loader_workers() -> None:
+    """Let the DataLoader's worker processes end in peace while this rank reports its failure.
+
+    torch's SIGCHLD handler (set by a DataLoader with worker processes) raises a RuntimeError in
+    whatever code runs when one of its workers ends: once this rank failed, its other workers end
+    too, and that error would break the very record of the failure (no error file, and the report
+    "no Python error"). The rank is ending: the default (nothing) is what it needs now.
+    """
+    sigchld = getattr(signal, "SIGCHLD", None)
+    if sigchld is not None and callable(signal.getsignal(sigchld)):
+        try:
+            signal.signal(sigchld, signal.SIG_DFL)
+        except ValueError:   # not the main thread: torch set none there either
+            pass

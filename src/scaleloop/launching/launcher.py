@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 from scaleloop.config import TrainConfig, to_toml
 from scaleloop.errors import EXIT_INTERRUPTED, UsageError
-from scaleloop.launching.failures import (LOGS_DIR, Failure, leave_unrecorded, remove_partial_records, take_unrecorded,
-                                         usage_error_in_logs)
+from scaleloop.launching.failures import (LOGS_DIR, Failure, leave_unrecorded, quiet_loader_workers,
+                                         remove_partial_records, take_unrecorded, usage_error_in_logs)
 from scaleloop.launching.supervisor import LaunchOutcome, supervise
 from scaleloop.launching.torchrun import WorkerLaunch, launch_for, workers_env
 from scaleloop.output.rundir import RunDirWriteError
@@ -144,6 +144,9 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
         raise
     except Exception as exc:
         if here and cfg.out:  # one process: the same short report as N workers give, not a traceback
+            # First: the run is over, and a DataLoader worker that ends now (its handler raises in
+            # whatever code runs, an import included) must not break the report.
+            quiet_loader_workers()
             raise _failed_here(Path(cfg.out), cfg, exc) from exc
         raise
     finally:
@@ -177,10 +180,9 @@ def _failed_here(run_dir: Path, cfg: TrainConfig, exc: BaseException) -> Excepti
     import traceback
 
     from scaleloop.launching.failures import ATTEMPT_MARK, one_process
-    from scaleloop.launching.worker import describe_exception, quiet_loader_workers
+    from scaleloop.launching.worker import describe_exception
     from scaleloop.output.rundir import is_run_dir, write_atomic
 
-    quiet_loader_workers()   # the run is over: a DataLoader worker that ends now must not break the report
     if run_dir.exists() and not is_run_dir(run_dir):
         return exc   # a failure before the directory was checked: it may hold the user's own files
     try:

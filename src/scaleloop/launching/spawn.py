@@ -42,7 +42,7 @@ from typing import IO, Any, Callable, Mapping, Optional, Sequence, Union
 
 from scaleloop.errors import EXIT_INTERRUPTED, UsageError
 from scaleloop.launching import lifeline
-from scaleloop.launching.failures import ELASTIC_DIR, LOGS_DIR, analyse, read_stack_dump
+from scaleloop.launching.failures import ELASTIC_DIR, LOGS_DIR, analyse, quiet_loader_workers, read_stack_dump
 from scaleloop.launching.forks import wait_for_siblings
 
 START_METHODS = ("auto", "fork", "spawn", "forkserver")
@@ -193,9 +193,9 @@ def _stack_dumps(logs: Path, rank: int) -> IO[str]:
 def _record(exc: BaseException, rank: int, logs: Path) -> None:
     """``exc`` in torchrun's error file, as ``scaleloop.launching.worker`` records it (its extras
     under ``extraInfo.scaleloop``), for the launcher's report."""
-    from scaleloop.launching.worker import describe_exception, quiet_loader_workers, write_record
+    quiet_loader_workers()   # first (no import before it): a DataLoader worker's end must not break the record
+    from scaleloop.launching.worker import describe_exception, write_record
 
-    quiet_loader_workers()   # the worker is ending: a DataLoader worker's end must not break its record
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return

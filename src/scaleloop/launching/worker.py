@@ -42,7 +42,7 @@ from scaleloop.launching import lifeline
 from scaleloop.launching.console import console_stream
 from scaleloop.runtime import preempt
 from scaleloop.errors import EXIT_INTERRUPTED
-from scaleloop.launching.failures import leave_unrecorded
+from scaleloop.launching.failures import leave_unrecorded, quiet_loader_workers
 from scaleloop.runtime.frames import Frame, FrameKinds, noted_sample, where_of, worker_traceback
 from scaleloop.runtime.recovery import leave_fault
 from scaleloop.runtime.slurm import in_slurm_job
@@ -170,6 +170,9 @@ def describe_exception(exc: BaseException, rank: int) -> dict[str, Any]:
     elif (ended := _loader_worker_ended(message, frames)) is not None:
         # A worker process that died raised nothing: no line of code is its cause.
         summary, message = [], ended
+    elif isinstance(exc, (ConnectionError, EOFError)) and (ended := _dead_loader_worker(frames)) is not None:
+        # The batch's hand-over found its worker gone before torch's own check did: the same death.
+        summary, error_type, message = [], "RuntimeError", ended
     elif (sample := noted_sample(exc)) is not None:   # the dataset raised, read in this process
         message = f"{message} (reading sample {sample})"
     frame = FrameKinds().innermost_user(summary)
@@ -183,22 +186,6 @@ def describe_exception(exc: BaseException, rank: int) -> dict[str, Any]:
         "waiting_in": describe_collective(frames) if communication else None,
         "time": time.time(),
     }
-
-
-def quiet_loader_workers() -> None:
-    """Let the DataLoader's worker processes end in peace while this rank reports its failure.
-
-    torch's SIGCHLD handler (set by a DataLoader with worker processes) raises a RuntimeError in
-    whatever code runs when one of its workers ends: once this rank failed, its other workers end
-    too, and that error would break the very record of the failure (no error file, and the report
-    "no Python error"). The rank is ending: the default (nothing) is what it needs now.
-    """
-    sigchld = getattr(signal, "SIGCHLD", None)
-    if sigchld is not None and callable(signal.getsignal(sigchld)):
-        try:
-            signal.signal(sigchld, signal.SIG_DFL)
-        except ValueError:   # not the main thread: torch set none there either
-            pass
 
 
 # torch's words for a DataLoader worker that ended without a Python error: its SIGCHLD handler's,
@@ -229,6 +216,18 @@ def _loader_worker_ended(message: str, frames: Sequence[tuple[FrameType, int]]) 
     if -code == signal.SIGKILL:
         said += ": most often the kernel's out-of-memory killer (see `dmesg`); fewer --num-workers use less memory"
     return said
+
+
+def _dead_loader_worker(frames: Sequence[tuple[FrameType, int]]) -> Optional[str]:
+    """A DataLoader worker process of an iterator on the stack that has ended with an error (said
+    as :func:`_loader_worker_ended` says it), or None."""
+    for frame, _ in reversed(frames):
+        for process in getattr(frame.f_locals.get("self"), "_workers", None) or ():
+            code = getattr(process, "exitcode", None)
+            if isinstance(code, int) and code != 0:
+                pid = getattr(process, "pid", None)
+                return _loader_worker_ended(f"DataLoader worker (pid(s) {pid}) exited unexpectedly", frames)
+    return None
 
 
 def _worker_exit_code(pid: int, frames: Sequence[tuple[FrameType, int]]) -> Optional[int]:
