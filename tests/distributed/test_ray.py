@@ -36,6 +36,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # The driver is a fork of the tests' fork server (torch imported); Ray starts its processes fresh.
     res = run([sys.executable, str(HERE / "ray_jobs.py"), str(root)], cwd=root, timeout=900, merge=True)
     assert res.returncode == 0, res.stdout[-6000:]
+    (root / "driver-console.txt").write_text(res.stdout)   # what the job's user sees (Ray forwards the workers')
     for strategy in ("ddp", "fsdp"):
         scaleloop(["train", "--nproc", "2", *flags(strategy), "--out", str(root / f"torchrun-{strategy}")], cwd=root)
     return root
@@ -70,6 +71,21 @@ def test_the_cli_in_a_ray_worker_trains_torchruns_weights_reports_to_ray_and_log
     assert handed and 2 <= int(handed[1]) <= int(handed[2]), rank0[-2000:]   # the first and the last at least
     assert "from rank 1" in rank1   # Ray's own lines for rank 1 (scaleloop's other ranks print nothing)
     assert "started by a Ray Train worker" not in rank0 and job(work)["error"] is None
+
+
+def test_each_scaleloop_line_reaches_the_jobs_console_once(work: Path) -> None:
+    # Ray Train's print in a worker both logs a line and prints it again unless sys.stdout is the
+    # process's own (scaleloop.ray.printed_once): every line came twice, one after the other.
+    said: dict[str, list[str]] = {}
+    for line in re.sub(r"\x1b\[[0-9;]*m", "", (work / "driver-console.txt").read_text()).splitlines():
+        where, _, text = line.partition(") ")
+        if where.startswith("(RayTrainWorker pid=") and text.startswith("scaleloop: "):
+            said.setdefault(where, []).append(text)
+    lines = [text for texts in said.values() for text in texts]
+    assert sum("on cpu (1 threads), fp32" in text for text in lines) >= 4, lines   # each run's first line, seen
+    for where, texts in said.items():
+        twice = [a for a, b in zip(texts, texts[1:]) if a == b]
+        assert not twice and not any("[repeated" in t for t in texts), (where, twice or texts)
 
 
 def test_a_child_process_of_a_ray_worker_trains_beside_rays_group(work: Path) -> None:
