@@ -210,6 +210,13 @@ class Session:
         self.results: dict[int, tuple[Optional[str], float]] = {}   # index -> (failure or None, seconds)
         self.outputs: dict[int, str] = {}
 
+    def check_block(self, index: int) -> None:
+        """Run the blocks up to ``index`` (each once) and fail the test with block ``index``'s failure."""
+        self.run_through(index)
+        failure, _ = self.results[index]
+        if failure is not None:
+            pytest.fail(failure, pytrace=False)
+
     def run_through(self, index: int) -> None:
         while self.done <= index:
             k = self.done
@@ -324,10 +331,7 @@ def no_process_left_behind() -> Iterator[None]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("index", range(len(TUTORIAL_BLOCKS)), ids=[b.label.replace(" ", "-") for b in TUTORIAL_BLOCKS])
 def test_tutorial_block(tutorial: Session, index: int) -> None:
-    tutorial.run_through(index)
-    failure, _ = tutorial.results[index]
-    if failure is not None:
-        pytest.fail(failure, pytrace=False)
+    tutorial.check_block(index)
 
 
 @pytest.mark.slow
@@ -335,10 +339,7 @@ def test_tutorial_block(tutorial: Session, index: int) -> None:
 @pytest.mark.parametrize("index", range(len(FROM_THE_POST_BLOCKS)),
                          ids=[b.label.replace(" ", "-") for b in FROM_THE_POST_BLOCKS])
 def test_from_the_post_block(from_the_post: Session, index: int) -> None:
-    from_the_post.run_through(index)
-    failure, _ = from_the_post.results[index]
-    if failure is not None:
-        pytest.fail(failure, pytrace=False)
+    from_the_post.check_block(index)
 
 
 # --- what the pages say about the repository ------------------------------------------------

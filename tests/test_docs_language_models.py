@@ -6,16 +6,14 @@ It has a file of its own so that the test workers run it beside test_docs.py's t
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
-from procs import kill_owned, owned_pids  # noqa: E402
-from test_docs import ROOT, Block, Session, inventory_problems, parse_blocks  # noqa: E402
+# no_process_left_behind: test_docs.py's autouse fixture, in force here too once imported.
+from test_docs import ROOT, Session, inventory_problems, no_process_left_behind, parse_blocks  # noqa: E402,F401
 
 LANGUAGE_MODELS = ROOT / "docs" / "language-models.md"
 BLOCKS = parse_blocks(LANGUAGE_MODELS)
@@ -31,21 +29,7 @@ def page(tmp_path_factory: pytest.TempPathFactory) -> Session:
     return Session(BLOCKS, tmp_path_factory.mktemp("language-models"))
 
 
-@pytest.fixture(autouse=True)
-def no_process_left_behind() -> Iterator[None]:
-    yield
-    deadline = time.monotonic() + 5
-    while owned_pids() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = owned_pids()
-    kill_owned()
-    assert not left, f"the test left processes behind: {left}"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[b.label.replace(" ", "-") for b in BLOCKS])
 def test_language_models_block(page: Session, index: int) -> None:
-    page.run_through(index)
-    failure, _ = page.results[index]
-    if failure is not None:
-        pytest.fail(failure, pytrace=False)
+    page.check_block(index)
