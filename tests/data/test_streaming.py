@@ -301,3 +301,14 @@ def test_evaluating_a_stream_equals_evaluating_the_same_samples_in_memory() -> N
     in_memory = evaluate(model, TensorDataset(stream.x, stream.y), info, strategy, batch_size=16)
     assert streamed.samples == in_memory.samples == 61
     assert streamed.loss == pytest.approx(in_memory.loss, rel=1e-12) and streamed.accuracy == in_memory.accuracy
+
+
+def test_stream_worker_processes_refuse_a_temporary_directory_too_long_for_their_sockets(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # A stream's DataLoader workers hand batches over as a map dataset's do (data.loader.check_worker_socket_dir).
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / ("t" * 80)))
+    with pytest.raises(UsageError, match="set TMPDIR to a shorter path, or use --num-workers 0"):
+        StreamingLoader(Numbers(4), StreamSampler(2), torch.device("cpu"), num_workers=1)
+    StreamingLoader(Numbers(4), StreamSampler(2), torch.device("cpu"))   # no worker processes: nothing to refuse

@@ -44,7 +44,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, get_worker_info
 
 from scaleloop.data.batch import TargetRoute, move, split
-from scaleloop.data.loader import Batch, _channels_last
+from scaleloop.data.loader import Batch, _channels_last, check_worker_socket_dir
 from scaleloop.errors import UsageError
 
 
@@ -222,6 +222,8 @@ class StreamingLoader:
         self.sampler = sampler
         self.device = device
         self.num_workers = num_workers
+        if num_workers > 0:
+            check_worker_socket_dir()
         self.collate_fn = collate_fn
         self.env = env   # a DistEnv: every rank's pass length is compared at the pass's end
         self.epoch = 0

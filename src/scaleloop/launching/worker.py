@@ -208,6 +208,11 @@ def _loader_worker_ended(message: str, frames: Sequence[tuple[FrameType, int]]) 
         code = _worker_exit_code(pid, frames)
     else:
         return None
+    return _worker_end_said(pid, code)
+
+
+def _worker_end_said(pid: Optional[int], code: Optional[int]) -> str:
+    """DataLoader worker ``pid``'s end in words: its exit code, or its signal and the likely cause."""
     if code is None or code >= 0:
         return (f"a DataLoader worker (pid {pid}) exited unexpectedly"
                 + (f" with code {code}" if code is not None else "") + " (os._exit, a crash, or a signal)")
@@ -225,8 +230,7 @@ def _dead_loader_worker(frames: Sequence[tuple[FrameType, int]]) -> Optional[str
         for process in getattr(frame.f_locals.get("self"), "_workers", None) or ():
             code = getattr(process, "exitcode", None)
             if isinstance(code, int) and code != 0:
-                pid = getattr(process, "pid", None)
-                return _loader_worker_ended(f"DataLoader worker (pid(s) {pid}) exited unexpectedly", frames)
+                return _worker_end_said(getattr(process, "pid", None), code)
     return None
 
 

@@ -153,12 +153,6 @@ def _layers(model: nn.Module) -> tuple[nn.Module, ...]:
         return ()
 
 
-def _is_block(layer: nn.Module, blocks: list[nn.Module]) -> bool:
-    """Whether a pipeline layer is one of the model's blocks: the block itself, or the stage wrapper
-    that the pipeline puts around a transformers decoder layer (strategies.hf_stages)."""
-    return getattr(layer, "pipeline_block", False) is True or any(layer is b for b in blocks)
-
-
 def _hidden(model: nn.Module) -> tuple[Optional[int], Optional[int]]:
     """The width between blocks and the attention heads, where the model says them."""
     config = getattr(model, "config", None)
@@ -264,6 +258,7 @@ def profile_model(spec: ModelSpec, low_precision: bool = False) -> ModelProfile:
     ``low_precision``: trace the step in bf16 (activations of 2 bytes), as a bf16 run keeps them.
     """
     from scaleloop.strategies.blocks import find_blocks
+    from scaleloop.strategies.pipeline import is_pipeline_block
 
     model = build_meta(spec)
     found = find_blocks(model)
@@ -277,7 +272,8 @@ def profile_model(spec: ModelSpec, low_precision: bool = False) -> ModelProfile:
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     return ModelProfile(spec=spec, parameters=_count(model), block_parameters=tuple(_count(b) for b in blocks),
                         tp_parameters=_tp_parameters(model), layers=layers,
-                        block_layers=tuple(_is_block(layer, blocks) for layer in layers), hidden=hidden,
+                        block_layers=tuple(is_pipeline_block(layer) or any(layer is b for b in blocks) for layer in layers),
+                        hidden=hidden,
                         heads=heads, flops_per_sample=plain.flops, series=plain.series,
                         series_checkpointed=checkpointed.series if checkpointed is not None else None,
                         dtype_bytes=2 if low_precision else 4,

@@ -120,13 +120,19 @@ def cut_stages(layers: list[nn.Module], n_stages: int, model_name: str = "the mo
     unit_cost = [sum(counts[bounds[u]:bounds[u + 1]]) for u in range(len(starts))]
     cuts = _balanced_cuts(unit_cost, n_stages)
     spans = tuple(range(bounds[a], bounds[b]) for a, b in zip(cuts[:-1], cuts[1:]))
-    is_block = [getattr(layer, "pipeline_block", False) is True for layer in layers]
+    is_block = [is_pipeline_block(layer) for layer in layers]
     block_names = dict.fromkeys(_label(layer) for layer, block in zip(layers, is_block) if block)
     return StageAssignment(layers=spans,
                            parameters=tuple(sum(counts[i] for i in span) for span in spans),
                            names=tuple(tuple(_label(layers[i]) for i in span) for span in spans),
                            blocks=tuple(sum(is_block[i] for i in span) for span in spans) if block_names else (),
                            block_name=" or ".join(block_names))
+
+
+def is_pipeline_block(layer: nn.Module) -> bool:
+    """Whether a pipeline layer is a block the pipeline counts as one: a stage wrapper around a
+    transformers decoder layer (``strategies.hf_stages``) says so with ``pipeline_block = True``."""
+    return getattr(layer, "pipeline_block", False) is True
 
 
 def _balanced_cuts(costs: list[int], parts: int) -> list[int]:
