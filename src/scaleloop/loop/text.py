@@ -24,8 +24,8 @@ from scaleloop.runtime.dist import restart_count
 Log = Callable[[str], None]
 
 # The bar: how far the epoch is, the time left, then (from the first log row on) the postfix
-# ``_bar_postfix`` writes. tqdm's own step/s is left out: samples/s says it, and without it the
-# line fits 80 columns.
+# ``_bar_postfix`` writes. tqdm's own step/s is left out: samples/s says it. With the gradient norm
+# the line is about 92 columns; on a narrower terminal tqdm trims its end (the speed).
 BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {remaining} left{postfix}"
 # A stream's first pass has no known length: steps so far and the time, no share or time left.
 UNSIZED_BAR_FORMAT = "{desc}: {n_fmt} steps [{elapsed}{postfix}]"
