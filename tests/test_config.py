@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -385,7 +386,7 @@ def test_every_setting_is_declared_once_with_its_help() -> None:
         for f in dataclasses.fields(section.default_factory):
             owners.setdefault(f.name, []).append(section.name)
             assert isinstance(f.metadata.get("help"), str) and f.metadata["help"].strip(), f"{section.name}.{f.name}"
-            assert f.metadata["group"] in GROUPS and isinstance(f.metadata["choices"], tuple), f.name
+            assert f.metadata["group"] in GROUPS and isinstance(f.metadata["choices"], Sequence), f.name
     assert {name: where for name, where in owners.items() if len(where) > 1} == {}
     assert not set(owners) & set(SECTIONS)
     assert set(owners) == set(SETTINGS) and len(SETTINGS) == 86

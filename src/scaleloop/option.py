@@ -9,6 +9,7 @@ owner of a section, whatever its floor, declares its fields the same way.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from scaleloop.errors import UsageError
@@ -17,10 +18,11 @@ from scaleloop.errors import UsageError
 GROUPS = ("model and data", "training", "hardware", "speed", "launch", "checkpoints", "output")
 
 
-def option(default: Any, help: str, choices: tuple[str, ...] = (), *, group: str, common: bool = False,
+def option(default: Any, help: str, choices: Sequence[str] = (), *, group: str, common: bool = False,
            bare: Any = None) -> Any:
     """A dataclass field declared as a setting: ``help`` is its flag's help, ``choices`` the values
-    it accepts (checked for every section alike), ``group`` its heading in ``--help-all`` (one of
+    it accepts (checked for every section alike; a tuple, or a sequence that reads them when used,
+    as ``--strategy``'s reads the strategy registry), ``group`` its heading in ``--help-all`` (one of
     :data:`GROUPS`), and ``common`` puts it among the dozen flags ``train --help`` shows.
 
     ``bare`` (not None): the flag's value may be left out, and the flag alone means ``bare``

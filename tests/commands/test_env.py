@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scaleloop.commands.env import STRATEGY_NAMES, collect_env, format_env
+from scaleloop.commands.env import collect_env, format_env
+from scaleloop.strategies.registry import REGISTRY
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="expects a CPU-only machine")
 
@@ -79,7 +80,7 @@ def test_cpu_machine_facts(info: dict[str, object]) -> None:
 def test_strategies_structure(info: dict[str, object]) -> None:
     strategies = info["strategies"]
     assert isinstance(strategies, dict)
-    assert tuple(strategies) == STRATEGY_NAMES
+    assert tuple(strategies) == tuple(REGISTRY)
     for name, (runnable, reason) in strategies.items():
         assert isinstance(runnable, bool), name
         assert isinstance(reason, str) and reason, name
@@ -103,17 +104,15 @@ def test_strategies_on_cpu(info: dict[str, object]) -> None:
 
 def test_every_registered_strategy_is_listed() -> None:
     from scaleloop.config import STRATEGIES
-    from scaleloop.strategies.registry import REGISTRY
 
-    assert STRATEGY_NAMES == tuple(REGISTRY)
-    assert {"auto", *STRATEGY_NAMES} == set(STRATEGIES)   # every name --strategy accepts, but auto
-    assert {"pipeline", "mesh"} <= set(STRATEGY_NAMES)
+    assert {"auto", *REGISTRY} == set(STRATEGIES)   # every name --strategy accepts, but auto
+    assert {"pipeline", "mesh"} <= set(REGISTRY)
 
 
 def test_a_torch_without_the_apis_marks_them_not_runnable() -> None:
     from scaleloop.commands.env import _strategies
 
-    strategies = _strategies(0, gloo=True, nccl=False, fsdp_api=False, pipelining_api=False, mesh_api=False)
+    strategies = _strategies(0, gloo=True, nccl=False, api_ok=lambda api: False)
     for name, module in (("fsdp", "fully_shard"), ("pipeline", "pipelining"), ("mesh", "device_mesh")):
         runnable, reason = strategies[name]
         assert runnable is False and module in reason, name
@@ -131,7 +130,7 @@ def test_format_env_sections(info: dict[str, object]) -> None:
     assert str(torch.__version__) in text
     text.encode("ascii")  # must print on any terminal
     strategy_block = text.split("Strategies runnable here", 1)[1]
-    for name in STRATEGY_NAMES:
+    for name in REGISTRY:
         assert f"  {name} " in strategy_block
     single_line = next(line for line in strategy_block.splitlines() if line.strip().startswith("single"))
     assert " yes " in single_line

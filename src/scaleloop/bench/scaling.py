@@ -32,6 +32,8 @@ from scaleloop.bench.report import (BenchReport, Column, Table, fmt_bytes, fmt_f
                                     fmt_rate, fmt_ratio)
 from scaleloop.bench.workload import RunSpec, Workload
 from scaleloop.errors import UsageError
+from scaleloop.strategies.factory import strategy_class
+from scaleloop.strategies.registry import REGISTRY
 
 Say = Callable[[str], None]
 
@@ -54,15 +56,17 @@ class ScalingOptions:
     command: str = "scaleloop bench scaling"
 
 
-#: The strategies with one process per device, which scaling runs at every worker count.
-SCALING_STRATEGIES = ("ddp", "allreduce", "fsdp")
+def scaling_strategies() -> tuple[str, ...]:
+    """The strategies scaling runs at every worker count: those bench compares (``Registered.bench``)
+    that run one process per device, in the registry's order."""
+    return tuple(name for name, entry in REGISTRY.items() if entry.bench and entry.processes == "many")
 
 
 def check_options(opts: ScalingOptions, device_type: str, gpus: int) -> list[str]:
     """Raise UsageError for what cannot run here; return notes about what runs, but is skewed."""
-    if opts.strategy not in SCALING_STRATEGIES:
+    if opts.strategy not in scaling_strategies():
         raise UsageError(f"--strategy {opts.strategy!r} cannot be scaled over workers; choose one of: "
-                         f"{', '.join(SCALING_STRATEGIES)}")
+                         f"{', '.join(scaling_strategies())}")
     if opts.workers[0] != 1:
         raise UsageError("--workers must include 1: efficiency is measured against one worker")
     if opts.strong:
@@ -250,7 +254,9 @@ def _model(points: Sequence[dict[str, Any]], opts: ScalingOptions, device: torch
     nbytes = base["comm"]["grad_bytes"]
     if multi and multi[-1]["comm"].get("allreduce_equivalent_bytes"):
         nbytes = multi[-1]["comm"]["allreduce_equivalent_bytes"]   # FSDP: 1.5 x the gradient bytes
-    buckets = costmodel.buckets_for(nbytes, measured_buckets if opts.strategy in ("ddp", "fsdp") else 1)
+    # A strategy that all-reduces by hand is timed as one call per step (bench/worker.py).
+    one_call = strategy_class(opts.strategy).reduces_in_sync_gradients
+    buckets = costmodel.buckets_for(nbytes, 1 if one_call else measured_buckets)
     projection = costmodel.project(compute, nbytes, buckets)
     fabric = None
     check: list[dict[str, Any]] = []
@@ -378,8 +384,9 @@ def _notes(opts: ScalingOptions, device: torch.device, peak: Any, fabric: Option
     notes.append("Ring all-reduce: 2(N-1)/N x bytes / bandwidth + 2(N-1) x latency x calls; NCCL uses trees at "
                  "large N, so the latency term is pessimistic there. Overlap hides communication behind "
                  "backward only.")
-    if opts.strategy == "fsdp":
-        notes.append("FSDP all-gathers parameters in forward and backward and reduce-scatters gradients: 1.5x "
+    factor = strategy_class(opts.strategy).allreduce_equivalents
+    if factor:
+        notes.append(f"FSDP all-gathers parameters in forward and backward and reduce-scatters gradients: {factor:g}x "
                      "an all-reduce's bytes, 3 collectives per unit. Its bytes and calls are given in all-reduce "
                      "equivalents, and its collectives are not timed during training.")
     if fabric is not None:

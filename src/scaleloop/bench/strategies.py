@@ -21,11 +21,16 @@ from scaleloop.bench.launcher import run_workers
 from scaleloop.bench.report import BenchReport, Column, Table, fmt_bytes, fmt_ms, fmt_rate, fmt_ratio
 from scaleloop.bench.workload import RunSpec, Workload
 from scaleloop.errors import UsageError
+from scaleloop.strategies.registry import REGISTRY
 
 Say = Callable[[str], None]
 
-# In the order of the tutorial: one device, one process over several GPUs, one process per device.
-ALL_STRATEGIES = ("single", "dp", "ddp", "allreduce", "fsdp")
+
+def benchmarked() -> tuple[str, ...]:
+    """The strategies this benchmark compares (``Registered.bench``), in the registry's order, which
+    is the tutorial's: one device (the first, the baseline), one process over several GPUs, one
+    process per device."""
+    return tuple(name for name, entry in REGISTRY.items() if entry.bench)
 
 
 @dataclass(frozen=True)
@@ -53,18 +58,21 @@ def table_rows(opts: StrategiesOptions, device_type: str, gpus: int) -> list[Ben
     """The rows for this machine, in table order."""
     n = opts.workers
     cpu = device_type == "cpu"
-    rows = [BenchRow("single (1 thread)" if cpu else "single (1 GPU)", "single", 1, 1 if cpu else None)]
+    base, *others = benchmarked()
+    rows = [BenchRow(f"{base} (1 thread)" if cpu else f"{base} (1 GPU)", base, 1, 1 if cpu else None)]
     if cpu and n > 1:
-        rows.append(BenchRow(f"single ({n} threads)", "single", 1, n))
-    for name in ALL_STRATEGIES[1:]:
-        label = f"{name} x {n}"
-        if name == "dp":
-            if cpu:
-                rows.append(BenchRow("dp", name, 1, None, "needs CUDA GPUs (nn.DataParallel); none here"))
-            else:
-                rows.append(BenchRow(f"dp ({gpus} GPUs, 1 process)", name, 1, None))
+        rows.append(BenchRow(f"{base} ({n} threads)", base, 1, n))
+    for name in others:
+        entry = REGISTRY[name]
+        if entry.processes == "many":
+            rows.append(BenchRow(f"{name} x {n}", name, n, 1 if cpu else None))
+        elif entry.needs.cuda and cpu:
+            what = f" ({entry.what})" if entry.what else ""
+            rows.append(BenchRow(name, name, 1, None, f"needs CUDA GPUs{what}; none here"))
+        elif entry.needs.cuda:
+            rows.append(BenchRow(f"{name} ({gpus} GPUs, 1 process)", name, 1, None))
         else:
-            rows.append(BenchRow(label, name, n, 1 if cpu else None))
+            rows.append(BenchRow(f"{name} (1 process)", name, 1, 1 if cpu else None))
     return rows + mesh_rows(n, 1 if cpu else None)
 
 

@@ -107,7 +107,8 @@ class CommRecorder:
         return fut.then(done)
 
     def wrap_gradient_sync(self, strategy: Any, model: torch.nn.Module) -> None:
-        """Time the explicit all-reduce that ``allreduce`` runs after backward."""
+        """Time the explicit all-reduce that ``allreduce`` runs after backward
+        (``Strategy.reduces_in_sync_gradients``)."""
         inner = strategy.sync_gradients
         nbytes = grad_bytes(model)
 
@@ -227,7 +228,7 @@ def _attach_comm_recorder(built: Any, run: RunSpec, env: DistEnv, recorder: Comm
         built.model.register_comm_hook(state=None, hook=recorder.ddp_hook)
         recorder.attached = True
         return "DDP communication hook"
-    if run.strategy == "allreduce":
+    if built.strategy.reduces_in_sync_gradients:
         recorder.wrap_gradient_sync(built.strategy, built.model)
         recorder.attached = env.is_distributed
         return "timed gradient all-reduce (explicit, after backward)"
@@ -275,11 +276,11 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
             "reduced_bytes_per_step": ranks[0]["reduced_bytes_per_step"],
             "buckets_per_step": ranks[0]["buckets_per_step"]}
     units = getattr(built.strategy, "units", None)
-    if run.strategy == "fsdp" and env.is_distributed and units:
-        # FSDP all-gathers each unit's parameters in forward and again in backward and
-        # reduce-scatters its gradients: 3 x (N-1)/N x S bytes per rank, 1.5 times an
-        # all-reduce's 2(N-1)/N x S, in 3 collectives per unit. In all-reduce equivalents:
-        comm.update(allreduce_equivalent_bytes=1.5 * nbytes, buckets_per_step=1.5 * units)
+    factor = built.strategy.allreduce_equivalents
+    if factor and env.is_distributed and units:
+        # Collectives other than all-reduces (FSDP's all-gathers and reduce-scatters), untimed during
+        # training: their bytes and calls per step in all-reduce equivalents (Strategy.allreduce_equivalents).
+        comm.update(allreduce_equivalent_bytes=factor * nbytes, buckets_per_step=factor * units)
     built.strategy.close()
     return _combine(ranks, workload, run, env, comm, bench, built.strategy.describe())
 

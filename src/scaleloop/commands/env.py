@@ -11,25 +11,23 @@ import importlib
 import os
 import platform
 import sys
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["collect_env", "format_env", "STRATEGY_NAMES"]
+__all__ = ["collect_env", "format_env"]
 
-from scaleloop.strategies.registry import REGISTRY
-
-# Every strategy scaleloop implements, in the registry's order: one that is added there is
-# listed here too (and ``_strategies`` must say whether it runs).
-STRATEGY_NAMES: tuple[str, ...] = tuple(REGISTRY)
+from scaleloop.strategies.registry import REGISTRY, Registered
 
 
-def _importable(module: str, attr: str | None = None) -> bool:
+def _importable(api: str) -> bool:
+    """Whether the torch API ``api`` ("module" or "module:attribute") imports here."""
     # Probing by import catches both torch builds without the feature and
     # builds where the module exists but fails to load on this platform.
+    module, _, attr = api.partition(":")
     try:
         mod = importlib.import_module(module)
     except Exception:
         return False
-    return attr is None or hasattr(mod, attr)
+    return not attr or hasattr(mod, attr)
 
 
 def _gpus(torch: Any) -> list[dict[str, object]]:
@@ -58,42 +56,40 @@ def _nccl_version(torch: Any) -> str | None:
     return str(version)
 
 
-def _strategies(gpu_count: int, gloo: bool, nccl: bool, fsdp_api: bool = True, pipelining_api: bool = True,
-                mesh_api: bool = True) -> dict[str, tuple[bool, str]]:
-    """Each registered strategy -> (whether it runs on this machine, why or why not)."""
-    backend = gloo or nccl
+def _process_note(gpu_count: int, gloo: bool, nccl: bool) -> str:
+    """How a strategy of one process per device runs here, given the backends."""
     if gloo and nccl and gpu_count:
-        process_note = f"one process per GPU via NCCL ({gpu_count} here), or N on CPU via Gloo"
-    elif gloo:
-        process_note = "N processes on CPU via Gloo, one per GPU via NCCL"
-    elif nccl:
-        process_note = "one process per GPU via NCCL (Gloo missing: no CPU multi-process)"
-    else:
-        process_note = "needs the Gloo or NCCL backend in torch.distributed"
+        return f"one process per GPU via NCCL ({gpu_count} here), or N on CPU via Gloo"
+    if gloo:
+        return "N processes on CPU via Gloo, one per GPU via NCCL"
+    if nccl:
+        return "one process per GPU via NCCL (Gloo missing: no CPU multi-process)"
+    return "needs the Gloo or NCCL backend in torch.distributed"
 
-    if gpu_count >= 1:
-        dp_reason = (
-            f"{gpu_count} CUDA GPU(s)"
-            + ("; with one GPU it is a no-op wrapper" if gpu_count == 1 else "")
-        )
-    else:
-        dp_reason = "needs >= 1 CUDA GPU; with one GPU it is a no-op wrapper"
 
-    return {
-        "single": (True, "one process on the best device"),
-        "dp": (gpu_count >= 1, dp_reason),
-        "ddp": (backend, process_note),
-        "allreduce": (backend, process_note),
-        "fsdp": (backend and fsdp_api,
-                 ("FSDP2 fully_shard: " + process_note) if fsdp_api
-                 else "needs torch.distributed.fsdp.fully_shard (FSDP2), missing from this torch"),
-        "pipeline": (backend and pipelining_api,
-                     ("torch.distributed.pipelining stages: " + process_note) if pipelining_api
-                     else "needs torch.distributed.pipelining, missing from this torch"),
-        "mesh": (backend and mesh_api,
-                 ("DeviceMesh, --mesh dp=2,tp=2: " + process_note) if mesh_api
-                 else "needs torch.distributed.device_mesh and torch.distributed.tensor, missing from this torch"),
-    }
+def _runs_here(entry: Registered, gpu_count: int, gloo: bool, nccl: bool,
+               api_ok: Callable[[str], bool]) -> tuple[bool, str]:
+    """Whether the strategy ``entry`` runs on this machine, and why or why not: from what its
+    registry entry says it needs (``Registered.needs``)."""
+    needs = entry.needs
+    if not all(api_ok(api) for api in needs.apis):
+        return False, needs.missing
+    if needs.cuda:
+        caveat = f"; {needs.caveat}" if needs.caveat else ""
+        if gpu_count >= 1:
+            return True, f"{gpu_count} CUDA GPU(s)" + (caveat if gpu_count == 1 else "")
+        return False, "needs >= 1 CUDA GPU" + caveat
+    if entry.processes == "one":
+        return True, "one process on the best device"
+    note = _process_note(gpu_count, gloo, nccl)
+    return gloo or nccl, (f"{entry.what}: {note}" if entry.what else note)
+
+
+def _strategies(gpu_count: int, gloo: bool, nccl: bool,
+                api_ok: Callable[[str], bool] = lambda api: True) -> dict[str, tuple[bool, str]]:
+    """Each registered strategy, in the registry's order -> (whether it runs on this machine, why or
+    why not); ``api_ok`` says whether a torch API the strategy needs imports here."""
+    return {name: _runs_here(entry, gpu_count, gloo, nccl, api_ok) for name, entry in REGISTRY.items()}
 
 
 def collect_env() -> dict[str, object]:
@@ -131,10 +127,6 @@ def collect_env() -> dict[str, object]:
             bf16_cuda = False
 
     best_device = "cuda" if cuda else "mps" if mps else "cpu"
-    fsdp_api = dist_ok and _importable("torch.distributed.fsdp", "fully_shard")
-    pipelining_api = dist_ok and _importable("torch.distributed.pipelining")
-    mesh_api = (dist_ok and _importable("torch.distributed.device_mesh", "init_device_mesh")
-                and _importable("torch.distributed.tensor.parallel", "parallelize_module"))
 
     return {
         "python": platform.python_version(),
@@ -157,7 +149,8 @@ def collect_env() -> dict[str, object]:
         "bf16_cpu": True,
         "bf16_cuda": bf16_cuda,
         "best_device": best_device,
-        "strategies": _strategies(len(gpus), gloo, nccl, fsdp_api, pipelining_api, mesh_api),
+        # Every torch API a strategy needs is torch.distributed's.
+        "strategies": _strategies(len(gpus), gloo, nccl, lambda api: dist_ok and _importable(api)),
     }
 
 

@@ -17,7 +17,8 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, NamedTuple, Optional, Union, get_args, get_origin, get_type_hints
+from typing import (Any, Iterable, Mapping, NamedTuple, Optional, Sequence, Union, get_args, get_origin,
+                    get_type_hints)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -160,7 +161,7 @@ class Setting(NamedTuple):
         return self.field.metadata["help"]
 
     @property
-    def choices(self) -> tuple[str, ...]:
+    def choices(self) -> Sequence[str]:
         return self.field.metadata["choices"]
 
     @property

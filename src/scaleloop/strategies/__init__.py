@@ -1,7 +1,10 @@
 """Strategies: how one training loop uses one device, several, or several machines.
 
-- ``registry``: every strategy registered once (name, class, processes), and ``ParallelSettings``:
-  the config's parallel section and the one place its combinations are checked (no torch);
+- ``registry``: every strategy registered once (name, class, processes, and what the CLI, the
+  option checks, ``scaleloop env`` and bench know of it: every list of strategies is read from it),
+  and ``ParallelSettings``: the config's parallel section and the one place its combinations are
+  checked (no torch); a new strategy is its module and one entry there (docs/strategies.md,
+  "Adding a strategy");
   ``factory``: ``build_strategy``, the one way a strategy is built: from those settings;
   ``parallelize``: the ``Parallelism`` built once from the mesh (sizes, this rank's coordinates,
   data rank and data world size, the one ``DeviceMesh``), and ``parallelize``, which applies it in

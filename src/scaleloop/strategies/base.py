@@ -5,7 +5,8 @@ which samples this rank loads, how gradients are synchronised, and how checkpoin
 written and read. The training step (``scaleloop.loop.step``) and the loop only talk to
 :class:`Strategy`; the hand-written-loop calls (``accumulate``, ``autocast``, ``backward``)
 are :class:`HandWrittenLoop`'s, which every strategy but the pipeline is. The contract, and
-how a new strategy plugs in: docs/strategies.md, "The strategy contract".
+how a new strategy plugs in (its module and one registry entry, the hooks it may override):
+docs/strategies.md, "The strategy contract" and "Adding a strategy".
 
 Collectives over ranks are not strategy methods: they are the functions of
 ``scaleloop.runtime.collectives`` (``sum_over_ranks``, ``gather_object``, ``broadcast_object``,
@@ -61,6 +62,13 @@ class Strategy:
     batch_split = "split evenly over workers"
     #: The mesh dimensions this strategy builds a ``DeviceMesh`` over (none: the default group).
     mesh_dims: tuple[str, ...] = ()
+    #: For ``scaleloop bench``: :meth:`sync_gradients` is where the gradients are all-reduced (by
+    #: hand: ``allreduce``), so timing that call times the step's communication.
+    reduces_in_sync_gradients = False
+    #: For ``scaleloop bench``: what each rank sends per step, counted in all-reduces of its gradients,
+    #: and its collectives per unit, counted in all-reduces (FSDP: 1.5); None where its communication
+    #: is the all-reduces that bench times, or is not modelled.
+    allreduce_equivalents: Optional[float] = None
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
                  sync_batchnorm: bool = False, *, parallelism: Optional[Parallelism] = None) -> None:

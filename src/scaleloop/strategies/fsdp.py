@@ -41,6 +41,10 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
     """Parameters, gradients and optimizer state sharded over ranks with FSDP2's ``fully_shard``."""
 
     name = "fsdp"
+    # An all-gather of each unit's parameters in forward and again in backward, and a reduce-scatter of
+    # its gradients: 3 x (N-1)/N x S bytes per rank, 1.5 times an all-reduce's 2(N-1)/N x S, in 3
+    # collectives per unit.
+    allreduce_equivalents = 1.5
     mesh_dims: tuple[str, ...] = ("fsdp",)
     _shards_what = "--strategy fsdp shards"
 

@@ -1,43 +1,124 @@
-"""Every strategy, registered once: its name, its class and how many processes it runs, and
-the config's parallel section: the settings that lay the ranks out and each strategy's options,
-each declared once with its help (``scaleloop.option``), and their rules. No torch here.
+"""Every strategy, registered once: its name, its class, how many processes it runs and what the
+CLI, ``scaleloop env`` and ``scaleloop bench`` need to know of it; and the config's parallel section:
+the settings that lay the ranks out and each strategy's options, each declared once with its help
+(``scaleloop.option``), and their rules. No torch here.
 
 ``ParallelSettings.check`` is the one place that refuses a combination that cannot run: the CLI
 calls it through ``TrainConfig.validate`` before any worker starts, and ``build_strategy`` calls
-it (``check_layout``) for library users. Adding a strategy means one :class:`Registered` entry below.
+it (``check_layout``) for library users. Adding a strategy means its module and one
+:class:`Registered` entry below: every list of strategies (``--strategy``'s choices, the option
+checks' messages, ``scaleloop env``, ``scaleloop bench``) is read from :data:`REGISTRY` when used.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional
 
 from scaleloop.data.batching import check_batch_split
 from scaleloop.errors import UsageError
-from scaleloop.option import option, require
+from scaleloop.option import flag, option, require
 from scaleloop.strategies.pipeline_schedules import SCHEDULES, check_pipeline_schedule
 
 
 @dataclass(frozen=True)
+class Needs:
+    """What a strategy needs of the machine and of torch, as ``scaleloop env`` checks and says it
+    (torch is imported there, not here)."""
+
+    cuda: bool = False             # one process drives every CUDA GPU: runs only where there is one
+    caveat: str = ""               # (cuda) what to know where there are fewer than two GPUs
+    apis: tuple[str, ...] = ()     # torch APIs that must import: "module" or "module:attribute"
+    missing: str = ""              # why it cannot run where one of ``apis`` does not import
+
+
+@dataclass(frozen=True)
 class Registered:
-    """A strategy as the CLI and the factory know it."""
+    """A strategy as the CLI, the config's checks, ``scaleloop env`` and ``scaleloop bench`` know it,
+    without importing its class (no torch)."""
 
     name: str
     cls: str                  # "module:Class", imported only when the strategy is built (torch)
     processes: str            # "one": a single process (it refuses a distributed job); "many": any number
+    #: What it is built on, in a few words: ``scaleloop env`` and the messages that refuse it name it so.
+    what: str = ""
+    #: The options it implements beyond every strategy's, by their setting names; "elastic": it runs a
+    #: job whose machines may change (``--nnodes MIN:MAX``); "sharded_checkpoints": its checkpoints are
+    #: always sharded, so the flag changes nothing (a pipeline takes the flag by its layout).
+    takes: frozenset[str] = frozenset()
+    #: ``processes="one"``: the error for a job of several processes ({world}: how many).
+    alone: str = ""
+    needs: Needs = Needs()
+    #: Picked by ``--mesh``, which lays the ranks out itself: its options are checked with that flag's,
+    #: and the messages that list the strategies taking an option name ``--mesh`` instead.
+    by_mesh: bool = False
+    #: A row of ``scaleloop bench strategies``; one that runs ``processes="many"`` is also one that
+    #: ``bench scaling`` runs at every worker count.
+    bench: bool = False
+
+    def one_process_error(self, world_size: int) -> str:
+        """Why a job of ``world_size`` processes cannot run this one-process strategy."""
+        return (self.alone or "--strategy {name} runs one process, but --nproc x --nnodes = {world}; drop "
+                "--nproc/--nnodes").format(name=self.name, world=world_size)
 
 
+# What the data-parallel strategies take (one process per device, each running the whole model).
+_DATA_PARALLEL = frozenset({"compile", "activation_checkpointing", "elastic"})
 REGISTRY: dict[str, Registered] = {r.name: r for r in (
-    Registered("single", "scaleloop.strategies.single:SingleDevice", "one"),
-    Registered("dp", "scaleloop.strategies.dataparallel:DataParallel", "one"),
-    Registered("ddp", "scaleloop.strategies.ddp:DDP", "many"),
-    Registered("allreduce", "scaleloop.strategies.allreduce:ManualAllReduce", "many"),
-    Registered("fsdp", "scaleloop.strategies.fsdp:FSDP", "many"),
-    Registered("pipeline", "scaleloop.strategies.pipeline:PipelineParallel", "many"),
-    Registered("mesh", "scaleloop.strategies.mesh_parallel:MeshParallel", "many"),
+    Registered("single", "scaleloop.strategies.single:SingleDevice", "one",
+               takes=frozenset({"compile", "activation_checkpointing"}),
+               alone="--strategy single runs one process, but --nproc x --nnodes = {world}; use --strategy ddp or "
+                     "allreduce", bench=True),
+    Registered("dp", "scaleloop.strategies.dataparallel:DataParallel", "one", what="nn.DataParallel",
+               alone="--strategy dp (nn.DataParallel) runs ONE process that drives all GPUs; drop --nproc/--nnodes, "
+                     "or use --strategy ddp for one process per GPU",
+               needs=Needs(cuda=True, caveat="with one GPU it is a no-op wrapper"), bench=True),
+    Registered("ddp", "scaleloop.strategies.ddp:DDP", "many",
+               takes=_DATA_PARALLEL | {"find_unused_parameters", "static_graph"}, bench=True),
+    Registered("allreduce", "scaleloop.strategies.allreduce:ManualAllReduce", "many", takes=_DATA_PARALLEL, bench=True),
+    Registered("fsdp", "scaleloop.strategies.fsdp:FSDP", "many", what="FSDP2 fully_shard",
+               takes=_DATA_PARALLEL | {"cpu_offload", "sharded_checkpoints"},
+               needs=Needs(apis=("torch.distributed.fsdp:fully_shard",),
+                           missing="needs torch.distributed.fsdp.fully_shard (FSDP2), missing from this torch"),
+               bench=True),
+    Registered("pipeline", "scaleloop.strategies.pipeline:PipelineParallel", "many",
+               what="torch.distributed.pipelining stages",
+               needs=Needs(apis=("torch.distributed.pipelining",),
+                           missing="needs torch.distributed.pipelining, missing from this torch")),
+    Registered("mesh", "scaleloop.strategies.mesh_parallel:MeshParallel", "many", what="DeviceMesh, --mesh dp=2,tp=2",
+               takes=frozenset({"compile", "activation_checkpointing", "cpu_offload", "find_unused_parameters",
+                                "sharded_checkpoints"}),
+               needs=Needs(apis=("torch.distributed.device_mesh:init_device_mesh",
+                                 "torch.distributed.tensor.parallel:parallelize_module"),
+                           missing="needs torch.distributed.device_mesh and torch.distributed.tensor, missing from "
+                                   "this torch"),
+               by_mesh=True),
 )}
+
+
+class _StrategyNames(Sequence[str]):
+    """``auto`` and each registered name, read from :data:`REGISTRY` at every use rather than copied
+    at import: a strategy registered later (a plugin, a test) is accepted and offered too."""
+
+    def _names(self) -> tuple[str, ...]:
+        return ("auto", *REGISTRY)
+
+    def __getitem__(self, index: Any) -> Any:   # an int or a slice, as a tuple's
+        return self._names()[index]
+
+    def __len__(self) -> int:
+        return len(REGISTRY) + 1
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
 #: The names ``--strategy`` accepts: ``auto`` (DDP when there are several processes, else single) and each registered one.
-STRATEGIES = ("auto", *REGISTRY)
+STRATEGIES: Sequence[str] = _StrategyNames()
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 _hardware = partial(option, group="hardware")
@@ -117,8 +198,8 @@ class ParallelSettings:
         data_ranks = self._check_mesh(world_size)
         concrete = resolve_strategy_name(self.strategy, world_size > 1)
         if concrete in REGISTRY and REGISTRY[concrete].processes == "one" and world_size > 1:
-            raise UsageError(_ONE_PROCESS[concrete].format(world=world_size))
-        self._check_options(concrete, world_size, elastic_nodes)
+            raise UsageError(REGISTRY[concrete].one_process_error(world_size))
+        self._check_options(world_size, elastic_nodes)
         require(self.stages_per_rank >= 0, "stages_per_rank", "zero (the default) or a positive integer")
         layout = self.pipeline_layout(world_size)
         if layout is not None:
@@ -131,33 +212,54 @@ class ParallelSettings:
             raise UsageError(f"{which} applies to --strategy pipeline only: add --strategy pipeline, or drop it")
         return data_ranks
 
-    def _check_options(self, concrete: str, world_size: int, elastic_nodes: Optional[str]) -> None:
-        """Each option only with the strategies that implement it."""
+    def _check_options(self, world_size: int, elastic_nodes: Optional[str]) -> None:
+        """Each option only with the strategies that take it (``Registered.takes``)."""
         if self.mesh is not None:
             self._check_mesh_options(world_size)
-        elif (self.find_unused_parameters or self.static_graph) and concrete != "ddp" and self.strategy != "auto":
-            which = "--find-unused-parameters" if self.find_unused_parameters else "--static-graph"
-            raise UsageError(f"{which} is an option of DistributedDataParallel: use it with --strategy ddp "
-                             f"(not {self.strategy})")
-        pipelined = self.strategy in ("dp", "pipeline") or self.pipeline_layout(world_size) is not None
-        which = f"--strategy {self.strategy}" if self.strategy in ("dp", "pipeline") else "--mesh pp=N"
-        if self.compile and pipelined:
-            raise UsageError(f"--compile does not support {which} "
-                             + ("(nn.DataParallel): use --strategy ddp" if self.strategy == "dp" else
-                                "(its stages are scheduled by torch.distributed.pipelining): drop --compile"))
-        if self.cpu_offload and self.strategy not in ("fsdp", "mesh") and self.mesh is None:
-            raise UsageError(f"--cpu-offload moves FSDP's shards to host memory: use it with --strategy fsdp or --mesh "
+        else:
+            for name in ("find_unused_parameters", "static_graph"):
+                if getattr(self, name) and self._refuses(name):
+                    raise UsageError(f"{flag(name)} is an option of DistributedDataParallel: use it with "
+                                     f"{_either(_taking(name, '--strategy '))} (not {self.strategy})")
+        # A pipeline (--strategy pipeline, --mesh pp=N) takes neither --compile nor recomputation.
+        cut = self.pipeline_layout(world_size) is not None
+        if self.compile and (cut or self._refuses("compile")):
+            if cut:
+                why = " (its stages are scheduled by torch.distributed.pipelining): drop --compile"
+            else:
+                what = REGISTRY[self.strategy].what
+                why = (f" ({what})" if what else "") + ": use --strategy ddp"
+            raise UsageError(f"--compile does not support {self._refused_by('compile')}{why}")
+        if self.cpu_offload and not self._takes("cpu_offload") and self.mesh is None:
+            raise UsageError(f"--cpu-offload moves FSDP's shards to host memory: use it with "
+                             f"{_either([*_taking('cpu_offload', '--strategy '), '--mesh'])} "
                              f"(not --strategy {self.strategy})")
-        if self.activation_checkpointing and pipelined:
-            raise UsageError(f"--activation-checkpointing is not offered with {which}; use single, "
-                             "ddp, allreduce, fsdp or --mesh without pp")
-        if self.sharded_checkpoints and self.pipeline_layout(world_size) is None and self.strategy not in ("fsdp", "mesh"):
-            raise UsageError(f"--sharded-checkpoints applies to pipelines (fsdp and --mesh always write sharded "
+        if self.activation_checkpointing and (cut or self._refuses("activation_checkpointing")):
+            raise UsageError(f"--activation-checkpointing is not offered with "
+                             f"{self._refused_by('activation_checkpointing')}; use "
+                             f"{_either([*_taking('activation_checkpointing'), '--mesh without pp'])}")
+        if self.sharded_checkpoints and not cut and not self._takes("sharded_checkpoints"):
+            raise UsageError(f"--sharded-checkpoints applies to pipelines "
+                             f"({_either([*_taking('sharded_checkpoints'), '--mesh'], 'and')} always write sharded "
                              f"checkpoints); with --strategy {self.strategy} every rank holds the whole model: drop it")
-        if elastic_nodes and (self.mesh is not None or self.strategy in ("pipeline", "mesh", "dp", "single")):
+        if elastic_nodes and (self.mesh is not None or self._refuses("elastic")):
             which = f"--mesh {self.mesh}" if self.mesh is not None else f"--strategy {self.strategy}"
             raise UsageError(f"--nnodes {elastic_nodes}: {which} needs a fixed number of processes; "
-                             "an elastic job runs ddp, allreduce or fsdp")
+                             f"an elastic job runs {_either(_taking('elastic'))}")
+
+    def _takes(self, name: str) -> bool:
+        """Whether the strategy named takes the option ``name`` (``auto`` is none of them)."""
+        entry = REGISTRY.get(self.strategy)
+        return entry is not None and name in entry.takes
+
+    def _refuses(self, name: str) -> bool:
+        """Whether the strategy named refuses the option ``name``. ``auto`` is let through: it becomes
+        ddp (which takes the options checked this way) or, in one process, single."""
+        return self.strategy != "auto" and not self._takes(name)
+
+    def _refused_by(self, name: str) -> str:
+        """Who refuses the option ``name``: the strategy named, else the pipeline layout of ``--mesh``."""
+        return f"--strategy {self.strategy}" if self._refuses(name) else "--mesh pp=N"
 
     def _check_mesh_options(self, world_size: int) -> None:
         """--find-unused-parameters makes a mesh's model one FSDP unit; --static-graph is DDP's alone."""
@@ -218,8 +320,12 @@ class ParallelSettings:
                              f"or lower --microbatches")
 
 
-_ONE_PROCESS = {
-    "single": "--strategy single runs one process, but --nproc x --nnodes = {world}; use --strategy ddp or allreduce",
-    "dp": "--strategy dp (nn.DataParallel) runs ONE process that drives all GPUs; drop --nproc/--nnodes, "
-          "or use --strategy ddp for one process per GPU",
-}
+def _taking(name: str, prefix: str = "") -> list[str]:
+    """The strategies that take the option ``name`` as ``--strategy`` picks them (``prefix`` + name), in
+    the registry's order; the one ``--mesh`` picks is left to the messages, which name that flag."""
+    return [prefix + r.name for r in REGISTRY.values() if name in r.takes and not r.by_mesh]
+
+
+def _either(names: Sequence[str], last: str = "or") -> str:
+    """``a``, ``a or b``, ``a, b or c``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {last} {names[-1]}"
