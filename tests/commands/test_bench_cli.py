@@ -130,6 +130,11 @@ def test_overhead_quick(tmp_path: Path) -> None:
     assert d["ratio"] == pytest.approx(d["scaleloop_s"]["median"] / d["raw_s"]["median"])
     assert 0.2 < d["ratio"] < 20                                              # sane, not a timing claim
     assert "time / raw" in md and data["headline"] in md
+    # The loop's own cost counts the gradient norm each log row shows (the raw loop takes none).
+    pieces = d["loop_cost"]["pieces_us"]
+    [norm] = [v for k, v in pieces.items() if k.startswith("gradient norm (every ")]
+    assert norm > 0 and d["loop_cost"]["total_us"] == pytest.approx(sum(v for k, v in pieces.items() if k[0] != " "))
+    assert "| gradient norm (every" in md
 
 
 def test_mfu_quick(tmp_path: Path) -> None:

@@ -10,6 +10,8 @@ against the same torch work done by hand, so what is left is the bookkeeping:
   hand-written forward, loss, backward and optimizer step on the same one-weight model;
 - ``loss sums``: ``RunningLoss.add`` per step, and its flush at each log row;
 - ``schedule``: one ``scheduler.step()``;
+- ``gradient norm``: the norm a log row shows (``train_step(..., norm=True)``), taken on the run's
+  own model right after a backward as in the loop, every ``log_every`` steps (the raw loop takes none);
 - ``log row``: the global loss and a ``metrics.csv`` row, every ``log_every`` steps.
 """
 from __future__ import annotations
@@ -58,7 +60,8 @@ def measure_loop_cost(cfg: Any, device: torch.device) -> dict[str, Any]:
     from scaleloop.runtime.dist import DistEnv
 
     run = build_run(cfg.replace(checkpoints=False, tensorboard=False), DistEnv(device=device))
-    pieces = {**_batch_cost(run), **_step_cost(run), **_bookkeeping_cost(run)}
+    norm = _norm_cost(run)   # first: the step's piece below puts a one-weight model in the run
+    pieces = {**_batch_cost(run), **_step_cost(run), **norm, **_bookkeeping_cost(run)}
     total = sum(v for k, v in pieces.items() if not k.startswith("  "))
     return {"pieces_us": pieces, "total_us": total}
 
@@ -123,6 +126,27 @@ def _step_cost(run: Any) -> dict[str, float]:
 
     return {"step calls (strategy, precision, schedule)": _extra_us(ours, raw, 2000),
             "  of which: schedule step": _best_us(schedule, 20000)}
+
+
+def _norm_cost(run: Any, calls: int = 200, rounds: int = 7) -> dict[str, float]:
+    """The gradient norm of a log row's step, spread over the steps between rows. Timed alone right
+    after a backward of the run's model on one of its batches: the loop takes it there, and a norm
+    taken on gradients just written costs about twice one taken again (caches)."""
+    from scaleloop.data.batch import call_model
+
+    model, strategy = run.model, run.strategy
+    x, y = next(iter(run.loader))
+    best = float("inf")
+    for _ in range(rounds):
+        spent = 0.0
+        for _ in range(calls):
+            run.loss_fn(call_model(model, x), y).backward()
+            start = time.perf_counter()
+            strategy.grad_norm(model)
+            spent += time.perf_counter() - start
+            model.zero_grad(set_to_none=True)
+        best = min(best, spent / calls)
+    return {f"gradient norm (every {run.cfg.log_every} steps)": 1e6 * best / run.cfg.log_every}
 
 
 def _bookkeeping_cost(run: Any) -> dict[str, float]:
