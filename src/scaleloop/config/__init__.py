@@ -1,6 +1,6 @@
 """Run configuration: ``TrainConfig``, made of sections (TOML file + CLI flags), each handed to its owner.
 
-- ``settings``: ``TrainConfig`` (its sections, and the flat view: ``SETTINGS``, the one index from
+- ``train_config``: ``TrainConfig`` (its sections, and the flat view: ``SETTINGS``, the one index from
   a setting's flat name to its section and field), TOML reading and writing, ``validate`` (every
   section's own check);
 - ``sections``: the sections whose owners sit above the config (``OptimSettings`` and
@@ -13,7 +13,7 @@ No torch here: ``scaleloop --help`` answers at once.
 """
 from scaleloop.config.resume import config_for_resume
 from scaleloop.config.sections import EvalSettings, LaunchSettings, OptimSettings, conf_pairs, split_endpoint
-from scaleloop.config.settings import (BACKENDS, DECAY_PARAMS, GROUPS, LR_SCALINGS, LR_SCHEDULES, OPTIMIZERS,
+from scaleloop.config.train_config import (BACKENDS, DECAY_PARAMS, GROUPS, LR_SCALINGS, LR_SCHEDULES, OPTIMIZERS,
                                        PIPELINE_SCHEDULES, PRECISIONS, SECTIONS, SETTINGS, STRATEGIES, TASKS,
                                        FileValues, Setting, TrainConfig, coerce, common_fields, field_types, flag,
                                        load_toml, resolve, to_toml)

@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 from scaleloop.checkpoint.resume import LEGACY_VALUES
 from scaleloop.checkpoint.store import locate, run_dir_of
-from scaleloop.config.settings import FileValues, TrainConfig, load_toml, resolve, resume_settings
+from scaleloop.config.train_config import FileValues, TrainConfig, load_toml, resolve, resume_settings
 
 
 def config_for_resume(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> TrainConfig:
