@@ -12,6 +12,7 @@ import pytest
 
 from scaleloop.output.metrics import (
     METRIC_COLUMNS,
+    ROW_KINDS,
     MetricsLogger,
     format_rate,
     format_seconds,
@@ -33,19 +34,19 @@ def _log_small_run(run_dir: Path, tensorboard: bool = False) -> Path:
     with MetricsLogger(run_dir, tensorboard=tensorboard) as logger:
         for step in range(1, 7):
             epoch = (step - 1) // 3
-            logger.log_step(step, epoch, step * 32, train_loss=2.0 / step, lr=0.1)
+            logger.write("step", epoch=epoch, step=step, samples=step * 32, train_loss=2.0 / step, lr=0.1)
             if step % 3 == 0:
-                logger.log_epoch(
-                    epoch, step, step * 32, train_loss=1.5 / step, test_loss=1.8 / step,
-                    test_acc=0.4 + 0.2 * epoch, samples_per_s=1000.0, wall_s=float(step),
+                logger.write(
+                    "epoch", epoch=epoch, step=step, samples=step * 32, train_loss=1.5 / step,
+                    test_loss=1.8 / step, test_acc=0.4 + 0.2 * epoch, samples_per_s=1000.0, wall_s=float(step),
                 )
     return run_dir / "metrics.csv"
 
 
 def test_header_and_rows(tmp_path: Path) -> None:
     with MetricsLogger(tmp_path, tensorboard=False) as logger:
-        logger.log_step(1, 0, 64, train_loss=0.5, lr=0.01)
-        logger.log_epoch(0, 1, 64, test_loss=0.75, test_acc=0.9, wall_s=2.5)
+        logger.write("step", epoch=0, step=1, samples=64, train_loss=0.5, lr=0.01)
+        logger.write("epoch", epoch=0, step=1, samples=64, test_loss=0.75, test_acc=0.9, wall_s=2.5)
     raw = _raw_rows(tmp_path / "metrics.csv")
     assert tuple(raw[0]) == METRIC_COLUMNS
     assert len(raw) == 3
@@ -76,8 +77,8 @@ def test_a_file_from_before_the_newer_columns_is_read_and_continued(tmp_path: Pa
         writer.writerow(["step", "1", "20", "1280", "2.25", "", "", "0.1", "950.0"] + [""] * (len(older) - 9))
     assert read_metrics(tmp_path / "metrics.csv")[0]["samples_per_s"] == "900.0"   # as older readers read it
     with MetricsLogger(tmp_path, tensorboard=False, keep_until_step=10) as logger:
-        logger.log_step(20, 1, 1280, train_loss=2.0, samples_per_s=1000.0, grad_norm=0.5, tokens_per_s=64000.0,
-                        mfu=None)
+        logger.write("step", epoch=1, step=20, samples=1280, train_loss=2.0, samples_per_s=1000.0, grad_norm=0.5,
+                     tokens_per_s=64000.0, mfu=None)
     raw = _raw_rows(tmp_path / "metrics.csv")
     assert tuple(raw[0]) == METRIC_COLUMNS
     first, again = read_metrics(tmp_path / "metrics.csv")
@@ -89,7 +90,7 @@ def test_a_file_from_before_the_newer_columns_is_read_and_continued(tmp_path: Pa
 def test_float_values_round_trip_exactly(tmp_path: Path) -> None:
     value = 1.0 / 3.0
     with MetricsLogger(tmp_path, tensorboard=False) as logger:
-        logger.log_step(7, 1, 700, train_loss=value)
+        logger.write("step", epoch=1, step=7, samples=700, train_loss=value)
     (row,) = read_metrics(tmp_path / "metrics.csv")
     assert float(row["train_loss"]) == value
 
@@ -97,11 +98,19 @@ def test_float_values_round_trip_exactly(tmp_path: Path) -> None:
 def test_unknown_key_raises_and_writes_nothing(tmp_path: Path) -> None:
     with MetricsLogger(tmp_path, tensorboard=False) as logger:
         with pytest.raises(ValueError, match="bogus"):
-            logger.log_step(1, 0, 8, bogus=1.0)
-        # Positional columns cannot be smuggled in as values either.
-        with pytest.raises(ValueError):
-            logger.log_epoch(0, 1, 8, kind=1.0)
+            logger.write("step", epoch=0, step=1, samples=8, bogus=1.0)
+        with pytest.raises(ValueError, match="unknown row kind 'epochs'; expected one of step, epoch"):
+            logger.write("epochs", epoch=0, step=1, samples=8, train_loss=1.0)
     assert read_metrics(tmp_path / "metrics.csv") == []
+
+
+def test_every_row_kind_is_written_as_its_kind(tmp_path: Path) -> None:
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for step, kind in enumerate(ROW_KINDS, start=1):
+            logger.write(kind, epoch=1, step=step, samples=8 * step, train_loss=1.0)
+    rows = read_metrics(tmp_path / "metrics.csv")
+    assert [(r["kind"], r["step"], r["samples"]) for r in rows] == [
+        (kind, str(step), str(8 * step)) for step, kind in enumerate(ROW_KINDS, start=1)]
 
 
 def test_rows_visible_before_close(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,17 +122,17 @@ def test_rows_visible_before_close(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(metrics_module.time, "monotonic", lambda: clock[0])
     logger = MetricsLogger(tmp_path, tensorboard=False)
     try:
-        logger.log_step(1, 0, 16, train_loss=1.25)
+        logger.write("step", epoch=0, step=1, samples=16, train_loss=1.25)
         assert read_metrics(tmp_path / "metrics.csv") == []                   # buffered
         logger.flush()
         rows = read_metrics(tmp_path / "metrics.csv")
         assert len(rows) == 1 and float(rows[0]["train_loss"]) == 1.25
-        logger.log_step(2, 0, 32, train_loss=1.0)
+        logger.write("step", epoch=0, step=2, samples=32, train_loss=1.0)
         clock[0] += metrics_module.CSV_EVERY_S                                  # a second later
-        logger.log_step(3, 0, 48, train_loss=0.75)
+        logger.write("step", epoch=0, step=3, samples=48, train_loss=0.75)
         assert [r["step"] for r in read_metrics(tmp_path / "metrics.csv")] == ["1", "2", "3"]
-        logger.log_step(4, 0, 64, train_loss=0.5)
-        logger.log_epoch(0, 4, 64, test_acc=0.5)                                # an epoch row flushes
+        logger.write("step", epoch=0, step=4, samples=64, train_loss=0.5)
+        logger.write("epoch", epoch=0, step=4, samples=64, test_acc=0.5)          # an epoch row flushes
         assert [r["kind"] for r in read_metrics(tmp_path / "metrics.csv")] == ["step"] * 4 + ["epoch"]
     finally:
         logger.close()
@@ -134,7 +143,7 @@ def test_log_after_close_raises(tmp_path: Path) -> None:
     logger = MetricsLogger(tmp_path, tensorboard=False)
     logger.close()
     with pytest.raises(ValueError):
-        logger.log_step(1, 0, 1, train_loss=1.0)
+        logger.write("step", epoch=0, step=1, samples=1, train_loss=1.0)
 
 
 def test_tensorboard_events_written(tmp_path: Path) -> None:
@@ -168,9 +177,9 @@ def test_tensorboard_step_scalars_reach_the_file_at_the_epoch_row(tmp_path: Path
 
     with MetricsLogger(tmp_path) as logger:
         for step in (1, 2):
-            logger.log_step(step, 1, 16 * step, train_loss=1.0 / step)
+            logger.write("step", epoch=1, step=step, samples=16 * step, train_loss=1.0 / step)
         assert steps_on_disk() == []
-        logger.log_epoch(1, 2, 32, test_acc=0.5)
+        logger.write("epoch", epoch=1, step=2, samples=32, test_acc=0.5)
         assert steps_on_disk() == [1, 2]
 
 

@@ -93,7 +93,7 @@ def test_mlflow_uses_the_tracking_uri_and_experiment_from_the_environment(
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "mine")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")   # the user's own file store: the user's opt-in
     with MetricsLogger(tmp_path / "run", tracker="mlflow", config={"lr": 0.5, "nested": {"a": 1}}) as logger:
-        logger.log_step(3, 1, 96, train_loss=0.25)
+        logger.write("step", epoch=1, step=3, samples=96, train_loss=0.25)
         run_id = logger.tracker.run_id
     assert not (tmp_path / "run" / "mlruns").exists()
     client = MlflowClient(store)
@@ -111,7 +111,7 @@ def test_mlflow_run_of_a_failed_training_is_marked_failed(tmp_path: Path, monkey
     run_id = logger.tracker.run_id
     with pytest.raises(RuntimeError):
         try:
-            logger.log_step(1, 1, 8, train_loss=1.0)
+            logger.write("step", epoch=1, step=1, samples=8, train_loss=1.0)
             raise RuntimeError("out of memory")
         finally:
             logger.close()   # as training.py does: in a finally, while the error propagates
@@ -308,9 +308,9 @@ def test_metrics_logger_hands_the_tracker_config_rows_and_the_end(tmp_path: Path
     tracker = Recording()
     with MetricsLogger(tmp_path, tracker=tracker, config=TrainConfig(lr=0.5)) as logger:
         assert tracker.config is not None and tracker.config["lr"] == 0.5 and tracker.config["tracker"] == "tensorboard"
-        logger.log_step(2, 1, 64, train_loss=0.75, lr=0.5)
+        logger.write("step", epoch=1, step=2, samples=64, train_loss=0.75, lr=0.5)
         assert tracker.flushes == 0
-        logger.log_epoch(1, 2, 64, train_loss=0.5, test_acc=0.9, test_loss=None)
+        logger.write("epoch", epoch=1, step=2, samples=64, train_loss=0.5, test_acc=0.9, test_loss=None)
         assert tracker.flushes == 1   # an epoch row sends what waits
     assert tracker.rows == [(2, {"train/loss": 0.75, "train/lr": 0.5}),
                             (2, {"train/epoch_loss": 0.5, "test/acc": 0.9})]

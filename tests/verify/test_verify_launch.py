@@ -5,12 +5,12 @@ from pathlib import Path
 
 from scaleloop.config import TrainConfig
 from scaleloop.verify.dirs import LOG_FILE
-from scaleloop.verify.launch import worker_command, worker_errors
+from scaleloop.verify.launch import verify_launch, worker_errors
 from scaleloop.verify.options import VerifyOptions
 
 
 def test_workers_are_started_like_train_workers_but_run_the_verify_worker(tmp_path: Path) -> None:
-    cmd = worker_command(TrainConfig(nproc=3, strategy="ddp", max_restarts=4), tmp_path)
+    cmd = verify_launch(TrainConfig(nproc=3, strategy="ddp", max_restarts=4), tmp_path).plain_command()
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     assert "--nproc-per-node=3" in cmd and "--standalone" in cmd
     assert "--max-restarts=0" in cmd  # a restarted worker would record the steps twice

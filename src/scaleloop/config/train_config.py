@@ -133,12 +133,6 @@ class TrainConfig:
         """``MIN:MAX`` for an elastic job, else None."""
         return self.launch.elastic_nodes
 
-    def elastic_world_sizes(self) -> range:
-        """The world sizes an elastic job may run with (just the one for a fixed job)."""
-        launch = self.launch
-        low = launch.min_nnodes if launch.elastic else launch.nnodes
-        return range(low * launch.nproc, launch.world_size + 1, launch.nproc)
-
     def pipeline_layout(self) -> Optional[tuple[int, int]]:
         """``(stage processes, replicas)`` when the run is a pipeline, else None (``ParallelSettings``)."""
         return self.parallel.pipeline_layout(self.world_size)

@@ -60,13 +60,8 @@ class RunningLoss:
         self._flush()
         return torch.tensor(self.epoch, dtype=torch.float64, device=device)
 
-    def window_sums(self, device: torch.device) -> torch.Tensor:
-        """This rank's log-window sums as a float64 tensor (to reduce over ranks)."""
-        self._flush()
-        return torch.tensor(self.window, dtype=torch.float64, device=device)
-
     def window_values(self) -> list[float]:
-        """This rank's log-window sums as numbers (what ``window_sums(cpu).tolist()`` gives)."""
+        """This rank's log-window sums (loss x samples, samples) as float64 numbers (to reduce over ranks)."""
         self._flush()
         return [float(v) for v in self.window]
 

@@ -25,6 +25,7 @@ CSV_EVERY_S = 1.0
 
 __all__ = [
     "METRIC_COLUMNS",
+    "ROW_KINDS",
     "MetricsLogger",
     "read_metrics",
     "plot_curves",
@@ -57,7 +58,20 @@ METRIC_COLUMNS: tuple[str, ...] = (
     "mfu",            # ... and the model FLOPs utilisation, a fraction, where the device's peak is known
 )
 
-# Columns a caller may pass as keyword values; the others are positional.
+#: The kinds of row (the ``kind`` column), each what :meth:`MetricsLogger.write` records:
+#:
+#: - ``step``: a log row, every ``--log-every`` optimizer steps: the training loss of the steps
+#:   since the last one, the learning rate, the speed;
+#: - ``epoch``: the end of an epoch, with its training loss and the test set's loss and accuracy;
+#: - ``stop``: where a run stopped inside an epoch (``--max-steps``), with the loss of the epoch
+#:   so far. Not an ``epoch`` row: the run that resumes it writes that one;
+#: - ``eval``: an evaluation inside the run (``--eval-every``), with ``test_loss``, ``test_acc``
+#:   and, with ``--eval-train``, ``train_eval_loss``;
+#: - ``recovery``: a recovery from a fault (``runtime.recovery``), at the first step after it,
+#:   with the new ``world_size`` and ``recovery_s``, the seconds it took.
+ROW_KINDS: tuple[str, ...] = ("step", "epoch", "stop", "eval", "recovery")
+
+# Columns a caller may pass as keyword values; the others are write's own arguments.
 _VALUE_COLUMNS = frozenset(METRIC_COLUMNS) - {"kind", "epoch", "step", "samples"}
 
 
@@ -146,38 +160,10 @@ class MetricsLogger:
         tmp.replace(self.csv_path)
 
     def write(self, kind: str, *, epoch: int, step: int, samples: int, **values: Any) -> None:
-        """Record a row of ``kind``: "step", "epoch", "stop", "eval" or "recovery" (each described
-        by its ``log_*`` method below); ``values`` are keys of :data:`METRIC_COLUMNS`."""
-        if kind not in ("step", "epoch", "stop", "eval", "recovery"):
-            raise ValueError(f"unknown row kind {kind!r}")
-        self._write(kind, epoch=epoch, step=step, samples=samples, values=values)
-
-    def log_step(self, step: int, epoch: int, samples: int, **values: float) -> None:
-        """Record one optimizer step; ``values`` are keys of :data:`METRIC_COLUMNS`."""
-        self._write("step", epoch=epoch, step=step, samples=samples, values=values)
-
-    def log_epoch(self, epoch: int, step: int, samples: int, **values: float) -> None:
-        """Record the end of an epoch; ``values`` are keys of :data:`METRIC_COLUMNS`."""
-        self._write("epoch", epoch=epoch, step=step, samples=samples, values=values)
-
-    def log_stop(self, epoch: int, step: int, samples: int, **values: float) -> None:
-        """Record where a run stopped inside an epoch (``--max-steps``): a ``stop`` row, with the
-        loss of the epoch so far. Not an ``epoch`` row: the run that resumes it writes that one."""
-        self._write("stop", epoch=epoch, step=step, samples=samples, values=values)
-
-    def log_eval(self, epoch: int, step: int, samples: int, **values: float) -> None:
-        """Record an evaluation inside the run (``--eval-every``): an ``eval`` row with ``test_loss``,
-        ``test_acc`` and, with ``--eval-train``, ``train_eval_loss``."""
-        self._write("eval", epoch=epoch, step=step, samples=samples, values=values)
-
-    def log_recovery(self, epoch: int, step: int, samples: int, **values: float) -> None:
-        """Record a recovery from a fault (``runtime.recovery``): a ``recovery`` row at the first
-        step after it, with the new ``world_size`` and ``recovery_s``, the seconds it took."""
-        self._write("recovery", epoch=epoch, step=step, samples=samples, values=values)
-
-    def _write(
-        self, kind: str, *, epoch: int, step: int, samples: int, values: dict[str, float]
-    ) -> None:
+        """Record a row of ``kind`` (one of :data:`ROW_KINDS`) at ``epoch``, global ``step`` and
+        ``samples`` trained so far; ``values`` are keys of :data:`METRIC_COLUMNS` (None: an empty cell)."""
+        if kind not in ROW_KINDS:
+            raise ValueError(f"unknown row kind {kind!r}; expected one of {', '.join(ROW_KINDS)}")
         unknown = sorted(set(values) - _VALUE_COLUMNS)
         if unknown:
             raise ValueError(

@@ -39,11 +39,6 @@ def verify_launch(cfg: TrainConfig, root: Path) -> WorkerLaunch:
     return launch_for(cfg, WORKER_MODULE, [str(root)], logs=logs, launch_id=LAUNCH_ID, env=workers_env(cfg, logs))
 
 
-def worker_command(cfg: TrainConfig, root: Path) -> list[str]:
-    """``python -m torch.distributed.run ... -m scaleloop.verify.worker ROOT``."""
-    return verify_launch(cfg, root).plain_command()
-
-
 @contextlib.contextmanager
 def start_workers(cfg: TrainConfig, root: Path, say: Callable[[str], None]) -> Iterator[Workers]:
     """Start torchrun and its workers in the background; stopped on leaving early (an exception).
