@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import logging
 import os
 import pickle
 import shutil
@@ -77,8 +78,37 @@ def _portable(obj: Any) -> Any:
     if _strided(obj):
         from torch.distributed.tensor import Replicate
 
-        return obj.redistribute(placements=[Replicate() if _strided_one(p) else p for p in obj.placements])
+        with gathering_strided_pieces():
+            return obj.redistribute(placements=[Replicate() if _strided_one(p) else p for p in obj.placements])
     return obj
+
+
+#: torch's logger for DTensor redistributions, and the start of its note on a strided gather.
+_REDISTRIBUTE_LOGGER = "torch.distributed.tensor._redistribute"
+_STRIDED_GATHER_NOTE = "While redistributing from (_StridedShard"
+
+
+class _NotTheStridedGather(logging.Filter):
+    """Passes every record but torch's note that gathering a strided piece takes one all-gather per
+    mesh dimension (a cost) and "may give inconsistent results between ranks due to different
+    reduction orders" (an all-gather reduces nothing: the gathered tensor is exact)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_STRIDED_GATHER_NOTE)
+
+
+@contextlib.contextmanager
+def gathering_strided_pieces() -> Iterator[None]:
+    """While scaleloop gathers strided pieces on purpose (a checkpoint's :func:`_portable`, the final
+    full state dict): without this, a run under ``--mesh ...,tp=N`` printed torch's note about it on
+    the user's console, a paragraph that reads like a warning about the training's results."""
+    note = _NotTheStridedGather()
+    logger = logging.getLogger(_REDISTRIBUTE_LOGGER)
+    logger.addFilter(note)
+    try:
+        yield
+    finally:
+        logger.removeFilter(note)
 
 
 def _strided_one(placement: Any) -> bool:

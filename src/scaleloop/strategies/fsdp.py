@@ -292,7 +292,8 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
 
         self.sync_buffers(model)
         # Gathered shard by shard into rank 0's CPU memory; other ranks get an empty dict.
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        with distcp.gathering_strided_pieces():
+            return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     # --- checkpoints --------------------------------------------------------------------
     def save_checkpoint(self, model: nn.Module, optimizer: torch.optim.Optimizer, directory: Optional[Path],
