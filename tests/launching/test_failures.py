@@ -152,6 +152,19 @@ def test_a_raising_rank_is_named_and_the_others_summarised(run: Path, monkeypatc
     assert saved["report"] == report and saved["waiting_in"] is None and saved["time"]
 
 
+@pytest.mark.parametrize("machines", [1, 2])
+def test_ranks_that_only_lost_their_peers_point_to_another_machine(run: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  machines: int) -> None:
+    """Machine 1 of a 2-machine job whose machine 0 stopped (bad input there): its one rank lost its
+    peer and nothing here failed of itself, so the report says where to look."""
+    record(run, monkeypatch, 1, lambda: (_ for _ in ()).throw(RuntimeError(GLOO_CLOSED)))
+    failure = analyse(run, run / "logs/torchrun/launch", [1], None, 1, "CONTINUE", machines=machines)
+    report = "\n".join(failure.report)
+    assert "  then: rank 1 lost its peer (RuntimeError: Connection closed by peer" in report
+    pointed = "  cause: on another machine of the job (this machine's ranks only lost their peers)"
+    assert (pointed in report) == (machines > 1), report
+
+
 def test_the_first_of_two_raising_ranks_is_the_cause(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     record(run, monkeypatch, 0, lambda: user_forward(1))
     record(run, monkeypatch, 1, lambda: user_forward(2))

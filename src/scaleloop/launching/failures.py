@@ -235,14 +235,16 @@ def _ended(code: int) -> str:
 
 def analyse(run_dir: Path, elastic_dir: Path, ranks: list[int], timeout_s: Optional[float],
             exit_code: int, continue_line: Optional[str], *, doctor: bool = True, log_lines: bool = True,
-            timeout_name: str = "--timeout") -> Failure:
+            timeout_name: str = "--timeout", machines: int = 1) -> Failure:
     """What happened to the workers of one launch, with the report to print (see the module doc).
 
     ``run_dir`` holds ``logs/rank-<R>.log``; ``elastic_dir`` is torchrun's ``--log-dir`` of the
     launch. The report ends with where the logs are (with ``log_lines``: they hold each rank's
     output); with ``doctor`` (a run directory that ``scaleloop doctor`` reads) the
     ``failure.json`` line; and ``continue_line`` when given. ``timeout_name`` is what sets the
-    collectives' timeout for this caller (a flag, or ``scaleloop.launch``'s argument).
+    collectives' timeout for this caller (a flag, or ``scaleloop.launch``'s argument). ``machines``:
+    how many machines the job has (at most); where this machine's ranks only lost their peers, the
+    report says that the cause is on another one.
     """
     errors = read_error_files(elastic_dir)
     ranks = sorted(set(ranks) | set(errors))
@@ -254,7 +256,7 @@ def analyse(run_dir: Path, elastic_dir: Path, ranks: list[int], timeout_s: Optio
     elif any(e.timed_out for e in errors.values()):
         failure = _stalled(errors, dumps, timeout_s, timeout_name)
     else:
-        failure = _died(errors, dumps, exit_code, run_dir, len(ranks))
+        failure = _died(errors, dumps, exit_code, run_dir, len(ranks), machines)
     failure.logs = logs
     if log_lines:
         failure.report += _log_lines(run_dir, failure.rank, ranks)
@@ -357,7 +359,7 @@ def _stalled(errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]]
 
 
 def _died(errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]], exit_code: int,
-          run_dir: Path, n_ranks: int = 0) -> Failure:
+          run_dir: Path, n_ranks: int = 0, machines: int = 1) -> Failure:
     """No rank raised an error of its own: one crashed or was killed (or torchrun itself failed)."""
     crashed = [r for r, d in sorted(dumps.items()) if d is not None and d.fatal]
     silent = [r for r, d in sorted(dumps.items()) if d is None]
@@ -394,6 +396,9 @@ def _died(errors: dict[int, RankError], dumps: dict[int, Optional[StackDump]], e
         first = min(others.values(), key=lambda e: e.time)
         their = "its" if len(others) == 1 else "their"
         lines.append(f"  then: {_ranks(others)} lost {their} peer ({first.error_type}: {_short(first.message, 60)})")
+        if rank is None and machines > 1:   # nothing here failed of itself: a rank elsewhere did
+            lines.append("  cause: on another machine of the job (this machine's ranks only lost their peers); "
+                         "its console, logs and failure.json say what happened there")
     # What doctor says after "failed on rank R: ".
     message = (f"crashed: {dumps[crashed[0]].fatal}" if crashed  # type: ignore[union-attr]
                else lines[0].partition(": error: ")[2] if cause is None or "stopped on bad input" in lines[0]

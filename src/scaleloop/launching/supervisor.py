@@ -93,7 +93,8 @@ class LaunchOutcome:
         ``run_dir`` (see ``scaleloop.launching.failures.analyse``); ``ranks`` default to those that
         logged in this launch. Not written: ``Failure.write`` puts it in ``failure.json``."""
         ranks = self.ranks_logged() if ranks is None else list(ranks)
-        return analyse(run_dir, self.launch.error_dir, ranks, timeout_s, self.code, continue_line, doctor=doctor)
+        return analyse(run_dir, self.launch.error_dir, ranks, timeout_s, self.code, continue_line, doctor=doctor,
+                       machines=self.launch.nnodes)
 
 
 class Workers:
