@@ -35,8 +35,7 @@ PATH = (
     ("scaleloop.loop.trainer", "Trainer.fit"),
     ("scaleloop.loop.trainer", "Trainer.train_epoch"),
     ("scaleloop.loop.step", "train_step"),
-    ("scaleloop.strategies.base", "HandWrittenLoop.forward_backward"),
-    ("scaleloop.strategies.base", "Strategy.optimizer_step"),
+    ("scaleloop.strategies.precision", "Precision.step"),   # where optimizer.step() is called
 )
 
 
