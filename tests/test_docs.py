@@ -45,7 +45,7 @@ from typing import Iterator, Optional
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))
-from procs import child_env, kill_owned, owned_pids, run  # noqa: E402
+from procs import child_env, no_process_left, run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIAL = ROOT / "docs" / "tutorial.md"
@@ -319,12 +319,7 @@ def from_the_post(tmp_path_factory: pytest.TempPathFactory) -> Session:
 @pytest.fixture(autouse=True)
 def no_process_left_behind() -> Iterator[None]:
     yield
-    deadline = time.monotonic() + 5
-    while owned_pids() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = owned_pids()
-    kill_owned()
-    assert not left, f"the test left processes behind: {left}"
+    no_process_left()
 
 
 @pytest.mark.slow

@@ -188,6 +188,17 @@ def kill_owned(wait_s: float = 30) -> None:
             time.sleep(0.01)
 
 
+def no_process_left(grace_s: float = 5) -> None:
+    """After a test: processes that are ending on their own get ``grace_s``; any still running are
+    the test's leak: they are ended, and the test fails so the leak is seen."""
+    deadline = time.monotonic() + grace_s
+    while owned_pids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = owned_pids()
+    kill_owned()
+    assert not left, f"the test left processes behind: {left}"
+
+
 def _ended(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
