@@ -230,7 +230,7 @@ class Trainer(Observer):
         result.window_loss, result.window_steps = totals.loss, (result.window_from + 1, result.steps)
         result.window_from = result.steps
         self.emit(Row("step", epoch + 1, result.steps, result.samples, values, totals, steps,
-                           (now - window_start) / max(steps, 1)))
+                      (now - window_start) / max(steps, 1)))
         self.restart_clock()  # the wait in this all-reduce is no rank's own work
         return time.perf_counter()
 
@@ -244,7 +244,7 @@ class Trainer(Observer):
         # The row's samples are those trained before the fault's restart, as metrics.csv has always
         # recorded them (this step's are counted after it).
         self.emit(Row("recovery", epoch + 1, self.result.steps, self.result.samples,
-                           dict(world_size=recovery.world_after, recovery_s=recovery.phases["total_s"])))
+                      dict(world_size=recovery.world_after, recovery_s=recovery.phases["total_s"])))
         if self.run_dir is not None:
             try:
                 recovery.write(self.run_dir)
