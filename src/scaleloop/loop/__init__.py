@@ -8,18 +8,17 @@
   trainer's clock, verify's recorder, bench's timers).
 - ``training``: ``train``, a run's life (build, restore, claim the run directory, the trainer).
 - ``trainer``: ``Trainer``, the loop over epochs and steps, and its log rows. ``pauses``: the
-  evaluations and checkpoints it pauses for. ``rows``: where its rows go (``metrics.csv``, the
-  tracker) and the health checks on them. ``throughput``: a log row's tokens/s and MFU, from what
+  evaluations and checkpoints it pauses for. ``throughput``: a log row's tokens/s and MFU, from what
   the run fixed once. ``result``: what the loop counts and a finished run's ``RunResult``.
   ``text``: what the loop prints (the header, the progress bar).
-- ``evaluate``: exact evaluation over ranks. ``evaluations``: what the trainer evaluates and
+- ``evaluate``: exact evaluation over ranks, and how it scores a model (summed losses, correct
+  counts, ``--metrics``). ``evaluations``: what the trainer evaluates and
   when (``--eval-every``, ``--eval-batches``' fixed sample, ``--eval-train``). ``schedule``: learning-rate scaling and schedules
   (``--min-lr``). ``decay``: which tensors weight decay applies to (``--decay-params``).
-- ``running_loss``: the running loss sums. ``tasks``: the loss for each task. ``scoring``: how an
-  evaluation scores a model (summed losses, correct counts, ``--metrics``). ``padding``: exact losses
+- ``running_loss``: the running loss sums. ``tasks``: the loss for each task. ``padding``: exact losses
   over -100 padding (a step's loss is the mean over the real targets of the whole step).
-- ``health``: what the log rows learn on their all-reduce: stragglers, a diverging loss,
-  fp16 skipped steps.
+- ``health``: the log rows (``Row``, which rank 0 writes to ``metrics.csv`` and the tracker) and
+  what they learn on their all-reduce: stragglers, a diverging loss, fp16 skipped steps.
 - ``startwatch``: a slow start-up step says which it is and where it runs.
 - ``speed``: ``--compile``/``--channels-last`` set-up. ``tune``: the largest batch that fits;
   ``tune_batch``: that search for a run's config (``scaleloop tune-batch``).

@@ -26,7 +26,7 @@ from scaleloop.loop.evaluations import check_eval_data
 from scaleloop.loop.padding import StepCount, counting_for
 from scaleloop.loop.schedule import LearningRate, build_scheduler, scaled_lr
 from scaleloop.loop.speed import speed_up_model
-from scaleloop.loop.scoring import MetricFn, resolve_metrics
+from scaleloop.loop.evaluate import MetricFn, resolve_metrics
 from scaleloop.loop.tasks import LossFn, resolve_loss
 from scaleloop.loop.throughput import Throughput, throughput_of
 from scaleloop.models import build_model, count_parameters

@@ -31,8 +31,7 @@ from scaleloop.data.batch import DictTensorDataset, TargetRoute, take, tensors_o
 from scaleloop.data.info import DataInfo, Datasets
 from scaleloop.data.streaming import declared_length
 from scaleloop.errors import UsageError
-from scaleloop.loop.evaluate import EvalResult, evaluate
-from scaleloop.loop.scoring import MetricFn
+from scaleloop.loop.evaluate import EvalResult, MetricFn, evaluate
 from scaleloop.loop.tasks import LossFn
 from scaleloop.strategies.base import Strategy
 

@@ -1,4 +1,9 @@
-"""What the log rows learn about a run's health, riding on the reductions the loop already makes.
+"""The log rows: a row of ``metrics.csv`` (:class:`Row`), and what the rows learn about a run's
+health, riding on the reductions the loop already makes (:func:`check_health` on each log row).
+
+The trainer makes the rows (a log row every ``--log-every`` steps, an evaluation, an epoch's end,
+a recovery); rank 0 writes them, and every rank reads a log row's all-reduced totals for a
+straggling rank or a loss that is no longer finite.
 
 Each log window already sums the loss over ranks (one all-reduce). The same vector carries one
 slot per rank for a few per-rank numbers: each rank fills its own slots and leaves the others
@@ -23,7 +28,7 @@ import shlex
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -33,6 +38,9 @@ from scaleloop.data.batch import split
 from scaleloop.errors import UsageError
 from scaleloop.runtime.collectives import sum_over_ranks
 from scaleloop.runtime.dist import DistEnv
+
+if TYPE_CHECKING:   # named in annotations only
+    from scaleloop.checkpoint.manager import Checkpointer
 
 
 class Diverged(UsageError):
@@ -284,3 +292,33 @@ class Stragglers:
         if self.worst is None or lead > self.worst.slowest_s - self.worst.others_s:
             self.worst = found
         return found
+
+
+# Not frozen (as WindowTotals): a frozen dataclass is slower to make, and one is made at every log row.
+@dataclass(slots=True)
+class Row:
+    """A row of ``metrics.csv`` (and of the tracker). Read-only."""
+
+    kind: str                        # "step" (a log row), "epoch", "stop" (a run stopped inside an epoch), "recovery",
+    #                                  "eval" (an evaluation every --eval-every steps)
+    epoch: int                       # counted from 1, as in metrics.csv
+    step: int
+    samples: int
+    values: dict[str, Any]           # the other columns (keys of output.metrics.METRIC_COLUMNS; None: empty)
+    totals: Optional[WindowTotals] = None   # a log row's window, reduced over ranks
+    steps: int = 0                   # a log row's steps in the window
+    step_s: float = 0.0              # ... and their wall seconds per step
+
+
+def check_health(row: Row, totals: WindowTotals, stragglers: Stragglers, out: Optional[Path],
+                 checkpointer: Checkpointer, loader: Any) -> None:
+    """On a log row's all-reduced ``totals`` (every rank alike): a straggling rank gets a line
+    (``stragglers``, the run's watch); a non-finite loss stops the run on every rank (after rank 0
+    wrote the row that shows it), naming the data (``loader``'s) when a sample of the step it began
+    at is not finite, and the run directory ``out``."""
+    straggler = stragglers.window(totals.own_s, row.steps, row.step_s, row.step)
+    if straggler is not None:
+        checkpointer.say(straggler.describe())
+    if totals.samples > 0 and not math.isfinite(totals.loss):
+        raise stopped_on_nonfinite(f"the training loss became {totals.loss}", totals.first_bad or row.step, row.epoch,
+                                   out, checkpointer.last_step, totals.bad_ranks, len(totals.own_s), loader)

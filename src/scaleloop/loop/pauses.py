@@ -17,9 +17,8 @@ from scaleloop.checkpoint.manager import Checkpointer, Progress
 from scaleloop.loop.build import Run
 from scaleloop.loop.evaluate import EvalResult
 from scaleloop.loop.evaluations import Evaluations
-from scaleloop.loop.health import reduce_checked, stopped_on_nonfinite
+from scaleloop.loop.health import Row, reduce_checked, stopped_on_nonfinite
 from scaleloop.loop.result import RunResult
-from scaleloop.loop.rows import Row
 from scaleloop.loop.running_loss import RunningLoss
 from scaleloop.loop.text import Log, describe_evals
 from scaleloop.output.metrics import MetricsLogger

@@ -31,7 +31,7 @@ def preflight(cfg: TrainConfig) -> None:
     if cfg.loss is not None:
         resolve_factory(cfg.loss, "loss")
     if cfg.metrics:
-        from scaleloop.loop.scoring import resolve_metrics
+        from scaleloop.loop.evaluate import resolve_metrics
 
         resolve_metrics(cfg.metrics)
     if cfg.data == "mnist" and not cfg.data_dir:

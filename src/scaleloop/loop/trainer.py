@@ -17,11 +17,10 @@ from scaleloop.checkpoint.manager import Checkpointer, Progress, Resumed
 from scaleloop.checkpoint.resume import run_dir_for
 from scaleloop.data.loader import Batch
 from scaleloop.loop.build import Run
-from scaleloop.loop.health import reduce_window
+from scaleloop.loop.health import Row, check_health, reduce_window
 from scaleloop.loop.pauses import Pauses
 from scaleloop.loop.preempt import StopVote
 from scaleloop.loop.result import RunResult, finish
-from scaleloop.loop.rows import Row, check_health
 from scaleloop.loop.running_loss import RunningLoss
 from scaleloop.loop.step import Observer, steps_of, train_step
 from scaleloop.loop.text import Log, announce, bar_postfix, nothing_left, progress_bar
@@ -99,7 +98,7 @@ class Trainer(Observer):
         if self.metrics is not None:
             self.metrics.write(row.kind, epoch=row.epoch, step=row.step, samples=row.samples, **row.values)
         if row.totals is not None:
-            check_health(row, row.totals, self.result, self.checkpointer, self.run.loader)
+            check_health(row, row.totals, self.result.stragglers, self.result.out, self.checkpointer, self.run.loader)
 
     def fit(self, recovery: Optional[Recovery] = None) -> RunResult:
         """The epochs from the checkpoint's place on; then the final weights and the result.
@@ -203,7 +202,7 @@ class Trainer(Observer):
         returns the new window's start. ``window_samples`` trained since ``window_start``.
 
         The same all-reduce gathers each rank's own time, first non-finite step and fp16 skipped
-        steps (``scaleloop.loop.health``), which the health checks read (``loop.rows``).
+        steps (``scaleloop.loop.health``), which the health checks read (``loop.health``).
         """
         run, result, running = self.run, self.result, self.running
         # The window's loss began after window_from, before a resume perhaps; its clock, in this process.
