@@ -14,7 +14,7 @@ from scaleloop.config import TrainConfig
 from scaleloop.errors import UsageError
 from scaleloop.commands.tune_batch import format_report, tune_batch_command
 from scaleloop.loop.tune import BatchSearch, StepProbe, Trial, find_max_batch, is_out_of_memory, search_max_batch
-from scaleloop.loop.tune_batch import TuneReport
+from scaleloop.loop.tune import TuneReport
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -20,8 +20,8 @@
 - ``health``: the log rows (``Row``, which rank 0 writes to ``metrics.csv`` and the tracker) and
   what they learn on their all-reduce: stragglers, a diverging loss, fp16 skipped steps.
 - ``startwatch``: a slow start-up step says which it is and where it runs.
-- ``speed``: ``--compile``/``--channels-last`` set-up. ``tune``: the largest batch that fits;
-  ``tune_batch``: that search for a run's config (``scaleloop tune-batch``).
+- ``speed``: ``--compile``/``--channels-last`` set-up. ``tune``: the largest batch that fits,
+  and that search for a run's config (``scaleloop tune-batch``).
 - ``ending``: the record of an ending the loop decides (a non-finite loss, a stop signal, ...).
 - ``preempt``: ``StopVote``, every rank agreeing to stop after the same step on a stop signal.
 - ``summary``: the end-of-run summary ``scaleloop train`` prints.
