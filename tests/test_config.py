@@ -389,7 +389,7 @@ def test_every_setting_is_declared_once_with_its_help() -> None:
             assert f.metadata["group"] in GROUPS and isinstance(f.metadata["choices"], Sequence), f.name
     assert {name: where for name, where in owners.items() if len(where) > 1} == {}
     assert not set(owners) & set(SECTIONS)
-    assert set(owners) == set(SETTINGS) and len(SETTINGS) == 86
+    assert set(owners) == set(SETTINGS) and len(SETTINGS) == 89
     assert all(SETTINGS[name].section == where[0] for name, where in owners.items())
 
 
@@ -458,3 +458,31 @@ def test_a_bad_value_in_a_resumed_runs_config_names_that_file(tmp_path: Path) ->
         config_for_resume({}, {"out": str(run)})
     msg = str(info.value)
     assert msg.startswith(f"config file {str(run / 'config.toml')!r}: [optim] epochs = -3: --epochs must be")
+
+
+def test_replica_groups_are_refused_in_one_line_where_they_cannot_run() -> None:
+    """--replica-groups (torchft): ddp inside each group, whole groups, and a group's own flags."""
+    ok = TrainConfig(replica_groups=2, nproc=2, strategy="ddp", batch_size=64).validate()
+    assert ok.launch.data_ranks == 2
+    one_group = TrainConfig(replica_groups=2, replica_group=1, lighthouse="h:29510", nproc=2, batch_size=64)
+    assert one_group.validate().launch.data_ranks == 4   # the batch is split over both groups' processes
+    for settings, said in [
+        (dict(replica_groups=2, nproc=2, strategy="fsdp"), "--strategy fsdp is not supported with it"),
+        (dict(replica_groups=2, nproc=2, precision="fp16"), "does not take --precision fp16"),
+        (dict(replica_groups=2, nproc=3), "--nproc 3 does not split into --replica-groups 2"),
+        (dict(replica_groups=2, nproc=2, nnodes=2, master_addr="h"), "each replica group runs on one machine"),
+        (dict(replica_groups=2, replica_group=1), "add --lighthouse HOST:PORT"),
+        (dict(replica_groups=2, replica_group=2, lighthouse="h:1"), "--replica-group must be in 0..1"),
+        (dict(lighthouse="h:1"), "--lighthouse names a replica group's place"),
+    ]:
+        with pytest.raises(UsageError, match=said.replace("(", r"\(").replace(")", r"\)")):
+            TrainConfig(**settings).validate()
+
+
+def test_replica_groups_without_torchft_are_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else found(name, *a))
+    with pytest.raises(UsageError, match=r"pip install 'scaleloop\[ft\]'"):
+        TrainConfig(replica_groups=2, nproc=2).validate()

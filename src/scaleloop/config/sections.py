@@ -13,7 +13,7 @@ from functools import partial
 from typing import Optional
 
 from scaleloop.errors import UsageError
-from scaleloop.option import option, require
+from scaleloop.option import flag, option, require
 from scaleloop.runtime.preempt import signal_number
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -181,6 +181,16 @@ class LaunchSettings:
                           "with a checkpoint (preemption; see docs/slurm.md)")
     requeue: bool = _launch(False, "after such a stop under SLURM, put the job back into the queue (scontrol requeue)")
     backend: Optional[str] = _launch(None, "process-group backend (default: nccl on CUDA, gloo on CPU)", BACKENDS)
+    replica_groups: int = _launch(1, "replica groups that train as one data-parallel job under torchft (pip install "
+                                  "'scaleloop[ft]'): a group that is lost is restarted and rejoins from a live one "
+                                  "while the others go on; on one machine --nproc is split over the groups "
+                                  "(docs/fault-tolerance.md)")
+    replica_group: Optional[int] = _launch(None, "start only replica group I of --replica-groups N (one launch per "
+                                           "group, on its own machine or job; needs --lighthouse); --nproc is then "
+                                           "this group's processes")
+    lighthouse: Optional[str] = _launch(None, "HOST:PORT of the torchft lighthouse that replica groups meet at "
+                                        "(python -m scaleloop.launching.lighthouse; default on one machine: one the "
+                                        "launcher starts)")
     timeout: float = _launch(1800.0, "seconds a collective waits for the slowest rank before the run stops with a "
                              "report naming the rank behind; keep it above your longest first step (torch.compile) "
                              "and checkpoint save (default: 1800, as torch's own)")
@@ -219,17 +229,62 @@ class LaunchSettings:
         if self.rdzv_endpoint:   # now, before the launcher makes the run directory
             split_endpoint(self.rdzv_endpoint)
             conf_pairs(self.rdzv_conf)
+        self._check_replica_groups()
         if self.elastic and not self.rdzv_endpoint:
             raise UsageError(f"--nnodes {self.min_nnodes}:{self.nnodes} lets machines leave and join, which needs the "
                              "c10d rendezvous: add --rdzv-endpoint HOST:PORT (instead of --master-addr)")
 
+    @property
+    def data_ranks(self) -> int:
+        """Processes that train on different samples, over every replica group: ``--nproc`` on one
+        machine (split over the groups), ``--nproc`` x ``--replica-groups`` where each group is
+        launched on its own (``--replica-group``)."""
+        if self.replica_groups > 1 and self.replica_group is not None:
+            return self.world_size * self.replica_groups
+        return self.world_size
 
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` too) as host and port; UsageError for anything else."""
+    def _check_replica_groups(self) -> None:
+        """``--replica-groups``: torchft installed, groups of whole processes on one machine each,
+        and the flags of a group launched on its own."""
+        require(self.replica_groups >= 1, "replica_groups", "a positive integer")
+        if self.replica_groups == 1:
+            for name in ("replica_group", "lighthouse"):
+                if getattr(self, name) is not None:
+                    raise UsageError(f"{flag(name)} names a replica group's place among several: add "
+                                     "--replica-groups N (N >= 2), or drop it")
+            return
+        groups = f"--replica-groups {self.replica_groups}"
+        import importlib.util
+
+        if importlib.util.find_spec("torchft") is None:
+            raise UsageError(f"{groups} needs torchft, which is not installed: pip install 'scaleloop[ft]'")
+        if self.nnodes > 1 or self.master_addr or self.rdzv_endpoint:
+            raise UsageError(f"{groups}: each replica group runs on one machine (--nnodes 1); start one group per "
+                             "machine with --replica-group I --lighthouse HOST:PORT instead of --nnodes, "
+                             "--master-addr or --rdzv-endpoint")
+        if self.replica_group is None:
+            if self.lighthouse is not None:
+                raise UsageError(f"--lighthouse names the lighthouse of groups started one by one: add "
+                                 f"--replica-group I, or drop --lighthouse to start all {self.replica_groups} "
+                                 "groups and their lighthouse here")
+            if self.nproc % self.replica_groups:
+                raise UsageError(f"--nproc {self.nproc} does not split into {groups} of equal size: use a "
+                                 f"multiple of {self.replica_groups}")
+            return
+        require(0 <= self.replica_group < self.replica_groups, "replica_group",
+                f"in 0..{self.replica_groups - 1} ({groups})")
+        if self.lighthouse is None:
+            raise UsageError(f"--replica-group {self.replica_group} meets the other groups at their lighthouse: "
+                             "add --lighthouse HOST:PORT (python -m scaleloop.launching.lighthouse starts one)")
+        split_endpoint(self.lighthouse, "--lighthouse")
+
+
+def split_endpoint(endpoint: str, what: str = "--rdzv-endpoint") -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) as host and port; UsageError for anything else (naming ``what``)."""
     host, sep, port = endpoint.rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise UsageError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, e.g. 10.0.0.1:29400")
+        raise UsageError(f"{what} {endpoint!r}: expected HOST:PORT, e.g. 10.0.0.1:29400")
     return host, int(port)
 
 

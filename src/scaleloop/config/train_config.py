@@ -115,7 +115,9 @@ class TrainConfig:
         self.evaluation.check()
         self.checkpointing.check()
         self.launch.check()
-        self.parallel.check(self.world_size, self.optim.batch_size, self.launch.elastic_nodes)
+        # A step's batch is split over every replica group's processes (--replica-groups).
+        self.parallel.check(self.launch.data_ranks, self.optim.batch_size, self.launch.elastic_nodes)
+        self.parallel.check_replica_groups(self.launch.replica_groups)
         return self
 
     @property

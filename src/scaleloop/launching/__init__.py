@@ -17,6 +17,9 @@
   leftover ``RANK``/``WORLD_SIZE`` refused or ignored in one line.
 - ``srun``: ``scaleloop train`` as an ``srun`` task: its first line says what it read, and its wait
   for the other tasks ends in one line (who never came and what to do, or the signal that stopped it).
+- ``replica_groups``: ``--replica-groups N`` on one machine: the lighthouse and N group launchers,
+  their output prefixed ``[group I]``. ``lighthouse``: torchft's lighthouse and its start gate
+  (``python -m scaleloop.launching.lighthouse`` across machines).
 - ``failures``: after a failure, which rank failed first or stalled, and where; the report and
   ``failure.json``.
 """

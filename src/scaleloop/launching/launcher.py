@@ -100,7 +100,14 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
                 os.environ.pop(name, None)
         refuse_if_in_use(run_dir_for(cfg))   # the first thing to say about a directory in use
         cfg = auto_processes(cfg)
-        if cfg.world_size > 1:
+        if cfg.replica_groups > 1 and cfg.replica_group is None:   # one machine: a lighthouse and N group launchers
+            from scaleloop.launching.replica_groups import launch_groups
+
+            failure = launch_groups(cfg)
+            if failure is not None:
+                raise WorkersFailed(1, failure)
+            return None
+        if cfg.world_size > 1 or cfg.replica_groups > 1:   # a replica group runs under torchrun, even of one process
             _launch_workers(cfg)
             return None
         # Named now, so that an interrupted run can say where to resume it from.

@@ -203,6 +203,11 @@ def workers_env(cfg: TrainConfig, logs: Path, environ: Optional[Mapping[str, str
         # that is not the new rank 0 after rank 0's machine is lost keeps the dead machine's store
         # address, and the restarted group cannot form. Unshared, each round's rank 0 hosts a fresh one.
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if cfg.replica_groups > 1 and cfg.replica_group is not None and cfg.lighthouse:
+        # torchft's own names for the group's place (torchtitan's workers read them too).
+        env.update(REPLICA_GROUP_ID=str(cfg.replica_group), NUM_REPLICA_GROUPS=str(cfg.replica_groups),
+                   TORCHFT_LIGHTHOUSE=f"http://{cfg.lighthouse}")
+        env.setdefault("RUST_LOG", "warn")   # torchft's manager logs every quorum and commit at info
     if uses_cuda(cfg):
         for key, value in flight_recorder_env(logs).items():
             env.setdefault(key, value)

@@ -19,6 +19,8 @@
   over -100 padding (a step's loss is the mean over the real targets of the whole step).
 - ``health``: the log rows (``Row``, which rank 0 writes to ``metrics.csv`` and the tracker) and
   what they learn on their all-reduce: stragglers, a diverging loss, fp16 skipped steps.
+- ``rejoin``: a run in one of several replica groups: meeting the others before the first
+  step (a group behind takes a live one's state), and what a rejoined group reports.
 - ``startwatch``: a slow start-up step says which it is and where it runs.
 - ``speed``: ``--compile``/``--channels-last`` set-up. ``tune``: the largest batch that fits,
   and that search for a run's config (``scaleloop tune-batch``).

@@ -251,6 +251,15 @@ def _make_strategy(cfg: TrainConfig, env: DistEnv) -> Strategy:
         # A config that names another strategy (verify's one-process reference, a bench row)
         # runs that one; the CLI rejects --mesh with another strategy.
         settings = dataclasses.replace(settings, mesh=None)
+    if cfg.replica_groups > 1:   # DDP inside the group, torchft between the groups
+        from scaleloop.config.sections import split_endpoint
+        from scaleloop.strategies.fault_tolerant import FaultTolerantDDP, ReplicaGroup
+
+        assert cfg.replica_group is not None and cfg.lighthouse is not None, "a replica group's launcher sets both"
+        host, port = split_endpoint(cfg.lighthouse, "--lighthouse")
+        group = ReplicaGroup(index=cfg.replica_group, groups=cfg.replica_groups, lighthouse=f"http://{host}:{port}",
+                             gate=f"http://{host}:{port + 1}", timeout_s=cfg.timeout)
+        return FaultTolerantDDP.build_for(settings, env, group)
     return build_strategy(settings, env)
 
 

@@ -72,6 +72,7 @@ def train_step(run: Run, micro_batches: list[Batch], watch: Observer,
     precision, clip = strategy.precision, run.cfg.clip_grad
     loss_fn = _watched(count.checked(run.loss_fn) if count is not None else run.loss_fn, watch)
     losses: list[Optional[torch.Tensor]] = []
+    strategy.begin_step(micro_batches[0])   # replica groups meet here (strategies.fault_tolerant)
     for batch in micro_batches:
         watch.micro_batch(batch)
         # Over -100 padding the batch's real targets are counted (a Hugging Face model is told the
@@ -103,7 +104,8 @@ def train_step(run: Run, micro_batches: list[Batch], watch: Observer,
     grad_norm = strategy.grad_norm(model) if clip is not None or norm else None
     if clip is not None:
         clip_gradients(model, grad_norm, clip)
-    precision.step(optimizer)   # fp16: skipped when the gradients overflowed
+    if strategy.commit():   # between replica groups: only a step that succeeded in every group
+        precision.step(optimizer)   # fp16: skipped when the gradients overflowed
     optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
     watch.stepped()

@@ -20,6 +20,7 @@ from scaleloop.data.loader import Batch
 from scaleloop.data.streaming import StreamingLoader
 from scaleloop.loop.build import Run, build_run
 from scaleloop.loop.ending import record_ending
+from scaleloop.loop.rejoin import attach_replica_groups, join_replica_groups
 from scaleloop.loop.result import RunResult
 from scaleloop.loop.startwatch import startup_watch
 from scaleloop.loop.text import Log
@@ -58,12 +59,14 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
             run = build_run(cfg, env)
             checkpointer = Checkpointer(run.strategy, cfg.checkpointing, cfg.flat(), seed=cfg.seed, say=say)
             resumed = checkpointer.restore(run.model, run.optimizer, run.scheduler, restarting=restart_count() > 0)
+            resumed = join_replica_groups(run, resumed)   # --replica-groups: behind the others, take a live one's state
             _stream_state(run, checkpointer, resumed)
     except BaseException as exc:   # for the launcher's report: before any step
         note_where(exc, epoch=None, step=0, during=STARTING_UP)
         raise
     run_dir, lock = _open_run_dir(run, checkpointer, resumed)
     recovery = _recovery(cfg, env, joined, resumed)
+    attach_replica_groups(run, run_dir, say, recovery, resumed)
     with lock:  # released at the end, however the run ends
         trainer = Trainer(run, checkpointer, say, started, run_dir=run_dir, resumed=resumed, on_batch=on_batch,
                           on_checkpoint=on_checkpoint)

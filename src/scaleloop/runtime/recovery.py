@@ -131,6 +131,9 @@ class Recovery:
     restart: Optional[int] = None         # torchrun's restart that formed the new group (1: the first)
     max_restarts: Optional[int] = None    # --max-restarts
     failed_step: Optional[int] = None     # the step the survivors were in when the fault came (None: unknown)
+    replica_group: Optional[int] = None   # --replica-groups: the group that was lost and rejoined
+    left_after_step: Optional[int] = None  # ... the last step all groups trained, as a live group saw it
+    rejoined_step: Optional[int] = None   # ... the first step it trained again, with a live group's state
 
     @classmethod
     def from_records(cls, records: list[dict[str, Any]], world_after: int, group_formed: float, *,
@@ -200,6 +203,10 @@ class Recovery:
                 f"{size} formed {p['new_group_s']:.1f} s later")
         if self.resumed_step is not None:
             text += f", resumed from step {self.resumed_step}"
+        if self.replica_group is not None and self.rejoined_step is not None:
+            left = f" left after step {self.left_after_step} and" if self.left_after_step is not None else ""
+            text += (f"; replica group {self.replica_group}{left} rejoined at step {self.rejoined_step} with a live "
+                     "group's weights and optimizer state, the other groups training on meanwhile")
         if p["first_step_s"] is not None:
             text += (f", first step done {p['first_step_s']:.1f} s after that: {p['total_s']:.1f} s from the last "
                      "step before the fault to training again")

@@ -15,6 +15,7 @@
   ``pipeline``: layers cut into stages, one per process (or several: interleaved), and
   ``pipeline_schedules``: how a micro-step is cut into pieces and which schedules run them, and
   ``hf_stages``: a transformers decoder-only causal LM as the pipeline's layers, cut at its blocks;
+  ``fault_tolerant``: ``--replica-groups``, DDP in each group and torchft between groups;
   ``mesh_parallel``: ``--mesh``, tensor parallelism with FSDP or HSDP (``tensor``: a model's TP plan;
   the mesh itself is ``scaleloop.runtime.mesh``).
 - ``precision``: autocast and the fp16 GradScaler; ``syncbn``: BatchNorm over all ranks on any

@@ -265,9 +265,18 @@ class Strategy:
         """Context for the forward pass and the loss: autocast to the run's precision."""
         return self.precision.autocast()
 
+    def begin_step(self, batch: Batch) -> None:
+        """Before a step's first forward (``batch``: its first micro-batch): where replica groups take
+        their quorum (``strategies.fault_tolerant``); nothing elsewhere."""
+
     def sync_gradients(self) -> None:
         """After the step's last backward: synchronisation that the wrapper does not do itself
         (``allreduce``'s all-reduce; the checks of parameters no rank used)."""
+
+    def commit(self) -> bool:
+        """Whether the optimizer steps on the synchronised gradients: always, but between replica groups
+        only where every group's step succeeded (``strategies.fault_tolerant``)."""
+        return True
 
     def forward_backward(self, model: nn.Module, batch: Batch, loss_fn: LossFn) -> Optional[torch.Tensor]:
         """A pipelined strategy's forward and backward of one micro-batch (see :attr:`pipelined`),

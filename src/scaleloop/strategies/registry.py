@@ -189,6 +189,20 @@ class ParallelSettings:
                              f"{self.accumulate} accumulation step(s) no sample; use at least "
                              f"{world_size * self.accumulate}")
 
+    def check_replica_groups(self, groups: int) -> None:
+        """``--replica-groups N``: torchft averages DDP's gradients between the groups and commits a step
+        only where every group's succeeded, so each group must be plain data parallel (ddp); fp16's
+        scaler would skip steps that torchft has committed."""
+        if groups == 1:
+            return
+        if self.mesh is not None or self.strategy not in ("auto", "ddp"):
+            which = f"--mesh {self.mesh}" if self.mesh is not None else f"--strategy {self.strategy}"
+            raise UsageError(f"--replica-groups {groups} runs ddp inside each group (torchft averages between "
+                             f"groups): {which} is not supported with it; use --strategy ddp")
+        if self.precision == "fp16":
+            raise UsageError(f"--replica-groups {groups} does not take --precision fp16 (its gradient scaler skips "
+                             "steps on its own): use bf16 or fp32")
+
     def check_layout(self, world_size: int, elastic_nodes: Optional[str] = None) -> int:
         """Everything but the batch size; returns the data-parallel ranks a step's batch is split over."""
         if self.strategy != "auto" and self.strategy not in REGISTRY:

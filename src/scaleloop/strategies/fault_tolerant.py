@@ -1,0 +1,272 @@
+"""DDP inside each replica group, torchft between the groups (``--replica-groups N``).
+
+Each group is an ordinary DDP job of its own processes (torchrun's group). Between the groups,
+torchft's ``Manager`` takes a quorum of the groups that are alive before every step
+(:meth:`FaultTolerantDDP.begin_step`), averages the gradients over those groups
+(:meth:`sync_gradients`) and lets the optimizer step only where the step succeeded in every group of
+the quorum (:meth:`commit`). A group that was lost and restarted joins the next quorum and takes
+the weights, optimizer state, schedule and place in the data from a live group (:meth:`join`), so it
+rejoins at a step boundary without a checkpoint.
+
+The data rule: a step's global batch is split over the processes of all N groups (group ``g``'s
+rank ``r`` trains share ``g x P + r`` of ``N x P``), as ``--nproc N x P`` DDP would split it. A
+group missing from a step's quorum trains nothing of it: its shares of that step are not trained,
+and the step averages the gradients of the groups present (the mean over the samples trained).
+Such steps, and a step that no group committed (a group failed during it), are written to
+``replica-steps.jsonl`` in each group's run directory and said on the console. docs/fault-tolerance.md.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from scaleloop.checkpoint.manager import Progress
+from scaleloop.data.loader import Batch, ShardedLoader
+from scaleloop.data.streaming import StreamingLoader
+from scaleloop.errors import UsageError
+from scaleloop.runtime.dist import DistEnv, restart_count
+from scaleloop.runtime.mesh import MeshSpec
+from scaleloop.strategies.ddp import DDP
+from scaleloop.strategies.parallelize import Parallelism
+from scaleloop.strategies.precision import Precision
+
+if TYPE_CHECKING:
+    from torchft import Manager
+
+    from scaleloop.strategies.registry import ParallelSettings
+
+#: Where each group's rank 0 records the steps trained by fewer than all groups (one JSON per line).
+REPLICA_STEPS_FILE = "replica-steps.jsonl"
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """This process's replica group: its index among ``groups``, where the groups meet (the
+    lighthouse, and its gate: ``scaleloop.launching.lighthouse``), and how long to wait."""
+
+    index: int
+    groups: int
+    lighthouse: str            # http://HOST:PORT
+    gate: str                  # http://HOST:PORT+1: the first quorum of a fresh start waits there for all groups
+    timeout_s: float           # --timeout: a quorum, and the gate, wait this long
+
+
+class FellBehind(RuntimeError):
+    """A live group found itself behind the others' step (it was left out of their quorums): it
+    cannot take their state in the middle of its loop, so it ends and its launcher restarts it."""
+
+
+class FaultTolerantDDP(DDP):
+    """DDP in the group; gradients averaged between replica groups and steps committed by torchft."""
+
+    batch_split = "split evenly over the processes of every replica group present"
+
+    def __init__(self, env: DistEnv, precision: Precision, settings: "ParallelSettings", group: ReplicaGroup) -> None:
+        self.group = group
+        # Data ranks over all groups: group g's rank r trains share g * P + r of each global batch.
+        parallelism = Parallelism(MeshSpec(dp=env.world_size * group.groups), group.index * env.world_size + env.rank,
+                                  recompute=settings.activation_checkpointing)
+        super().__init__(env, precision, settings.accumulate, settings.sync_batchnorm, parallelism=parallelism,
+                         find_unused_parameters=settings.find_unused_parameters, static_graph=settings.static_graph)
+        self.manager: Optional["Manager"] = None
+        self._loader: Optional[Union[ShardedLoader, StreamingLoader]] = None
+        self._state: Optional[Callable[[], dict[str, Any]]] = None   # the live state a healing peer takes
+        self._place = Progress()          # where this group stands: the next step to take
+        self._quorum_taken = False        # the next step's quorum is taken already (join's)
+        self._running = False             # the loop has begun: a peer's state can no longer be taken
+        self._healed: Optional[dict[str, Any]] = None
+        self._present = group.groups      # groups in the last quorum
+        #: When fewer than all groups began to train (the step, the wall time), sent to a rejoining group.
+        self._short_since: Optional[tuple[int, float]] = None
+        self._record: Optional[Path] = None
+        self._params: list[nn.Parameter] = []
+        self._say: Callable[[str], None] = lambda _line: None
+
+    @classmethod
+    def build_for(cls, settings: "ParallelSettings", env: DistEnv, group: ReplicaGroup) -> "FaultTolerantDDP":
+        """This strategy for checked ``settings`` on one process of ``group``."""
+        settings.check_layout(env.world_size)
+        return cls(env, Precision(settings.precision, env.device), settings, group)
+
+    # --- set-up ---------------------------------------------------------------------------
+    def loader(self, *args: Any, **kwargs: Any) -> Union[ShardedLoader, StreamingLoader]:
+        # Kept: its epoch is part of the place a rejoining group takes.
+        self._loader = super().loader(*args, **kwargs)
+        return self._loader
+
+    def _check_stream(self) -> None:
+        raise UsageError(f"--replica-groups {self.group.groups} needs a dataset of known length (a rejoining group "
+                         "takes its place in the data from a live one); a stream has none")
+
+    def describe(self) -> str:
+        return f"{super().describe()} x {self.group.groups} replica groups (torchft; this is group {self.group.index})"
+
+    def join(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, at: Progress) -> Optional[Progress]:
+        """Meet the other groups before the first step (every rank of the group calls it, after any
+        checkpoint was restored, ``at`` its place). A fresh start waits at the gate until every
+        group is there, so that no-fault training is plain DDP over all of them; a restarted group
+        goes straight to the quorum. Returns the place taken from a live group when this group
+        was behind (its weights, optimizer and schedule are loaded then), else None."""
+        from torchft import Manager, ProcessGroupGloo
+
+        self._place = Progress(**asdict(at))
+        self._state = lambda: {"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                               "scheduler": scheduler.state_dict(), "place": asdict(self._place),
+                               "short_since": self._short_since}
+
+        def take(state: dict[str, Any]) -> None:
+            if self._running:
+                raise FellBehind(f"replica group {self.group.index} fell behind the others (they left it out of "
+                                 f"their quorum): it restarts to rejoin them")
+            self.unwrap(model).load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            self._healed = state
+
+        # torchft logs each collective a lost group broke with its traceback, and every HTTP transfer
+        # of a state; the loop says what matters in one line (a step not committed, the groups present).
+        logging.getLogger("torchft").setLevel(logging.CRITICAL)
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")   # torchft's transfer
+        timeout = timedelta(seconds=self.group.timeout_s)
+        os.environ.setdefault("TORCHFT_LIGHTHOUSE", self.group.lighthouse)
+        self.manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1, load_state_dict=take,
+                               state_dict=self._live_state, replica_id=f"group{self.group.index}",
+                               lighthouse_addr=self.group.lighthouse, use_async_quorum=False,
+                               timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
+        # The group with the most steps is the one the others take their state from: its steps are
+        # the loop's (a checkpoint's on resume), not the new manager's zero.
+        self.manager.load_state_dict({"step": at.global_step, "batches_committed": 0})
+        if restart_count() == 0 and self.env.rank == 0:
+            self._wait_at_gate()
+        self._quorum()
+        self._quorum_taken = True
+        if restart_count() > 0 and self.manager.num_participants() < 2:
+            # Restarted, and no live group to take the state from (the others finished, or are lost
+            # too): training on alone from this group's own start would be another run, not this one.
+            raise UsageError(f"replica group {self.group.index} restarted and found no live group to rejoin (the "
+                             "others have finished or are lost too); their run directories hold the run")
+        healed, self._healed = self._healed, None
+        if healed is None:
+            return None
+        self._short_since = healed.get("short_since")
+        self._place = Progress(**healed["place"])
+        return self._place
+
+    def _live_state(self) -> dict[str, Any]:
+        assert self._state is not None
+        return self._state()
+
+    def _wait_at_gate(self) -> None:
+        """Block until every group's rank 0 has come here (the gate lighthouse's quorum of all N)."""
+        from torchft.coordination import LighthouseClient
+
+        client = LighthouseClient(self.group.gate, connect_timeout=timedelta(seconds=self.group.timeout_s))
+        try:
+            client.quorum(replica_id=f"group{self.group.index}", timeout=timedelta(seconds=self.group.timeout_s))
+        except TimeoutError:
+            self._say(f"scaleloop: not every replica group came within {self.group.timeout_s:g} s (--timeout): "
+                      "training with those present")
+
+    @property
+    def left_since(self) -> Optional[int]:
+        """The first step that fewer than all groups trained, as the live group this one took its state
+        from said (None: not known, or all were present)."""
+        return int(self._short_since[0]) if self._short_since else None
+
+    def attach(self, run_dir: Optional[Path], say: Callable[[str], None]) -> None:
+        """Where rank 0 records the steps trained by fewer groups (None elsewhere), and its console."""
+        self._record = run_dir / REPLICA_STEPS_FILE if run_dir is not None else None
+        self._say = say
+
+    # --- one step (loop.step.train_step) ---------------------------------------------------
+    def begin_step(self, batch: Batch) -> None:
+        """Before the step's first forward: the quorum of the groups alive (it waits for them; a
+        group that fell behind takes a live one's state in it)."""
+        place, self._running = batch.place, True
+        epoch = self._loader.epoch if isinstance(self._loader, ShardedLoader) else self._place.epoch
+        self._place = Progress(epoch, place.step, self._place.global_step, self._place.samples)
+        if not self._quorum_taken:
+            self._quorum()
+        self._quorum_taken = False
+        self._note_groups(self._place.global_step + 1, place.step_samples)
+        self._place.global_step += 1
+        self._place.samples += place.step_samples
+
+    def sync_gradients(self) -> None:
+        super().sync_gradients()   # DDP's, inside the group
+        assert self.manager is not None
+        grads = [p.grad for p in self._params if p.grad is not None]
+        # The mean over the groups in the quorum; torchft swallows a failed peer's error here and
+        # has the step not committed (commit).
+        for work in [self.manager.allreduce(g) for g in grads]:
+            work.wait()
+
+    def setup(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+        placed, optim = super().setup(model, optimizer)
+        self._params = [p for p in placed.parameters() if p.requires_grad]   # whose gradients are averaged
+        return placed, optim
+
+    def commit(self) -> bool:
+        """Whether the optimizer steps: every group of the quorum finished the step without an error."""
+        assert self.manager is not None
+        committed = self.manager.should_commit()
+        if not committed:
+            step = self._place.global_step
+            if self._short_since is None:   # the last step every group trained is the one before
+                self._short_since = (step, time.time())
+            self._say(f"scaleloop: step {step} was not committed: a replica group failed during it; no group "
+                      "trained its batch")
+            self._write({"step": step, "committed": False, "groups": 0, "of": self.group.groups, "global_batch": 0})
+        return committed
+
+    def close(self) -> None:
+        super().close()
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
+
+    # --- the record ------------------------------------------------------------------------
+    def _quorum(self) -> None:
+        assert self.manager is not None
+        self.manager.start_quorum()
+        if self.manager.errored() is not None:
+            raise RuntimeError(f"replica group {self.group.index} could not form a quorum with the others "
+                               f"({self.manager.errored()})")
+
+    def _note_groups(self, step: int, step_samples: int) -> None:
+        """Say when the groups in the quorum change; record each step that fewer than all train."""
+        assert self.manager is not None
+        present, of = self.manager.num_participants(), self.group.groups
+        trained = step_samples * present // of
+        if present != self._present:
+            if present < of:
+                self._say(f"scaleloop: replica groups: {present} of {of} train from step {step} (global batch "
+                          f"{trained} of {step_samples}; the missing groups' shares are not trained)")
+            else:
+                self._say(f"scaleloop: replica groups: all {of} train again from step {step}")
+            self._present = present
+        if present < of:
+            if self._short_since is None:
+                self._short_since = (step, time.time())
+            self._write({"step": step, "committed": True, "groups": present, "of": of, "global_batch": trained})
+        else:
+            self._short_since = None
+
+    def _write(self, entry: dict[str, Any]) -> None:
+        if self._record is None:
+            return
+        try:
+            with open(self._record, "a", encoding="utf-8") as f:
+                f.write(json.dumps(entry) + "\n")
+        except OSError as exc:
+            self._say(f"warning: {self._record} could not be written: {exc}")
