@@ -24,7 +24,7 @@ LIMIT = 15
 PATH = (
     ("scaleloop.cli", "main"),
     ("scaleloop.commands.train", "run"),
-    ("scaleloop.config.resume", "config_for_resume"),
+    ("scaleloop.config.saved_settings", "config_for_resume"),
     ("scaleloop.launching.launcher", "launch_train"),
     ("scaleloop.launching.launcher", "_launch_workers"),
     ("scaleloop.launching.launcher", "_run_workers"),

@@ -13,7 +13,7 @@ from scaleloop.verify.diagnose import scale_cause
 from scaleloop.verify.probes import LossSplit, Probes
 from scaleloop.verify.recorder import step_file
 from scaleloop.verify.report import equivalence_verdict
-from scaleloop.verify.state import saved_buffers
+from scaleloop.verify.buffers import saved_buffers
 from scaleloop.verify.sync import _tensors
 
 FP32 = TOLERANCES["fp32"]

@@ -14,7 +14,7 @@ Rules:
   checkpoint of its run directory first: that is where the failed attempt left off.
 
 A resumed run starts from the settings saved with its run (``<run>/config.toml``,
-``scaleloop.config.resume``); flags given on the command line override them, except those that
+``scaleloop.config.saved_settings``); flags given on the command line override them, except those that
 fix the data order and model shape (:data:`FIXED_ON_RESUME`), which must match the checkpoint.
 """
 from __future__ import annotations

@@ -7,11 +7,11 @@
   ``EvalSettings`` for the trainer, ``LaunchSettings`` for the launcher); the others live with their owners:
   ``scaleloop.data.settings``, ``scaleloop.output.settings``, ``scaleloop.checkpoint.settings``,
   ``scaleloop.strategies.registry`` (``ParallelSettings``);
-- ``resume``: a resumed run's settings, from those saved with the run it continues.
+- ``saved_settings``: a resumed run's settings, from those saved with the run it continues.
 
 No torch here: ``scaleloop --help`` answers at once.
 """
-from scaleloop.config.resume import config_for_resume
+from scaleloop.config.saved_settings import config_for_resume
 from scaleloop.config.sections import EvalSettings, LaunchSettings, OptimSettings, conf_pairs, split_endpoint
 from scaleloop.config.train_config import (BACKENDS, DECAY_PARAMS, GROUPS, LR_SCALINGS, LR_SCHEDULES, OPTIMIZERS,
                                        PIPELINE_SCHEDULES, PRECISIONS, SECTIONS, SETTINGS, STRATEGIES, TASKS,

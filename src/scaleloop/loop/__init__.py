@@ -25,7 +25,7 @@
 - ``speed``: ``--compile``/``--channels-last`` set-up. ``tune``: the largest batch that fits,
   and that search for a run's config (``scaleloop tune-batch``).
 - ``ending``: the record of an ending the loop decides (a non-finite loss, a stop signal, ...).
-- ``preempt``: ``StopVote``, every rank agreeing to stop after the same step on a stop signal.
+- ``stop_vote``: ``StopVote``, every rank agreeing to stop after the same step on a stop signal.
 - ``summary``: the end-of-run summary ``scaleloop train`` prints.
 - ``sampling``: ``sample``, text from a finished run's language model (``scaleloop sample``):
   the model rebuilt from its ``config.toml``, its weights loaded weights-only.

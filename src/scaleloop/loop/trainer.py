@@ -19,7 +19,7 @@ from scaleloop.data.loader import Batch
 from scaleloop.loop.build import Run
 from scaleloop.loop.health import Row, check_health, reduce_window
 from scaleloop.loop.pauses import Pauses
-from scaleloop.loop.preempt import StopVote
+from scaleloop.loop.stop_vote import StopVote
 from scaleloop.loop.result import RunResult, finish
 from scaleloop.loop.running_loss import RunningLoss
 from scaleloop.loop.step import Observer, steps_of, train_step
@@ -82,7 +82,7 @@ class Trainer(Observer):
         self.pauses = Pauses(run, self.result, self.running, checkpointer, self.emit, self.metrics, say)
         self.pauses.on_checkpoint = on_checkpoint
         self.recovery: Optional[Recovery] = None   # a fault's recovery, reported after the first step
-        self.vote: Optional[StopVote] = None       # the preemption stop vote (loop/preempt.py), from fit on
+        self.vote: Optional[StopVote] = None       # the preemption stop vote (loop/stop_vote.py), from fit on
         #: Who watches train_step: the trainer itself, or with --profile a profiler that passes each
         #: call on to it (``loop.profiler``; off, nothing of it is imported and nothing added per step).
         self.watch: Observer = self

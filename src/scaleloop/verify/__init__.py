@@ -13,7 +13,7 @@ Modules, one job each (torch is imported only by the ones that train or compare)
 - ``probes``    experiments on the model and loss; ``diagnose`` names the cause from them
 - ``data``      per-batch SHA-256, per-epoch coverage, DistributedSampler padding
 - ``sync``      a hash of every parameter and buffer on every rank
-- ``state``     which saved tensors are buffers (a tied weight counted once, as a parameter)
+- ``buffers``   which saved tensors are buffers (a tied weight counted once, as a parameter)
 - ``saved``     the step-0 check of every rank's model as built, and the end-of-run check of the saved state
 - ``explain``   one step, rank by rank; ``plot``: the picture of the comparison (``--plot``)
 - ``hashing``, ``dirs``: digests, where files go (the loss is ``loop.tasks.resolve_loss``)

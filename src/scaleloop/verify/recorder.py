@@ -35,7 +35,7 @@ from scaleloop.strategies.pipeline import StageModule
 from scaleloop.verify.data import batch_digest
 from scaleloop.verify.hashing import digest, full_tensor, is_sharded
 from scaleloop.verify.probes import output_digest
-from scaleloop.verify.state import parameter_names, saved_buffers, unique_state
+from scaleloop.verify.buffers import parameter_names, saved_buffers, unique_state
 from scaleloop.verify.sync import check_sync
 
 RECORD_FILE = "record.json"

@@ -17,7 +17,7 @@ from scaleloop.runtime.collectives import gather_object
 from scaleloop.strategies.base import Strategy
 from scaleloop.strategies.pipeline import StageModule
 from scaleloop.verify.hashing import digest, full_tensor
-from scaleloop.verify.state import parameter_names, unique_state
+from scaleloop.verify.buffers import parameter_names, unique_state
 
 
 def _tensors(module: nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
