@@ -256,6 +256,12 @@ HOW: tuple[How, ...] = (
         why="its 2 pods as Trainer starts them (" + GPU + ": auto is 1 process a pod here)"),
     How("docs/kubernetes.md", "elasticPolicy", source="manifest", run_as="pods", flags=("--device", "cpu"),
         why="its 3 pods as the operator starts them (" + GPU + ")"),
+    How("docs/fault-tolerance.md", "--replica-group 0 --lighthouse lh:29510", skip=True,
+        why="a group of the several-machine form, beside a lighthouse (not a scaleloop command) on host lh: "
+            "tests/distributed/test_fault_tolerance.py starts the lighthouse and both groups this way on one machine"),
+    How("docs/fault-tolerance.md", "--replica-group 1 --lighthouse lh:29510", skip=True,
+        why="a group of the several-machine form, beside a lighthouse (not a scaleloop command) on host lh: "
+            "tests/distributed/test_fault_tolerance.py starts the lighthouse and both groups this way on one machine"),
     How("docs/models-and-data.md", "--data-dir data/shakespeare", replace=(("data/shakespeare", "tokens"),),
         flags=("--batch-size", "4"), files=("tokens",),
         why="a token file made here; --batch-size 4, as 64 windows of 256 over 50,304 classes take GBs"),

@@ -193,3 +193,27 @@ def test_torchruns_own_failure_is_read_without_a_rank(interrupted: Path, tmp_pat
     d = diagnose(run)
     assert d.what == f"failed: {line}"
     assert d.details[0] == f"torchrun's messages: {run / 'logs' / 'torchrun.log'}"
+
+
+def test_a_replica_groups_job_is_told_group_by_group(finished: Path, interrupted: Path, tmp_path: Path,
+                                                    capsys) -> None:
+    """``scaleloop train --replica-groups 2 --out job``'s directory: group-0 finished, group-1 got over a
+    fault (recovery.json) and then failed; the job continues with the one-machine command."""
+    job = tmp_path / "job"
+    shutil.copytree(finished, job / "group-0")
+    shutil.copytree(interrupted, job / "group-1")
+    _record(job / "group-1", rank=0, epoch=1, step=9, error_type="ValueError", message="bad batch")
+    (job / "group-1" / "recovery.json").write_text(json.dumps([{"when": "2026-12-06T10:00:00", "summary": (
+        "rank 0 of 1 was killed by SIGKILL; replica group 1 left after step 2 and rejoined at step 5")}]))
+    (job / "lighthouse.log").write_text("")
+    assert main(["doctor", str(job)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"replica groups: {job} (2 groups)"
+    assert out[1].startswith("group-0: finished: 1 epoch(s), 6 step(s)"), out
+    group1 = out.index("group-1: failed on rank 0 at epoch 1, step 9 with ValueError: bad batch; on the way torchrun "
+                       "restarted its workers 1 time(s) after a fault (below)")
+    assert ("  2026-12-06T10:00:00: rank 0 of 1 was killed by SIGKILL; replica group 1 left after step 2 and rejoined "
+            "at step 5") in out[group1:]
+    assert f"  newest valid checkpoint: {job / 'group-1' / 'checkpoints' / 'step-00000008'} (step 8)" in out[group1:]
+    assert out[-2:] == [f"the lighthouse's messages: {job / 'lighthouse.log'}",
+                        f"to continue: scaleloop train --replica-groups 2 --nproc 2 --out {job}"]

@@ -8,7 +8,7 @@ test machine a fresh agent takes about 1.6 CPU-seconds of start-up and a fresh w
 suite starts a few hundred of them. :func:`install`, called in a fork server's child (which has
 imported torch once, in the server), makes both forks:
 
-- **the agent**: a ``Popen`` whose child is a fork of the launcher that runs the same command in
+- **the agent** (and a replica group's launcher, which starts its own): a ``Popen`` whose child is a fork of the launcher that runs the same command in
   place of ``exec``: the pipes, environment, working directory, session and signal dispositions
   that ``Popen`` and ``exec`` would give it, and none of the launcher's exit handlers. The
   launcher sees a real child: its pid, its exit status, its signals and its lifeline are real.
@@ -40,6 +40,7 @@ from typing import Any, Callable
 #: In a run's environment, "0": its launches start fresh interpreters, as for users.
 FORK_LAUNCH_VAR = "SCALELOOP_TEST_FORK_LAUNCH"
 AGENT_MODULE = "scaleloop.launching.agent"
+GROUP_LAUNCHER_MODULE = "scaleloop.launching.replica_groups"
 
 
 def forks_launches(env: dict[str, str]) -> bool:
@@ -49,8 +50,18 @@ def forks_launches(env: dict[str, str]) -> bool:
 
 def is_agent_command(args: Any) -> bool:
     """Whether ``args`` is ``python -m scaleloop.launching.agent ...`` of this Python."""
+    return _is_module_command(args, AGENT_MODULE)
+
+
+def is_forked_command(args: Any) -> bool:
+    """Whether a ``Popen`` of ``args`` is forked: the agent, or a replica group's launcher (``--replica-groups
+    N`` on one machine starts one a group; each then starts its agent, forked too)."""
+    return is_agent_command(args) or _is_module_command(args, GROUP_LAUNCHER_MODULE)
+
+
+def _is_module_command(args: Any, module: str) -> bool:
     return (isinstance(args, (list, tuple)) and len(args) >= 3 and args[0] == sys.executable
-            and args[1] == "-m" and args[2] == AGENT_MODULE)
+            and args[1] == "-m" and args[2] == module)
 
 
 def install(start_child: Callable[[list[str], str], None]) -> None:
@@ -74,7 +85,7 @@ def _popen_class(start_child: Callable[[list[str], str], None]) -> type:
             process_group = group[0] if group else -1
             plain = (preexec_fn is None and not shell and executable is None and gid is None and not gids
                      and uid is None)
-            if not (plain and is_agent_command(args)):
+            if not (plain and is_forked_command(args)):
                 return super()._execute_child(  # type: ignore[misc]
                     args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags,
                     shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest)

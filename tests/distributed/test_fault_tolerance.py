@@ -1,7 +1,9 @@
-"""Replica groups under torchft (``--replica-groups 2 --nproc 2``): a lost group, and the others go on.
+"""Replica groups under torchft (``--replica-groups 2``): a lost group, and the others go on.
 
-Without a fault, two groups of one process train what ``--nproc 2 --strategy ddp`` trains: each
-group's samples are that DDP rank's, and the weights agree to within 1e-6 of the largest weight.
+Without a fault, two groups of one process, started one by one as on machines of their own (the
+lighthouse, then ``--replica-group I --lighthouse HOST:PORT`` for each), train what ``--nproc 2
+--strategy ddp`` trains: each group's samples are that DDP rank's, and the weights agree to within
+1e-6 of the largest weight. The one-command form (``--replica-groups 2 --nproc 2``) runs the rest:
 SIGKILL of group 1's worker after step 3: group 0 trains on alone (one process, never restarted),
 group 1 is restarted by its own torchrun, takes group 0's state and rejoins at a step boundary;
 both end with the same weights, and every step's samples are trained once by a group present or
@@ -11,26 +13,31 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
 
-from procs import SRC, child_env, kill_group, run
+from procs import SERVER, SRC, ForkServer, child_env, kill_group, owned_pids, run
 from scaleloop.data.sampler import StepSampler
+from scaleloop.launching.lighthouse import free_port_pair
 
 import torchft  # noqa: F401,E402  (the dev extras install it: missing, this file fails)
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 BATCH, N, STEPS = 64, 1000, 16
-ARGS = ["train", "--data", "replica_data:build", "--model", "simplenet", "--epochs", "1", "--batch-size", str(BATCH),
-        "--optimizer", "sgd", "--lr", "0.05", "--nproc", "2", "--strategy", "ddp", "--no-progress",
-        "--no-tensorboard", "--log-every", "1"]
+COMMON = ["train", "--data", "replica_data:build", "--model", "simplenet", "--epochs", "1", "--batch-size", str(BATCH),
+          "--optimizer", "sgd", "--lr", "0.05", "--strategy", "ddp", "--no-progress", "--no-tensorboard",
+          "--log-every", "1"]
+ARGS = [*COMMON, "--nproc", "2"]
 
 
 # The lighthouse's line for each quorum request of group 1 (torchft 0.2.0's lighthouse log).
@@ -67,11 +74,56 @@ def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base / "run"
 
 
-def test_without_a_fault_two_groups_train_what_ddp_trains(tmp_path: Path, ddp: Path) -> None:
+@pytest.fixture
+def second_server() -> Iterator[ForkServer]:
+    """A fork server of its own for group 1: each server runs one command at a time, and the two
+    groups run at once (forks: a few CPU-seconds, where fresh interpreters cost tens)."""
+    server = ForkServer()
+    try:
+        yield server
+    finally:
+        if server.proc is not None:   # idle now: no run of its own is left to end
+            server.proc.kill()
+            server.proc.wait(timeout=60)
+
+
+def start_lighthouse(tmp_path: Path, env: dict[str, str]) -> tuple["subprocess.Popen[str]", str]:
+    """``python -m scaleloop.launching.lighthouse --replica-groups 2 --port P``, as on a machine of its
+    own; the process and its ``HOST:PORT`` once it listens."""
+    port = free_port_pair()
+    # Its messages (torchft's log) apart from its lines: a log line would cut into the line read here.
+    with open(tmp_path / "lighthouse.log", "w", encoding="utf-8") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "scaleloop.launching.lighthouse", "--replica-groups", "2",
+                                 "--port", str(port), "--host", "localhost"], cwd=tmp_path, env=env,
+                                stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 120)
+    line = proc.stdout.readline() if ready else ""
+    assert line.startswith("lighthouse listening at "), f"the lighthouse did not start: {line!r}"
+    return proc, line.split()[-1]
+
+
+def test_without_a_fault_groups_started_one_by_one_train_what_ddp_trains(
+        tmp_path: Path, ddp: Path, second_server: ForkServer) -> None:
+    """The form for several machines: the lighthouse, then each group, as commands of their own."""
     records = tmp_path / "records"
-    res = run([sys.executable, "-m", "scaleloop", *ARGS, "--replica-groups", "2", "--out", str(tmp_path / "run")],
-              cwd=tmp_path, env=env_for(records))
-    assert res.returncode == 0, res.stdout + res.stderr
+    env = env_for(records)
+    lighthouse, endpoint = start_lighthouse(tmp_path, env)
+    commands = [[sys.executable, "-m", "scaleloop", *COMMON, "--nproc", "1", "--replica-groups", "2", "--replica-group", str(group),
+                 "--lighthouse", endpoint, "--out", str(tmp_path / "run" / f"group-{group}")] for group in (0, 1)]
+    try:
+        # Each run's session is ended after it, not every process of the test (the other group's would go too).
+        with ThreadPoolExecutor(2) as pool:
+            runs = [pool.submit(server.run, cmd, cwd=tmp_path, timeout=180, env=env, merge=True, sweep=False)
+                    for server, cmd in zip((SERVER, second_server), commands)]
+            results = [r.result() for r in runs]
+        lighthouse.terminate()
+        said, _ = lighthouse.communicate(timeout=30)
+    finally:
+        kill_group(lighthouse)
+    for group, res in enumerate(results):
+        assert res.returncode == 0, f"group {group}:\n{res.stdout}"
+    assert "lighthouse stopped by SIGTERM" in said, said
     reference, largest = weights(ddp), max(w.abs().max().item() for w in weights(ddp).values())
     for group in (0, 1):
         final = weights(tmp_path / "run" / f"group-{group}")
@@ -131,3 +183,54 @@ def test_a_killed_group_rejoins_from_a_live_one_while_the_other_trains_on(tmp_pa
     assert [e["step"] for e in short] == list(range(left + 1, back)), short
     for entry in short:
         assert entry["global_batch"] == (BATCH // 2 if entry["committed"] else 0), entry
+
+
+def checkpointed(run_dir: Path, step: int) -> bool:
+    """Whether every group's newest checkpoint is step ``step`` (``latest`` names it once it is whole)."""
+    latest = [run_dir / f"group-{group}" / "checkpoints" / "latest" for group in (0, 1)]
+    return all(p.exists() and p.read_text().strip() == f"step-{step:08d}" for p in latest)
+
+
+def lighthouse_pid() -> int:
+    """The lighthouse this test's run started (the one process of this session that runs it)."""
+    [pid] = [pid for pid in owned_pids() if b"scaleloop.launching.lighthouse" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    return pid
+
+
+def test_the_lighthouse_lost_ends_the_run_in_one_line_and_the_same_command_continues(tmp_path: Path, ddp: Path) -> None:
+    """Nothing can go on without the lighthouse: one line, a non-zero exit; the same command with the
+    same --out then continues from each group's newest checkpoint and trains what ddp trains."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "scaleloop", *ARGS, "--replica-groups", "2", "--checkpoint-every", "2",
+               "--out", str(run_dir)]
+    first = tmp_path / "first"
+    # Group 0 waits before step 7 (both groups have the checkpoint of step 6 then) until released.
+    env = env_for(first, REPLICA_HOLD=f"0:{6 * BATCH // 2}")
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(SERVER.run, command, cwd=tmp_path, timeout=180, env=env, merge=True)
+        deadline = time.monotonic() + 180
+        while not checkpointed(run_dir, 6):
+            assert not running.done() and time.monotonic() < deadline, "no checkpoint of step 6"
+            time.sleep(0.05)
+        os.kill(lighthouse_pid(), signal.SIGKILL)
+        (first / "release").touch()
+        stopped = running.result()
+    assert stopped.returncode == 1, stopped.stdout
+    said = [line for line in stopped.stdout.splitlines() if not line.startswith("[group ")]
+    assert said[-2:] == [
+        "scaleloop: the torchft lighthouse ended while the groups trained: they cannot meet; stopping them",
+        "scaleloop: the torchft lighthouse ended: the replica groups cannot meet; continue from the last checkpoints "
+        f"with: scaleloop train --replica-groups 2 --nproc 2 --out {run_dir}"], said
+    assert "Traceback" not in stopped.stdout
+    # The same command again: each group from its checkpoint of step 6, both present, as DDP from there.
+    second = tmp_path / "second"
+    done = run(command, cwd=tmp_path, env=env_for(second), merge=True, timeout=180)
+    assert done.returncode == 0, done.stdout
+    reference, largest = weights(ddp), max(w.abs().max().item() for w in weights(ddp).values())
+    for group in (0, 1):
+        assert f"[group {group}] resuming from {run_dir / f'group-{group}' / 'checkpoints' / 'step-00000006'}" in done.stdout
+        final = weights(run_dir / f"group-{group}")
+        for key, w in reference.items():
+            assert (final[key] - w).abs().max().item() <= 1e-6 * largest, f"group {group}: {key} differs from ddp"
+        # The data rule across the two runs: steps 7 to the end once each, by the group whose share it is.
+        assert recorded(second, f"group{group}-rank0-restart0") == shares(group, range(7, STEPS + 1))

@@ -99,3 +99,72 @@ def test_a_pods_variables_become_one_machines_torchrun(tmp_path: Path, env: dict
     started = said[said.index("no torch") + 1]
     assert f" {flags} " in started, started
     assert said[said.index("no torch") + 2] == "passed on: []"   # PET_STANDALONE would make a job of one pod
+
+
+# --- a replica group started on its own: its index from the job (docs/fault-tolerance.md) --------
+def group_on_its_own(**settings: object) -> "TrainConfig":
+    from scaleloop.config import TrainConfig
+
+    return TrainConfig(replica_groups=2, lighthouse="lh:29510", nproc=1, batch_size=64, **settings).validate()
+
+
+@pytest.mark.parametrize("variables, index, source", [
+    ({"REPLICA_GROUP_ID": "1", "NUM_REPLICA_GROUPS": "2"}, 1, "REPLICA_GROUP_ID=1"),
+    ({"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "2"}, 0, "SLURM_ARRAY_TASK_ID=0"),
+    ({"REPLICA_GROUP_ID": "1", "SLURM_ARRAY_TASK_ID": "1"}, 1, "REPLICA_GROUP_ID=1"),   # agreeing
+])
+def test_a_groups_index_comes_from_its_job_in_one_line(variables: dict[str, str], index: int, source: str) -> None:
+    from scaleloop.launching.jobs import replica_group_in_job
+
+    cfg, said = replica_group_in_job(group_on_its_own(), variables, {})
+    assert cfg.replica_group == index and cfg.launch.data_ranks == 2
+    assert said == f"replica group {index} of 2, as this job's {source} says"
+
+
+def test_a_typed_or_configured_index_needs_no_line_and_the_one_machine_form_reads_nothing() -> None:
+    from scaleloop.config import TrainConfig
+    from scaleloop.launching.jobs import replica_group_in_job
+
+    typed = group_on_its_own(replica_group=1)
+    assert replica_group_in_job(typed, {"REPLICA_GROUP_ID": "1"}, {"replica_group": 1}) == (typed, None)
+    # A config file's index (the one-machine launcher's group-I.toml) decides, whatever the job says.
+    assert replica_group_in_job(typed, {"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "4"}, {}) == (typed, None)
+    all_here = TrainConfig(replica_groups=2, nproc=2, batch_size=64).validate()
+    assert replica_group_in_job(all_here, {"REPLICA_GROUP_ID": "1"}, {}) == (all_here, None)
+
+
+@pytest.mark.parametrize("variables, typed, message", [
+    ({}, None, "--lighthouse lh:29510 starts one replica group of 2, and nothing says which: add --replica-group I "
+               "(or run it where REPLICA_GROUP_ID or SLURM_ARRAY_TASK_ID says it)"),
+    ({"REPLICA_GROUP_ID": "0", "SLURM_ARRAY_TASK_ID": "1"}, None,
+     "this job's variables name two replica groups (REPLICA_GROUP_ID=0 and SLURM_ARRAY_TASK_ID=1): give --replica-group I"),
+    ({"REPLICA_GROUP_ID": "0"}, 1, "--replica-group 1 contradicts this job's REPLICA_GROUP_ID=0: drop the flag (the job "
+                                   "decides it) or change the job"),
+    ({"REPLICA_GROUP_ID": "1", "NUM_REPLICA_GROUPS": "4"}, None,
+     "--replica-groups 2 contradicts this job's NUM_REPLICA_GROUPS=4: start as many groups as the job has, or change "
+     "the job"),
+    ({"SLURM_ARRAY_TASK_ID": "2"}, None,
+     "this job's SLURM_ARRAY_TASK_ID=2 is not one of --replica-groups 2 (0..1): number the array from 0 (--array 0-1)"),
+    ({"REPLICA_GROUP_ID": "one"}, None, "this job's REPLICA_GROUP_ID=one is not one of --replica-groups 2 (0..1)"),
+])
+def test_an_index_the_job_contradicts_or_leaves_open_is_one_line(variables: dict[str, str], typed: object,
+                                                                  message: str) -> None:
+    from scaleloop.errors import UsageError
+    from scaleloop.launching.jobs import replica_group_in_job
+
+    cfg = group_on_its_own(replica_group=typed) if typed is not None else group_on_its_own()
+    with pytest.raises(UsageError) as err:
+        replica_group_in_job(cfg, variables, {"replica_group": typed} if typed is not None else {})
+    assert str(err.value) == message
+
+
+def test_a_contradicting_index_stops_the_command_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Through the command line: ``scaleloop: error: ...``, exit 2, before anything starts."""
+    from scaleloop.cli import main
+
+    monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+    code = main(["train", "--replica-groups", "2", "--replica-group", "1", "--lighthouse", "lh:29510", "--nproc", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and err == ("scaleloop: error: --replica-group 1 contradicts this job's REPLICA_GROUP_ID=0: drop "
+                                 "the flag (the job decides it) or change the job\n"), err

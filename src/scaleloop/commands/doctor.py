@@ -18,6 +18,10 @@ the directory, without torch:
   process lives (the same process: its start time matches the lock's) is a run in progress,
   told as such and never given a continue command.
 
+A replica-groups job's directory (``scaleloop train --replica-groups N --out DIR``: ``DIR/group-I``
+for each group, ``DIR/lighthouse.log``) is told group by group (:func:`diagnose_groups`): each
+group's story as above, then how the job continues.
+
 Otherwise, which of them is newest decides the story: a ``model.pt`` newer than every checkpoint and
 failure record is a finished run; a failure record newer than ``model.pt`` is a failed,
 stalled or interrupted one; neither is a run that stopped without a word (killed, or its
@@ -338,9 +342,70 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    print(format_diagnosis(diagnose(Path(args.run_dir))))
-    _print_profile(Path(args.run_dir))
+    path = Path(args.run_dir)
+    if replica_group_dirs(path):
+        print("\n".join(diagnose_groups(path)))
+        return 0
+    print(format_diagnosis(diagnose(path)))
+    _print_profile(path)
     return 0
+
+
+# --- a replica-groups job (--replica-groups N) ---------------------------------------------
+def replica_group_dirs(job_dir: Path) -> list[Path]:
+    """The run directories of a replica-groups job's groups, by index (``group-0``, ``group-1``...);
+    empty when ``job_dir`` is a run directory itself or holds no group's."""
+    from scaleloop.launching.replica_groups import GROUP_PREFIX
+
+    if not job_dir.is_dir() or any((job_dir / name).exists() for name in (CONFIG_FILE, METRICS_FILE, CHECKPOINTS_DIR)):
+        return []
+    found = [d for d in job_dir.glob(f"{GROUP_PREFIX}*") if d.is_dir() and d.name[len(GROUP_PREFIX):].isdigit()]
+    return sorted(found, key=lambda d: int(d.name[len(GROUP_PREFIX):]))
+
+
+def diagnose_groups(job_dir: Path) -> list[str]:
+    """The report of a replica-groups job: each group's story (what happened, the faults it got over,
+    its newest checkpoint), then how the job continues."""
+    from scaleloop.launching.replica_groups import LIGHTHOUSE_LOG
+
+    groups = replica_group_dirs(job_dir)
+    told: list[Diagnosis] = []
+    lines = [f"replica groups: {job_dir} ({len(groups)} groups)"]
+    for group in groups:
+        try:
+            d = diagnose(group)
+        except UsageError as exc:   # a group that never wrote anything (it did not start)
+            lines.append(f"{group.name}: {exc}")
+            continue
+        told.append(d)
+        lines.append(f"{group.name}: {d.what}")
+        lines += [f"  {line}" for line in (*d.details, *d.recoveries, *d.warnings)]
+        lines.append(f"  newest valid checkpoint: {_checkpoint_line(d.checkpoint)}")
+    if (job_dir / LIGHTHOUSE_LOG).is_file():
+        lines.append(f"the lighthouse's messages: {job_dir / LIGHTHOUSE_LOG}")
+    lines.append(f"to continue: {_continue_groups(job_dir, groups, told)}")
+    return lines
+
+
+def _checkpoint_line(checkpoint: Optional[CheckpointInfo]) -> str:
+    return f"{checkpoint.path} (step {checkpoint.step})" if checkpoint is not None else "none"
+
+
+def _continue_groups(job_dir: Path, groups: list[Path], told: list[Diagnosis]) -> str:
+    """The command that continues the job: the one-machine command again (its groups' newest
+    checkpoints), or each group's own where they were started one by one (no lighthouse.log here)."""
+    from scaleloop.launching.replica_groups import LIGHTHOUSE_LOG
+
+    if any(d.state == "running" for d in told):
+        return "nothing to continue: a group is still running"
+    if told and len(told) == len(groups) and all(d.state == "finished" for d in told):
+        return "nothing left to train"
+    if not (job_dir / LIGHTHOUSE_LOG).is_file():
+        return ("each group's own command again, on its machine, with the same --out (its newest checkpoint; a "
+                "group behind the others takes a live group's state)")
+    per_group = max((_int(_config(g, []).get("nproc")) or 1 for g in groups), default=1)
+    return (f"scaleloop train --replica-groups {len(groups)} --nproc {per_group * len(groups)} "
+            f"--out {shlex.quote(str(job_dir))}")
 
 
 def _print_profile(run_dir: Path) -> None:

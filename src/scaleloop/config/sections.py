@@ -187,7 +187,8 @@ class LaunchSettings:
                                   "(docs/fault-tolerance.md)")
     replica_group: Optional[int] = _launch(None, "start only replica group I of --replica-groups N (one launch per "
                                            "group, on its own machine or job; needs --lighthouse); --nproc is then "
-                                           "this group's processes")
+                                           "this group's processes (default with --lighthouse: REPLICA_GROUP_ID, "
+                                           "torchft's variable, or a SLURM job array's SLURM_ARRAY_TASK_ID)")
     lighthouse: Optional[str] = _launch(None, "HOST:PORT of the torchft lighthouse that replica groups meet at "
                                         "(python -m scaleloop.launching.lighthouse; default on one machine: one the "
                                         "launcher starts)")
@@ -238,10 +239,16 @@ class LaunchSettings:
     def data_ranks(self) -> int:
         """Processes that train on different samples, over every replica group: ``--nproc`` on one
         machine (split over the groups), ``--nproc`` x ``--replica-groups`` where each group is
-        launched on its own (``--replica-group``)."""
-        if self.replica_groups > 1 and self.replica_group is not None:
+        launched on its own (``--replica-group``, ``--lighthouse``)."""
+        if self.group_on_its_own:
             return self.world_size * self.replica_groups
         return self.world_size
+
+    @property
+    def group_on_its_own(self) -> bool:
+        """Whether this launch starts one replica group of several (``--lighthouse`` names where the
+        others meet), not all of them with their lighthouse."""
+        return self.replica_groups > 1 and (self.replica_group is not None or self.lighthouse is not None)
 
     def _check_replica_groups(self) -> None:
         """``--replica-groups``: torchft installed, groups of whole processes on one machine each,
@@ -262,17 +269,16 @@ class LaunchSettings:
             raise UsageError(f"{groups}: each replica group runs on one machine (--nnodes 1); start one group per "
                              "machine with --replica-group I --lighthouse HOST:PORT instead of --nnodes, "
                              "--master-addr or --rdzv-endpoint")
-        if self.replica_group is None:
-            if self.lighthouse is not None:
-                raise UsageError(f"--lighthouse names the lighthouse of groups started one by one: add "
-                                 f"--replica-group I, or drop --lighthouse to start all {self.replica_groups} "
-                                 "groups and their lighthouse here")
+        if self.replica_group is None and self.lighthouse is None:   # all groups here: --nproc is split
             if self.nproc % self.replica_groups:
                 raise UsageError(f"--nproc {self.nproc} does not split into {groups} of equal size: use a "
                                  f"multiple of {self.replica_groups}")
             return
-        require(0 <= self.replica_group < self.replica_groups, "replica_group",
-                f"in 0..{self.replica_groups - 1} ({groups})")
+        # A group on its own. Without --replica-group its index comes from the job's variables, read
+        # by the launcher where it runs (launching.jobs.replica_group_in_job), not here.
+        if self.replica_group is not None:
+            require(0 <= self.replica_group < self.replica_groups, "replica_group",
+                    f"in 0..{self.replica_groups - 1} ({groups})")
         if self.lighthouse is None:
             raise UsageError(f"--replica-group {self.replica_group} meets the other groups at their lighthouse: "
                              "add --lighthouse HOST:PORT (python -m scaleloop.launching.lighthouse starts one)")

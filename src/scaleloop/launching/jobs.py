@@ -9,6 +9,13 @@
   ignored, in one line, where ``--nproc`` was given or they describe one process; otherwise the
   run stops in one line that names them and says what to do.
 
+- A **replica group started on its own** (``--replica-groups N --lighthouse HOST:PORT``) without
+  ``--replica-group`` takes its index from where its job says it: ``REPLICA_GROUP_ID`` (torchft's
+  own variable: its torchx component sets it, with ``NUM_REPLICA_GROUPS``, in each group's
+  containers, and its examples read it; a Kubernetes Job per group sets it in ``env``), or
+  ``SLURM_ARRAY_TASK_ID`` (one task of a SLURM job array per group, ``sbatch --array 0-(N-1)``;
+  ``SLURM_ARRAY_TASK_COUNT`` is its count). One line says which.
+
 A flag given on the command line that the job contradicts (``--nproc 3`` in a pod of 2
 processes) is one line and a non-zero exit, never a job that waits for processes nobody starts.
 """
@@ -22,6 +29,10 @@ from scaleloop.errors import UsageError
 from scaleloop.launching.torchrun import NVIDIA_CONTROL_DEVICE
 from scaleloop.runtime.cluster import KUBEFLOW, LEFTOVER, LEFTOVER_NAMES, ClusterJob
 from scaleloop.runtime.kubeflow import KubeflowJob
+
+#: Where a replica group's index is read, each with the variable that gives the number of groups
+#: beside it: torchft's own (torchx's component), then a SLURM job array's.
+REPLICA_GROUP_VARIABLES = {"REPLICA_GROUP_ID": "NUM_REPLICA_GROUPS", "SLURM_ARRAY_TASK_ID": "SLURM_ARRAY_TASK_COUNT"}
 
 
 def settings_in_job(cfg: TrainConfig, job: ClusterJob, given: Mapping[str, Any]) -> tuple[TrainConfig, Optional[str]]:
@@ -71,6 +82,52 @@ def _in_pod(cfg: TrainConfig, pod: KubeflowJob, given: Mapping[str, Any]) -> Tra
         raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} contradicts this pod's {pod.api} "
                          f"({variable}={shown}): drop the flag (the job decides it) or change the job")
     return cfg.replace(**job).validate()
+
+
+def replica_group_in_job(cfg: TrainConfig, environ: Mapping[str, str],
+                         given: Mapping[str, Any]) -> tuple[TrainConfig, Optional[str]]:
+    """``cfg`` with its replica group's index where the job says it (module doc), and the line that
+    says where it came from (None: nothing read). Only for a group started on its own
+    (``--lighthouse``); UsageError (one line) when the variables contradict each other or the flags."""
+    if not (cfg.replica_groups > 1 and cfg.lighthouse is not None):
+        return cfg, None
+    typed = given.get("replica_group")
+    if cfg.replica_group is not None and typed is None:
+        return cfg, None   # from a config file (the one-machine launcher's group-I.toml, a run resumed): it decides
+    found = _replica_group_variables(environ, cfg.replica_groups)
+    if typed is not None:
+        for name, value in found.items():
+            if value != str(typed).strip():
+                raise UsageError(f"--replica-group {typed} contradicts this job's {name}={value}: drop the flag "
+                                 "(the job decides it) or change the job")
+        return cfg, None
+    if not found:
+        raise UsageError(f"--lighthouse {cfg.lighthouse} starts one replica group of {cfg.replica_groups}, and nothing "
+                         f"says which: add --replica-group I (or run it where {' or '.join(REPLICA_GROUP_VARIABLES)} "
+                         "says it)")
+    name, value = next(iter(found.items()))
+    if not value.isdigit() or int(value) >= cfg.replica_groups:
+        hint = f": number the array from 0 (--array 0-{cfg.replica_groups - 1})" if name.startswith("SLURM") else ""
+        raise UsageError(f"this job's {name}={value} is not one of --replica-groups {cfg.replica_groups} "
+                         f"(0..{cfg.replica_groups - 1}){hint}")
+    return (cfg.replace(replica_group=int(value)).validate(),
+            f"replica group {value} of {cfg.replica_groups}, as this job's {name}={value} says")
+
+
+def _replica_group_variables(environ: Mapping[str, str], groups: int) -> dict[str, str]:
+    """The job's variables that name this replica group (``NAME: value``); UsageError where two name
+    different groups, or the count beside one (``NUM_REPLICA_GROUPS``...) is not ``groups``."""
+    found = {name: environ[name].strip() for name in REPLICA_GROUP_VARIABLES if environ.get(name, "").strip()}
+    if len(set(found.values())) > 1:
+        said = " and ".join(f"{name}={value}" for name, value in found.items())
+        raise UsageError(f"this job's variables name two replica groups ({said}): give --replica-group I")
+    for name in found:
+        count_name = REPLICA_GROUP_VARIABLES[name]
+        count = environ.get(count_name, "").strip()
+        if count and count != str(groups):
+            raise UsageError(f"--replica-groups {groups} contradicts this job's {count_name}={count}: start as many "
+                             "groups as the job has, or change the job")
+    return found
 
 
 def _leftover_line(job: ClusterJob, given: Mapping[str, Any]) -> str:

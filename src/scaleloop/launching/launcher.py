@@ -71,7 +71,7 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
     reports a failure, ``UsageError`` for bad settings.
     """
     from scaleloop.checkpoint.resume import run_dir_for
-    from scaleloop.launching.jobs import settings_in_job
+    from scaleloop.launching.jobs import replica_group_in_job, settings_in_job
     from scaleloop.output.rundir import default_run_dir, refuse_if_in_use
     from scaleloop.launching import srun
     from scaleloop.runtime import slurm
@@ -98,6 +98,9 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
             print(f"scaleloop: {said}", flush=True)
             for name in job.leftover_names:   # read by nothing below: this process is no worker of theirs
                 os.environ.pop(name, None)
+        cfg, said = replica_group_in_job(cfg, os.environ, given or {})
+        if said is not None:
+            print(f"scaleloop: {said}", flush=True)
         refuse_if_in_use(run_dir_for(cfg))   # the first thing to say about a directory in use
         cfg = auto_processes(cfg)
         if cfg.replica_groups > 1 and cfg.replica_group is None:   # one machine: a lighthouse and N group launchers

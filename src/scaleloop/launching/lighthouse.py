@@ -38,6 +38,10 @@ DEFAULT_PORT = 29510
 JOIN_TIMEOUT_MS = 60_000
 #: A group silent this long is lost: the quorum forms without it.
 HEARTBEAT_TIMEOUT_MS = 3_000
+#: The gate counts a group that asked as present this long. A group waiting there sends no heartbeat
+#: (its request is its only one): with torchft's default (5 s), groups that came more than 5 s apart
+#: (another machine's slower start) never all counted at once, and the gate waited out --timeout.
+GATE_HEARTBEAT_TIMEOUT_MS = 24 * 3600 * 1000
 #: How long the launcher waits for the lighthouse to say where it listens (it imports torch first).
 START_TIMEOUT_S = 120.0
 _READY = "lighthouse listening at "
@@ -122,7 +126,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     servers = [LighthouseServer(bind=f"[::]:{args.port}", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS,
                                 heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS),
-               LighthouseServer(bind=f"[::]:{args.port + 1}", min_replicas=args.replica_groups)]
+               LighthouseServer(bind=f"[::]:{args.port + 1}", min_replicas=args.replica_groups,
+                                heartbeat_timeout_ms=GATE_HEARTBEAT_TIMEOUT_MS)]
     print(f"{_READY}{args.host}:{args.port}", flush=True)
     started = time.time()
     received = signal.sigwait(stop)

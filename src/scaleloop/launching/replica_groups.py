@@ -30,12 +30,16 @@ from scaleloop.launching import lighthouse as lighthouses
 from scaleloop.launching.failures import Failure
 
 LIGHTHOUSE_LOG = "lighthouse.log"
+#: Group I's run directory under the job's: ``<out>/group-I`` (``scaleloop doctor <out>`` reads them all).
+GROUP_PREFIX = "group-"
 _POLL_S = 0.2
+#: How long a group launcher has to end after SIGTERM before it is killed (:func:`_stop`).
+STOP_GRACE_S = 10.0
 
 
 def group_dir(out: Path, index: int) -> Path:
     """Replica group ``index``'s run directory under the job's ``out``."""
-    return out / f"group-{index}"
+    return out / f"{GROUP_PREFIX}{index}"
 
 
 def launch_groups(cfg: TrainConfig) -> Optional[Failure]:
@@ -68,11 +72,7 @@ def launch_groups(cfg: TrainConfig) -> Optional[Failure]:
             launchers.append(_start_group(index, argv))
         codes = _wait(launchers, light)
     finally:
-        for launcher in launchers:
-            if launcher.poll() is None:
-                launcher.terminate()
-        for launcher in launchers:
-            launcher.wait()
+        _stop(launchers)
         light.stop()
     failed = {i: code for i, code in enumerate(codes) if code != 0}
     if not failed:
@@ -109,14 +109,27 @@ def _wait(launchers: list["subprocess.Popen[str]"], light: lighthouses.Lighthous
         if not light.alive():
             print("scaleloop: the torchft lighthouse ended while the groups trained: they cannot meet; stopping them",
                   flush=True)
-            running = [p for p in launchers if p.poll() is None]
-            for p in running:
-                p.terminate()
-            for p in running:
-                p.wait()
+            running = _stop(launchers)
             return [None if p in running else p.returncode for p in launchers]
         time.sleep(_POLL_S)
     return [p.returncode for p in launchers]
+
+
+def _stop(launchers: list["subprocess.Popen[str]"]) -> list["subprocess.Popen[str]"]:
+    """End the group launchers still running (SIGTERM, then SIGKILL after :data:`STOP_GRACE_S`: a
+    worker waiting in torchft's quorum for a lighthouse that is gone does not come back to hear the
+    SIGTERM; its agent and workers end with the launcher, their lifeline). Returns those it ended."""
+    running = [p for p in launchers if p.poll() is None]
+    for p in running:
+        p.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in running:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return running
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
