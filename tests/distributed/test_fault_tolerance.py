@@ -4,15 +4,17 @@ Without a fault, two groups of one process, started one by one as on machines of
 lighthouse, then ``--replica-group I --lighthouse HOST:PORT`` for each), train what ``--nproc 2
 --strategy ddp`` trains: each group's samples are that DDP rank's, and the weights agree to within
 1e-6 of the largest weight. The one-command form (``--replica-groups 2 --nproc 2``) runs the rest:
-SIGKILL of group 1's worker after step 3: group 0 trains on alone (one process, never restarted),
-group 1 is restarted by its own torchrun, takes group 0's state and rejoins at a step boundary;
-both end with the same weights, and every step's samples are trained once by a group present or
-recorded as not trained (``replica-steps.jsonl``). docs/fault-tolerance.md.
+SIGKILL of group 1's worker inside step 3: group 0 takes step 3 again and trains on alone (one
+process, never restarted), group 1 is restarted by its own torchrun, takes group 0's state and
+rejoins at a step boundary; both end with the same weights, no step is lost (every step committed),
+and every step's samples are trained once by a group present or recorded as not trained
+(``replica-steps.jsonl``). docs/fault-tolerance.md.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -136,20 +138,28 @@ def test_without_a_fault_groups_started_one_by_one_train_what_ddp_trains(
 
 def test_a_killed_group_rejoins_from_a_live_one_while_the_other_trains_on(tmp_path: Path) -> None:
     records = tmp_path / "records"
-    # Group 0 waits after step 8 until group 1 is back: the rejoin is inside the run on any machine's speed.
-    env = env_for(records, RECORD_DELAY="0.005", REPLICA_HOLD=f"0:{8 * BATCH // 2}")
-    proc = subprocess.Popen([sys.executable, "-m", "scaleloop", *ARGS, "--replica-groups", "2", "--max-restarts", "2",
-                             "--out", str(tmp_path / "run")], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+    # Group 1 stops inside step 3 (after its quorum) and is killed there: group 0's step 3 fails. The
+    # restarted group 1 waits until group 0 has trained step 3 again alone; group 0 waits after step 8
+    # until group 1 is back: the rejoin is inside the run on any machine's speed.
+    env = env_for(records, RECORD_DELAY="0.005", REPLICA_HOLD=f"0:{8 * BATCH // 2}", REPLICA_STOP_IN="1:3",
+                  REPLICA_REJOIN="1")
+    command = [arg.replace("simplenet", "replica_data:model") for arg in ARGS]   # (SimpleNet, and the stop)
+    proc = subprocess.Popen([sys.executable, "-m", "scaleloop", *command, "--replica-groups", "2",
+                             "--max-restarts", "2", "--out", str(tmp_path / "run")], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        first = records / "group1-rank0-restart0.txt"
         deadline = time.monotonic() + 180
-        while len(recorded(records, "group1-rank0-restart0")) < 3 * BATCH // 2:
-            assert proc.poll() is None and time.monotonic() < deadline, f"group 1 did not reach step 3 ({first})"
+        while not (records / "in-step-3").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "group 1 did not reach step 3"
             time.sleep(0.02)
         lighthouse = tmp_path / "run" / "lighthouse.log"
         asked = lighthouse.read_text().count(ASKED)
         os.kill(int((records / "pid-group1-rank0-restart0").read_text()), signal.SIGKILL)
+        short_steps = tmp_path / "run" / "group-0" / "replica-steps.jsonl"
+        while not (short_steps.exists() and short_steps.read_text().endswith("\n")):
+            assert proc.poll() is None and time.monotonic() < deadline, "group 0 did not take step 3 again"
+            time.sleep(0.05)
+        (records / "rejoin").touch()
         # Released once the restarted group asks the lighthouse for a quorum (group 0 then joins it).
         while lighthouse.read_text().count(ASKED) <= asked:
             assert proc.poll() is None and time.monotonic() < deadline, "group 1 did not come back"
@@ -168,21 +178,21 @@ def test_a_killed_group_rejoins_from_a_live_one_while_the_other_trains_on(tmp_pa
     # recovery.json, and the console, name the group, the steps it left after and rejoined at.
     [recovery] = json.loads((run_dir / "group-1" / "recovery.json").read_text())
     left, back = recovery["left_after_step"], recovery["rejoined_step"]
-    assert recovery["replica_group"] == 1 and 2 <= left < back <= STEPS, recovery
+    assert recovery["replica_group"] == 1 and left == 2 and 3 < back <= STEPS, recovery
     assert f"replica group 1 left after step {left} and rejoined at step {back}" in output
     # The data rule with a group missing: group 0 trained its share of every step; group 1 its share
     # of the steps before the fault and from its return; the steps between are recorded.
     assert recorded(records, "group0-rank0-restart0") == shares(0, range(1, STEPS + 1))
     before = recorded(records, "group1-rank0-restart0")
-    assert before == shares(1, range(1, STEPS + 1))[:len(before)]   # (killed inside a step, perhaps)
+    assert before == shares(1, range(1, STEPS + 1))[:len(before)]   # (killed inside step 3)
     assert recorded(records, "group1-rank0-restart1") == shares(1, range(back, STEPS + 1))
-    # (None when group 1 came back before group 0's next quorum gave up on it: then it left after the
-    # step before the one it rejoined at, and no step was short.)
-    steps_file = run_dir / "group-0" / "replica-steps.jsonl"
-    short = [json.loads(line) for line in steps_file.read_text().splitlines()] if steps_file.exists() else []
+    short = [json.loads(line) for line in (run_dir / "group-0" / "replica-steps.jsonl").read_text().splitlines()]
     assert [e["step"] for e in short] == list(range(left + 1, back)), short
-    for entry in short:
-        assert entry["global_batch"] == (BATCH // 2 if entry["committed"] else 0), entry
+    # No step lost: step 3, which group 1 died in, was not committed, and group 0 took it again alone;
+    # every step is committed, by both groups or, recorded, by group 0 at half the global batch.
+    assert re.findall(r"\[group 0\] scaleloop: step (\d+) was not committed: a replica group failed during it; "
+                      r"the groups present take it again", output) == ["3"], output
+    assert all(e["committed"] and e["groups"] == 1 and e["global_batch"] == BATCH // 2 for e in short), short
 
 
 def checkpointed(run_dir: Path, step: int) -> bool:

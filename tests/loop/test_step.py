@@ -12,6 +12,7 @@ from scaleloop.data.batch import call_model
 from scaleloop.loop.build import build_run
 from scaleloop.loop.step import Observer, steps_of, train_step
 from scaleloop.runtime.dist import DistEnv
+from scaleloop.strategies.base import Strategy
 
 CPU = DistEnv()
 
@@ -101,6 +102,22 @@ def test_an_observer_sees_each_point_in_order_and_changes_nothing(tmp_path: Path
     per_step = ["micro_batch", "forward_done", "micro_done"] * 2 + ["synced", "stepped"]
     assert len(events.seen) % len(per_step) == 0 and events.seen
     assert events.seen == per_step * (len(events.seen) // len(per_step))
+
+
+def test_a_step_not_committed_is_taken_again_and_the_optimizer_and_schedule_step_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between replica groups a step during which a group failed is not committed (``commit`` is
+    False): the same micro-batches again from the same weights, nothing of the first try kept."""
+    cfg = small(tmp_path, accumulate=2)
+    answers = iter([True, False, False])   # the second step is committed on its third try
+    monkeypatch.setattr(Strategy, "commit", lambda self: next(answers, True))
+    events = Events()
+    losses, lrs, weights = by_train_step(cfg, events)
+    losses_ref, lrs_ref, weights_ref = by_hand(cfg)
+    assert losses == losses_ref and lrs == lrs_ref
+    assert all(torch.equal(weights[k], weights_ref[k]) for k in weights)
+    tried = ["micro_batch", "forward_done", "micro_done"] * 2 + ["synced"]
+    assert events.seen[:len(tried) * 4 + 2] == tried + ["stepped"] + tried * 3 + ["stepped"]
 
 
 def test_steps_of_groups_the_micro_batches_of_each_step(tmp_path: Path) -> None:

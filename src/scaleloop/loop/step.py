@@ -12,6 +12,11 @@ gradient norm, clip, the optimizer step, ``zero_grad``, the schedule's step. Wha
 one process and many is the strategy's few hooks (``no_sync``, ``autocast``, ``sync_gradients``,
 ``grad_norm``; ``scaleloop.strategies``); the step itself is the same for all.
 
+Between replica groups (``--replica-groups``, ``strategies.fault_tolerant``) the optimizer steps
+only on a committed step (``commit``): a step during which a group failed is not committed, its
+gradients are dropped, and the groups still present take the same micro-batches again (the step
+calls itself), so that no step is lost; the optimizer and the schedule step once, on the committed one.
+
 Whoever watches a step (the trainer's clock, ``verify``'s recorder, ``bench``'s timers) passes an
 :class:`Observer`; its methods are called at fixed points of the step and change nothing in it.
 
@@ -35,7 +40,8 @@ from scaleloop.strategies.base import clip_gradients, weighted
 
 class Observer:
     """Watches a :func:`train_step`; each method is called at its point in the step and does
-    nothing unless a subclass overrides it."""
+    nothing unless a subclass overrides it. (A step that replica groups take again calls all but
+    :meth:`stepped` again.)"""
 
     def micro_batch(self, batch: Batch) -> None:
         """Before a micro-batch's forward pass (the batch as loaded)."""
@@ -104,8 +110,10 @@ def train_step(run: Run, micro_batches: list[Batch], watch: Observer,
     grad_norm = strategy.grad_norm(model) if clip is not None or norm else None
     if clip is not None:
         clip_gradients(model, grad_norm, clip)
-    if strategy.commit():   # between replica groups: only a step that succeeded in every group
-        precision.step(optimizer)   # fp16: skipped when the gradients overflowed
+    if not strategy.commit():   # always committed, but not between replica groups if a group failed in it:
+        optimizer.zero_grad(set_to_none=True)   # its gradients are dropped, and the groups present
+        return train_step(run, micro_batches, watch, norm)   # take the same step again
+    precision.step(optimizer)   # fp16: skipped when the gradients overflowed
     optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
     watch.stepped()

@@ -12,7 +12,9 @@ The data rule: a step's global batch is split over the processes of all N groups
 rank ``r`` trains share ``g x P + r`` of ``N x P``), as ``--nproc N x P`` DDP would split it. A
 group missing from a step's quorum trains nothing of it: its shares of that step are not trained,
 and the step averages the gradients of the groups present (the mean over the samples trained).
-Such steps, and a step that no group committed (a group failed during it), are written to
+A step during which a group failed is not committed (torchft's ``should_commit``): the groups
+still present drop its gradients, take a new quorum and train the same step again
+(``loop.step.train_step``), so that no step is lost. Steps trained by fewer groups are written to
 ``replica-steps.jsonl`` in each group's run directory and said on the console. docs/fault-tolerance.md.
 """
 from __future__ import annotations
@@ -47,6 +49,10 @@ if TYPE_CHECKING:
 
 #: Where each group's rank 0 records the steps trained by fewer than all groups (one JSON per line).
 REPLICA_STEPS_FILE = "replica-steps.jsonl"
+
+#: A step not committed this many times in a row ends the group (its launcher restarts it, and it
+#: rejoins from a live group): a fault that each new quorum meets again is not retried for ever.
+MAX_ATTEMPTS = 5
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,8 @@ class FaultTolerantDDP(DDP):
         self._running = False             # the loop has begun: a peer's state can no longer be taken
         self._healed: Optional[dict[str, Any]] = None
         self._present = group.groups      # groups in the last quorum
+        self._attempts = 0                # tries of the step in hand that were not committed
+        self._step_samples = 0            # the step in hand's global batch
         #: When fewer than all groups began to train (the step, the wall time), sent to a rejoining group.
         self._short_since: Optional[tuple[int, float]] = None
         self._record: Optional[Path] = None
@@ -190,14 +198,16 @@ class FaultTolerantDDP(DDP):
 
     # --- one step (loop.step.train_step) ---------------------------------------------------
     def begin_step(self, batch: Batch) -> None:
-        """Before the step's first forward: the quorum of the groups alive (it waits for them; a
-        group that fell behind takes a live one's state in it)."""
+        """Before the step's first forward, and again before each new try of a step not committed:
+        the quorum of the groups alive (it waits for them; a group that fell behind takes a live
+        one's state in it)."""
         place, self._running = batch.place, True
         epoch = self._loader.epoch if isinstance(self._loader, ShardedLoader) else self._place.epoch
         self._place = Progress(epoch, place.step, self._place.global_step, self._place.samples)
         if not self._quorum_taken:
             self._quorum()
         self._quorum_taken = False
+        self._step_samples = place.step_samples
         self._note_groups(self._place.global_step + 1, place.step_samples)
         self._place.global_step += 1
         self._place.samples += place.step_samples
@@ -217,17 +227,28 @@ class FaultTolerantDDP(DDP):
         return placed, optim
 
     def commit(self) -> bool:
-        """Whether the optimizer steps: every group of the quorum finished the step without an error."""
+        """Whether the optimizer steps: this group finished the step without an error (torchft's
+        ``should_commit``; a peer lost during the step's gradient average is this group's error).
+        False: the step is taken again (``loop.step.train_step``), from this step's place, with
+        the next quorum; the schedule and the place did not move."""
         assert self.manager is not None
-        committed = self.manager.should_commit()
-        if not committed:
-            step = self._place.global_step
-            if self._short_since is None:   # the last step every group trained is the one before
-                self._short_since = (step, time.time())
-            self._say(f"scaleloop: step {step} was not committed: a replica group failed during it; no group "
-                      "trained its batch")
-            self._write({"step": step, "committed": False, "groups": 0, "of": self.group.groups, "global_batch": 0})
-        return committed
+        step, present, of = self._place.global_step, self._present, self.group.groups
+        if self.manager.should_commit():
+            self._attempts = 0
+            if present < of:
+                self._write({"step": step, "committed": True, "groups": present, "of": of,
+                             "global_batch": self._step_samples * present // of})
+            return True
+        # Back to the place before this step: a group that rejoins in the next quorum takes it.
+        self._place.global_step -= 1
+        self._place.samples -= self._step_samples
+        self._attempts += 1
+        if self._attempts >= MAX_ATTEMPTS:
+            raise RuntimeError(f"replica group {self.group.index}: step {step} was not committed {self._attempts} "
+                               "times in a row: this group stops (with --max-restarts, to rejoin the others)")
+        self._say(f"scaleloop: step {step} was not committed: a replica group failed during it; the groups "
+                  "present take it again")
+        return False
 
     def close(self) -> None:
         super().close()
@@ -244,7 +265,8 @@ class FaultTolerantDDP(DDP):
                                f"({self.manager.errored()})")
 
     def _note_groups(self, step: int, step_samples: int) -> None:
-        """Say when the groups in the quorum change; record each step that fewer than all train."""
+        """Say when the groups in the quorum change (a step that fewer than all train is recorded
+        once it is committed: :meth:`commit`)."""
         assert self.manager is not None
         present, of = self.manager.num_participants(), self.group.groups
         trained = step_samples * present // of
@@ -258,7 +280,6 @@ class FaultTolerantDDP(DDP):
         if present < of:
             if self._short_since is None:
                 self._short_since = (step, time.time())
-            self._write({"step": step, "committed": True, "groups": present, "of": of, "global_batch": trained})
         else:
             self._short_since = None
 
