@@ -22,7 +22,6 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -74,19 +73,6 @@ def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
               env=env_for(base / "records"))
     assert res.returncode == 0, res.stdout + res.stderr
     return base / "run"
-
-
-@pytest.fixture
-def second_server() -> Iterator[ForkServer]:
-    """A fork server of its own for group 1: each server runs one command at a time, and the two
-    groups run at once (forks: a few CPU-seconds, where fresh interpreters cost tens)."""
-    server = ForkServer()
-    try:
-        yield server
-    finally:
-        if server.proc is not None:   # idle now: no run of its own is left to end
-            server.proc.kill()
-            server.proc.wait(timeout=60)
 
 
 def start_lighthouse(tmp_path: Path, env: dict[str, str]) -> tuple["subprocess.Popen[str]", str]:

@@ -11,7 +11,6 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -60,19 +59,6 @@ def test_two_nodes_over_veth_match_one_process(tmp_path: Path) -> None:
     assert (tmp_path / "node1" / "model.pt").read_bytes() == (tmp_path / "node0" / "model.pt").read_bytes()
     assert diagnose(tmp_path / "node1").what == "finished after 5 step(s)"
     assert max((single[k] - multi[k]).abs().max().item() for k in single) <= 1e-5
-
-
-@pytest.fixture
-def second_server() -> Iterator[ForkServer]:
-    """A fork server of its own for the second machine: each serves one run at a time, and the two
-    machines run at once (forks, not fresh interpreters: the runs cost a few seconds, not tens)."""
-    server = ForkServer()
-    try:
-        yield server
-    finally:
-        if server.proc is not None:   # idle now: no run of its own is left to end
-            server.proc.kill()
-            server.proc.wait(timeout=60)
 
 
 def two_machines(tmp_path: Path, servers: tuple[ForkServer, ForkServer], *argv: str) -> list[subprocess.CompletedProcess]:
