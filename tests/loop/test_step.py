@@ -2,6 +2,7 @@
 and observers that watch without changing anything."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,27 @@ def test_steps_of_groups_the_micro_batches_of_each_step(tmp_path: Path) -> None:
     for g in groups:
         assert [b.last_micro for b in g] == [False, False, True]
         assert len({b.step for b in g}) == 1
+
+
+@pytest.mark.parametrize("clip", [None, 0.01])
+def test_the_norm_a_log_row_shows_is_clip_grad_norm_s_bit_for_bit(tmp_path: Path, clip: float | None) -> None:
+    """``train_step(..., norm=True)`` returns the whole gradient's norm before clipping: the number
+    ``torch.nn.utils.clip_grad_norm_`` returns for the same gradients. With clipping, it is the norm
+    the clipping used (the weights stay the hand-written step's)."""
+    cfg = small(tmp_path, clip_grad=clip)
+    run, ref = build_run(cfg, CPU), build_run(cfg, CPU)
+    for r in (run, ref):
+        r.model.train()
+        r.loader.set_epoch(0)
+    norms, expected = [], []
+    for micro_batches, (x, y) in zip(steps_of(run.loader), ref.loader):   # one micro-batch per step
+        norms.append(train_step(run, micro_batches, Observer(), norm=True)[1])
+        ref.loss_fn(call_model(ref.model, x), y).backward()
+        # max_norm inf: clip_grad_norm_ scales by 1.0, which changes no bit, and returns the norm.
+        expected.append(torch.nn.utils.clip_grad_norm_(ref.model.parameters(), clip if clip is not None else math.inf))
+        ref.optimizer.step()
+        ref.optimizer.zero_grad(set_to_none=True)
+        ref.scheduler.step()
+    assert len(norms) > 1 and all(torch.equal(a, b) for a, b in zip(norms, expected))
+    weights, weights_ref = run.model.state_dict(), ref.model.state_dict()
+    assert all(torch.equal(weights[k], weights_ref[k]) for k in weights)

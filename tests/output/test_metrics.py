@@ -95,6 +95,29 @@ def test_float_values_round_trip_exactly(tmp_path: Path) -> None:
     assert float(row["train_loss"]) == value
 
 
+def test_file_is_what_csv_writer_writes(tmp_path: Path) -> None:
+    """write joins a row's cells itself (nothing in them needs quoting): the bytes are csv.writer's,
+    header included, for every kind of number a cell can hold."""
+    import io
+
+    import numpy as np
+
+    values = [dict(train_loss=1 / 3, lr=1e-5, samples_per_s=float("inf"), wall_s=-0.0, grad_norm=float("nan")),
+              dict(test_loss=np.float32(0.25), test_acc=0.9, slowest_rank=1, skipped_steps=3, mfu=None),
+              dict(world_size=2, recovery_s=np.float64(3.25), train_eval_loss=1e22, tokens_per_s=1e-300)]
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for step, (kind, row) in enumerate(zip(("step", "epoch", "recovery"), values), start=1):
+            logger.write(kind, epoch=1, step=step, samples=8 * step, **row)
+    expected = io.StringIO(newline="")
+    writer = csv.DictWriter(expected, fieldnames=METRIC_COLUMNS, restval="")
+    writer.writeheader()
+    for step, (kind, row) in enumerate(zip(("step", "epoch", "recovery"), values), start=1):
+        writer.writerow({"kind": kind, "epoch": "1", "step": str(step), "samples": str(8 * step),
+                         **{k: repr(float(v)) if not isinstance(v, int) else str(v)
+                            for k, v in row.items() if v is not None}})
+    assert (tmp_path / "metrics.csv").read_bytes() == expected.getvalue().encode("utf-8")
+
+
 def test_unknown_key_raises_and_writes_nothing(tmp_path: Path) -> None:
     with MetricsLogger(tmp_path, tensorboard=False) as logger:
         with pytest.raises(ValueError, match="bogus"):

@@ -108,9 +108,8 @@ def reduce_window(env: DistEnv, loss_sums: Sequence[float], own_s: float, first_
     if world == 1:
         # Nothing to reduce: the same numbers as the vector below would give, without building
         # it (a log row of a small model's run comes every few milliseconds).
-        return WindowTotals(float(loss_sums[0]), float(loss_sums[1]), [float(own_s)],
-                            first_bad([first_nonfinite or 0]), int(skipped) if skipped is not None else 0,
-                            (0,) if first_nonfinite else ())
+        return WindowTotals(float(loss_sums[0]), float(loss_sums[1]), [float(own_s)], first_nonfinite or None,
+                            int(skipped) if skipped is not None else 0, (0,) if first_nonfinite else ())
     vector = per_rank_vector(loss_sums, [own_s, first_nonfinite or 0, 0.0], env)
     if skipped is not None:
         vector[len(loss_sums) + 2 * world + env.rank] = skipped

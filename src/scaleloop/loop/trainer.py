@@ -211,9 +211,9 @@ class Trainer(Observer):
         totals = reduce_window(run.env, running.window_values(), self.take_own_s(),
                                running.first_nonfinite_step(), skipped)
         now = device_clock(run.env.device)
-        rate = window_samples / max(now - window_start, 1e-9)
-        values: dict[str, Any] = dict(train_loss=totals.loss, lr=result.step_lr, samples_per_s=rate,
-                                      wall_s=now - result.started, **totals.skew(steps))
+        rate, loss = window_samples / max(now - window_start, 1e-9), totals.loss
+        values: dict[str, Any] = {"train_loss": loss, "lr": result.step_lr, "samples_per_s": rate,
+                                  "wall_s": now - result.started, **totals.skew(steps)}
         if self.grad_norm is not None:   # the last step's, before clipping (the same on every rank)
             values["grad_norm"] = float(self.grad_norm)
             self.grad_norm = None
@@ -223,10 +223,10 @@ class Trainer(Observer):
         if skipped is not None:
             result.skipped_steps = values["skipped_steps"] = result.skipped_before + totals.skipped
         if bar is not None:
-            bar.set_postfix_str(bar_postfix(totals.loss, steps, rate, values.get("grad_norm"),
+            bar.set_postfix_str(bar_postfix(loss, steps, rate, values.get("grad_norm"),
                                             values.get("tokens_per_s"), values.get("mfu")))
         running.new_window()
-        result.window_loss, result.window_steps = totals.loss, (result.window_from + 1, result.steps)
+        result.window_loss, result.window_steps = loss, (result.window_from + 1, result.steps)
         result.window_from = result.steps
         self.emit(Row("step", epoch + 1, result.steps, result.samples, values, totals, steps,
                       (now - window_start) / max(steps, 1)))

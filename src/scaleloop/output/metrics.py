@@ -71,12 +71,23 @@ METRIC_COLUMNS: tuple[str, ...] = (
 #:   with the new ``world_size`` and ``recovery_s``, the seconds it took.
 ROW_KINDS: tuple[str, ...] = ("step", "epoch", "stop", "eval", "recovery")
 
-# Columns a caller may pass as keyword values; the others are write's own arguments.
-_VALUE_COLUMNS = frozenset(METRIC_COLUMNS) - {"kind", "epoch", "step", "samples"}
+# The columns a caller may pass as keyword values, each with its place in a row (the first four
+# are write's own arguments).
+_VALUE_PLACES: dict[str, int] = {name: place for place, name in enumerate(METRIC_COLUMNS[4:], start=4)}
+
+
+def _csv_line(cells: Sequence[str]) -> str:
+    """A line of metrics.csv, as csv.writer's default (excel) dialect writes it. Every cell is a
+    column name, a row kind or a number (:func:`_format_cell`), none of which CSV quotes, so the
+    line is joined directly: csv.writer looks at every character of every cell for one to quote,
+    and a log row comes every few milliseconds on a small model."""
+    return ",".join(cells) + "\r\n"
 
 
 def _format_cell(value: float) -> str:
     # repr() of a float round-trips exactly, so reading the CSV back loses nothing.
+    if type(value) is float:   # most cells: checked first (a bool is not a float)
+        return repr(value)
     if isinstance(value, bool):
         raise TypeError("metric values must be numbers, not bool")
     if isinstance(value, int):
@@ -141,11 +152,9 @@ class MetricsLogger:
             # rows of steps that the resumed run takes again are dropped, not duplicated.
             self._truncate(keep_until_step)
             self._file: IO[str] | None = open(self.csv_path, "a", newline="", encoding="utf-8")
-            self._writer = csv.DictWriter(self._file, fieldnames=METRIC_COLUMNS, restval="")
         else:
             self._file = open(self.csv_path, "w", newline="", encoding="utf-8")
-            self._writer = csv.DictWriter(self._file, fieldnames=METRIC_COLUMNS, restval="")
-            self._writer.writeheader()
+            self._file.write(_csv_line(METRIC_COLUMNS))
         self._file.flush()
         self._csv_flushed = time.monotonic()
 
@@ -164,23 +173,18 @@ class MetricsLogger:
         ``samples`` trained so far; ``values`` are keys of :data:`METRIC_COLUMNS` (None: an empty cell)."""
         if kind not in ROW_KINDS:
             raise ValueError(f"unknown row kind {kind!r}; expected one of {', '.join(ROW_KINDS)}")
-        unknown = sorted(set(values) - _VALUE_COLUMNS)
-        if unknown:
-            raise ValueError(
-                f"unknown metric(s) {unknown}; expected some of {sorted(_VALUE_COLUMNS)}"
-            )
+        # The row's cells in METRIC_COLUMNS order, empty where no value is given.
+        cells = [kind, str(int(epoch)), str(int(step)), str(int(samples))] + [""] * len(_VALUE_PLACES)
+        for key, value in values.items():
+            place = _VALUE_PLACES.get(key)
+            if place is None:
+                raise ValueError(f"unknown metric(s) {sorted(set(values) - _VALUE_PLACES.keys())}; "
+                                 f"expected some of {sorted(_VALUE_PLACES)}")
+            if value is not None:
+                cells[place] = _format_cell(value)
         if self._file is None:
             raise ValueError("MetricsLogger is closed")
-        row: dict[str, str] = {
-            "kind": kind,
-            "epoch": str(int(epoch)),
-            "step": str(int(step)),
-            "samples": str(int(samples)),
-        }
-        for key, value in values.items():
-            if value is not None:
-                row[key] = _format_cell(value)
-        self._writer.writerow(row)
+        self._file.write(_csv_line(cells))
         # Flushed at most every CSV_EVERY_S (and at every epoch row, checkpoint and close): a
         # flush per row was a system call every few milliseconds on small, fast steps.
         if kind != "step" or time.monotonic() - self._csv_flushed >= CSV_EVERY_S:
