@@ -19,7 +19,7 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -54,19 +54,25 @@ def _best_pair_us(first: Bench, second: Any, n: int, rounds: int) -> tuple[float
     return us[0], (us[1] if len(us) > 1 else 0.0)
 
 
-def measure_loop_cost(cfg: Any, device: torch.device) -> dict[str, Any]:
-    """The loop's own cost per step for ``cfg``'s batch and its split (tiny model: bookkeeping only)."""
+#: Rounds of each timing in a --quick run (CI-sized: it checks the table is made, not its figures).
+QUICK_ROUNDS = 3
+
+
+def measure_loop_cost(cfg: Any, device: torch.device, quick: bool = False) -> dict[str, Any]:
+    """The loop's own cost per step for ``cfg``'s batch and its split (tiny model: bookkeeping only);
+    ``quick``: each piece timed over :data:`QUICK_ROUNDS` rounds, not 7 (9 for a difference)."""
     from scaleloop.loop.build import build_run
     from scaleloop.runtime.dist import DistEnv
 
     run = build_run(cfg.replace(checkpoints=False, tensorboard=False), DistEnv(device=device))
-    norm = _norm_cost(run)   # first: the step's piece below puts a one-weight model in the run
-    pieces = {**_batch_cost(run), **_step_cost(run), **norm, **_bookkeeping_cost(run)}
+    rounds = QUICK_ROUNDS if quick else None   # None: each timing's own default
+    norm = _norm_cost(run, rounds=rounds or 7)   # first: the step's piece below puts a one-weight model in the run
+    pieces = {**_batch_cost(run, rounds), **_step_cost(run, rounds), **norm, **_bookkeeping_cost(run, rounds)}
     total = sum(v for k, v in pieces.items() if not k.startswith("  "))
-    return {"pieces_us": pieces, "total_us": total}
+    return {"pieces_us": pieces, "total_us": total, "rounds": rounds or 7}
 
 
-def _batch_cost(run: Any) -> dict[str, float]:
+def _batch_cost(run: Any, rounds: Optional[int] = None) -> dict[str, float]:
     """An epoch of scaleloop's batches against the same ``index_select`` calls by hand, per step."""
     from scaleloop.data.batch import take
     from scaleloop.data.loader import ShardedLoader, tensors_of
@@ -91,10 +97,10 @@ def _batch_cost(run: Any) -> dict[str, float]:
             for idx in index_lists:
                 take(tensors, idx)   # one index_select per tensor, as a hand-written loop gathers
 
-    return {"batch objects (epoch split, Batch)": _extra_us(ours, raw, 20) / steps}
+    return {"batch objects (epoch split, Batch)": _extra_us(ours, raw, 20, rounds or 9) / steps}
 
 
-def _step_cost(run: Any) -> dict[str, float]:
+def _step_cost(run: Any, rounds: Optional[int] = None) -> dict[str, float]:
     """``train_step`` around a one-weight model, against the same calls by hand."""
     from scaleloop.loop.schedule import build_scheduler
     from scaleloop.loop.step import Observer, train_step
@@ -124,8 +130,8 @@ def _step_cost(run: Any) -> dict[str, float]:
         for _ in range(n):
             run.scheduler.step()
 
-    return {"step calls (strategy, precision, schedule)": _extra_us(ours, raw, 2000),
-            "  of which: schedule step": _best_us(schedule, 20000)}
+    return {"step calls (strategy, precision, schedule)": _extra_us(ours, raw, 2000, rounds or 9),
+            "  of which: schedule step": _best_us(schedule, 20000, rounds or 7)}
 
 
 def _norm_cost(run: Any, calls: int = 200, rounds: int = 7) -> dict[str, float]:
@@ -149,7 +155,7 @@ def _norm_cost(run: Any, calls: int = 200, rounds: int = 7) -> dict[str, float]:
     return {f"gradient norm (every {run.cfg.log_every} steps)": 1e6 * best / run.cfg.log_every}
 
 
-def _bookkeeping_cost(run: Any) -> dict[str, float]:
+def _bookkeeping_cost(run: Any, rounds: Optional[int] = None) -> dict[str, float]:
     """The running loss sums per step, and a log row spread over the steps between rows."""
     from scaleloop.checkpoint.manager import Checkpointer
     from scaleloop.loop.running_loss import RunningLoss
@@ -163,7 +169,7 @@ def _bookkeeping_cost(run: Any) -> dict[str, float]:
             running.add(loss, 64)
         running.new_window()
 
-    pieces = {"loss sums": _best_us(add, 2000)}
+    pieces = {"loss sums": _best_us(add, 2000, rounds or 7)}
     with tempfile.TemporaryDirectory(prefix="scaleloop-loopcost-") as tmp:
         def silent(_msg: str) -> None:
             pass
@@ -179,7 +185,7 @@ def _bookkeeping_cost(run: Any) -> dict[str, float]:
                 result.steps += 1
                 trainer.log_row(0, 64, time.perf_counter())
 
-        pieces[f"log row (every {run.cfg.log_every} steps)"] = _best_us(log_rows, 500) / run.cfg.log_every
+        pieces[f"log row (every {run.cfg.log_every} steps)"] = _best_us(log_rows, 500, rounds or 7) / run.cfg.log_every
         if trainer.metrics is not None:
             trainer.metrics.close()
     return pieces
@@ -194,5 +200,5 @@ def loop_cost_table(cost: dict[str, Any], step_s: float) -> Table:
     return Table("The loop's own cost per optimizer step", [
         Column("piece", "piece"), Column("us", "us per step", lambda v: f"{v:.1f}"),
         Column("share", "of a step", lambda v: f"{100 * v:.2f}%")], rows,
-        f"Each piece timed alone (fastest of 7 rounds), minus the same torch work done by hand; a step of "
+        f"Each piece timed alone (fastest of {cost.get('rounds', 7)} rounds), minus the same torch work done by hand; a step of "
         f"this workload takes {1e3 * step_s:.3f} ms (the raw loop's median). Negative: within timing noise.")

@@ -129,7 +129,7 @@ def _run_loops(opts: OverheadOptions, say: Say) -> BenchReport:
         from scaleloop.bench.loopcost import measure_loop_cost
 
         say("overhead (loop): the loop's own cost per step, piece by piece")
-        cost = measure_loop_cost(cfg, device)
+        cost = measure_loop_cost(cfg, device, quick=opts.quick)
 
     raw_s = summarize([r["raw_s"] for r in reps])
     sl_s = summarize([r["scaleloop_s"] for r in reps])
