@@ -293,7 +293,7 @@ class Strategy:
         """The 2-norm of the whole step's gradient, the same on every rank: where gradients are
         split (FSDP's shards, tensor-parallel pieces, pipeline stages) the strategy reduces the
         pieces' norms. Call it after unscaling (fp16)."""
-        return torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        return total_norm([p.grad for p in model.parameters() if p.grad is not None])
 
     def clip_grad_norm(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """A hand-written loop's clipping: unscale (fp16), then clip to the global gradient norm
@@ -449,6 +449,22 @@ def weighted(loss: torch.Tensor, weight: float) -> torch.Tensor:
     accumulation) is skipped: ``x * 1.0`` is ``x`` bit for bit, forward and backward, and the
     multiplication would be one more op per step."""
     return loss * weight if weight != 1.0 else loss
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of ``grads`` taken together: ``torch.nn.utils.get_total_norm(grads)``, bit for bit.
+
+    When every gradient is a plain tensor of one dtype on one CPU or CUDA device (the usual case),
+    this is the same two reductions without the Python around them that sorts tensors by device
+    and dtype (``get_total_norm`` took about twice as long on a small model, and a log row's norm
+    is most of the loop's own cost there; benchmarks/2026-12-06_cpu-2core_overhead-issue55-norm.md).
+    Anything else (DTensor shards, mixed dtypes or devices) goes to ``get_total_norm`` itself."""
+    first = grads[0] if grads else None
+    if (first is not None and first.device.type in ("cpu", "cuda")
+            and all(type(g) is torch.Tensor and g.dtype == first.dtype and g.device == first.device
+                    and g.layout == torch.strided and not g.requires_grad for g in grads)):
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+    return torch.nn.utils.get_total_norm(grads)
 
 
 def clip_gradients(model: nn.Module, norm: torch.Tensor, max_norm: float) -> None:
