@@ -15,6 +15,7 @@ The measuring code lives here, not in ``src/``: users never run it.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import re
 import sys
@@ -82,9 +83,11 @@ def validate_of_train_config() -> tuple[int, list[str]]:
     return validate.end_lineno - validate.lineno + 1, read
 
 
+@functools.lru_cache(maxsize=None)
 def measured_now() -> dict[str, tuple[list[int], list[str]]]:
     """Each row of the table (by the start of its label) -> the numbers and the backticked names
-    its "now" cell must hold, measured now."""
+    its "now" cell must hold, measured now (once a session: each measure reads and parses the whole
+    tree, and the tree does not change while the tests run; read, never changed, by its callers)."""
     upward, mutual = layer_breaches(import_graph())
     places = subcommand_places()
     validate_lines, read_by_validate = validate_of_train_config()

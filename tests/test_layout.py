@@ -159,7 +159,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("loop",),                       # the trainer: build a run, step, evaluate, finish
     ("ray",),                        # Ray Train as a home: train in its workers, report to it
     ("launching",),                  # starting workers: torchrun, the worker entry, launch(), failures
-    ("verify", "bench", "plan"),     # the tools built on training and launching
+    ("verify", "bench", "plan", "sampling"),   # the tools built on training and launching; text from a trained model
     ("commands", "cli"),             # one module per subcommand; cli parses and dispatches
 )
 

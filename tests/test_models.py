@@ -287,7 +287,7 @@ def test_the_sizes_are_saved_with_the_run_and_rebuilt_from_it(tmp_path, capsys: 
     from scaleloop.cli import main
     from scaleloop.config import TrainConfig, load_toml, resolve, to_toml
     from scaleloop.loop.build import build_data_and_model
-    from scaleloop.loop.sampling import sample
+    from scaleloop.sampling import sample
 
     run = tmp_path / "run"
     base = ["train", "--no-progress", "--tracker", "none", "--out", str(run)]

@@ -32,9 +32,9 @@ TRAIN = (*SCALELOOP, "train", "--device", "cuda", "--epochs", "1", "--max-steps"
 #: The checks' whole budget: half an hour of GPU time, less start-up and installing.
 BUDGET_S = 20 * 60
 #: Test files that hold the CUDA tests (they skip without a GPU, so on a GPU they run).
-CUDA_TEST_FILES = ("tests/runtime/test_devices.py", "tests/data/test_loader.py", "tests/loop/test_speed_options.py",
-                   "tests/loop/test_gpu_paths.py", "tests/loop/test_throughput.py",
-                   "tests/loop/test_tune.py", "tests/distributed/test_precision_dist.py",
+CUDA_TEST_FILES = ("tests/runtime/test_devices.py", "tests/data/test_loader.py", "tests/loop/test_build.py",
+                   "tests/loop/test_gpu_paths.py", "tests/loop/test_rows.py",
+                   "tests/plan/test_tune.py", "tests/distributed/test_precision_dist.py",
                    "tests/commands/test_bench_cli.py", "tests/commands/test_verify_cli.py")
 
 

@@ -51,7 +51,7 @@ def child(model: str) -> None:
     import torch
 
     import scaleloop.loop.training
-    import scaleloop.loop.tasks
+    import scaleloop.loop.losses
     from scaleloop.bench.rawloop import raw_train
     from scaleloop.config import TrainConfig
     from scaleloop.runtime.dist import DistEnv
@@ -63,7 +63,7 @@ def child(model: str) -> None:
                       checkpoints=False, device="cpu")
     env = DistEnv(device=torch.device("cpu"))
     tmp = tempfile.mkdtemp()
-    task_loss = scaleloop.loop.tasks.task_loss
+    task_loss = scaleloop.loop.losses.task_loss
     calls = [0]
 
     def marked(*args):   # the loss of every step, in both loops
@@ -72,9 +72,9 @@ def child(model: str) -> None:
             os.getppid()
         return task_loss(*args)
 
-    # Both loops look it up in scaleloop.loop.tasks when they call it (rawloop imports it at
+    # Both loops look it up in scaleloop.loop.losses when they call it (rawloop imports it at
     # run time; the run's loss_fn calls the module's task_loss).
-    scaleloop.loop.tasks.task_loss = marked
+    scaleloop.loop.losses.task_loss = marked
     runs = [0]
 
     def ours(mark: bool) -> None:

@@ -4,7 +4,8 @@ The public API is re-exported here lazily, so that ``import scaleloop`` costs al
 until a name is used. The map:
 
 - The floors, top first (docs/architecture.md): ``cli`` and ``commands``: the command, one
-  module per subcommand; ``verify``, ``bench`` and ``plan``: the tools built on training; ``launching``:
+  module per subcommand; ``verify``, ``bench`` and ``plan``: the tools built on training, and
+  ``sampling``: text from a trained language model (``scaleloop.sample``); ``launching``:
   starting workers and reading how they ended; ``ray``: training in Ray Train's workers
   (``scaleloop.ray.train``, an optional extra); ``loop``: the run and its loop; ``strategies``:
   single, dp, ddp, allreduce, fsdp, pipeline, mesh, and precision; ``checkpoint``: save and
@@ -31,7 +32,7 @@ _EXPORTS = {
     "TrainConfig": "scaleloop.config",
     "train": "scaleloop.loop.training",
     "RunResult": "scaleloop.loop.result",
-    "evaluate": "scaleloop.loop.evaluate",
+    "evaluate": "scaleloop.loop.evaluation",
     "build_model": "scaleloop.models",
     "SimpleNet": "scaleloop.models",
     "BiggerNet": "scaleloop.models",
@@ -51,10 +52,10 @@ _EXPORTS = {
     "sum_over_ranks": "scaleloop.runtime.collectives",
     "profile": "scaleloop.loop.profiler",
     "Profiler": "scaleloop.loop.profiler",
-    "sample": "scaleloop.loop.sampling",
-    "find_max_batch": "scaleloop.loop.tune",
-    "search_max_batch": "scaleloop.loop.tune",
-    "BatchSearch": "scaleloop.loop.tune",
+    "sample": "scaleloop.sampling",
+    "find_max_batch": "scaleloop.plan.tune",
+    "search_max_batch": "scaleloop.plan.tune",
+    "BatchSearch": "scaleloop.plan.tune",
     "Checkpointer": "scaleloop.checkpoint",
     "CheckpointError": "scaleloop.checkpoint",
     "launch": "scaleloop.launching.spawn",

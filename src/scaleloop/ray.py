@@ -85,7 +85,7 @@ def train(cfg: "TrainConfig", *, log: Optional[Callable[[str], None]] = None,
     from scaleloop.runtime import dist
     from scaleloop.runtime.collectives import broadcast_object
 
-    env = dist.DistEnv.from_env(device=cfg.device, backend=cfg.backend, timeout_s=cfg.timeout)
+    env = dist.DistEnv.from_env(device=cfg.launch.device, backend=cfg.launch.backend, timeout_s=cfg.launch.timeout)
     dist.init_process_group(env)   # Ray's group is there already: nothing to do (one worker: none needed)
     # Rank 0 decides where the run goes and what it continues from; the others take its word
     # (or its error: raised on every rank alike, none is left waiting).
@@ -110,7 +110,7 @@ def train(cfg: "TrainConfig", *, log: Optional[Callable[[str], None]] = None,
         hand_off.finish()   # the newest checkpoint, if it was held back
         ray.train.report(metrics_of(result))   # the summary; result.checkpoint stays the last one reported
         if env.is_main:
-            from scaleloop.loop.summary import format_result
+            from scaleloop.loop.text import format_result
 
             (log or print)(hand_off.line(result))
             # Into the log only: the console's summary is the caller's to print (the CLI does).
@@ -142,8 +142,8 @@ def _continue_from_ray(cfg: "TrainConfig", saved: Any) -> tuple[str, str, str]:
                 resume = _copy_checkpoint(info.path, info.step, out)
                 return str(out), resume, f"scaleloop: continuing from Ray's checkpoint {saved.path} (step {info.step})"
             note = f"scaleloop: Ray's latest checkpoint {saved.path} is another run's (--out {its_out}): not resumed"
-            return str(out or default_run_dir(cfg.model, cfg.data)), cfg.resume, note
-    return str(out or default_run_dir(cfg.model, cfg.data)), cfg.resume, ""
+            return str(out or default_run_dir(cfg.model_data.model, cfg.model_data.data)), cfg.checkpointing.resume, note
+    return str(out or default_run_dir(cfg.model_data.model, cfg.model_data.data)), cfg.checkpointing.resume, ""
 
 
 def metrics_of(result: "RunResult") -> dict[str, Any]:

@@ -15,10 +15,9 @@ import torch
 
 from scaleloop.checkpoint.manager import Progress
 from scaleloop.checkpoint.resume import FIXED_ON_RESUME, check_compatible
-from scaleloop.config import config_for_resume
+from scaleloop.config import TrainConfig, config_for_resume, to_toml
 from scaleloop.checkpoint.store import (MANIFEST_FILE, STATE_FILE, CheckpointError, list_checkpoints,
                                         verify_checkpoint)
-from scaleloop.config import TrainConfig, to_toml
 from scaleloop.data.loader import Batch
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
@@ -175,7 +174,7 @@ def test_resume_continues_the_random_number_streams(tmp_path: Path, monkeypatch:
     assert result.resumed_from == Path(cfg.out) / "checkpoints" / "step-00000006"
     assert_bitwise_equal(weights(Path(cfg.out)), weights(Path(reference.run_dir)))
     # Its training time counts the first run's too, as its steps do: said, so that it may exceed the wall time.
-    from scaleloop.loop.summary import format_result
+    from scaleloop.loop.text import format_result
     assert " over every run since the first)" in format_result(result)
     assert " over every run" not in format_result(reference)
 
@@ -325,7 +324,7 @@ def test_max_steps_reached_has_nothing_left_to_train(tmp_path: Path) -> None:
 
 
 def test_a_resumed_run_s_last_log_window_is_labelled_with_the_steps_its_loss_is_over(tmp_path: Path) -> None:
-    from scaleloop.loop.summary import format_result
+    from scaleloop.loop.text import format_result
 
     # Never interrupted, a log row every 2 steps: the last window is steps 3-4.
     whole = train(small(tmp_path, "whole", max_steps=4, log_every=2), CPU, log=quiet)

@@ -20,7 +20,7 @@ from scaleloop.data.sampler import StepSampler
 from scaleloop.data.streaming import StreamingLoader, StreamSampler
 from scaleloop.errors import UsageError
 from scaleloop.loop.training import train
-from scaleloop.loop.summary import describe_epoch
+from scaleloop.loop.text import describe_epoch
 from scaleloop.runtime.dist import DistEnv
 from stream_data import N_TRAIN, SizedStream, Stream, sample_id
 
@@ -288,7 +288,7 @@ def test_evaluating_a_stream_equals_evaluating_the_same_samples_in_memory() -> N
     from torch.utils.data import TensorDataset
 
     from scaleloop.data.info import DataInfo
-    from scaleloop.loop.evaluate import evaluate
+    from scaleloop.loop.evaluation import evaluate
     from scaleloop.models import build_model
     import scaleloop
 

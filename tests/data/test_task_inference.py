@@ -19,7 +19,7 @@ from scaleloop.data.datasets import build_datasets, infer_info
 from scaleloop.data.info import DataInfo
 from scaleloop.errors import UsageError
 from scaleloop.loop.build import build_data_and_model, build_run
-from scaleloop.loop.tasks import describe_task, resolve_loss
+from scaleloop.loop.losses import describe_task, resolve_loss
 from scaleloop.loop.training import train
 from scaleloop.runtime.dist import DistEnv
 

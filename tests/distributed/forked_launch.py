@@ -8,7 +8,9 @@ test machine a fresh agent takes about 1.6 CPU-seconds of start-up and a fresh w
 suite starts a few hundred of them. :func:`install`, called in a fork server's child (which has
 imported torch once, in the server), makes both forks:
 
-- **the agent** (and a replica group's launcher, which starts its own): a ``Popen`` whose child is a fork of the launcher that runs the same command in
+- **the agent** (and a replica group's launcher, which starts its own; and the one worker that
+  ``scaleloop bench`` starts without torchrun for its 1-worker measurements, ``python -m
+  scaleloop.launching.worker ...``): a ``Popen`` whose child is a fork of the launcher that runs the same command in
   place of ``exec``: the pipes, environment, working directory, session and signal dispositions
   that ``Popen`` and ``exec`` would give it, and none of the launcher's exit handlers. The
   launcher sees a real child: its pid, its exit status, its signals and its lifeline are real.
@@ -41,6 +43,9 @@ from typing import Any, Callable
 FORK_LAUNCH_VAR = "SCALELOOP_TEST_FORK_LAUNCH"
 AGENT_MODULE = "scaleloop.launching.agent"
 GROUP_LAUNCHER_MODULE = "scaleloop.launching.replica_groups"
+# The worker of a launch without torchrun (``WorkerLaunch.direct``: bench's 1-worker runs); torchrun's
+# own start it as ``python -u -m ...``, and its agent forks those itself (``forked_torchrun``).
+WORKER_MODULE = "scaleloop.launching.worker"
 
 
 def forks_launches(env: dict[str, str]) -> bool:
@@ -54,9 +59,11 @@ def is_agent_command(args: Any) -> bool:
 
 
 def is_forked_command(args: Any) -> bool:
-    """Whether a ``Popen`` of ``args`` is forked: the agent, or a replica group's launcher (``--replica-groups
-    N`` on one machine starts one a group; each then starts its agent, forked too)."""
-    return is_agent_command(args) or _is_module_command(args, GROUP_LAUNCHER_MODULE)
+    """Whether a ``Popen`` of ``args`` is forked: the agent, a replica group's launcher (``--replica-groups
+    N`` on one machine starts one a group; each then starts its agent, forked too), or the one
+    worker of a launch without torchrun (``scaleloop bench``'s 1-worker runs)."""
+    return (is_agent_command(args) or _is_module_command(args, GROUP_LAUNCHER_MODULE)
+            or _is_module_command(args, WORKER_MODULE))
 
 
 def _is_module_command(args: Any, module: str) -> bool:

@@ -20,6 +20,7 @@ enough to be caught by its temporary directory, without sleeps or hooks (as
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -184,6 +185,24 @@ def machines(args_of: Callable[[int], list[str]], cwd: Path) -> list[subprocess.
     return [start([*args_of(i), "--master-port", port], cwd) for i in (0, 1)]
 
 
+def continue_together(dirs: list[Path], cwd: Path) -> list[tuple[int, str, str]]:
+    """Each machine's ``scaleloop train --out DIR`` (its saved settings) at once, on a master port free
+    now (the old one may linger): forks of one request of the tests' fork server (forkgroup.py, as
+    test_kubernetes.py's pods), whose agents and workers fork too (forked_launch.py); the killed
+    runs above started as users start them. Each machine's (exit code, output, error)."""
+    port = str(free_port())
+    runs = [{"argv": [sys.executable, "-m", "scaleloop", "train", "--out", str(d), "--master-port", port],
+             "env": child_env(ENV), "cwd": str(cwd), "stdout": str(cwd / f"continued{i}.out"),
+             "stderr": str(cwd / f"continued{i}.err")} for i, d in enumerate(dirs)]
+    spec, codes = cwd / "continued.json", cwd / "continued-codes.json"
+    spec.write_text(json.dumps({"runs": runs, "codes": str(codes)}), encoding="utf-8")
+    group = run([sys.executable, str(Path(__file__).resolve().parent / "forkgroup.py"), str(spec)], cwd=cwd,
+                timeout=RUN_S, merge=True)
+    assert group.returncode == 0 and codes.exists(), f"the machines did not run ({group.returncode}):\n{group.stdout}"
+    return [(code, Path(r["stdout"]).read_text(), Path(r["stderr"]).read_text())
+            for code, r in zip(json.loads(codes.read_text()), runs)]
+
+
 def test_two_machines_without_a_shared_disk_killed_mid_background_write_both_resume_bitwise(
         tmp_path: Path, uninterrupted: Callable[[str], Path]) -> None:
     whole = uninterrupted("ddp")
@@ -205,15 +224,10 @@ def test_two_machines_without_a_shared_disk_killed_mid_background_write_both_res
         assert verify_checkpoint(root / "step-00000004").step == 4
 
     # Each machine continues with its run directory's saved settings (a new port: the old one may linger).
-    procs = machines(lambda i: ["--out", str(dirs[i])], tmp_path)
-    said = []
-    try:
-        for i, proc in enumerate(procs):   # machine 0 first: if it fails, it says why, and the other is ended
-            said.append(proc.communicate(timeout=RUN_S))
-            assert proc.returncode == 0, f"machine {i}:\n{said[i][0]}\n{said[i][1]}"
-    finally:
-        for proc in procs:
-            kill_group(proc)
+    continued = continue_together(dirs, tmp_path)
+    for i, (code, out, err) in enumerate(continued):
+        assert code == 0, f"machine {i}:\n{out}\n{err}"
+    said = [(out, err) for _, out, err in continued]
     assert f"resuming from {roots[0]}/step-00000004" in said[0][0], said[0][0]
     assert "written in the background" in said[0][0]
     assert equal(weights(dirs[0]), weights(whole)), "machine 0's weights differ from the uninterrupted run's"

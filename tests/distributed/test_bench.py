@@ -132,7 +132,10 @@ def test_strategies_table_runs_every_mesh_composition_on_four_workers(tmp_path: 
     # TinyGPT has a tp_plan() and as_sequential(): every row runs, the pipeline's too, whose stages
     # hold gradients of different sizes (the all-reduce benchmark takes the largest) and compute
     # the loss on the last stage only.
-    data, _, _ = bench(tmp_path, "strategies", "--workers", "4", "--model", "tinygpt", "--data", "tokens")
+    # 2 timed steps after 1 warm-up, not --quick's 6 after 2: each row's checks below hold for any
+    # step (ten rows of 4 workers: 28 CPU-seconds at 6 + 2 steps, 15 at 2 + 1).
+    data, _, _ = bench(tmp_path, "strategies", "--workers", "4", "--model", "tinygpt", "--data", "tokens",
+                       "--steps", "2", "--warmup", "1")
     rows = {r["label"]: r for r in data["data"]["rows"]}
     ran = [label for label, r in rows.items() if r["status"] == "ran"]
     tp_rows = ["tp x 4 (mesh tp=4)", "fsdp x tp (mesh fsdp=2,tp=2)", "dp x tp (mesh dp=2,tp=2)"]

@@ -1,7 +1,7 @@
 """Exact evaluation with 1, 2 and 3 Gloo processes on a 101-sample set (101 = 50+51 = 34+34+33).
 
 Every world size must report exactly the same accuracy and the same loss (to float64 rounding
-of the final sum), through ``scaleloop.loop.evaluate.evaluate`` and through a user's own metric
+of the final sum), through ``scaleloop.loop.evaluation.evaluate`` and through a user's own metric
 built on ``shard_indices`` + ``gather_tensor``; the script itself checks that the gathered
 sample order is ``0..100`` and that ``gather_padded`` undoes DistributedSampler's padding.
 """

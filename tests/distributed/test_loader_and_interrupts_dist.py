@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from procs import SRC, child_env, kill_group
+from procs import SRC, child_env, kill_group, run
 
 pytestmark = pytest.mark.distributed
 
@@ -106,8 +106,9 @@ def _train(tmp_path: Path, data: str, nproc: str, tmpdir: Path) -> tuple[subproc
     out = tmp_path / "run"
     cmd = [*TRAIN, "--data", f"loader_faults:{data}", "--nproc", nproc, "--num-workers", "2" if nproc == "1" else "1",
            "--out", str(out)]
-    res = subprocess.run(cmd, cwd=SCRIPTS, env={**env(tmp_path), "TMPDIR": str(tmpdir)}, capture_output=True,
-                         text=True, timeout=180)
+    # A fork of the tests' fork server, as are the other runs of the suite (procs.run): TMPDIR is
+    # read again in the fork, as in a fresh interpreter (forkserver._become).
+    res = run(cmd, cwd=SCRIPTS, env={**env(tmp_path), "TMPDIR": str(tmpdir)}, timeout=180)
     return res, out
 
 

@@ -8,7 +8,7 @@
   fsdp) the run equals 1 process;
 - frozen parameters under ddp, fsdp, allreduce and pipeline: equal to 1 process, and unchanged;
 - language-model targets with -100 padding under allreduce and pipeline (in pieces): equal to 1
-  process, each step the mean over its real targets (loop.padding);
+  process, each step the mean over its real targets (loop.losses);
 - conditional computation (issue 28): an auxiliary head used on some steps only, an expert that
   some ranks route no sample to, under allreduce, fsdp, --mesh, the pipeline and ddp
   --find-unused-parameters, with SGD with momentum and with Adam: 2 processes equal 1 (a

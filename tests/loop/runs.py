@@ -1,4 +1,4 @@
-"""Small in-process training runs shared by the loop's tests (test_training, test_evaluations)."""
+"""Small in-process training runs shared by the loop's tests (test_training, test_evaluation)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Tests for scaleloop.loop.training.train and scaleloop.loop.evaluate on small CPU runs."""
+"""Tests for scaleloop.loop.training.train and scaleloop.loop.evaluation on small CPU runs."""
 from __future__ import annotations
 
 import csv
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from scaleloop.config import TrainConfig
 from scaleloop.data.datasets import build_datasets
 from scaleloop.runtime.dist import DistEnv
-from scaleloop.loop.evaluate import EvalResult, evaluate
+from scaleloop.loop.evaluation import EvalResult, evaluate
 from scaleloop.loop.training import RunResult, train
 from scaleloop.models import SimpleNet, build_model
 from scaleloop.strategies.base import Strategy
@@ -160,7 +160,7 @@ def recording(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
         reduced.append(values.clone())
         return values
 
-    monkeypatch.setattr("scaleloop.loop.evaluate.sum_over_ranks", record)
+    monkeypatch.setattr("scaleloop.loop.evaluation.sum_over_ranks", record)
     return reduced
 
 

@@ -18,7 +18,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 import scaleloop.runtime.collectives as gather
 from scaleloop.data.info import DataInfo
 from scaleloop.runtime.dist import DistEnv
-from scaleloop.loop.evaluate import evaluate
+from scaleloop.loop.evaluation import evaluate
 from scaleloop.runtime.collectives import gather_padded, gather_tensor, shard_indices, sum_over_ranks
 from scaleloop.strategies.base import Strategy
 
@@ -251,7 +251,7 @@ def test_evaluate_counts_each_rank_block(monkeypatch: pytest.MonkeyPatch) -> Non
         seen.append((env.rank, int(values[4])))
         return sum_over_ranks(values, env)
 
-    monkeypatch.setattr("scaleloop.loop.evaluate.sum_over_ranks", counting)
+    monkeypatch.setattr("scaleloop.loop.evaluation.sum_over_ranks", counting)
     on_ranks(3, lambda env: evaluate(model, ds, info, FakeRankStrategy(env), batch_size=8), monkeypatch)
     assert sorted(seen) == [(r, len(shard_indices(101, env_of(r, 3)))) for r in range(3)]
 

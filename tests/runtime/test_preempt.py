@@ -67,7 +67,7 @@ def test_one_process_stops_on_sigterm_after_the_step() -> None:
     code = """
 import os, signal, torch
 from types import SimpleNamespace
-from scaleloop.loop.stop_vote import StopVote
+from scaleloop.loop.pauses import StopVote
 vote = StopVote(SimpleNamespace(is_distributed=False, device=torch.device('cpu')), None, torchrun_worker=False)
 assert not vote.after_step(1)
 os.kill(os.getpid(), signal.SIGTERM)   # noted, not fatal

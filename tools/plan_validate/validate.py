@@ -262,7 +262,7 @@ def against_tune_batch(spec: ModelSpec = TUNE_SPEC, precision: str = "bf16") -> 
     import torch
 
     from scaleloop.config import TrainConfig
-    from scaleloop.loop.tune import tune_batch
+    from scaleloop.plan.tune import tune_batch
     from scaleloop.plan.planner import largest_batch
 
     free = torch.cuda.mem_get_info()[0]    # after the CUDA context: what tensors may take

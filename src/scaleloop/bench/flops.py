@@ -28,7 +28,7 @@ def train_flops_per_sample(model: torch.nn.Module, x: torch.Tensor, y: torch.Ten
     from torch.utils.flop_counter import FlopCounterMode
 
     from scaleloop.data.batch import call_model
-    from scaleloop.loop.tasks import resolve_loss
+    from scaleloop.loop.losses import resolve_loss
 
     with FlopCounterMode(display=False) as counter:
         resolve_loss(None, info)(call_model(model, x), y).backward()

@@ -82,7 +82,7 @@ def _batch_cost(run: Any, rounds: Optional[int] = None) -> dict[str, float]:
     tensors = tensors_of(dataset)
     if tensors is None or not steps:
         return {}
-    sampler = StepSampler(len(dataset), run.cfg.batch_size, seed=run.cfg.seed)
+    sampler = StepSampler(len(dataset), run.cfg.optim.batch_size, seed=run.cfg.optim.seed)
     loader = ShardedLoader(dataset, sampler, run.env.device)
     index_lists = [sampler.step_indices(0, s) for s in range(steps)]
 
@@ -102,7 +102,7 @@ def _batch_cost(run: Any, rounds: Optional[int] = None) -> dict[str, float]:
 
 def _step_cost(run: Any, rounds: Optional[int] = None) -> dict[str, float]:
     """``train_step`` around a one-weight model, against the same calls by hand."""
-    from scaleloop.loop.schedule import build_scheduler
+    from scaleloop.loop.build import build_scheduler
     from scaleloop.loop.step import Observer, train_step
 
     device = run.env.device
@@ -152,13 +152,13 @@ def _norm_cost(run: Any, calls: int = 200, rounds: int = 7) -> dict[str, float]:
             spent += time.perf_counter() - start
             model.zero_grad(set_to_none=True)
         best = min(best, spent / calls)
-    return {f"gradient norm (every {run.cfg.log_every} steps)": 1e6 * best / run.cfg.log_every}
+    return {f"gradient norm (every {run.cfg.output.log_every} steps)": 1e6 * best / run.cfg.output.log_every}
 
 
 def _bookkeeping_cost(run: Any, rounds: Optional[int] = None) -> dict[str, float]:
     """The running loss sums per step, and a log row spread over the steps between rows."""
     from scaleloop.checkpoint.manager import Checkpointer
-    from scaleloop.loop.running_loss import RunningLoss
+    from scaleloop.loop.result import RunningLoss
     from scaleloop.loop.trainer import Trainer
 
     loss = torch.zeros((), device=run.env.device)
@@ -175,7 +175,7 @@ def _bookkeeping_cost(run: Any, rounds: Optional[int] = None) -> dict[str, float
             pass
 
         # The loop's own log row: the all-reduce, the metrics.csv row and the health checks.
-        checkpointer = Checkpointer(run.strategy, run.cfg.checkpointing, {}, seed=run.cfg.seed, say=silent)
+        checkpointer = Checkpointer(run.strategy, run.cfg.checkpointing, {}, seed=run.cfg.optim.seed, say=silent)
         trainer = Trainer(run, checkpointer, silent, time.perf_counter(), run_dir=Path(tmp))
         result, running = trainer.result, trainer.running
 
@@ -185,7 +185,7 @@ def _bookkeeping_cost(run: Any, rounds: Optional[int] = None) -> dict[str, float
                 result.steps += 1
                 trainer.log_row(0, 64, time.perf_counter())
 
-        pieces[f"log row (every {run.cfg.log_every} steps)"] = _best_us(log_rows, 500, rounds or 7) / run.cfg.log_every
+        pieces[f"log row (every {run.cfg.output.log_every} steps)"] = _best_us(log_rows, 500, rounds or 7) / run.cfg.output.log_every
         if trainer.metrics is not None:
             trainer.metrics.close()
     return pieces

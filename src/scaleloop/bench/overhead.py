@@ -91,7 +91,7 @@ def _repetitions(opts: OverheadOptions, cfg: Any, raw_cfg: Any, data_path: str,
         say(f"overhead ({opts.mode}): warm-up (one run of each loop, not counted)")
         raw, ours = raw_train(raw_cfg, device, data_path), scaleloop_run(-1)
         if not ours.in_memory_data:
-            raise UsageError(f"--data {cfg.data}: the overhead bench compares in-memory datasets only")
+            raise UsageError(f"--data {cfg.model_data.data}: the overhead bench compares in-memory datasets only")
         saved = torch.load(Path(ours.run_dir) / "model.pt", map_location="cpu", weights_only=True)
         weights_diff = max(float((saved[k].float() - raw.state[k].float()).abs().max()) for k in saved)
         for i in range(opts.repeats):
@@ -197,7 +197,7 @@ def _notes(opts: OverheadOptions, raw_cfg: Any, data_path: str, weights_diff: fl
             f"most {weights_diff:.2e}.")
     if opts.fused_optimizer:
         same += (" scaleloop's run used the one-kernel optimizer (--fused-optimizer), "
-                 + ("and so did the raw loop." if raw_cfg.fused_optimizer else
+                 + ("and so did the raw loop." if raw_cfg.optim.fused_optimizer else
                     "the tutorial's loop PyTorch's default one, as the tutorial writes it: their rounding differs "
                     "slightly, hence a difference in the weights."))
     applied = [flag for flag, on in (("--channels-last", opts.channels_last), ("--compile", opts.compile)) if on]
@@ -235,13 +235,13 @@ def _data_only(cfg: Any, device: torch.device, opts: OverheadOptions, say: Say) 
     from scaleloop.data.loader import ShardedLoader
     from scaleloop.data.sampler import StepSampler
 
-    data = build_datasets(cfg.data, n_samples=cfg.n_samples, input_dim=cfg.input_dim, image_size=cfg.image_size,
-                          seq_len=cfg.seq_len, vocab_size=cfg.vocab_size, test_fraction=cfg.test_fraction,
-                          seed=cfg.seed)
+    data = build_datasets(cfg.model_data.data, n_samples=cfg.model_data.n_samples, input_dim=cfg.model_data.input_dim, image_size=cfg.model_data.image_size,
+                          seq_len=cfg.model_data.seq_len, vocab_size=cfg.model_data.vocab_size, test_fraction=cfg.model_data.test_fraction,
+                          seed=cfg.optim.seed)
     dataset = data.train
     g = torch.Generator()
-    tutorial = DataLoader(dataset, batch_size=cfg.batch_size, sampler=RandomSampler(dataset, generator=g))
-    sampler = StepSampler(len(dataset), cfg.batch_size, seed=cfg.seed)
+    tutorial = DataLoader(dataset, batch_size=cfg.optim.batch_size, sampler=RandomSampler(dataset, generator=g))
+    sampler = StepSampler(len(dataset), cfg.optim.batch_size, seed=cfg.optim.seed)
     loaders = {"scaleloop fast path (index_select)": ShardedLoader(dataset, sampler, device,
                                                                      pin_memory=device.type == "cuda")}
     if device.type != "cpu":
@@ -249,7 +249,7 @@ def _data_only(cfg: Any, device: torch.device, opts: OverheadOptions, say: Say) 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def tutorial_epoch(epoch: int) -> float:
-        g.manual_seed(cfg.seed + epoch)
+        g.manual_seed(cfg.optim.seed + epoch)
         sync()
         start = time.perf_counter()
         for sample in tutorial:
@@ -267,7 +267,7 @@ def _data_only(cfg: Any, device: torch.device, opts: OverheadOptions, say: Say) 
         return time.perf_counter() - start
 
     # The same batches: the tutorial's RandomSampler, seeded per epoch, draws StepSampler's permutation.
-    g.manual_seed(cfg.seed)
+    g.manual_seed(cfg.optim.seed)
     ours = ShardedLoader(dataset, sampler, torch.device("cpu"))
     same = all(_equal(split(a, ours.keep_target), (b[0], b[1])) for a, b in zip(tutorial, ours))
     names = ["tutorial DataLoader(shuffle=True)", *loaders]
@@ -289,7 +289,7 @@ def _data_only(cfg: Any, device: torch.device, opts: OverheadOptions, say: Say) 
         Column("path", "data path"), Column("median_ms", "median ms/epoch", lambda v: f"{v:.1f}"),
         Column("per_batch_us", "us/batch", lambda v: f"{v:.1f}"), Column("spread", "spread (max-min)/median", _fmt_pct),
         Column("speedup", "speed-up", lambda v: f"{v:.1f}x")], rows,
-        f"{repeats} repetitions of one epoch ({len(dataset):,} samples, {batches} batches of {cfg.batch_size}) onto "
+        f"{repeats} repetitions of one epoch ({len(dataset):,} samples, {batches} batches of {cfg.optim.batch_size}) onto "
         f"{device.type}; identical batches (indices and tensors) from both: {'yes' if same else 'NO'}.")
     return {"table": table, "data": {"rows": rows, "identical_batches": same, "speedup": rows[1]["speedup"],
                                      "seconds": {n: s for n, s in stats.items()}}}

@@ -48,7 +48,7 @@ def raw_train(cfg: TrainConfig, device: torch.device, data_path: str = "gather")
 
     Batches are what the user's dataset gives, read by the one input rule of
     ``scaleloop.data.batch`` (``(x, y)``, ``(x1, ..., xk, y)`` or a mapping with ``labels``) and
-    the loss by the one output rule of ``scaleloop.loop.tasks`` (a tensor, a tuple, a mapping or
+    the loss by the one output rule of ``scaleloop.loop.losses`` (a tensor, a tuple, a mapping or
     object with ``logits``, or the model's own ``loss``): the same calls a hand-written loop
     over such a model makes, so the comparison still measures only the loop around them.
     ``gather`` needs a dataset held in memory (``TensorDataset``, ``DictTensorDataset``).
@@ -57,16 +57,16 @@ def raw_train(cfg: TrainConfig, device: torch.device, data_path: str = "gather")
 
     run = _build(cfg, device, data_path)
     model, optimizer, loss_fn, to_device, keep = run.model, run.optimizer, run.loss_fn, run.to_device, run.keep
-    n, batch = len(run.train), cfg.batch_size
+    n, batch = len(run.train), cfg.optim.batch_size
     model.train()
     if data_path == "dataloader":
         return _tutorial_loop(cfg, device, run)
     train_s, samples = 0.0, 0
     epoch_loss = torch.zeros((), device=device)
-    for epoch in range(cfg.epochs):
+    for epoch in range(cfg.optim.epochs):
         epoch_loss.zero_()
         start = time.perf_counter()   # drawing the epoch's order is timed, as in scaleloop's loader
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch))
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.optim.seed + epoch))
         for i in range(0, n, batch):
             idx = order[i:i + batch]
             x, y = split(to_device(take(run.columns, idx)), keep)
@@ -96,32 +96,31 @@ def _build(cfg: TrainConfig, device: torch.device, data_path: str) -> _RawRun:
     from scaleloop.data.batch import keeps_target, tensors_of
     from scaleloop.data.datasets import build_datasets
     from scaleloop.errors import UsageError
-    from scaleloop.loop.build import build_optimizer, seed_everything
-    from scaleloop.loop.speed import speed_up_model
-    from scaleloop.loop.tasks import resolve_loss
+    from scaleloop.loop.build import build_optimizer, seed_everything, speed_up_model
+    from scaleloop.loop.losses import resolve_loss
     from scaleloop.models import build_model
 
     if data_path not in DATA_PATHS:
         raise ValueError(f"data_path must be one of {DATA_PATHS}, got {data_path!r}")
     # The same construction, in the same order, as scaleloop.loop.training.train: identical initial
     # weights and data. The loss is scaleloop's, since it only picks the task's loss.
-    seed_everything(cfg.seed)
-    data = build_datasets(cfg.data, n_samples=cfg.n_samples, input_dim=cfg.input_dim, image_size=cfg.image_size,
-                          seq_len=cfg.seq_len, vocab_size=cfg.vocab_size, test_fraction=cfg.test_fraction,
-                          seed=cfg.seed)
-    model = build_model(cfg.model, data.info, hidden_dim=cfg.hidden_dim).to(device)
+    seed_everything(cfg.optim.seed)
+    data = build_datasets(cfg.model_data.data, n_samples=cfg.model_data.n_samples, input_dim=cfg.model_data.input_dim, image_size=cfg.model_data.image_size,
+                          seq_len=cfg.model_data.seq_len, vocab_size=cfg.model_data.vocab_size, test_fraction=cfg.model_data.test_fraction,
+                          seed=cfg.optim.seed)
+    model = build_model(cfg.model_data.model, data.info, hidden_dim=cfg.model_data.hidden_dim).to(device)
     speed_up_model(model, cfg, device)   # --channels-last on the weights; checks that --compile can work
     optimizer = build_optimizer(cfg, model.parameters(), model=model)
-    if cfg.compile:
+    if cfg.parallel.compile:
         model.compile()   # in place, as scaleloop's run does: same graph, same kernels
-    to_device = _mover(device, cfg.channels_last)
-    torch.manual_seed(cfg.seed)
+    to_device = _mover(device, cfg.model_data.channels_last)
+    torch.manual_seed(cfg.optim.seed)
     columns = tensors_of(data.train)
     if columns is None and data_path == "gather":
         raise UsageError(f"bench overhead's raw loop gathers batches from tensors held in memory, and --data "
-                         f"{cfg.data!r} is a {type(data.train).__name__}; compare the DataLoader paths with "
+                         f"{cfg.model_data.data!r} is a {type(data.train).__name__}; compare the DataLoader paths with "
                          "--mode datapath")
-    return _RawRun(model, optimizer, resolve_loss(cfg.loss, data.info), to_device, data.train, columns,
+    return _RawRun(model, optimizer, resolve_loss(cfg.model_data.loss, data.info), to_device, data.train, columns,
                    keeps_target(model, data.train))
 
 
@@ -134,10 +133,10 @@ def _tutorial_loop(cfg: TrainConfig, device: torch.device, run: _RawRun) -> RawR
     model, optimizer, loss_fn, to_device, keep = run.model, run.optimizer, run.loss_fn, run.to_device, run.keep
     n, train_s, samples = len(run.train), 0.0, 0
     shuffle = torch.Generator()
-    loader = DataLoader(run.train, batch_size=cfg.batch_size, sampler=RandomSampler(run.train, generator=shuffle))
+    loader = DataLoader(run.train, batch_size=cfg.optim.batch_size, sampler=RandomSampler(run.train, generator=shuffle))
     running_loss = 0.0
-    for epoch in range(cfg.epochs):
-        shuffle.manual_seed(cfg.seed + epoch)
+    for epoch in range(cfg.optim.epochs):
+        shuffle.manual_seed(cfg.optim.seed + epoch)
         running_loss = 0.0
         start = time.perf_counter()
         for sample in loader:

@@ -354,7 +354,7 @@ class Checkpointer:
     # --- restore ----------------------------------------------------------------------------
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, *,
                 restarting: bool) -> Optional[Resumed]:
-        """Find, verify and load the checkpoint that ``cfg.resume`` names (None: fresh start)."""
+        """Find, verify and load the checkpoint that ``cfg.checkpointing.resume`` names (None: fresh start)."""
         self.wait()   # a checkpoint still being written is one to choose from
         strategy = self.strategy
         env = strategy.env

@@ -276,7 +276,7 @@ def _workload(args: argparse.Namespace, device: str) -> Any:
 
 def _check_names(workload: Any) -> None:
     """Unknown model or dataset names fail here, in one line, before any process starts."""
-    from scaleloop.loop.preflight import preflight
+    from scaleloop.launching.preflight import preflight
 
     preflight(workload.to_config())
 

@@ -1,7 +1,7 @@
 """``scaleloop sample RUN_DIR --prompt TEXT``: text from the language model a finished run trained.
 
 Flags only: the model, its weights and its vocabulary come from the run directory
-(``scaleloop.loop.sampling``, which is also ``scaleloop.sample``). Torch is imported inside
+(``scaleloop.sampling``, which is also ``scaleloop.sample``). Torch is imported inside
 :func:`run`, so that ``scaleloop --help`` stays fast.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from scaleloop.loop.sampling import sample
+    from scaleloop.sampling import sample
 
     texts = sample(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, seed=args.seed, num_samples=args.num_samples, tokenizer=args.tokenizer,

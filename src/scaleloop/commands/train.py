@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         result = launch_train(config_for_resume(file_values, flags), given=typed)
         # A run with nothing left to train has said so in its one line: no summary of no steps.
         if result is not None and not result.nothing_left:
-            from scaleloop.loop.summary import format_result
+            from scaleloop.loop.text import format_result
 
             print(format_result(result))
     return 0

@@ -8,7 +8,7 @@ from scaleloop.commands.cmdline import add_config_flags, flag_values, help_tiers
 from scaleloop.config import TrainConfig, common_fields, load_toml, resolve
 
 if TYPE_CHECKING:
-    from scaleloop.loop.tune import TuneReport
+    from scaleloop.plan.tune import TuneReport
 
 
 def register(subparsers: Any) -> None:
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
 def tune_batch_command(cfg: Any) -> str:
     """Run the search for ``cfg`` and return the report to print."""
-    from scaleloop.loop.tune import tune_batch
+    from scaleloop.plan.tune import tune_batch
 
     return format_report(cfg, tune_batch(cfg))
 

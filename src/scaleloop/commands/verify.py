@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     """Execute ``scaleloop verify``: 0 if every check passed, 1 if one failed (UsageError: bad input;
     Interrupted: Ctrl-C)."""
     cfg, opts = resolve_verify(args)
-    from scaleloop.loop.preflight import preflight
+    from scaleloop.launching.preflight import preflight
     from scaleloop.verify.command import verify
 
     preflight(cfg)

@@ -129,7 +129,7 @@ class OptimSettings:
 class EvalSettings:
     """When the trainer evaluates and on what: every ``eval_every`` steps besides each epoch's end,
     on a fixed sample of ``eval_batches`` batches (None: the whole test set), and with
-    ``eval_train`` on a sample of the training set too (``scaleloop.loop.evaluations``)."""
+    ``eval_train`` on a sample of the training set too (``scaleloop.loop.evaluation``)."""
 
     eval_every: Optional[int] = _output(None, "also evaluate every N optimizer steps (at global steps N, 2N, ...), "
                                         "an eval row in metrics.csv each time (default: at epoch ends only)")

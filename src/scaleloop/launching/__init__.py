@@ -1,6 +1,7 @@
 """Starting workers and reading how they ended: the floor between the commands and the trainer.
 
 - ``launcher``: ``scaleloop train`` behind its flags: train here, or start the workers under torchrun.
+- ``preflight``: the checks done once before N workers start, without torch for the common settings.
 - ``torchrun``: the workers' launch as settings (``WorkerLaunch``), and the torchrun commands made from them.
 - ``supervisor``: the one way train, verify and bench start workers: torchrun watched, stop signals
   passed on, the exit code and the failure report.

@@ -212,7 +212,7 @@ def _failed_here(run_dir: Path, cfg: TrainConfig, exc: BaseException) -> Excepti
 
 def _launch_workers(cfg: TrainConfig) -> None:
     """Start ``cfg.world_size`` workers under torchrun and wait for them."""
-    from scaleloop.loop.preflight import preflight
+    from scaleloop.launching.preflight import preflight
     from scaleloop.checkpoint.resume import run_dir_for
     from scaleloop.checkpoint.claim import claim_run_dir
     from scaleloop.launching.jobs import without_job_variables
@@ -345,7 +345,7 @@ def _machine_ranks(cfg: TrainConfig) -> Optional[list[int]]:
 
 def _record_usage_error(run_dir: Path, message: str, since: float) -> None:
     """``failure.json`` for the workers' bad input, for ``scaleloop doctor``, unless a rank's loop
-    recorded how this launch ended already (with its kind, rank, epoch and step: ``loop.ending``;
+    recorded how this launch ended already (with its kind, rank, epoch and step: ``loop.pauses``;
     a divergence is one): that record, written since ``since``, says more than this one."""
     from scaleloop.output.endings import FAILURE_FILE
 

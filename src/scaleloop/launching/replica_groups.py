@@ -46,7 +46,7 @@ def launch_groups(cfg: TrainConfig) -> Optional[Failure]:
     """Start the lighthouse and ``cfg.replica_groups`` group launchers of ``cfg.nproc / N`` processes each
     on this machine, and wait for them; what went wrong when a group failed (None: all finished)."""
     from scaleloop.checkpoint.resume import run_dir_for
-    from scaleloop.loop.preflight import preflight
+    from scaleloop.launching.preflight import preflight
     from scaleloop.output.rundir import default_run_dir, is_run_dir, write_atomic
 
     preflight(cfg)

@@ -138,12 +138,12 @@ class WorkerLaunch:
 
 def meeting_of(cfg: TrainConfig) -> Meeting:
     """Where ``cfg``'s machines meet: its rendezvous, its master address, or this machine alone."""
-    if cfg.rdzv_endpoint:
-        host, port = split_endpoint(cfg.rdzv_endpoint)
-        return C10dRendezvous(cfg.rdzv_endpoint, cfg.rdzv_id, rdzv_conf(cfg.rdzv_conf, host),
-                              cfg.local_addr or route_address(host, port))
-    if cfg.master_addr:
-        return StaticMaster(cfg.master_addr, cfg.master_port, cfg.node_rank)
+    if cfg.launch.rdzv_endpoint:
+        host, port = split_endpoint(cfg.launch.rdzv_endpoint)
+        return C10dRendezvous(cfg.launch.rdzv_endpoint, cfg.launch.rdzv_id, rdzv_conf(cfg.launch.rdzv_conf, host),
+                              cfg.launch.local_addr or route_address(host, port))
+    if cfg.launch.master_addr:
+        return StaticMaster(cfg.launch.master_addr, cfg.launch.master_port, cfg.launch.node_rank)
     return Standalone()
 
 
@@ -151,14 +151,14 @@ def launch_for(cfg: TrainConfig, module: str, argv: Sequence[str] = (), *, logs:
                launch_id: str = "launch", entry: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
                python: str = sys.executable) -> WorkerLaunch:
     """The launch of ``cfg``'s workers per node, each running ``module`` with ``argv``."""
-    return WorkerLaunch(nproc=cfg.nproc, module=module, argv=tuple(argv), logs=logs, launch_id=launch_id,
-                        nnodes=cfg.nnodes, min_nnodes=cfg.min_nnodes if cfg.elastic else None,
-                        max_restarts=cfg.max_restarts, meeting=meeting_of(cfg), entry=entry, env=env,
+    return WorkerLaunch(nproc=cfg.launch.nproc, module=module, argv=tuple(argv), logs=logs, launch_id=launch_id,
+                        nnodes=cfg.launch.nnodes, min_nnodes=cfg.launch.min_nnodes if cfg.elastic else None,
+                        max_restarts=cfg.launch.max_restarts, meeting=meeting_of(cfg), entry=entry, env=env,
                         python=python)
 
 
 def torchrun_command(cfg: TrainConfig, argv: Sequence[str], python: str = sys.executable) -> list[str]:
-    """The torchrun command line that runs ``scaleloop <argv>`` in ``cfg.nproc`` workers per node."""
+    """The torchrun command line that runs ``scaleloop <argv>`` in ``cfg.launch.nproc`` workers per node."""
     return launch_for(cfg, "scaleloop", argv, python=python).plain_command()
 
 
@@ -172,9 +172,9 @@ FLIGHT_RECORDER_PREFIX = "nccl-trace-rank-"
 def uses_cuda(cfg: TrainConfig) -> bool:
     """Whether the workers may run on CUDA (and so talk over NCCL): asked for, or ``--device auto``
     on a machine with an NVIDIA driver. Decided without torch: the launcher does not import it."""
-    if cfg.backend == "nccl" or cfg.device.startswith("cuda"):
+    if cfg.launch.backend == "nccl" or cfg.launch.device.startswith("cuda"):
         return True
-    if cfg.device != "auto" or cfg.backend == "gloo":
+    if cfg.launch.device != "auto" or cfg.launch.backend == "gloo":
         return False
     return os.path.exists(NVIDIA_CONTROL_DEVICE)
 
@@ -194,20 +194,25 @@ def workers_env(cfg: TrainConfig, logs: Path, environ: Optional[Mapping[str, str
     # end before SIGKILL. Set as torchrun's own variables: the flags are not in every torch >= 2.11.
     # Not SIGHUP: a closing terminal's SIGHUP reaches the launcher, which passes it on as SIGUSR1
     # (scaleloop.runtime.preempt); torchrun's agent ignores it (scaleloop.launching.agent).
-    signals = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGQUIT", "SIGUSR1", signal_number(cfg.signal).name]))
+    signals = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGQUIT", "SIGUSR1", signal_number(cfg.launch.signal).name]))
     for key in ("PET_SIGNALS_TO_HANDLE", "TORCHELASTIC_SIGNALS_TO_HANDLE"):
         env.setdefault(key, signals)
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
-    if cfg.rdzv_endpoint:
+    if cfg.launch.rdzv_endpoint:
         # With the store shared between the agents and the workers (torch's default), a machine
         # that is not the new rank 0 after rank 0's machine is lost keeps the dead machine's store
         # address, and the restarted group cannot form. Unshared, each round's rank 0 hosts a fresh one.
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if cfg.replica_groups > 1 and cfg.replica_group is not None and cfg.lighthouse:
+    if cfg.launch.replica_groups > 1 and cfg.launch.replica_group is not None and cfg.launch.lighthouse:
         # torchft's own names for the group's place (torchtitan's workers read them too).
-        env.update(REPLICA_GROUP_ID=str(cfg.replica_group), NUM_REPLICA_GROUPS=str(cfg.replica_groups),
-                   TORCHFT_LIGHTHOUSE=f"http://{cfg.lighthouse}")
+        env.update(REPLICA_GROUP_ID=str(cfg.launch.replica_group), NUM_REPLICA_GROUPS=str(cfg.launch.replica_groups),
+                   TORCHFT_LIGHTHOUSE=f"http://{cfg.launch.lighthouse}")
         env.setdefault("RUST_LOG", "warn")   # torchft's manager logs every quorum and commit at info
+        # torchft's Manager finds its group's rank-0 manager through the store at MASTER_ADDR:MASTER_PORT,
+        # under keys of its own: in torchrun's shared store they outlive a restart, and a restarted rank
+        # other than 0 could take the dead manager's address and wait on it. Unshared, each attempt's
+        # rank 0 hosts a fresh store.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if uses_cuda(cfg):
         for key, value in flight_recorder_env(logs).items():
             env.setdefault(key, value)

@@ -207,8 +207,8 @@ def profiler_for(inner: Observer, run: Any, run_dir: Optional[Path], say: Log, s
     directory is rank 0's run directory (told to every rank, a collective); ``start_step``: the
     steps a resumed run took before."""
     base = broadcast_object(str(run_dir) if run_dir is not None else ".", run.env)
-    about = dict(strategy=run.strategy.name, device=str(run.env.device), model=run.cfg.model)
-    profiler = Profiler(Path(base) / PROFILE_DIR, run.env, run.cfg.profile, inner=inner, say=say,
+    about = dict(strategy=run.strategy.name, device=str(run.env.device), model=run.cfg.model_data.model)
+    profiler = Profiler(Path(base) / PROFILE_DIR, run.env, run.cfg.output.profile, inner=inner, say=say,
                         auto_data=True, about=about)
     profiler.start_step = start_step
     return profiler

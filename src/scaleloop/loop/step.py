@@ -20,7 +20,7 @@ calls itself), so that no step is lost; the optimizer and the schedule step once
 Whoever watches a step (the trainer's clock, ``verify``'s recorder, ``bench``'s timers) passes an
 :class:`Observer`; its methods are called at fixed points of the step and change nothing in it.
 
-Over -100 padding (``Run.count``, ``loop.padding``) each micro-batch's real targets are counted
+Over -100 padding (``Run.count``, ``loop.losses``) each micro-batch's real targets are counted
 too, and once per step, after the last backward and before clipping, the count is summed over
 the ranks and the gradients and the step's losses are weighted by it, so that the step is the
 mean over its real targets. That is why the losses are handed back only after the update.
@@ -34,7 +34,7 @@ import torch
 from scaleloop.data.batch import call_model
 from scaleloop.data.loader import Batch
 from scaleloop.loop.build import Run
-from scaleloop.loop.tasks import LossFn
+from scaleloop.loop.losses import LossFn
 from scaleloop.strategies.base import clip_gradients, weighted
 
 
@@ -75,7 +75,7 @@ def train_step(run: Run, micro_batches: list[Batch], watch: Observer,
     fp16), on the device; None when neither clipping nor ``norm`` asked for it.
     """
     model, strategy, optimizer, count = run.model, run.strategy, run.optimizer, run.count
-    precision, clip = strategy.precision, run.cfg.clip_grad
+    precision, clip = strategy.precision, run.cfg.optim.clip_grad
     loss_fn = _watched(count.checked(run.loss_fn) if count is not None else run.loss_fn, watch)
     losses: list[Optional[torch.Tensor]] = []
     strategy.begin_step(micro_batches[0])   # replica groups meet here (strategies.fault_tolerant)

@@ -17,11 +17,9 @@ from scaleloop.checkpoint.manager import Checkpointer, Progress, Resumed
 from scaleloop.checkpoint.resume import run_dir_for
 from scaleloop.data.loader import Batch
 from scaleloop.loop.build import Run
-from scaleloop.loop.health import Row, check_health, reduce_window
-from scaleloop.loop.pauses import Pauses
-from scaleloop.loop.stop_vote import StopVote
-from scaleloop.loop.result import RunResult, finish
-from scaleloop.loop.running_loss import RunningLoss
+from scaleloop.loop.pauses import Pauses, StopVote
+from scaleloop.loop.result import RunResult, RunningLoss, finish
+from scaleloop.loop.rows import Row, check_health, reduce_window
 from scaleloop.loop.step import Observer, steps_of, train_step
 from scaleloop.loop.text import Log, announce, bar_postfix, nothing_left, progress_bar
 from scaleloop.output.memory import gradient_bytes
@@ -61,13 +59,13 @@ class Trainer(Observer):
         self.run_dir, self.resumed = run_dir, resumed
         at = self.at = resumed.progress if resumed is not None else Progress()
         self.metrics: Optional[MetricsLogger] = (
-            MetricsLogger(run_dir, tensorboard=cfg.tensorboard, tracker=cfg.tracker, config=cfg,
+            MetricsLogger(run_dir, tensorboard=cfg.output.tensorboard, tracker=cfg.output.tracker, config=cfg,
                           keep_until_step=at.global_step if resumed is not None or restart_count() > 0 else None)
             if run_dir is not None else None)
         self.result = RunResult(run_dir=run_dir, steps=at.global_step, samples=at.samples, train_s=at.train_s,
                                 epochs=at.epoch, skipped_steps=at.skipped_steps, started=started,
                                 step_lr=run.optimizer.param_groups[0]["lr"], skipped_before=at.skipped_steps,
-                                window_from=at.log_window_from(cfg.log_every), out=run_dir or run_dir_for(cfg))
+                                window_from=at.log_window_from(cfg.output.log_every), out=run_dir or run_dir_for(cfg))
         self.running = RunningLoss()  # loss x samples and samples, of the epoch and of the log window
         if resumed is not None:
             self.running.load(resumed.sums)
@@ -82,12 +80,12 @@ class Trainer(Observer):
         self.pauses = Pauses(run, self.result, self.running, checkpointer, self.emit, self.metrics, say)
         self.pauses.on_checkpoint = on_checkpoint
         self.recovery: Optional[Recovery] = None   # a fault's recovery, reported after the first step
-        self.vote: Optional[StopVote] = None       # the preemption stop vote (loop/stop_vote.py), from fit on
+        self.vote: Optional[StopVote] = None       # the preemption stop vote (loop/pauses.py), from fit on
         #: Who watches train_step: the trainer itself, or with --profile a profiler that passes each
         #: call on to it (``loop.profiler``; off, nothing of it is imported and nothing added per step).
         self.watch: Observer = self
         self.profiler: Optional["Profiler"] = None
-        if cfg.profile:
+        if cfg.output.profile:
             from scaleloop.loop.profiler import profiler_for
             self.profiler = profiler_for(self, run, run_dir or self.result.out, say, start_step=at.global_step)
             self.watch = self.profiler
@@ -112,17 +110,17 @@ class Trainer(Observer):
             self.say(evaluations)
         done = result.nothing_left = nothing_left(cfg, at, self.say)
         self.recovery = recovery
-        vote = self.vote = StopVote(self.env, cfg.signal, torchrun_worker=launched_by_torchrun())
+        vote = self.vote = StopVote(self.env, cfg.launch.signal, torchrun_worker=launched_by_torchrun())
         self.run.model.train()
         try:
-            for epoch in range(at.epoch, cfg.epochs):
+            for epoch in range(at.epoch, cfg.optim.epochs):
                 if done:
                     break
                 done = self.train_epoch(epoch, at.step_in_epoch if epoch == at.epoch else 0)
             self.pauses.finish_write()   # the last checkpoint, if written in the background, is whole
             if vote.stopped_after is not None:  # the checkpoint is written: end with how to continue
-                raise vote.preempted(result.out, self.checkpointer.last_step, checkpoints=cfg.checkpoints,
-                                     machines=cfg.nnodes, requeue_job=cfg.requeue)
+                raise vote.preempted(result.out, self.checkpointer.last_step, checkpoints=cfg.checkpointing.checkpoints,
+                                     machines=cfg.launch.nnodes, requeue_job=cfg.launch.requeue)
         except RunDirWriteError as exc:  # rank 0's own files (metrics.csv): add where the run can go on from
             self.checkpointer.wait_alone()
             note_where(exc, epoch=result.epochs + 1, step=result.steps + 1, during=self.pauses.doing)
@@ -153,8 +151,8 @@ class Trainer(Observer):
         if first_step == 0:
             self.running.new_epoch()
         in_epoch, done = first_step, False
-        bar = progress_bar(sampler.steps_per_epoch, first_step, f"epoch {epoch + 1}/{cfg.epochs}",
-                           cfg.progress and self.env.is_main)
+        bar = progress_bar(sampler.steps_per_epoch, first_step, f"epoch {epoch + 1}/{cfg.optim.epochs}",
+                           cfg.output.progress and self.env.is_main)
         # The clock waits for the GPU (device_clock): it runs behind the loop, and a time read
         # with steps still queued makes samples/s look better than it is. Free on the CPU.
         epoch_start = window_start = device_clock(self.env.device)
@@ -162,7 +160,7 @@ class Trainer(Observer):
         self.restart_clock()
         for micro_batches in steps_of(run.loader):
             result.step_lr = run.optimizer.param_groups[0]["lr"]   # the learning rate this step uses
-            logs = (result.steps + 1) % cfg.log_every == 0   # a log row after this step: it shows the norm
+            logs = (result.steps + 1) % cfg.output.log_every == 0   # a log row after this step: it shows the norm
             losses, grad_norm = train_step(run, micro_batches, self.watch, norm=logs)   # watched (below)
             result.steps += 1
             if grad_norm is not None:
@@ -178,11 +176,11 @@ class Trainer(Observer):
             window_samples += where.step_samples
             if bar is not None:
                 bar.update(1)
-            if result.steps % cfg.log_every == 0:
+            if result.steps % cfg.output.log_every == 0:
                 window_start = self.log_row(epoch, window_samples, window_start, bar)
                 window_samples = 0
             # Every rank ends at --max-steps, or where the stop vote says so (the same step on all).
-            if ((cfg.max_steps is not None and result.steps >= cfg.max_steps)
+            if ((cfg.optim.max_steps is not None and result.steps >= cfg.optim.max_steps)
                     or (self.vote is not None and self.vote.after_step(result.steps))):
                 done = True
                 break
@@ -202,7 +200,7 @@ class Trainer(Observer):
         returns the new window's start. ``window_samples`` trained since ``window_start``.
 
         The same all-reduce gathers each rank's own time, first non-finite step and fp16 skipped
-        steps (``scaleloop.loop.health``), which the health checks read (``loop.health``).
+        steps (``scaleloop.loop.rows``), which the health checks read (``loop.rows``).
         """
         run, result, running = self.run, self.result, self.running
         # The window's loss began after window_from, before a resume perhaps; its clock, in this process.
@@ -217,7 +215,7 @@ class Trainer(Observer):
         if self.grad_norm is not None:   # the last step's, before clipping (the same on every rank)
             values["grad_norm"] = float(self.grad_norm)
             self.grad_norm = None
-        # Token data: tokens/s, and MFU where the device's peak is known (loop.throughput).
+        # Token data: tokens/s, and MFU where the device's peak is known (loop.rows).
         counted = run.count.take_targets() if run.count is not None else None
         values.update(run.throughput.values(run.throughput.tokens(window_samples, counted), now - window_start))
         if skipped is not None:

@@ -54,7 +54,7 @@ METRIC_COLUMNS: tuple[str, ...] = (
     # Added after the others (older readers of the file find their columns where they were).
     "train_eval_loss",
     "grad_norm",   # the log row's step: the whole gradient's norm before clipping
-    "tokens_per_s",   # step rows of token data: tokens trained on per second, all ranks (loop.throughput)
+    "tokens_per_s",   # step rows of token data: tokens trained on per second, all ranks (loop.rows)
     "mfu",            # ... and the model FLOPs utilisation, a fraction, where the device's peak is known
 )
 

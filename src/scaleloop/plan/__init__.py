@@ -15,6 +15,8 @@ Small modules, bottom up:
 - ``timing``     a layout's step time: compute at a stated MFU, communication over the links, the host's work
 - ``report``     the ranked table, the recommendation with its ``scaleloop train`` line, why the others lost
 - ``planner``    all of it for one model and target (what ``scaleloop plan`` prints)
+- ``tune``       the largest per-device batch that fits, found by trying real steps (``scaleloop tune-batch``,
+                 ``scaleloop.find_max_batch``)
 
 The plan's check against CPU measurements and published figures is repository tooling, outside
 the package: ``tools/plan_validate``.

@@ -18,4 +18,6 @@ Nothing here starts a process or reads the config; every floor above may use it.
 - ``recovery``: an elastic job's recovery from a fault, timed from what each attempt leaves behind.
 - ``exiting``: a process's end, without the interpreter's last garbage collection over torch's objects.
 - ``collector``: the garbage collector paused while torch is imported and a run is built.
+- ``startwatch``: a slow start-up step (reading the data, building the model, ...) says which it is
+  and where it runs.
 """

@@ -4,7 +4,7 @@
 checkpoints, verify and bench use to agree across ranks. The rest says which samples this
 rank evaluates and puts the results together.
 
-``scaleloop.loop.evaluate`` uses these for loss and accuracy; they are public for your own metrics
+``scaleloop.loop.evaluation`` uses these for loss and accuracy; they are public for your own metrics
 (F1, AUC, per-class counts, predictions written to disk), which need every sample exactly once:
 
     mine = shard_indices(len(test_set), env)              # contiguous block, no padding

@@ -5,7 +5,7 @@ A scheduler takes a machine back with a signal and a grace period before ``SIGKI
 *listens*: a signal handler notes which signal came (and calls the callbacks given, e.g. a worker
 muting its console) and returns at once, so the training step in progress is never cut. The loop
 asks at each optimizer step's end whether a stop was requested and all ranks agree there
-(``scaleloop.loop.stop_vote``), then write one checkpoint together and end with :class:`Preempted`.
+(``scaleloop.loop.pauses``), then write one checkpoint together and end with :class:`Preempted`.
 
 Which signals mean "stop after this step" (:func:`stop_signals`):
 

@@ -16,7 +16,7 @@ Modules, one job each (torch is imported only by the ones that train or compare)
 - ``buffers``   which saved tensors are buffers (a tied weight counted once, as a parameter)
 - ``saved``     the step-0 check of every rank's model as built, and the end-of-run check of the saved state
 - ``explain``   one step, rank by rank; ``plot``: the picture of the comparison (``--plot``)
-- ``hashing``, ``dirs``: digests, where files go (the loss is ``loop.tasks.resolve_loss``)
+- ``hashing``, ``dirs``: digests, where files go (the loss is ``loop.losses.resolve_loss``)
 
 For your own loop, ``scaleloop.verify.data.coverage`` and ``distributed_sampler_coverage``
 audit any sampler's index lists, and ``scaleloop.verify.sync.check_sync`` compares replicas.

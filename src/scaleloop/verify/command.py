@@ -48,8 +48,7 @@ from scaleloop.verify.dirs import (CONFIG_FILE, OPTIONS_FILE, distributed_dir, l
                                    states_dir)
 from scaleloop.verify.launch import failure_report, start_workers, worker_errors
 from scaleloop.verify.lockstep import StateLoader, StateSaver, saved_steps
-from scaleloop.loop.padding import counting_for
-from scaleloop.loop.tasks import resolve_loss
+from scaleloop.loop.losses import counting_for, resolve_loss
 from scaleloop.verify.options import VerifyOptions
 from scaleloop.verify.probes import Probes, run_probes, sample_draws, unsynced_batchnorm
 from scaleloop.verify.recorder import RECORD_FILE, Recorder, step_file
@@ -104,20 +103,20 @@ def verify(cfg: TrainConfig, opts: VerifyOptions, say: Say = print) -> int:
     with _report_root(opts.report) as root:
         (root / CONFIG_FILE).write_text(to_toml(cfg), encoding="utf-8")
         opts.write(root / OPTIONS_FILE)
-        device = resolve_device(cfg.device, cfg.nproc)  # as its workers choose (auto: CPU if GPUs are too few)
-        if cfg.strategy == "dp":
+        device = resolve_device(cfg.launch.device, cfg.launch.nproc)  # as its workers choose (auto: CPU if GPUs are too few)
+        if cfg.parallel.strategy == "dp":
             build_strategy(ParallelSettings(strategy="dp"), DistEnv(device=device))  # says what to do instead when there are no GPUs
         data, model = build_data_and_model(cfg)
         if isinstance(data.train, IterableDataset):
-            raise UsageError(f"--data {cfg.data!r} is a stream (an IterableDataset): scaleloop verify replays "
+            raise UsageError(f"--data {cfg.model_data.data!r} is a stream (an IterableDataset): scaleloop verify replays "
                              "each rank's samples by index, so it needs a map-style dataset; train the stream "
                              "with scaleloop train (docs/streaming.md)")
         # BatchNorm sees micro-batches, so the reference must accumulate as the distributed run
         # does (micro-step k covers the same samples for any number of ranks); otherwise one
         # process takes the whole global batch at once, the plainest meaning of "the same training".
         # A pipeline cuts each micro-step further into --microbatches pieces, which BatchNorm sees.
-        pieces = cfg.accumulate * (cfg.microbatches if _pipeline(cfg) else 1)
-        ref_accumulate = pieces if unsynced_batchnorm(model) or cfg.sync_batchnorm else 1
+        pieces = cfg.parallel.accumulate * (cfg.parallel.microbatches if _pipeline(cfg) else 1)
+        ref_accumulate = pieces if unsynced_batchnorm(model) or cfg.parallel.sync_batchnorm else 1
         session = Session(cfg, opts, root, say, device, data, model, _world(cfg), ref_accumulate)
         _header(session)
         reference, code = _run_both(session)
@@ -159,7 +158,7 @@ def _replicas(cfg: TrainConfig) -> int:
 
 
 def _world(cfg: TrainConfig) -> int:
-    if cfg.strategy == "dp":
+    if cfg.parallel.strategy == "dp":
         return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
     return cfg.world_size
 
@@ -170,25 +169,25 @@ def _load(path: Path) -> Optional[dict[str, Any]]:
 
 def _header(s: Session) -> None:
     cfg = s.cfg
-    s.say(f"verify: {cfg.model} on {s.data.info.name} ({len(s.data.train):,} training samples), global batch "
-          f"{cfg.batch_size}, {s.opts.steps} step(s), {cfg.precision}, {cfg.optimizer} lr {cfg.lr:g}, seed {cfg.seed}"
-          + (f", loss {s.cfg.loss}" if s.cfg.loss else ""))
+    s.say(f"verify: {cfg.model_data.model} on {s.data.info.name} ({len(s.data.train):,} training samples), global batch "
+          f"{cfg.optim.batch_size}, {s.opts.steps} step(s), {cfg.parallel.precision}, {cfg.optim.optimizer} lr {cfg.optim.lr:g}, seed {cfg.optim.seed}"
+          + (f", loss {s.cfg.model_data.loss}" if s.cfg.model_data.loss else ""))
     if s.opts.needs_reference:
         s.say(f"  reference:   1 process (single), accumulate {s.ref_accumulate}: "
-              f"{cfg.batch_size // s.ref_accumulate} samples per backward")
+              f"{cfg.optim.batch_size // s.ref_accumulate} samples per backward")
     if _pipeline(cfg):
         r = _replicas(cfg)
         copies = f" in {r} replicas" if r > 1 else ""
         share = "all" if r == 1 else "its replica's"
         s.say(f"  distributed: {s.world} processes (pipeline), one stage of the model each{copies}, accumulate "
-              f"{cfg.accumulate}: every stage runs {share} {cfg.batch_size // (r * cfg.accumulate)} samples per "
-              f"backward in {cfg.microbatches} pipeline micro-batch(es)")
+              f"{cfg.parallel.accumulate}: every stage runs {share} {cfg.optim.batch_size // (r * cfg.parallel.accumulate)} samples per "
+              f"backward in {cfg.parallel.microbatches} pipeline micro-batch(es)")
         return
     # --mesh: the batch is split over its dp x fsdp ranks only (a tp group shares its samples).
-    data_ranks = MeshSpec.parse(cfg.mesh).data_parallel if cfg.mesh else s.world
-    s.say(f"  distributed: {s.world} {'GPUs in 1 process' if cfg.strategy == 'dp' else 'processes'} ({cfg.strategy}), "
-          f"accumulate {cfg.accumulate}: {cfg.batch_size // (data_ranks * cfg.accumulate)} samples per rank per "
-          "backward" + (", --sync-batchnorm" if cfg.sync_batchnorm else ""))
+    data_ranks = MeshSpec.parse(cfg.parallel.mesh).data_parallel if cfg.parallel.mesh else s.world
+    s.say(f"  distributed: {s.world} {'GPUs in 1 process' if cfg.parallel.strategy == 'dp' else 'processes'} ({cfg.parallel.strategy}), "
+          f"accumulate {cfg.parallel.accumulate}: {cfg.optim.batch_size // (data_ranks * cfg.parallel.accumulate)} samples per rank per "
+          "backward" + (", --sync-batchnorm" if cfg.parallel.sync_batchnorm else ""))
 
 
 # --- the two runs ------------------------------------------------------------------------
@@ -202,7 +201,7 @@ def _run_both(s: Session) -> tuple[Optional[dict[str, Any]], int]:
     def reference() -> Optional[dict[str, Any]]:
         return _run_reference(s) if s.opts.needs_reference else None
 
-    if s.cfg.strategy == "dp":
+    if s.cfg.parallel.strategy == "dp":
         return reference(), _run_dataparallel(s)
     indent: Say = lambda line: s.say(f"  {line}")
     if s.device.type != "cpu":
@@ -247,7 +246,7 @@ def _run_dataparallel(s: Session) -> int:
                         audit_data="data" in s.opts.checks, check_sync=s.opts.hashes_replicas)
     saver = StateSaver(states_dir(s.root), env) if s.opts.lockstep else None
     try:
-        run_steps(s.cfg, env, RunSpec("dp", s.cfg.accumulate, s.opts.steps), recorder, boundary=saver)
+        run_steps(s.cfg, env, RunSpec("dp", s.cfg.parallel.accumulate, s.opts.steps), recorder, boundary=saver)
     except UsageError:
         raise
     except Exception as exc:
@@ -286,7 +285,7 @@ def _report(s: Session, reference: Optional[dict[str, Any]], code: int, lockstep
     run_dir = distributed_dir(s.root)
     run = _load(run_dir / RECORD_FILE)
     failures = [json.loads(p.read_text(encoding="utf-8")) for p in sorted(run_dir.glob("failure-rank*.json"))]
-    failure = failure_report(s.root, s.cfg, code) if code != 0 and s.cfg.strategy != "dp" else None
+    failure = failure_report(s.root, s.cfg, code) if code != 0 and s.cfg.parallel.strategy != "dp" else None
     if run is None and not failures:
         s.say(f"verdict: FAIL - the worker processes failed (exit code {code}) before recording anything"
               + (_kept(s) if failure is not None else ":"))
@@ -368,7 +367,7 @@ def _equivalence(s: Session, r: Records) -> bool:
     """The step tables (lock-step, which decides, then the free-running trajectory), the models as
     built and the ranks' final copies, the verdict; on failure, the causes."""
     assert r.reference is not None
-    free = tolerance_for(s.cfg.precision, s.opts.tolerance, s.cfg.optimizer, s.cfg.lr)
+    free = tolerance_for(s.cfg.parallel.precision, s.opts.tolerance, s.cfg.optim.optimizer, s.cfg.optim.lr)
     run_losses = r.run["losses"] if r.run else (min(r.failures, key=lambda f: f["rank"]).get("losses") or [])
     trajectory = compare_runs(reference_dir(s.root), distributed_dir(s.root), r.reference["losses"], run_losses,
                               s.opts.steps, free)
@@ -383,10 +382,10 @@ def _equivalence(s: Session, r: Records) -> bool:
     for line in format_table(rows, s.world, tol):
         s.say(line)
     for line in (f"  {tol.describe()}", buffer_line(rows), state_line(rows),
-                 rounding_note(rows, tol, s.cfg.optimizer)):
+                 rounding_note(rows, tol, s.cfg.optim.optimizer)):
         if line:
             s.say(line)
-    passed, verdict = equivalence_verdict(rows, s.opts.steps, s.world, s.cfg.strategy, tol, bool(r.failures),
+    passed, verdict = equivalence_verdict(rows, s.opts.steps, s.world, s.cfg.parallel.strategy, tol, bool(r.failures),
                                           saved.problems(tol), trajectory=trajectory if r.lockstep else None)
     if r.lockstep is not None:
         s.say("  trajectory (shown, not judged): both runs free from the same start, each carrying its own "
@@ -426,7 +425,7 @@ def _draw(s: Session, rows: list[StepDiff], tol: Tolerance) -> None:
 
     try:
         for target in targets:
-            plot_verify(rows, tol, s.world, s.cfg.strategy, target)
+            plot_verify(rows, tol, s.world, s.cfg.parallel.strategy, target)
     except ImportError:
         s.say("  (no picture: --plot needs matplotlib)")
         return
@@ -480,7 +479,7 @@ def _sample_draws(s: Session) -> Optional[str]:
 def _stray_buffers(s: Session, rows: list[StepDiff], saved: SavedState, tol: Tolerance) -> Optional[Cause]:
     """Buffers that ended apart between ranks, or that alone differ from one process's, other than
     the statistics of BatchNorm layers that are not synchronised (named by their own rule)."""
-    batchnorm = [] if s.cfg.sync_batchnorm else [f"{b.split(' (')[0]}." for b in unsynced_batchnorm(s.model)]
+    batchnorm = [] if s.cfg.parallel.sync_batchnorm else [f"{b.split(' (')[0]}." for b in unsynced_batchnorm(s.model)]
     own = lambda name: not any(name.startswith(prefix) for prefix in batchnorm)   # noqa: E731
     between = [n for n in saved.replica_buffers() if own(n)]
     if between:
@@ -498,8 +497,8 @@ def _pieces(s: Session) -> tuple[int, int]:
     replicas), cut into --accumulate micro-steps of --microbatches pieces each.
     """
     if _pipeline(s.cfg):
-        return _replicas(s.cfg), s.cfg.accumulate * s.cfg.microbatches
-    return s.world, s.cfg.accumulate
+        return _replicas(s.cfg), s.cfg.parallel.accumulate * s.cfg.parallel.microbatches
+    return s.world, s.cfg.parallel.accumulate
 
 
 def _data_ranks(s: Session, ranks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -532,8 +531,8 @@ def _probe(s: Session, reference: dict[str, Any]) -> Optional[Probes]:
     groups = piece_groups(len(indices), world, accumulate, s.ref_accumulate)
     model = s.model.to(s.device)
     keep = keeps_target(model, s.data.train, s.data.info.task)
-    counting, _ = counting_for(s.data.info, s.data.train, model, s.cfg.loss, keep)
-    if isinstance(x, dict) and isinstance(y, torch.Tensor) and keep is True and s.cfg.loss is None:
+    counting, _ = counting_for(s.data.info, s.data.train, model, s.cfg.model_data.loss, keep)
+    if isinstance(x, dict) and isinstance(y, torch.Tensor) and keep is True and s.cfg.model_data.loss is None:
         # Keyword inputs to a model computing its own loss from the labels: only that loss is probed.
         key = target_key(first_sample(s.data.train))
         return run_probes(model, resolve_loss(None, s.data.info, given_target=True),
@@ -542,7 +541,7 @@ def _probe(s: Session, reference: dict[str, Any]) -> Optional[Probes]:
     if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
         return None  # the probes cut tensors into pieces; named or several inputs are not probed
     x, y = x.to(s.device), y.to(s.device)
-    return run_probes(model, resolve_loss(s.cfg.loss, s.data.info), x, y, groups, counted=counting is not None)
+    return run_probes(model, resolve_loss(s.cfg.model_data.loss, s.data.info), x, y, groups, counted=counting is not None)
 
 
 def _data(s: Session, r: Records) -> bool:
@@ -561,8 +560,8 @@ def _data(s: Session, r: Records) -> bool:
         s.say("  steps: " + ("each step's samples over all ranks are exactly those 1 process trains on"
                              if not r.step_problems else f"MISMATCH: {r.step_problems[0]}"))
     passed = not mismatches and not r.step_problems
-    dropped = StepSampler(n, s.cfg.batch_size, world_size=data_world, accumulate=s.cfg.accumulate,
-                          drop_last=s.cfg.drop_last).dropped_per_epoch
+    dropped = StepSampler(n, s.cfg.optim.batch_size, world_size=data_world, accumulate=s.cfg.parallel.accumulate,
+                          drop_last=s.cfg.optim.drop_last).dropped_per_epoch
     s.say("coverage: which samples each epoch used, over all ranks"
           + (" (pipeline: stage 0's, which every stage walks)" if _pipeline(s.cfg) else ""))
     for epoch in sorted({m["epoch"] for rank in data_ranks for m in rank["audit"]}):
@@ -572,6 +571,6 @@ def _data(s: Session, r: Records) -> bool:
         passed &= ok
         s.say(line)
     if data_world > 1:
-        s.say(data_check.format_sampler_comparison(n, s.world, s.cfg.seed))
+        s.say(data_check.format_sampler_comparison(n, s.world, s.cfg.optim.seed))
     s.say(f"data verdict: {'PASS' if passed else 'FAIL'}")
     return passed

@@ -66,7 +66,7 @@ def name_causes(cfg: TrainConfig, *, world: int, accumulate: int, step_samples: 
         causes += _model_causes(cfg, probes, world, accumulate, step_samples)
     unused = list(no_grad) or (probes.unused if probes is not None and probes.unused else [])
     # Only DDP without its options mistrains them; every other strategy trains them as one process.
-    if unused and cfg.strategy == "ddp" and not (cfg.find_unused_parameters or cfg.static_graph):
+    if unused and cfg.parallel.strategy == "ddp" and not (cfg.parallel.find_unused_parameters or cfg.parallel.static_graph):
         causes.append(Cause(
             "unused parameters",
             f"{_names(unused)} got no gradient; DDP without --find-unused-parameters never all-reduces them "
@@ -86,9 +86,9 @@ def _model_causes(cfg: TrainConfig, probes: Probes, world: int, accumulate: int,
     """What the probes on the model and its loss name: BatchNorm, randomness, the loss's normalisation."""
     causes: list[Cause] = []
     per_rank = step_samples // max(1, world * accumulate)
-    if probes.batchnorm and not cfg.sync_batchnorm and world > 1:
+    if probes.batchnorm and not cfg.parallel.sync_batchnorm and world > 1:
         fix = ("nn.DataParallel runs BatchNorm on each GPU's chunk and cannot synchronise it; use "
-               "--strategy ddp --sync-batchnorm" if cfg.strategy == "dp" else
+               "--strategy ddp --sync-batchnorm" if cfg.parallel.strategy == "dp" else
                "run with --sync-batchnorm (torch.nn.SyncBatchNorm on CUDA, scaleloop's GlobalBatchNorm on CPU)")
         causes.append(Cause(
             "BatchNorm without SyncBatchNorm",
@@ -228,8 +228,8 @@ def rank_code_cause(ranks: Sequence[int], probes: Optional[Probes]) -> Optional[
 def fallback(cfg: TrainConfig, first_failure: Optional[str]) -> Cause:
     """When no rule applies: where the runs part, and what else to look at."""
     where = f"the runs part at {first_failure}" if first_failure else "the runs part"
-    hint = (f"; under {cfg.precision} rounding differs with the batch split: compare with --precision fp32"
-            if cfg.precision != "fp32" else
+    hint = (f"; under {cfg.parallel.precision} rounding differs with the batch split: compare with --precision fp32"
+            if cfg.parallel.precision != "fp32" else
             "; look for state that differs per rank (rank-dependent code, per-rank buffers) and run --check sync")
     return Cause("no known cause found", where + hint)
 

@@ -46,7 +46,7 @@ def start_workers(cfg: TrainConfig, root: Path, say: Callable[[str], None]) -> I
     ``workers.wait()`` gives how they ended: code 0 when every worker succeeded.
     """
     launch = verify_launch(cfg, root)
-    say(f"launching {cfg.nproc} processes with torchrun: " + " ".join(shlex.quote(c) for c in launch.plain_command()))
+    say(f"launching {cfg.launch.nproc} processes with torchrun: " + " ".join(shlex.quote(c) for c in launch.plain_command()))
     shutil.rmtree(launch.logs, ignore_errors=True)  # a previous report's logs and error files
     (root / FAILURE_FILE).unlink(missing_ok=True)
     launch.logs.mkdir(parents=True)
@@ -67,7 +67,7 @@ def failure_report(root: Path, cfg: TrainConfig, code: int) -> Optional[Failure]
         return None
     ended = LaunchOutcome(verify_launch(cfg, root), code, started=0.0)
     failure = ended.failure(root, continue_line="once fixed, run the same scaleloop verify command again",
-                            timeout_s=cfg.timeout, ranks=range(cfg.world_size), doctor=False)
+                            timeout_s=cfg.launch.timeout, ranks=range(cfg.world_size), doctor=False)
     failure.write(root)
     return failure
 

@@ -19,7 +19,7 @@ from torch import nn
 from scaleloop.data.batch import call_model
 from scaleloop.data.datasets import IGNORE_INDEX
 from scaleloop.strategies.syncbn import GlobalBatchNorm
-from scaleloop.loop.tasks import LossFn, own_loss, prediction_of
+from scaleloop.loop.losses import LossFn, own_loss, prediction_of
 from scaleloop.verify.hashing import digest
 
 
@@ -317,7 +317,7 @@ class Probes:
     unused: Optional[list[str]]
     coupling: Optional[float]
     loss: Optional[LossSplit]
-    #: The model's own loss over -100 padding, where the run cannot make it exact (``loop.padding``).
+    #: The model's own loss over -100 padding, where the run cannot make it exact (``loop.losses``).
     own_padded: Optional[PaddedLoss] = None
     randomness: Optional[Randomness] = None
 
@@ -330,7 +330,7 @@ def run_probes(model: nn.Module, loss_fn: LossFn, x: object, y: object,
     Probes that must cut the batch into pieces need tensor inputs; for other inputs they are skipped,
     but for keyword inputs to a model that computes its own loss from the labels (``own_target``:
     the labels' keyword), whose loss is probed (:func:`own_loss_split`). ``counted``: the run
-    weighs -100 padding over the whole step (``loop.padding``), so a loss that is a mean over
+    weighs -100 padding over the whole step (``loop.losses``), so a loss that is a mean over
     each piece's real targets is no cause: the loss is not probed.
     """
     tensors = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)

@@ -69,7 +69,7 @@ class Recorder(Observer):
         self.audit: list[dict[str, Any]] = []
         self._sums = torch.zeros(2, dtype=torch.float64)
         # The step's micro-batch losses, read when the step's gradients are synchronised: over -100
-        # padding the step weighs them by its count of real targets first (loop.padding).
+        # padding the step weighs them by its count of real targets first (loop.losses).
         self._pending: list[tuple[dict[str, Any], torch.Tensor, int]] = []
         self._factor = 1.0                  # that weight, on the gradients too (Observer.counted)
         self._used: set[str] = set()
@@ -271,7 +271,7 @@ class Recorder(Observer):
         if self.hooks_see_grads:
             # What the strategy should have done, done here explicitly: sum every rank's local
             # gradient and divide by the number of ranks (over -100 padding, then weigh the step's
-            # real targets as the step did: loop.padding).
+            # real targets as the step did: loop.losses).
             # (a DTensor's .shape is the whole parameter's: no collective needed here)
             mine = local if local is not None else torch.zeros(tuple(param.shape))
             averaged = sum_over_ranks(mine.to(self.env.device), self.env) / self.env.world_size

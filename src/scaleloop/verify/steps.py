@@ -71,7 +71,7 @@ def run_steps(cfg: TrainConfig, env: DistEnv, spec: RunSpec, recorder: Recorder,
     sampler = run.loader.sampler
     if sampler.steps_per_epoch == 0:
         raise UsageError(f"the training set ({sampler.n} samples) is smaller than one step of "
-                         f"--batch-size {cfg.batch_size} with --drop-last; lower --batch-size")
+                         f"--batch-size {cfg.optim.batch_size} with --drop-last; lower --batch-size")
     recorder.attach(run.strategy, run.model)
     run.model.train()
     done, epoch = 0, 0

@@ -32,7 +32,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = resolve(load_toml(root / CONFIG_FILE), {})
     opts = VerifyOptions.read(root / OPTIONS_FILE)
     # --timeout: a rank that stops taking part makes the others stop after that long.
-    env = DistEnv.from_env(device=cfg.device, backend=cfg.backend, timeout_s=cfg.timeout)
+    env = DistEnv.from_env(device=cfg.launch.device, backend=cfg.launch.backend, timeout_s=cfg.launch.timeout)
     init_process_group(env)
     recorder = Recorder(env, distributed_dir(root), explain_step=opts.explain_step,
                         audit_data="data" in opts.checks, check_sync=opts.hashes_replicas)
@@ -40,7 +40,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         # For the lock-step comparison the run's state is saved at every step boundary.
         saver = StateSaver(states_dir(root), env) if opts.lockstep else None
-        run_steps(cfg, env, RunSpec(cfg.strategy, cfg.accumulate, opts.steps), recorder, boundary=saver)
+        run_steps(cfg, env, RunSpec(cfg.parallel.strategy, cfg.parallel.accumulate, opts.steps), recorder, boundary=saver)
         failed = False
     except Exception as exc:  # recorded for the parent's comparison, then to torchrun's error file
         recorder.fail(exc)

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, Te
 
 import scaleloop as sl
 from scaleloop.data.info import DataInfo
-from scaleloop.loop.evaluate import evaluate
+from scaleloop.loop.evaluation import evaluate
 from scaleloop.runtime.collectives import gather_padded, gather_tensor, shard_indices, sum_over_ranks
 
 N, CLASSES = 101, 3

@@ -25,7 +25,7 @@ from torch.utils.data import TensorDataset
 
 import scaleloop as sl
 from scaleloop.data.info import DataInfo
-from scaleloop.loop.evaluate import evaluate
+from scaleloop.loop.evaluation import evaluate
 from scaleloop.models import ConvNet, SimpleNet, TinyGPT
 from scaleloop.runtime.collectives import gather_object
 import scaleloop

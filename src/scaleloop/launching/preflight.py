@@ -20,7 +20,7 @@ _FIT_ANYWHERE = ("auto", "cpu")
 
 def preflight(cfg: TrainConfig) -> None:
     """Raise UsageError (one line) for settings that would fail in every worker."""
-    for what, name, known in (("model", cfg.model, MODEL_NAMES), ("data", cfg.data, DATASET_NAMES)):
+    for what, name, known in (("model", cfg.model_data.model, MODEL_NAMES), ("data", cfg.model_data.data, DATASET_NAMES)):
         if is_factory_spec(name):
             resolve_factory(name, what)
         elif what == "model" and is_config_path(name):
@@ -28,23 +28,23 @@ def preflight(cfg: TrainConfig) -> None:
         elif name.lower() not in known:
             raise UsageError(f"unknown {'dataset' if what == 'data' else what} {name!r}; choose one of "
                              f"{', '.join(known)}, or give 'package.module:factory'")
-    if cfg.loss is not None:
-        resolve_factory(cfg.loss, "loss")
-    if cfg.metrics:
-        from scaleloop.loop.evaluate import resolve_metrics
+    if cfg.model_data.loss is not None:
+        resolve_factory(cfg.model_data.loss, "loss")
+    if cfg.model_data.metrics:
+        from scaleloop.loop.evaluation import resolve_metrics
 
-        resolve_metrics(cfg.metrics)
-    if cfg.data == "mnist" and not cfg.data_dir:
+        resolve_metrics(cfg.model_data.metrics)
+    if cfg.model_data.data == "mnist" and not cfg.model_data.data_dir:
         raise UsageError("dataset 'mnist' reads IDX files from a directory: pass --data-dir DIR (it never downloads)")
-    if cfg.data in ("tokenfile", "tokenfile-seq"):
+    if cfg.model_data.data in ("tokenfile", "tokenfile-seq"):
         from scaleloop.data.tokenfile import check_token_dir
 
-        check_token_dir(cfg.data, cfg.data_dir)
-    if cfg.device.strip().lower() not in _FIT_ANYWHERE:
+        check_token_dir(cfg.model_data.data, cfg.model_data.data_dir)
+    if cfg.launch.device.strip().lower() not in _FIT_ANYWHERE:
         # --nproc processes on fewer GPUs: one line here, not a "Duplicate GPU" report from NCCL.
         from scaleloop.runtime.devices import check_processes_fit
 
-        check_processes_fit(cfg.device, cfg.nproc)
+        check_processes_fit(cfg.launch.device, cfg.launch.nproc)
     layout = cfg.pipeline_layout()
     if layout is not None:
         # The cut into stages is known before any worker starts: a model too shallow for
@@ -55,8 +55,8 @@ def preflight(cfg: TrainConfig) -> None:
         from scaleloop.strategies.pipeline_schedules import check_pipeline_schedule
         from scaleloop.strategies.pipeline import pipeline_layers, cut_stages
 
-        per_rank = check_pipeline_schedule(cfg.pipeline_schedule, layout[0], cfg.microbatches, cfg.stages_per_rank)
+        per_rank = check_pipeline_schedule(cfg.parallel.pipeline_schedule, layout[0], cfg.parallel.microbatches, cfg.parallel.stages_per_rank)
         _, model = build_data_and_model(cfg)
-        check_trainable(cfg.model, model)   # as every strategy says it (loop/build.py), before the cut
-        cut_stages(pipeline_layers(model), layout[0] * per_rank, cfg.model, per_rank)
+        check_trainable(cfg.model_data.model, model)   # as every strategy says it (loop/build.py), before the cut
+        cut_stages(pipeline_layers(model), layout[0] * per_rank, cfg.model_data.model, per_rank)
 

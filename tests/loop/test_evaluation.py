@@ -15,10 +15,9 @@ from scaleloop.config import TrainConfig
 from scaleloop.data.batch import DictTensorDataset
 from scaleloop.data.info import DataInfo, Datasets
 from scaleloop.errors import UsageError
-from scaleloop.loop.evaluate import EvalResult, evaluate
-from scaleloop.loop.evaluations import (Evaluations, StreamHead, check_eval_data, draw_indices, own_rng,
-                                        sample_of)
-from scaleloop.loop.summary import format_result
+from scaleloop.loop.evaluation import (EvalResult, Evaluations, StreamHead, check_eval_data, draw_indices,
+                                       evaluate, own_rng, sample_of)
+from scaleloop.loop.text import format_result
 from scaleloop.loop.training import RunResult, train
 from scaleloop.output.trackers import tracker_row
 from scaleloop.runtime.collectives import shard_indices
@@ -113,7 +112,7 @@ def test_the_sample_split_over_ranks_counts_each_sample_once(world: int) -> None
 
 def test_sampled_evaluation_is_the_same_summed_over_two_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     # Per-rank sums of the evaluation, added up as the all-reduce would, equal one rank's total.
-    from scaleloop.loop import evaluate as module
+    from scaleloop.loop import evaluation as module
 
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(500, 6), torch.randint(0, 3, (500,)))

@@ -1,11 +1,11 @@
-"""scaleloop.loop.running_loss.RunningLoss: deferred loss sums equal per-step float64 additions, bit for bit."""
+"""scaleloop.loop.result.RunningLoss: deferred loss sums equal per-step float64 additions, bit for bit."""
 from __future__ import annotations
 
 import random
 
 import torch
 
-from scaleloop.loop.running_loss import RunningLoss, _products_on_device, _products_on_host
+from scaleloop.loop.result import RunningLoss, _products_on_device, _products_on_host
 
 
 def test_sums_equal_per_step_float64_additions_bit_for_bit() -> None:

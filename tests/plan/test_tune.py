@@ -8,13 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-import scaleloop.loop.tune as tune
+import scaleloop.plan.tune as tune
 from scaleloop.data.batching import check_batch_split
 from scaleloop.config import TrainConfig
 from scaleloop.errors import UsageError
 from scaleloop.commands.tune_batch import format_report, tune_batch_command
-from scaleloop.loop.tune import BatchSearch, StepProbe, Trial, find_max_batch, is_out_of_memory, search_max_batch
-from scaleloop.loop.tune import TuneReport
+from scaleloop.plan.tune import (BatchSearch, StepProbe, Trial, TuneReport, find_max_batch, is_out_of_memory,
+                                 search_max_batch)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

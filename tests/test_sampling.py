@@ -17,7 +17,7 @@ from torch import nn
 import scaleloop
 from scaleloop.cli import main
 from scaleloop.config import TrainConfig, to_toml
-from scaleloop.loop.sampling import generate_ids
+from scaleloop.sampling import generate_ids
 
 TEXT = "hello world, hello tokens\n" * 160   # 30 steps of 8 windows of 16: one epoch
 QUIET = ["--device", "cpu", "--no-progress", "--tracker", "none"]

@@ -34,7 +34,7 @@ from scaleloop.data.tokenfile import META_PICKLE, read_meta_pickle
 from scaleloop.errors import UsageError
 from scaleloop.hfconfig import positions
 from scaleloop.loop.build import build_data_and_model
-from scaleloop.loop.tasks import prediction_of
+from scaleloop.loop.losses import prediction_of
 
 __all__ = ["sample", "Codec", "generate_ids"]
 
@@ -68,9 +68,9 @@ def run_config(run_dir: Path) -> TrainConfig:
 
 def _meta_codec(cfg: TrainConfig) -> Optional[Codec]:
     """nanoGPT's ``meta.pkl`` in a token-file run's data directory, as a codec; None without one."""
-    if not cfg.data.startswith("tokenfile") or not cfg.data_dir:
+    if not cfg.model_data.data.startswith("tokenfile") or not cfg.model_data.data_dir:
         return None
-    directory = Path(cfg.data_dir)
+    directory = Path(cfg.model_data.data_dir)
     meta = read_meta_pickle(directory)
     stoi, itos = meta.get("stoi"), meta.get("itos")
     if stoi is None and itos is None:
@@ -139,8 +139,8 @@ def codec_for(cfg: TrainConfig, tokenizer: Optional[str]) -> Codec:
 
 def _build(cfg: TrainConfig, run_dir: Path) -> tuple[nn.Module, int, int]:
     """The run's model with its final weights, in evaluation mode; its vocabulary and context."""
-    if cfg.model.lower() in NOT_LANGUAGE_MODELS or cfg.task not in ("auto", "lm"):
-        what = f"--model {cfg.model}" if cfg.model.lower() in NOT_LANGUAGE_MODELS else f"--task {cfg.task}"
+    if cfg.model_data.model.lower() in NOT_LANGUAGE_MODELS or cfg.model_data.task not in ("auto", "lm"):
+        what = f"--model {cfg.model_data.model}" if cfg.model_data.model.lower() in NOT_LANGUAGE_MODELS else f"--task {cfg.model_data.task}"
         raise UsageError(f"{str(run_dir)!r} is not a language model run ({what}): scaleloop sample needs a model "
                          "trained on token data (--model tinygpt, a config.json or a factory, with --data tokenfile)")
     data, model = build_data_and_model(cfg)

@@ -1,4 +1,4 @@
-"""The loop's record of the endings it decides itself, and what ``scaleloop doctor`` reads from it."""
+"""The loop's record of the endings it decides itself (scaleloop.loop.pauses), and what ``scaleloop doctor`` reads from it."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,8 @@ import pytest
 
 from scaleloop.commands.doctor import diagnose
 from scaleloop.errors import UsageError
-from scaleloop.loop.ending import record_ending
-from scaleloop.loop.health import diverged
+from scaleloop.loop.pauses import record_ending
+from scaleloop.loop.rows import diverged
 from scaleloop.output.rundir import RunDirWriteError
 from scaleloop.runtime.frames import note_where
 from scaleloop.runtime.preempt import Preempted

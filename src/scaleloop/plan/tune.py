@@ -248,7 +248,7 @@ def accelerator(device: Union[torch.device, str]) -> torch.device:
 
 
 def _mean_square(output: Any, _target: Any) -> torch.Tensor:
-    from scaleloop.loop.tasks import prediction_of
+    from scaleloop.loop.losses import prediction_of
 
     return prediction_of(output).float().square().mean()
 
@@ -307,19 +307,19 @@ def tune_batch(cfg: Any) -> TuneReport:
     """
     from scaleloop.data.batch import keeps_target
     from scaleloop.loop.build import build_data_and_model, build_optimizer
-    from scaleloop.loop.tasks import resolve_loss
+    from scaleloop.loop.losses import resolve_loss
 
-    device = accelerator(cfg.device)
+    device = accelerator(cfg.launch.device)
     data, model = build_data_and_model(cfg)
     info = data.info
     # nn.DataParallel splits one process's batch over every GPU; otherwise one device per process.
-    workers = torch.cuda.device_count() if cfg.strategy == "dp" and device.type == "cuda" else cfg.world_size
+    workers = torch.cuda.device_count() if cfg.parallel.strategy == "dp" and device.type == "cuda" else cfg.world_size
     # A per-device micro-batch never holds more than its share of the training set.
-    cap = max(1, -(-len(data.train) // (workers * cfg.accumulate)))
+    cap = max(1, -(-len(data.train) // (workers * cfg.parallel.accumulate)))
     sample = sample_from(data.train, keeps_target(model, data.train))
-    search = find_max_batch(lambda: model, sample, device, loss=resolve_loss(cfg.loss, info),
+    search = find_max_batch(lambda: model, sample, device, loss=resolve_loss(cfg.model_data.loss, info),
                             optimizer=lambda params: build_optimizer(cfg, params, model=model),
-                            precision=cfg.precision, max_batch=cap)
+                            precision=cfg.parallel.precision, max_batch=cap)
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     return TuneReport(search=search, device=describe_device(device), workers=workers,
-                      accumulate=cfg.accumulate, train_samples=len(data.train), total_bytes=total)
+                      accumulate=cfg.parallel.accumulate, train_samples=len(data.train), total_bytes=total)

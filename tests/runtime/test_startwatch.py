@@ -7,7 +7,7 @@ import threading
 import torch
 from torch.utils.data import TensorDataset
 
-from scaleloop.loop.startwatch import startup_watch, describe
+from scaleloop.runtime.startwatch import startup_watch, describe
 
 WAIT_S = 30   # far above the watch's delay; the test ends as soon as the line is seen
 
