@@ -47,15 +47,15 @@ def test_a_background_write_that_fills_the_disk_ends_the_run_in_the_same_one_lin
                       async_checkpoint=True).validate()
     with pytest.raises(RunDirWriteError) as caught:
         train(cfg, DistEnv(), log=lambda _msg: None)
-    root = Path(cfg.out) / "checkpoints"
+    root = Path(cfg.checkpointing.out) / "checkpoints"
     assert re.fullmatch(   # what the synchronous path says (tests/checkpoint/test_write_errors.py)
         rf"cannot write '{root}/step-00000004': disk full \(it needs [\d.]+ KB, [\d.]+ [KMGT]?B "
         rf"free\); the newest valid checkpoint is '{root}/step-00000002' \(step 2\); once space is freed, continue "
-        rf"with: scaleloop train --out {cfg.out}", str(caught.value)), str(caught.value)
+        rf"with: scaleloop train --out {cfg.checkpointing.out}", str(caught.value)), str(caught.value)
     # Raised at the next wait (the checkpoint of step 6), before that one was begun.
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000002"]
     assert (root / "latest").read_text().strip() == "step-00000002"
-    told = diagnose(Path(cfg.out))
+    told = diagnose(Path(cfg.checkpointing.out))
     assert told.state == "unwritable" and told.what == f"stopped while writing the checkpoint of step 4: {caught.value}"
     assert told.checkpoint is not None and told.checkpoint.step == 2
 

@@ -99,7 +99,7 @@ def test_interrupted_and_resumed_run_is_bitwise_identical(tmp_path: Path, precis
     assert reference.steps == 12 and len(reference_seen) == 24
 
     cfg = bn_run(tmp_path, "run", precision=precision)
-    run_dir = Path(cfg.out)
+    run_dir = Path(cfg.checkpointing.out)
     first: list[torch.Tensor] = []
     # 21 micro-batches trained (10 steps and half of step 11), then a crash before the 22nd.
     with pytest.raises(Interrupted):
@@ -171,8 +171,8 @@ def test_resume_continues_the_random_number_streams(tmp_path: Path, monkeypatch:
     with pytest.raises(Interrupted):
         train(cfg, CPU, log=quiet, on_batch=recorder(first, stop_at=7))  # 7 steps; last checkpoint: step 6
     result = train(cfg, CPU, log=quiet)
-    assert result.resumed_from == Path(cfg.out) / "checkpoints" / "step-00000006"
-    assert_bitwise_equal(weights(Path(cfg.out)), weights(Path(reference.run_dir)))
+    assert result.resumed_from == Path(cfg.checkpointing.out) / "checkpoints" / "step-00000006"
+    assert_bitwise_equal(weights(Path(cfg.checkpointing.out)), weights(Path(reference.run_dir)))
     # Its training time counts the first run's too, as its steps do: said, so that it may exceed the wall time.
     from scaleloop.loop.text import format_result
     assert " over every run since the first)" in format_result(result)
@@ -186,10 +186,10 @@ def test_resume_after_an_epoch_end_checkpoint_with_extended_epochs_matches_a_lon
     lines: list[str] = []
     # Extending --epochs is allowed: the run continues from its last checkpoint.
     result = train(cfg.replace(epochs=3), CPU, log=lines.append)
-    assert result.resumed_from == Path(cfg.out) / "checkpoints" / "step-00000008"
+    assert result.resumed_from == Path(cfg.checkpointing.out) / "checkpoints" / "step-00000008"
     assert result.epochs == 3 and result.steps == 12 == reference.steps
-    assert_bitwise_equal(weights(Path(cfg.out)), weights(Path(reference.run_dir)))
-    assert [r["epoch"] for r in metric_rows(Path(cfg.out)) if r["kind"] == "epoch"] == ["1", "2", "3"]
+    assert_bitwise_equal(weights(Path(cfg.checkpointing.out)), weights(Path(reference.run_dir)))
+    assert [r["epoch"] for r in metric_rows(Path(cfg.checkpointing.out)) if r["kind"] == "epoch"] == ["1", "2", "3"]
 
 
 # --- which checkpoint: auto, never, PATH --------------------------------------------------
@@ -197,30 +197,30 @@ def test_resume_after_an_epoch_end_checkpoint_with_extended_epochs_matches_a_lon
 def test_resume_never_refuses_a_directory_holding_a_run(tmp_path: Path) -> None:
     cfg = small(tmp_path, epochs=1)
     train(cfg, CPU, log=quiet)
-    before = (Path(cfg.out) / "metrics.csv").read_bytes()
+    before = (Path(cfg.checkpointing.out) / "metrics.csv").read_bytes()
     with pytest.raises(UsageError) as exc:
         train(cfg.replace(resume="never"), CPU, log=quiet)
     assert "already holds a run" in str(exc.value)
-    assert (Path(cfg.out) / "metrics.csv").read_bytes() == before
+    assert (Path(cfg.checkpointing.out) / "metrics.csv").read_bytes() == before
 
 
 @pytest.mark.parametrize("existing", [False, True], ids=["new-out", "empty-out"])
 def test_resume_auto_without_checkpoints_starts_fresh(tmp_path: Path, existing: bool) -> None:
     cfg = small(tmp_path, epochs=1)
     if existing:
-        Path(cfg.out).mkdir()
+        Path(cfg.checkpointing.out).mkdir()
     lines: list[str] = []
     result = train(cfg, CPU, log=lines.append)
-    assert cfg.resume == "auto"
+    assert cfg.checkpointing.resume == "auto"
     assert result.resumed_from is None and result.steps == 4
     assert not any("resuming" in line for line in lines)
-    assert result.checkpoints_written == 1 and step_dirs(Path(cfg.out)) == ["step-00000004"]
+    assert result.checkpoints_written == 1 and step_dirs(Path(cfg.checkpointing.out)) == ["step-00000004"]
 
 
 def test_resume_path_to_a_corrupted_checkpoint_is_an_error(tmp_path: Path) -> None:
     cfg = small(tmp_path)
     train(cfg, CPU, log=quiet)
-    state = Path(cfg.out) / "checkpoints" / "step-00000004" / STATE_FILE
+    state = Path(cfg.checkpointing.out) / "checkpoints" / "step-00000004" / STATE_FILE
     truncate(state)
     with pytest.raises(CheckpointError) as exc:
         train(small(tmp_path, "other", resume=str(state.parent)), CPU, log=quiet)
@@ -231,16 +231,16 @@ def test_resume_path_to_a_corrupted_checkpoint_is_an_error(tmp_path: Path) -> No
 def test_resume_path_without_out_continues_in_the_checkpoints_run_dir(tmp_path: Path) -> None:
     cfg = small(tmp_path)
     train(cfg, CPU, log=quiet)
-    ckpt = Path(cfg.out) / "checkpoints" / "step-00000004"
+    ckpt = Path(cfg.checkpointing.out) / "checkpoints" / "step-00000004"
     result = train(cfg.replace(out=None, resume=str(ckpt / STATE_FILE)), CPU, log=quiet)
     assert result.resumed_from == ckpt
-    assert result.run_dir == Path(cfg.out) and result.steps == 8
+    assert result.run_dir == Path(cfg.checkpointing.out) and result.steps == 8
 
 
 def test_resume_auto_falls_back_past_a_corrupted_newest_checkpoint(tmp_path: Path) -> None:
     cfg = small(tmp_path, epochs=3)
     train(cfg, CPU, log=quiet)
-    run_dir = Path(cfg.out)
+    run_dir = Path(cfg.checkpointing.out)
     finished = weights(run_dir)
     assert step_dirs(run_dir) == ["step-00000004", "step-00000008", "step-00000012"]
     bad = run_dir / "checkpoints" / "step-00000012" / STATE_FILE
@@ -264,7 +264,7 @@ def test_resume_auto_falls_back_past_a_corrupted_newest_checkpoint(tmp_path: Pat
 def test_resume_auto_with_every_checkpoint_corrupted_is_an_error(tmp_path: Path) -> None:
     cfg = small(tmp_path)
     train(cfg, CPU, log=quiet)
-    run_dir = Path(cfg.out)
+    run_dir = Path(cfg.checkpointing.out)
     for path in list_checkpoints(run_dir / "checkpoints"):
         truncate(path / STATE_FILE)
     lines: list[str] = []
@@ -300,16 +300,16 @@ def test_changing_a_fixed_setting_is_refused(tmp_path: Path, change: dict, needl
 def test_a_finished_run_resumed_again_has_nothing_left_to_train(tmp_path: Path) -> None:
     cfg = small(tmp_path)
     first = train(cfg, CPU, log=quiet)
-    before = weights(Path(cfg.out))
-    rows_before = metric_rows(Path(cfg.out))
+    before = weights(Path(cfg.checkpointing.out))
+    rows_before = metric_rows(Path(cfg.checkpointing.out))
     lines: list[str] = []
     again = train(cfg, CPU, log=lines.append)
     assert any("nothing left to train" in line for line in lines), lines
     assert again.steps == first.steps == 8 and again.samples == first.samples
     assert again.checkpoints_written == 0
     assert again.test is not None and again.test.accuracy == first.test.accuracy
-    assert_bitwise_equal(weights(Path(cfg.out)), before)
-    assert metric_rows(Path(cfg.out)) == rows_before
+    assert_bitwise_equal(weights(Path(cfg.checkpointing.out)), before)
+    assert metric_rows(Path(cfg.checkpointing.out)) == rows_before
 
 
 def test_max_steps_reached_has_nothing_left_to_train(tmp_path: Path) -> None:
@@ -372,19 +372,19 @@ def test_config_for_resume_starts_from_the_saved_config(tmp_path: Path) -> None:
     run = tmp_path / "run"
     fake_run(run, epochs=5, batch_size=32, lr=0.5, hidden_dim=16, resume="never", log_every=3)
     cfg = config_for_resume({"log_every": 7}, {"out": str(run), "epochs": 9})
-    assert cfg.batch_size == 32 and cfg.lr == 0.5 and cfg.hidden_dim == 16   # saved
-    assert cfg.epochs == 9                                                  # the flag overrides
-    assert cfg.log_every == 7                                               # --config overrides
-    assert cfg.resume == "auto"                                             # saved 'never' ignored
-    assert cfg.out == str(run)
+    assert cfg.optim.batch_size == 32 and cfg.optim.lr == 0.5 and cfg.model_data.hidden_dim == 16   # saved
+    assert cfg.optim.epochs == 9                                                  # the flag overrides
+    assert cfg.output.log_every == 7                                               # --config overrides
+    assert cfg.checkpointing.resume == "auto"                                             # saved 'never' ignored
+    assert cfg.checkpointing.out == str(run)
 
 
 def test_config_for_resume_with_a_path_and_no_out(tmp_path: Path) -> None:
     run = tmp_path / "run"
     fake_run(run, batch_size=32, resume=str(tmp_path / "elsewhere"))
     cfg = config_for_resume({}, {"resume": str(run / "checkpoints" / "step-00000004")})
-    assert cfg.batch_size == 32 and cfg.out == str(run)
-    assert cfg.resume == str(run / "checkpoints" / "step-00000004")
+    assert cfg.optim.batch_size == 32 and cfg.checkpointing.out == str(run)
+    assert cfg.checkpointing.resume == str(run / "checkpoints" / "step-00000004")
 
 
 def test_config_for_resume_keeps_the_settings_of_a_dir_without_checkpoints_and_ignores_never(tmp_path: Path) -> None:
@@ -423,15 +423,15 @@ def test_a_restart_after_rewinding_continues_where_the_failed_attempt_left_off(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = small(tmp_path, epochs=3)
     train(cfg, CPU, log=quiet)  # checkpoints at steps 4, 8, 12
-    rewound = cfg.replace(resume=str(Path(cfg.out) / "checkpoints" / "step-00000004"), checkpoint_every=1)
+    rewound = cfg.replace(resume=str(Path(cfg.checkpointing.out) / "checkpoints" / "step-00000004"), checkpoint_every=1)
     seen: list[torch.Tensor] = []
     with pytest.raises(Interrupted):  # the rewound run checkpoints steps 5 and 6, then fails
         train(rewound, CPU, log=quiet, on_batch=recorder(seen, stop_at=2))
-    assert (Path(cfg.out) / "checkpoints" / "step-00000006").is_dir()
+    assert (Path(cfg.checkpointing.out) / "checkpoints" / "step-00000006").is_dir()
     # torchrun restarts the worker group with the same settings
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     result = train(rewound, CPU, log=quiet)
-    assert result.resumed_from == Path(cfg.out) / "checkpoints" / "step-00000006"
+    assert result.resumed_from == Path(cfg.checkpointing.out) / "checkpoints" / "step-00000006"
 
 
 # --- runs saved before --betas, --eps, --min-lr and --decay-params existed ------------------------
@@ -451,8 +451,8 @@ def test_an_old_runs_config_resumes_with_weight_decay_on_every_tensor(tmp_path: 
                     if not line.lstrip("# ").startswith(("betas", "eps", "min_lr", "decay_params")))
     (run / "config.toml").write_text(old)
     cfg = config_for_resume({}, {"out": str(run), "epochs": 30})
-    assert (cfg.decay_params, cfg.betas, cfg.eps, cfg.min_lr) == ("all", None, None, 0.0)
-    assert cfg.weight_decay == 0.1 and cfg.epochs == 30
+    assert (cfg.optim.decay_params, cfg.optim.betas, cfg.optim.eps, cfg.optim.min_lr) == ("all", None, None, 0.0)
+    assert cfg.optim.weight_decay == 0.1 and cfg.optim.epochs == 30
     check_compatible(old_saved(cfg), cfg.flat(), "old")   # not refused for the settings it lacks
 
 

@@ -49,14 +49,14 @@ def test_a_full_disk_ends_in_one_line_and_keeps_the_last_good_checkpoint(tmp_pat
     cfg = config(tmp_path)
     with pytest.raises(RunDirWriteError) as caught:
         train(cfg, DistEnv(), log=lambda _msg: None)
-    root = Path(cfg.out) / "checkpoints"
+    root = Path(cfg.checkpointing.out) / "checkpoints"
     assert re.fullmatch(
         rf"cannot write '{root}/step-00000004': disk full \(it needs [\d.]+ KB, [\d.]+ [KMGT]?B "
         rf"free\); the newest valid checkpoint is '{root}/step-00000002' \(step 2\); once space is freed, continue "
-        rf"with: scaleloop train --out {cfg.out}", str(caught.value)), str(caught.value)
+        rf"with: scaleloop train --out {cfg.checkpointing.out}", str(caught.value)), str(caught.value)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000002"]   # no .tmp-step-... left
     assert (root / "latest").read_text().strip() == "step-00000002"
-    told = diagnose(Path(cfg.out))   # the loop's record of the ending, read from the directory alone
+    told = diagnose(Path(cfg.checkpointing.out))   # the loop's record of the ending, read from the directory alone
     assert told.state == "unwritable"
     assert told.what == f"stopped while writing the checkpoint of step 4: {caught.value}"
     assert told.checkpoint is not None and told.checkpoint.step == 2

@@ -23,7 +23,7 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_defaults_compare_two_ddp_processes() -> None:
     cfg, opts = resolve_verify(parse(*FAST))
-    assert (cfg.nproc, cfg.strategy, cfg.max_restarts) == (2, "ddp", 0)
+    assert (cfg.launch.nproc, cfg.parallel.strategy, cfg.launch.max_restarts) == (2, "ddp", 0)
     assert opts.checks == ("equivalence",) and opts.steps == 5 and opts.explain_step is None
 
 
@@ -32,7 +32,7 @@ def test_flags_and_config_file_are_kept(tmp_path: Path) -> None:
     config.write_text("nproc = 4\nbatch_size = 64\n")
     cfg, opts = resolve_verify(parse("--config", str(config), "--strategy", "allreduce", "--check", "sync,data",
                                      "--check", "equivalence", "--explain", "--steps", "3", *FAST))
-    assert (cfg.nproc, cfg.strategy, cfg.batch_size) == (4, "allreduce", 64)
+    assert (cfg.launch.nproc, cfg.parallel.strategy, cfg.optim.batch_size) == (4, "allreduce", 64)
     assert opts.checks == ("equivalence", "sync", "data")
     assert opts.explain_step == 1 and opts.steps == 3
     assert resolve_verify(parse("--check", "all", "--explain", "2", *FAST))[1].explain_step == 2
@@ -102,7 +102,7 @@ def test_help_lists_verify_flags_and_train_flags(capsys: pytest.CaptureFixture[s
     flat = " ".join(out.split())
     assert "(default here: 2, or the --mesh's size)" in flat and "(default here: ddp, or mesh with --mesh)" in flat
     cfg, _ = resolve_verify(parse(*FAST))
-    assert cfg.nproc == 2 and cfg.strategy == "ddp"
+    assert cfg.launch.nproc == 2 and cfg.parallel.strategy == "ddp"
 
 
 def test_subparsers_of_another_class_are_refused() -> None:

@@ -90,7 +90,7 @@ def test_two_stages_equal_one_process(two, root: Path, name: str) -> None:
     diff, key = max_rel_diff(weights(out / name), weights(reference))
     assert diff < 1e-5, f"{name}: pipeline differs from one process by {diff:.2e} of the weight scale at {key}"
     ref_cfg = TrainConfig(**{k: v for k, v in settings.items() if k not in PIPELINE_ONLY}).validate()
-    assert described[name]["steps"] == (ref_cfg.max_steps or described[name]["steps"])
+    assert described[name]["steps"] == (ref_cfg.optim.max_steps or described[name]["steps"])
 
 
 def test_uneven_run_trains_every_sample_and_reports_the_same_loss(two, root: Path) -> None:

@@ -117,7 +117,7 @@ def test_a_groups_index_comes_from_its_job_in_one_line(variables: dict[str, str]
     from scaleloop.launching.jobs import replica_group_in_job
 
     cfg, said = replica_group_in_job(group_on_its_own(), variables, {})
-    assert cfg.replica_group == index and cfg.launch.data_ranks == 2
+    assert cfg.launch.replica_group == index and cfg.launch.data_ranks == 2
     assert said == f"replica group {index} of 2, as this job's {source} says"
 
 

@@ -36,7 +36,7 @@ def test_rdzv_conf_adds_is_host_unless_given_or_loopback() -> None:
 def test_nnodes_min_max_is_an_elastic_c10d_job() -> None:
     cfg = resolve({}, {"nnodes": "1:3", "rdzv_endpoint": "192.0.2.1:29400", "strategy": "ddp",
                        "rdzv_conf": "last_call_timeout=2"})
-    assert (cfg.min_nnodes, cfg.nnodes, cfg.elastic) == (1, 3, True)
+    assert (cfg.launch.min_nnodes, cfg.launch.nnodes, cfg.elastic) == (1, 3, True)
     cmd = torchrun_command(cfg, ["train"], python="py")
     assert {"--nnodes=1:3", "--rdzv-backend=c10d", "--rdzv-endpoint=192.0.2.1:29400",
             "--rdzv-conf=last_call_timeout=2,is_host=false"} <= set(cmd)

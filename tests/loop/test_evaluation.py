@@ -160,7 +160,7 @@ def test_old_config_files_load_without_the_new_settings(tmp_path: Path) -> None:
     path = tmp_path / "config.toml"
     path.write_text('model = "simplenet"\ndata = "random"\nlog_every = 5\n')
     cfg = resolve(load_toml(path), {})
-    assert (cfg.eval_every, cfg.eval_batches, cfg.eval_train) == (None, None, False)
+    assert (cfg.evaluation.eval_every, cfg.evaluation.eval_batches, cfg.evaluation.eval_train) == (None, None, False)
 
 
 # --- in a run ------------------------------------------------------------------------------

@@ -325,7 +325,7 @@ def steps(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
         kept, _ = train_step(run, micro_batches, Observer())
         sizes = [len(batch) for batch in micro_batches]
         losses.append(sum(float(loss) * n for loss, n in zip(kept, sizes)) / sum(sizes))
-        if len(losses) == cfg.max_steps:
+        if len(losses) == cfg.optim.max_steps:
             break
     return losses, {k: v.clone() for k, v in run.model.state_dict().items()}
 

@@ -110,7 +110,7 @@ def test_a_diverging_run_stops_without_a_nonfinite_checkpoint(tmp_path: Path) ->
     with pytest.raises(Diverged) as caught:
         train(cfg, CPU, log=quiet)
     text = str(caught.value)
-    root = Path(cfg.out) / "checkpoints"
+    root = Path(cfg.checkpointing.out) / "checkpoints"
     kept = sorted(p.name for p in root.glob("step-*"))
     assert len(kept) == 1, kept
     good = int(kept[0].split("-")[1])
@@ -183,7 +183,7 @@ def test_fp16_skipped_steps_are_counted_and_reported(tmp_path: Path, monkeypatch
     cfg = small(tmp_path, precision="fp16", max_steps=5, epochs=2, log_every=2)   # 4 steps per epoch
     result = train(cfg, CPU, log=quiet)
     assert result.steps == 5 and result.skipped_steps == 5
-    logged = [(r["kind"], r["step"], r["skipped_steps"]) for r in rows(Path(cfg.out))]
+    logged = [(r["kind"], r["step"], r["skipped_steps"]) for r in rows(Path(cfg.checkpointing.out))]
     assert logged == [("step", "2", "2"), ("step", "4", "4"), ("epoch", "4", "4"), ("stop", "5", "5")]
     from scaleloop.loop.text import format_result
     assert "fp16 skipped steps  5 of 5" in format_result(result)

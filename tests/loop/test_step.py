@@ -74,8 +74,8 @@ def by_hand(cfg: TrainConfig) -> tuple[list[float], list[float], dict]:
         losses.append(float(loss.detach()))
         if batch.last_micro:
             lrs.append(optimizer.param_groups[0]["lr"])
-            if cfg.clip_grad is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+            if cfg.optim.clip_grad is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             run.scheduler.step()

@@ -34,7 +34,7 @@ def test_small_run_returns_sensible_result(tmp_path: Path) -> None:
     cfg = small(tmp_path)
     result = train(cfg, CPU, log=quiet)
     assert isinstance(result, RunResult)
-    assert result.run_dir == Path(cfg.out)
+    assert result.run_dir == Path(cfg.checkpointing.out)
     assert result.device.startswith("cpu")
     assert result.strategy == "single" and result.world_size == 1 and result.precision == "fp32"
     assert result.epochs == 2 and result.steps == 8 and result.samples == 512
@@ -131,7 +131,7 @@ def test_run_dir_of_an_earlier_run_is_refused_without_resume(tmp_path: Path) -> 
 
     cfg = small(tmp_path, epochs=1)
     train(cfg, CPU, log=quiet)
-    before = (Path(cfg.out) / "metrics.csv").read_bytes()
+    before = (Path(cfg.checkpointing.out) / "metrics.csv").read_bytes()
     with pytest.raises(UsageError, match="already holds a run"):
         train(cfg.replace(resume="never"), CPU, log=quiet)
     # Without checkpoints there is nothing to resume either: refused, not overwritten.
@@ -139,7 +139,7 @@ def test_run_dir_of_an_earlier_run_is_refused_without_resume(tmp_path: Path) -> 
     train(bare, CPU, log=quiet)
     with pytest.raises(UsageError, match="already holds a run"):
         train(bare, CPU, log=quiet)
-    assert (Path(cfg.out) / "metrics.csv").read_bytes() == before
+    assert (Path(cfg.checkpointing.out) / "metrics.csv").read_bytes() == before
 
 
 @pytest.mark.slow

@@ -33,4 +33,4 @@ def test_every_layout_gives_a_train_line_that_scaleloop_train_accepts(layout: La
             *layout.train_flags(per_node=4, nodes=2)]
     args = build_parser().parse_args(argv)
     cfg = resolve({}, flag_values(args)).validate()
-    assert cfg.nproc * cfg.nnodes == 8
+    assert cfg.launch.nproc * cfg.launch.nnodes == 8

@@ -35,4 +35,4 @@ def test_verify_takes_the_mesh_and_its_world_size() -> None:
     args = parser.parse_args(["verify", "--mesh", "fsdp=2,tp=2", "--model", "tinygpt", "--data", "tokens",
                               "--batch-size", "8"])
     cfg, _ = resolve_verify(args)
-    assert (cfg.strategy, cfg.mesh, cfg.nproc) == ("mesh", "fsdp=2,tp=2", 4)
+    assert (cfg.parallel.strategy, cfg.parallel.mesh, cfg.launch.nproc) == ("mesh", "fsdp=2,tp=2", 4)

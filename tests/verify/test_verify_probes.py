@@ -110,7 +110,7 @@ def _probes(**changes: object) -> Probes:
 
 
 def _titles(cfg: TrainConfig, probes: Probes, **kw: object) -> list[str]:
-    return [c.title for c in name_causes(cfg, world=2, accumulate=cfg.accumulate, step_samples=32, probes=probes, **kw)]
+    return [c.title for c in name_causes(cfg, world=2, accumulate=cfg.parallel.accumulate, step_samples=32, probes=probes, **kw)]
 
 
 def test_causes_are_named_where_they_apply() -> None:

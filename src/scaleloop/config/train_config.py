@@ -50,13 +50,15 @@ class TrainConfig:
     (``config.sections``), ``checkpointing`` (``checkpoint.settings``: the run directory, checkpoints,
     resume), ``launch`` (``config.sections``: device, processes, machines, rendezvous) and
     ``parallel`` (``strategies.registry``: strategy, mesh, precision, accumulation, each strategy's
-    options). A component is handed its section (``cfg.checkpointing``), not the whole config.
+    options). The project reads a setting from its section (``cfg.optim.lr``).
 
-    The flat view: every setting also has one flat name, its flag's (``lr`` for ``--lr``), found in
-    exactly one section through :data:`SETTINGS`. ``cfg.lr`` reads ``cfg.optim.lr``;
-    ``TrainConfig(lr=0.1, nproc=2)`` and ``cfg.replace(lr=0.1, nproc=2)`` take flat names (and whole
-    sections by their names); ``cfg.flat()`` is every setting by its flat name (what checkpoints
-    save and trackers log). It is generated from the sections: no setting is declared twice.
+    Flat names: every setting also has one flat name, its flag's (``lr`` for ``--lr``), found in
+    exactly one section through :data:`SETTINGS`: the CLI's flags, the TOML keys of old files and
+    the keys checkpoints save are flat. ``TrainConfig(lr=0.1, nproc=2)`` and ``cfg.replace(lr=0.1,
+    nproc=2)`` take flat names (and whole sections by their names); ``cfg.setting("lr")`` reads one
+    by its flat name; ``cfg.flat()`` is every setting by its flat name (what checkpoints save and
+    trackers log). ``cfg.lr`` still reads ``cfg.optim.lr`` for users' scripts written that way.
+    It is all generated from the sections: no setting is declared twice.
     """
 
     model_data: DataSettings = field(default_factory=DataSettings)
@@ -82,8 +84,14 @@ class TrainConfig:
             section = given[f.name] if given[f.name] is not None else f.default_factory()  # type: ignore[misc]
             object.__setattr__(self, f.name, dataclasses.replace(section, **changes.get(f.name, {})))
 
+    def setting(self, name: str) -> Any:
+        """A setting by its flat name (its flag's: ``"lr"`` for ``--lr``), from the one section that
+        holds it: for code that goes through settings by name (writing TOML, comparing with a job's)."""
+        return getattr(getattr(self, SETTINGS[name].section), name)
+
     def __getattr__(self, name: str) -> Any:
-        """The flat view: a setting by its flat name, from the one section that holds it."""
+        """The flat view, kept for scripts written against it: ``cfg.lr`` is ``cfg.optim.lr``. The
+        project itself reads each setting from its section (checked by tests/test_config_reads.py)."""
         setting = SETTINGS.get(name)
         if setting is None:
             raise AttributeError(f"'TrainConfig' object has no attribute {name!r}")
@@ -106,7 +114,7 @@ class TrainConfig:
         checked by its owner, in the sections' order, handed what it needs of the others.
         """
         for name, setting in SETTINGS.items():
-            value = getattr(self, name)
+            value = self.setting(name)
             if setting.choices and value is not None and value not in setting.choices:
                 raise UsageError(f"{flag(name)} {value!r} is not one of: {', '.join(setting.choices)}")
         self.model_data.check()
@@ -394,7 +402,7 @@ def to_toml(cfg: TrainConfig) -> str:
         for name, setting in SETTINGS.items():
             if setting.section != section:
                 continue
-            value = getattr(cfg, name)
+            value = cfg.setting(name)
             lines.append(f"# {name} = (not set)" if value is None else f"{name} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
 

@@ -71,15 +71,15 @@ def _in_pod(cfg: TrainConfig, pod: KubeflowJob, given: Mapping[str, Any]) -> Tra
                      if pod.elastic else
                      {"node_rank": "PET_NODE_RANK", "master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT"})
     for name, variable in variables.items():
-        if name not in given or name not in job or getattr(cfg, name) == job[name]:
+        if name not in given or name not in job or cfg.setting(name) == job[name]:
             continue
         if name == "nproc" and given["nproc"] == "auto":
             continue                      # --nproc auto: the job's count (its own auto resolved alike)
         if name == "nproc" and pod.nproc in ("auto", "cpu", "gpu"):
-            job["nproc"] = cfg.nproc      # the job leaves the count to the pod: the flag decides it
+            job["nproc"] = cfg.launch.nproc      # the job leaves the count to the pod: the flag decides it
             continue
         shown = pod.nproc if name == "nproc" else job[name]
-        raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} contradicts this pod's {pod.api} "
+        raise UsageError(f"--{name.replace('_', '-')} {cfg.setting(name)} contradicts this pod's {pod.api} "
                          f"({variable}={shown}): drop the flag (the job decides it) or change the job")
     return cfg.replace(**job).validate()
 
@@ -89,12 +89,12 @@ def replica_group_in_job(cfg: TrainConfig, environ: Mapping[str, str],
     """``cfg`` with its replica group's index where the job says it (module doc), and the line that
     says where it came from (None: nothing read). Only for a group started on its own
     (``--lighthouse``); UsageError (one line) when the variables contradict each other or the flags."""
-    if not (cfg.replica_groups > 1 and cfg.lighthouse is not None):
+    if not (cfg.launch.replica_groups > 1 and cfg.launch.lighthouse is not None):
         return cfg, None
     typed = given.get("replica_group")
-    if cfg.replica_group is not None and typed is None:
+    if cfg.launch.replica_group is not None and typed is None:
         return cfg, None   # from a config file (the one-machine launcher's group-I.toml, a run resumed): it decides
-    found = _replica_group_variables(environ, cfg.replica_groups)
+    found = _replica_group_variables(environ, cfg.launch.replica_groups)
     if typed is not None:
         for name, value in found.items():
             if value != str(typed).strip():
@@ -102,16 +102,16 @@ def replica_group_in_job(cfg: TrainConfig, environ: Mapping[str, str],
                                  "(the job decides it) or change the job")
         return cfg, None
     if not found:
-        raise UsageError(f"--lighthouse {cfg.lighthouse} starts one replica group of {cfg.replica_groups}, and nothing "
+        raise UsageError(f"--lighthouse {cfg.launch.lighthouse} starts one replica group of {cfg.launch.replica_groups}, and nothing "
                          f"says which: add --replica-group I (or run it where {' or '.join(REPLICA_GROUP_VARIABLES)} "
                          "says it)")
     name, value = next(iter(found.items()))
-    if not value.isdigit() or int(value) >= cfg.replica_groups:
-        hint = f": number the array from 0 (--array 0-{cfg.replica_groups - 1})" if name.startswith("SLURM") else ""
-        raise UsageError(f"this job's {name}={value} is not one of --replica-groups {cfg.replica_groups} "
-                         f"(0..{cfg.replica_groups - 1}){hint}")
+    if not value.isdigit() or int(value) >= cfg.launch.replica_groups:
+        hint = f": number the array from 0 (--array 0-{cfg.launch.replica_groups - 1})" if name.startswith("SLURM") else ""
+        raise UsageError(f"this job's {name}={value} is not one of --replica-groups {cfg.launch.replica_groups} "
+                         f"(0..{cfg.launch.replica_groups - 1}){hint}")
     return (cfg.replace(replica_group=int(value)).validate(),
-            f"replica group {value} of {cfg.replica_groups}, as this job's {name}={value} says")
+            f"replica group {value} of {cfg.launch.replica_groups}, as this job's {name}={value} says")
 
 
 def _replica_group_variables(environ: Mapping[str, str], groups: int) -> dict[str, str]:
