@@ -41,8 +41,8 @@ def _write(tmp_path: Path, text: str, name: str = "cfg.toml") -> Path:
 def test_defaults_validate() -> None:
     cfg = TrainConfig()
     assert cfg.validate() is cfg
-    assert cfg.model == "simplenet" and cfg.data == "digits"
-    assert cfg.optimizer in OPTIMIZERS and cfg.precision in PRECISIONS and cfg.strategy in STRATEGIES
+    assert cfg.model_data.model == "simplenet" and cfg.model_data.data == "digits"
+    assert cfg.optim.optimizer in OPTIMIZERS and cfg.parallel.precision in PRECISIONS and cfg.parallel.strategy in STRATEGIES
 
 
 def test_flag_names() -> None:
@@ -117,9 +117,9 @@ def test_bad_choices_list_the_choices(name: str, value: str) -> None:
 def test_replace_returns_a_new_frozen_config() -> None:
     cfg = TrainConfig()
     other = cfg.replace(epochs=3)
-    assert other.epochs == 3 and cfg.epochs == 20
+    assert other.optim.epochs == 3 and cfg.optim.epochs == 20
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.epochs = 5  # type: ignore[misc]
+        setattr(cfg, "epochs", 5)   # a flat name is no way around it either
 
 
 # --- coerce -----------------------------------------------------------------------------
@@ -250,9 +250,9 @@ def test_non_utf8_file_cannot_be_read(tmp_path: Path) -> None:
 
 def test_resolve_precedence() -> None:
     cfg = resolve({"epochs": 3, "lr": 0.5}, {"epochs": 1})
-    assert cfg.epochs == 1          # flag beats file
-    assert cfg.lr == 0.5            # file beats default
-    assert cfg.batch_size == 64     # default where nobody said anything
+    assert cfg.optim.epochs == 1          # flag beats file
+    assert cfg.optim.lr == 0.5            # file beats default
+    assert cfg.optim.batch_size == 64     # default where nobody said anything
 
 
 def test_resolve_validates_the_merged_result() -> None:
@@ -296,15 +296,15 @@ def test_to_toml_marks_unset_fields() -> None:
 
 def test_new_optimizer_settings_default_to_what_runs_did_before() -> None:
     cfg = TrainConfig().validate()
-    assert (cfg.betas, cfg.eps, cfg.min_lr, cfg.weight_decay) == (None, None, 0.0, 0.0)
-    assert cfg.decay_params == "ndim2"
+    assert (cfg.optim.betas, cfg.optim.eps, cfg.optim.min_lr, cfg.optim.weight_decay) == (None, None, 0.0, 0.0)
+    assert cfg.optim.decay_params == "ndim2"
     assert cfg.optim.adam_betas is None
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "adamw"])
 def test_betas_parse_for_the_adam_family(optimizer: str) -> None:
     cfg = TrainConfig(optimizer=optimizer, betas="0.9,0.95", eps=1e-6).validate()
-    assert cfg.optim.adam_betas == (0.9, 0.95) and cfg.eps == 1e-6
+    assert cfg.optim.adam_betas == (0.9, 0.95) and cfg.optim.eps == 1e-6
 
 
 @pytest.mark.parametrize("betas", ["0.9", "a,b", "0.9,1.0", "0.9,0.95,0.99", "-0.1,0.9", ""])
@@ -359,8 +359,8 @@ def test_betas_as_a_toml_list(tmp_path: Path) -> None:
     path = _write(tmp_path, "optimizer = 'adamw'\nbetas = [0.9, 0.95]\neps = 1e-6\nmin-lr = 1e-4\n"
                             "lr_schedule = 'cosine'\ndecay-params = 'all'\n")
     cfg = resolve(load_toml(path), {})
-    assert cfg.betas == "0.9,0.95" and cfg.optim.adam_betas == (0.9, 0.95)
-    assert (cfg.eps, cfg.min_lr, cfg.decay_params) == (1e-6, 1e-4, "all")
+    assert cfg.optim.betas == "0.9,0.95" and cfg.optim.adam_betas == (0.9, 0.95)
+    assert (cfg.optim.eps, cfg.optim.min_lr, cfg.optim.decay_params) == (1e-6, 1e-4, "all")
 
 
 def test_a_config_saved_before_these_settings_existed_still_loads(tmp_path: Path) -> None:
@@ -395,7 +395,7 @@ def test_every_setting_is_declared_once_with_its_help() -> None:
 
 def test_the_flat_view_reads_and_replaces_through_the_sections() -> None:
     cfg = TrainConfig(lr=0.5, nproc=2, strategy="ddp")
-    assert (cfg.lr, cfg.nproc, cfg.strategy) == (cfg.optim.lr, cfg.launch.nproc, cfg.parallel.strategy) == (0.5, 2, "ddp")
+    assert (cfg.optim.lr, cfg.launch.nproc, cfg.parallel.strategy) == (cfg.optim.lr, cfg.launch.nproc, cfg.parallel.strategy) == (0.5, 2, "ddp")
     other = cfg.replace(lr=0.25, nnodes=1, optim=OptimSettings(epochs=3))
     assert other.optim.lr == 0.25 and other.optim.epochs == 3 and other.launch.nproc == 2
     assert cfg.optim.lr == 0.5   # the original is untouched
@@ -461,13 +461,16 @@ def test_a_bad_value_in_a_resumed_runs_config_names_that_file(tmp_path: Path) ->
 
 
 def test_replica_groups_are_refused_in_one_line_where_they_cannot_run() -> None:
-    """--replica-groups (torchft): ddp inside each group, whole groups, and a group's own flags."""
+    """--replica-groups (torchft): ddp or fsdp inside each group, whole groups, and a group's own flags."""
     ok = TrainConfig(replica_groups=2, nproc=2, strategy="ddp", batch_size=64).validate()
     assert ok.launch.data_ranks == 2
+    assert TrainConfig(replica_groups=2, nproc=4, strategy="fsdp", batch_size=64).validate().launch.data_ranks == 4
     one_group = TrainConfig(replica_groups=2, replica_group=1, lighthouse="h:29510", nproc=2, batch_size=64)
     assert one_group.validate().launch.data_ranks == 4   # the batch is split over both groups' processes
     for settings, said in [
-        (dict(replica_groups=2, nproc=2, strategy="fsdp"), "--strategy fsdp is not supported with it"),
+        (dict(replica_groups=2, nproc=2, strategy="pipeline"), "--strategy pipeline is not supported with it; use "
+                                                                 "--strategy ddp or fsdp"),
+        (dict(replica_groups=2, nproc=2, mesh="dp=2"), "--mesh dp=2 is not supported with it"),
         (dict(replica_groups=2, nproc=2, precision="fp16"), "does not take --precision fp16"),
         (dict(replica_groups=2, nproc=3), "--nproc 3 does not split into --replica-groups 2"),
         (dict(replica_groups=2, nproc=2, nnodes=2, master_addr="h"), "each replica group runs on one machine"),

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from listening import listening
 from procs import SERVER, SRC, ForkServer, child_env, kill_group, owned_pids, run
 from scaleloop.data.sampler import StepSampler
 from scaleloop.launching.lighthouse import free_port_pair
@@ -55,9 +56,9 @@ def recorded(records: Path, tag: str) -> list[int]:
     return [int(line) for line in path.read_text().split()] if path.exists() else []
 
 
-def shares(rank: int, steps: range) -> list[int]:
-    """The samples data rank ``rank`` of 2 trains in ``steps`` (1-based), by the sampler."""
-    sampler = StepSampler(N, BATCH, world_size=2, rank=rank, seed=0)
+def shares(rank: int, steps: range, world: int = 2) -> list[int]:
+    """The samples data rank ``rank`` of ``world`` trains in ``steps`` (1-based), by the sampler."""
+    sampler = StepSampler(N, BATCH, world_size=world, rank=rank, seed=0)
     return [i for mb in sampler.micro_batches(0, 0) if mb.step + 1 in steps for i in mb.indices.tolist()]
 
 
@@ -71,6 +72,16 @@ def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("ft-ddp")
     res = run([sys.executable, "-m", "scaleloop", *ARGS, "--out", str(base / "run")], cwd=base,
               env=env_for(base / "records"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    return base / "run"
+
+
+@pytest.fixture(scope="module")
+def ddp4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``--nproc 4 --strategy ddp``: what two groups of two processes train together."""
+    base = tmp_path_factory.mktemp("ft-ddp4")
+    res = run([sys.executable, "-m", "scaleloop", *COMMON, "--nproc", "4", "--out", str(base / "run")], cwd=base,
+              env=env_for(base / "records"), timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     return base / "run"
 
@@ -166,6 +177,10 @@ def test_a_killed_group_rejoins_from_a_live_one_while_the_other_trains_on(tmp_pa
     left, back = recovery["left_after_step"], recovery["rejoined_step"]
     assert recovery["replica_group"] == 1 and left == 2 and 3 < back <= STEPS, recovery
     assert f"replica group 1 left after step {left} and rejoined at step {back}" in output
+    # The state group 1 took from group 0 (torchft's HTTP transfer): its request is in group 0's log,
+    # not on the console.
+    assert "GET /checkpoint" not in output, output
+    assert f'"GET /checkpoint/{back - 1}/full HTTP/1.1" 200' in (run_dir / "group-0" / "logs" / "rank-0.log").read_text()
     # The data rule with a group missing: group 0 trained its share of every step; group 1 its share
     # of the steps before the fault and from its return; the steps between are recorded.
     assert recorded(records, "group0-rank0-restart0") == shares(0, range(1, STEPS + 1))
@@ -187,10 +202,45 @@ def checkpointed(run_dir: Path, step: int) -> bool:
     return all(p.exists() and p.read_text().strip() == f"step-{step:08d}" for p in latest)
 
 
+def running_lighthouses() -> list[int]:
+    """The lighthouses this test session's runs started and that run now."""
+    found = []
+    for pid in owned_pids():
+        try:
+            if b"scaleloop.launching.lighthouse" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:   # ended meanwhile
+            continue
+    return found
+
+
 def lighthouse_pid() -> int:
     """The lighthouse this test's run started (the one process of this session that runs it)."""
-    [pid] = [pid for pid in owned_pids() if b"scaleloop.launching.lighthouse" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    [pid] = running_lighthouses()
     return pid
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc/net/tcp")
+def test_the_lighthouse_of_groups_on_one_machine_listens_on_loopback_only(tmp_path: Path) -> None:
+    """``--replica-groups 2 --nproc 2`` starts every group here: its lighthouse and gate listen on
+    127.0.0.1 only (the form for several machines, tested above, listens on every interface)."""
+    records = tmp_path / "records"
+    env = env_for(records, REPLICA_HOLD=f"0:{2 * BATCH // 2}")   # group 0 waits in step 3 until released
+    command = [sys.executable, "-m", "scaleloop", *ARGS, "--replica-groups", "2", "--out", str(tmp_path / "run")]
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(SERVER.run, command, cwd=tmp_path, timeout=180, env=env, merge=True)
+        try:
+            deadline, bound = time.monotonic() + 180, set()
+            while len(bound) < 2:   # both servers listen before the launcher starts a group
+                assert not running.done() and time.monotonic() < deadline, "the lighthouse did not listen"
+                time.sleep(0.05)
+                bound = listening(set(running_lighthouses()))
+        finally:
+            (records / "release").touch()
+        done = running.result()
+    assert done.returncode == 0, done.stdout
+    [port] = [int(p) for p in re.findall(r"meeting at the torchft lighthouse 127\.0\.0\.1:(\d+) ", done.stdout)]
+    assert bound == {("127.0.0.1", port), ("127.0.0.1", port + 1)}, sorted(bound)
 
 
 def test_the_lighthouse_lost_ends_the_run_in_one_line_and_the_same_command_continues(tmp_path: Path, ddp: Path) -> None:
@@ -230,3 +280,121 @@ def test_the_lighthouse_lost_ends_the_run_in_one_line_and_the_same_command_conti
             assert (final[key] - w).abs().max().item() <= 1e-6 * largest, f"group {group}: {key} differs from ddp"
         # The data rule across the two runs: steps 7 to the end once each, by the group whose share it is.
         assert recorded(second, f"group{group}-rank0-restart0") == shares(group, range(7, STEPS + 1))
+
+
+def test_every_group_lost_ends_the_run_in_one_line_and_the_line_continues_it(tmp_path: Path, ddp: Path) -> None:
+    """Both groups' workers killed (``--max-restarts 0``: none restarts): one line, a non-zero exit, no
+    traceback; each group's report names the job's command, not its own; the command the line gives
+    (not the whole first command: the job's settings are in its directory) continues from each
+    group's newest checkpoint and trains what ddp trains."""
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "scaleloop", *ARGS, "--replica-groups", "2", "--checkpoint-every", "2",
+               "--max-restarts", "0", "--out", str(run_dir)]
+    first = tmp_path / "first"
+    # Group 0 waits before step 7 (both groups have the checkpoint of step 6 then) until released.
+    env = env_for(first, REPLICA_HOLD=f"0:{6 * BATCH // 2}")
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(SERVER.run, command, cwd=tmp_path, timeout=180, env=env, merge=True)
+        try:
+            deadline = time.monotonic() + 180
+            while not checkpointed(run_dir, 6):
+                assert not running.done() and time.monotonic() < deadline, "no checkpoint of step 6"
+                time.sleep(0.05)
+            for group in (1, 0):
+                os.kill(int((first / f"pid-group{group}-rank0-restart0").read_text()), signal.SIGKILL)
+        finally:
+            (first / "release").touch()
+        stopped = running.result()
+    assert stopped.returncode == 1, stopped.stdout
+    assert "Traceback" not in stopped.stdout
+    continue_job = f"scaleloop train --replica-groups 2 --nproc 2 --out {run_dir}"
+    said = [line for line in stopped.stdout.splitlines() if not line.startswith("[group ")]
+    assert said[-1] == ("scaleloop: every replica group failed (exit codes 1, 1): nothing can go on; continue from "
+                        f"the last checkpoints with: {continue_job}"), said
+    assert not [line for line in said[3:-1] if line.startswith("scaleloop: ")], said   # the only line after the start
+    for group in (0, 1):
+        assert f"[group {group}] scaleloop: error: rank 0 was killed by SIGKILL" in stopped.stdout
+        # Not `scaleloop train --out run/group-I`: that group alone would wait for a lighthouse that is gone.
+        assert (f"[group {group}]   once fixed, continue the whole job (every replica group) with: {continue_job}"
+                in stopped.stdout), stopped.stdout
+    # The line's command: each group from its checkpoint of step 6, both present, as DDP from there.
+    second = tmp_path / "second"
+    done = run([sys.executable, "-m", "scaleloop", *continue_job.split()[1:]], cwd=tmp_path, env=env_for(second),
+               merge=True, timeout=180)
+    assert done.returncode == 0, done.stdout
+    reference, largest = weights(ddp), max(w.abs().max().item() for w in weights(ddp).values())
+    for group in (0, 1):
+        assert f"[group {group}] resuming from {run_dir / f'group-{group}' / 'checkpoints' / 'step-00000006'}" in done.stdout
+        final = weights(run_dir / f"group-{group}")
+        for key, w in reference.items():
+            assert (final[key] - w).abs().max().item() <= 1e-6 * largest, f"group {group}: {key} differs from ddp"
+        assert recorded(second, f"group{group}-rank0-restart0") == shares(group, range(7, STEPS + 1))
+
+
+def test_fsdp_inside_groups_of_two_trains_what_ddp_over_all_their_processes_trains(tmp_path: Path, ddp4: Path) -> None:
+    """``--replica-groups 2 --nproc 4 --strategy fsdp``: each group shards over its own 2 processes,
+    torchft averages each rank's shards with the same rank's of the other group (HSDP, the groups its
+    replicas). Without a fault it trains what ``--nproc 4 --strategy ddp`` trains."""
+    records = tmp_path / "records"
+    command = [arg.replace("ddp", "fsdp") for arg in COMMON]
+    res = run([sys.executable, "-m", "scaleloop", *command, "--nproc", "4", "--replica-groups", "2",
+               "--out", str(tmp_path / "run")], cwd=tmp_path, env=env_for(records), merge=True, timeout=300)
+    assert res.returncode == 0, res.stdout
+    for group in (0, 1):
+        assert re.search(rf"\[group {group}\] scaleloop: .* fsdp \(.*\) x 2 replica groups \(torchft; this is group "
+                         rf"{group}\) x 2 ", res.stdout), res.stdout
+    reference, largest = weights(ddp4), max(w.abs().max().item() for w in weights(ddp4).values())
+    for group in (0, 1):
+        final = weights(tmp_path / "run" / f"group-{group}")
+        for key, w in reference.items():
+            assert (final[key] - w).abs().max().item() <= 1e-6 * largest, f"group {group}: {key} differs from ddp"
+        # The data rule: group g's rank r trains DDP rank 2g + r's share of every step.
+        for rank in (0, 1):
+            assert recorded(records, f"group{group}-rank{rank}-restart0") == shares(2 * group + rank, range(1, STEPS + 1), 4)
+
+
+def test_an_fsdp_group_killed_rejoins_with_a_live_groups_shards(tmp_path: Path) -> None:
+    """Groups of 2 processes under fsdp, with Adam (state to take): group 1's rank 0 killed inside
+    step 3; group 0 trains on, group 1's torchrun restarts both its ranks, each takes the same rank's
+    shards of the weights and optimizer state from group 0, and both groups end with the same weights."""
+    records = tmp_path / "records"
+    per_rank = BATCH // 4
+    env = env_for(records, RECORD_DELAY="0.005", REPLICA_HOLD=f"0:{8 * per_rank}", REPLICA_STOP_IN="1:3",
+                  REPLICA_REJOIN="1")
+    command = [arg.replace("simplenet", "replica_data:model").replace("ddp", "fsdp").replace("sgd", "adam")
+               for arg in COMMON]
+    proc = subprocess.Popen([sys.executable, "-m", "scaleloop", *command, "--nproc", "4", "--replica-groups", "2",
+                             "--max-restarts", "2", "--out", str(tmp_path / "run")], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (records / "in-step-3").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "group 1 did not reach step 3"
+            time.sleep(0.02)
+        lighthouse = tmp_path / "run" / "lighthouse.log"
+        asked = lighthouse.read_text().count(ASKED)
+        os.kill(int((records / "pid-group1-rank0-restart0").read_text()), signal.SIGKILL)
+        short_steps = tmp_path / "run" / "group-0" / "replica-steps.jsonl"
+        while not (short_steps.exists() and short_steps.read_text().endswith("\n")):
+            assert proc.poll() is None and time.monotonic() < deadline, "group 0 did not take step 3 again"
+            time.sleep(0.05)
+        (records / "rejoin").touch()
+        while lighthouse.read_text().count(ASKED) <= asked:
+            assert proc.poll() is None and time.monotonic() < deadline, "group 1 did not come back"
+            time.sleep(0.05)
+        (records / "release").touch()
+        output, _ = proc.communicate(timeout=240)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == 0, output
+    run_dir = tmp_path / "run"
+    assert not (records / "pid-group0-rank0-restart1").exists(), output
+    [recovery] = json.loads((run_dir / "group-1" / "recovery.json").read_text())
+    back = recovery["rejoined_step"]
+    assert recovery["replica_group"] == 1 and recovery["left_after_step"] == 2 and 3 < back <= STEPS, recovery
+    a, b = weights(run_dir / "group-0"), weights(run_dir / "group-1")
+    assert all(torch.equal(a[k], b[k]) for k in a), "the groups' final weights differ"
+    # Each restarted rank trained its own share (2 + r of 4) from the step it rejoined at.
+    for rank in (0, 1):
+        assert recorded(records, f"group1-rank{rank}-restart1") == shares(2 + rank, range(back, STEPS + 1), 4)
+    assert "Traceback" not in output and "GET /checkpoint" not in output

@@ -40,6 +40,26 @@ def test_captured_streams_are_left_as_they_are() -> None:
     assert captured.getvalue() == "kept\n"
 
 
+def test_a_workers_streams_to_the_console_and_its_log_are_left_as_they_are() -> None:
+    """Rank 0's streams in a worker (launching.worker's tee, ``console_kept``) write to the console and
+    the rank's log: replaced by the console alone, the log would get none of the rank's lines."""
+    class Tee(io.StringIO):
+        console_kept = True
+
+        def fileno(self) -> int:
+            return 1
+
+    tee, saved = Tee(), sys.stdout
+    sys.stdout = tee
+    try:
+        with kept_console():
+            assert sys.stdout is tee
+            print("kept")
+    finally:
+        sys.stdout = saved
+    assert tee.getvalue() == "kept\n"
+
+
 def test_a_one_process_run_piped_into_head_trains_to_its_end(tmp_path: Path) -> None:
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(SRC)}

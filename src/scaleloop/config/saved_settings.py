@@ -8,6 +8,11 @@ from scaleloop.checkpoint.resume import LEGACY_VALUES
 from scaleloop.checkpoint.store import locate, run_dir_of
 from scaleloop.config.train_config import FileValues, TrainConfig, load_toml, resolve, resume_settings
 
+#: The settings of a replica-groups job on one machine (``--replica-groups N --nproc P``), in the
+#: job's directory beside its groups' (``launching.replica_groups``): resuming the job reads them as
+#: a run's ``config.toml`` (a job's directory has none: it holds no run of its own).
+JOB_CONFIG = "job.toml"
+
 
 def config_for_resume(file_values: Mapping[str, Any], flag_values: Mapping[str, Any]) -> TrainConfig:
     """The run's settings: the saved ``config.toml`` of the run being resumed (if any), then
@@ -15,17 +20,23 @@ def config_for_resume(file_values: Mapping[str, Any], flag_values: Mapping[str, 
 
     A run in ``--out`` that wrote no checkpoint yet (stopped at start-up, or killed before or
     while writing its first) still gives its saved settings: the run that starts over in its
-    directory (``output.rundir.prepare_run_dir``) trains with them, never with the defaults."""
+    directory (``output.rundir.prepare_run_dir``) trains with them, never with the defaults.
+    A replica-groups job's directory gives its job's settings (:data:`JOB_CONFIG`)."""
     settings = resume_settings(file_values, flag_values)   # where to continue from, first
     if settings.resume == "never":
         return resolve(file_values, flag_values)
     source = Path(settings.out) if settings.resume == "auto" and settings.out else None
     if settings.resume not in ("auto", "never"):
         source = run_dir_of(locate(Path(settings.resume)))
-    if source is None or not (source / "config.toml").is_file():
+    if source is None:
         return resolve(file_values, flag_values)
+    saved_file = source / "config.toml"
+    if not saved_file.is_file():
+        saved_file = source / JOB_CONFIG
+        if not saved_file.is_file():
+            return resolve(file_values, flag_values)
     # A run saved before a setting existed continues as it trained (weight decay on every tensor).
-    saved = FileValues.layered(LEGACY_VALUES, load_toml(source / "config.toml"))
+    saved = FileValues.layered(LEGACY_VALUES, load_toml(saved_file))
     # Which checkpoint to take is this invocation's choice, never an old run's.
     saved.pop("resume", None)
     # Without --out the run goes on in the directory it came from.

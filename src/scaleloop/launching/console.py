@@ -73,6 +73,11 @@ def kept_console() -> Iterator[None]:
             yield
         return
     saved = sys.stdout, sys.stderr
+    if any(getattr(stream, "console_kept", False) for stream in saved):
+        # A worker's streams to the console and its log (launching.worker): their console is kept
+        # already, and the log must go on getting the lines (rank 0's log would get none).
+        yield
+        return
     try:
         out, err = sys.stdout.fileno(), sys.stderr.fileno()
     except (AttributeError, OSError, ValueError):   # io.UnsupportedOperation is an OSError and a ValueError

@@ -103,24 +103,24 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
             print(f"scaleloop: {said}", flush=True)
         refuse_if_in_use(run_dir_for(cfg))   # the first thing to say about a directory in use
         cfg = auto_processes(cfg)
-        if cfg.replica_groups > 1 and cfg.replica_group is None:   # one machine: a lighthouse and N group launchers
+        if cfg.launch.replica_groups > 1 and cfg.launch.replica_group is None:   # one machine: a lighthouse and N group launchers
             from scaleloop.launching.replica_groups import launch_groups
 
             failure = launch_groups(cfg)
             if failure is not None:
                 raise WorkersFailed(1, failure)
             return None
-        if cfg.world_size > 1 or cfg.replica_groups > 1:   # a replica group runs under torchrun, even of one process
+        if cfg.world_size > 1 or cfg.launch.replica_groups > 1:   # a replica group runs under torchrun, even of one process
             _launch_workers(cfg)
             return None
         # Named now, so that an interrupted run can say where to resume it from.
-        out = run_dir_for(cfg) or default_run_dir(cfg.model, cfg.data)
+        out = run_dir_for(cfg) or default_run_dir(cfg.model_data.model, cfg.model_data.data)
         cfg = cfg.replace(out=str(out))
 
     from scaleloop.loop.training import train
     from scaleloop.runtime import dist
 
-    env = dist.DistEnv.from_env(device=cfg.device, backend=cfg.backend, timeout_s=cfg.timeout)
+    env = dist.DistEnv.from_env(device=cfg.launch.device, backend=cfg.launch.backend, timeout_s=cfg.launch.timeout)
     if started_by_ray_worker():   # Ray's MASTER_PORT is its parent's: meet in a group of its own
         from scaleloop.ray import join_beside_ray
 
@@ -135,10 +135,10 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
         result = train(cfg, env)
         failed = False
     except UsageError as exc:
-        if here and cfg.out and isinstance(exc, RunDirWriteError):
+        if here and cfg.checkpointing.out and isinstance(exc, RunDirWriteError):
             # The loop's own record found no room on a full disk; its lock, released now, leaves some.
-            _record_unwritable(Path(cfg.out), str(exc), since=started, where=where_of(exc))
-        if env.is_distributed and cfg.out:
+            _record_unwritable(Path(cfg.checkpointing.out), str(exc), since=started, where=where_of(exc))
+        if env.is_distributed and cfg.checkpointing.out:
             # torchrun ends the other ranks as soon as one has exited: held off until this rank's
             # message is both said and left, so that the launcher never says it a second time.
             with _termination_held():
@@ -146,18 +146,18 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
                     # Rank 0's console is the launcher's: said here, once; the launcher then stays quiet.
                     print(f"scaleloop: error: {exc}", file=sys.stderr, flush=True)
                     exc.shown = True
-                _leave_usage_error(Path(cfg.out), env.rank, str(exc))
+                _leave_usage_error(Path(cfg.checkpointing.out), env.rank, str(exc))
         raise
     except KeyboardInterrupt:
-        raise Interrupted(Path(cfg.out) if cfg.out and env.is_main else None) from None
+        raise Interrupted(Path(cfg.checkpointing.out) if cfg.checkpointing.out and env.is_main else None) from None
     except preempt.Preempted:
         raise
     except Exception as exc:
-        if here and cfg.out:  # one process: the same short report as N workers give, not a traceback
+        if here and cfg.checkpointing.out:  # one process: the same short report as N workers give, not a traceback
             # First: the run is over, and a DataLoader worker that ends now (its handler raises in
             # whatever code runs, an import included) must not break the report.
             quiet_loader_workers()
-            raise _failed_here(Path(cfg.out), cfg, exc) from exc
+            raise _failed_here(Path(cfg.checkpointing.out), cfg, exc) from exc
         raise
     finally:
         dist.end_process_group(failed=failed)   # after a failure, maybe once its error is recorded
@@ -223,10 +223,10 @@ def _launch_workers(cfg: TrainConfig) -> None:
     # with exactly the same settings.
     preflight(cfg)
     source = _check_resume(cfg)
-    out = run_dir_for(cfg) or default_run_dir(cfg.model, cfg.data)
+    out = run_dir_for(cfg) or default_run_dir(cfg.model_data.model, cfg.model_data.data)
     cfg = cfg.replace(out=str(out))
     # Claimed here for the workers, held while they run (torchrun's restarts too): rank 0 joins it.
-    claim = claim_run_dir(out, cfg.model, cfg.data, source=source, nnodes=cfg.nnodes)
+    claim = claim_run_dir(out, cfg.model_data.model, cfg.model_data.data, source=source, nnodes=cfg.launch.nnodes)
     run_dir, lock = claim.path, claim.lock
     _take_usage_error(run_dir, [])   # an earlier run's, never this one's
     resolved = run_dir / "config.toml"
@@ -286,7 +286,7 @@ def _launch_workers(cfg: TrainConfig) -> None:
             error = UsageError(said[0])
             error.shown = said[1]
             raise error
-        failure = ended.failure(run_dir, continue_line=_continue_line(run_dir), timeout_s=cfg.timeout, ranks=ranks)
+        failure = ended.failure(run_dir, continue_line=_continue_line(run_dir), timeout_s=cfg.launch.timeout, ranks=ranks)
         failure.write(run_dir)
         raise WorkersFailed(code, failure)
 
@@ -338,8 +338,8 @@ def _machine_ranks(cfg: TrainConfig) -> Optional[list[int]]:
     """The global ranks of this machine's workers where the machines are numbered (``--node-rank``
     with ``--master-addr``, as in a Kubeflow pod); None on one machine, or where a rendezvous
     numbers them."""
-    if cfg.nnodes > 1 and not cfg.rdzv_endpoint:
-        return list(range(cfg.node_rank * cfg.nproc, (cfg.node_rank + 1) * cfg.nproc))
+    if cfg.launch.nnodes > 1 and not cfg.launch.rdzv_endpoint:
+        return list(range(cfg.launch.node_rank * cfg.launch.nproc, (cfg.launch.node_rank + 1) * cfg.launch.nproc))
     return None
 
 
@@ -363,9 +363,9 @@ def _run_workers(cfg: TrainConfig, launch: WorkerLaunch) -> LaunchOutcome:
     A stop signal (SIGTERM, SIGUSR1, --signal) is passed on: the workers checkpoint and end, and
     :class:`Preempted` says where the run stopped and how to continue.
     """
-    print(f"scaleloop: launching {cfg.nproc} process(es) x {cfg.nnodes} node(s) with torchrun:\n  "
+    print(f"scaleloop: launching {cfg.launch.nproc} process(es) x {cfg.launch.nnodes} node(s) with torchrun:\n  "
           + " ".join(shlex.quote(c) for c in launch.plain_command()), flush=True)
-    ended = supervise(launch, forward=preempt.stop_signals(cfg.signal, torchrun_worker=False, slurm=False))
+    ended = supervise(launch, forward=preempt.stop_signals(cfg.launch.signal, torchrun_worker=False, slurm=False))
     if preempt.requested() is not None and ended.code != 0:  # 0: the run ended before the signal
         line = _stopped_line(cfg, launch.logs.parent)
         # Rank 0 recorded the stop already, but names the signal torchrun passed on (SIGUSR1):
@@ -383,7 +383,7 @@ def _stopped_line(cfg: TrainConfig, run_dir: Path) -> str:
     found = newest_valid(run_dir / CHECKPOINTS_DIR, warn=lambda _msg: None)
     if found is None:
         return f"stopped by {received}; no checkpoint was written: a new run starts over"
-    where = " (on every machine, with its own --node-rank)" if cfg.nnodes > 1 else ""
+    where = " (on every machine, with its own --node-rank)" if cfg.launch.nnodes > 1 else ""
     return (f"stopped by {received} after step {found.step}; checkpoint {found.path} written; "
             f"continue with: {preempt.continue_command(str(run_dir))}{where}")
 
@@ -398,8 +398,13 @@ def _interrupted(run_dir: Path) -> Interrupted:
 def _continue_line(run_dir: Path) -> str:
     """The report's last line: how to go on once the cause is fixed."""
     from scaleloop.checkpoint.store import CHECKPOINTS_DIR, list_checkpoints
+    from scaleloop.launching.replica_groups import CONTINUE_VAR
 
     from scaleloop.output.rundir import never_stepped
+
+    job = os.environ.get(CONTINUE_VAR)
+    if job:   # a replica group of a job on one machine: its lighthouse went with the job's launcher
+        return f"once fixed, continue the whole job (every replica group) with: {job}"
 
     if list_checkpoints(run_dir / CHECKPOINTS_DIR):
         return f"once fixed, continue from the last checkpoint with: scaleloop train --out {shlex.quote(str(run_dir))}"
@@ -488,7 +493,7 @@ def _check_resume(cfg: TrainConfig) -> Optional[Path]:
 
 def auto_processes(cfg: TrainConfig) -> TrainConfig:
     """``--strategy auto`` on a machine with several GPUs: one DDP process per GPU."""
-    if cfg.strategy != "auto" or cfg.world_size > 1 or cfg.device not in ("auto", "cuda"):
+    if cfg.parallel.strategy != "auto" or cfg.world_size > 1 or cfg.launch.device not in ("auto", "cuda"):
         return cfg
     import torch
 

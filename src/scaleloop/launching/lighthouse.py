@@ -10,7 +10,9 @@ start: each group's rank 0 waits there until all N groups have come, so that the
 holds every group and a run without faults trains as DDP over all of them. A restarted group does
 not wait there (``strategies.fault_tolerant``).
 
-On one machine the launcher starts it (:func:`start`); across machines, run it on one of them::
+On one machine the launcher starts it (:func:`start`), listening on loopback only (``127.0.0.1``:
+no other machine has a group to send). Across machines, run it on one of them; it listens on every
+interface (``--bind ::``, the default) so that the other machines reach it::
 
     python -m scaleloop.launching.lighthouse --replica-groups 2 --port 29510
 
@@ -44,6 +46,8 @@ HEARTBEAT_TIMEOUT_MS = 3_000
 GATE_HEARTBEAT_TIMEOUT_MS = 24 * 3600 * 1000
 #: How long the launcher waits for the lighthouse to say where it listens (it imports torch first).
 START_TIMEOUT_S = 120.0
+#: Where the lighthouse that :func:`start` starts for groups on this machine listens, and how they reach it.
+LOOPBACK = "127.0.0.1"
 _READY = "lighthouse listening at "
 
 
@@ -86,12 +90,13 @@ def free_port_pair() -> int:
 
 def start(groups: int, log: Path, python: str = sys.executable) -> Lighthouse:
     """Start the lighthouse and its gate for ``groups`` groups on this machine, its messages in ``log``;
-    returns once it listens. UsageError (one line) if it cannot start."""
+    returns once it listens, on loopback only (:data:`LOOPBACK`): every group runs here. UsageError
+    (one line) if it cannot start."""
     port = free_port_pair()
     with open(log, "a", encoding="utf-8") as out:
         process = subprocess.Popen([python, "-m", __name__, "--replica-groups", str(groups), "--port", str(port),
-                                    "--host", "localhost"], stdout=subprocess.PIPE, stderr=out, text=True,
-                                   env=lifeline.child_env(os.environ))
+                                    "--bind", LOOPBACK, "--host", LOOPBACK], stdout=subprocess.PIPE, stderr=out,
+                                   text=True, env=lifeline.child_env(os.environ))
     assert process.stdout is not None
     line = _first_line(process.stdout, START_TIMEOUT_S)
     if not line.startswith(_READY):
@@ -118,15 +123,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--replica-groups", type=int, required=True, help="the groups of the job (N)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="the lighthouse's port; its gate uses PORT+1")
     parser.add_argument("--host", default=socket.gethostname(), help="the name the groups reach this machine by")
+    parser.add_argument("--bind", default="::", metavar="ADDRESS",
+                        help="the address it and its gate listen on (default ::, every interface, for groups on other "
+                             f"machines; {LOOPBACK} when every group runs on this machine)")
     args = parser.parse_args(argv)
     lifeline.hold()
     stop = [signal.SIGTERM, signal.SIGINT]
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)   # before torchft's threads start: they inherit the mask
     from torchft.coordination import LighthouseServer
 
-    servers = [LighthouseServer(bind=f"[::]:{args.port}", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS,
+    def bind(port: int) -> str:   # torchft's form: "127.0.0.1:29510", "[::]:29510"
+        return f"[{args.bind}]:{port}" if ":" in args.bind else f"{args.bind}:{port}"
+
+    servers = [LighthouseServer(bind=bind(args.port), min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS,
                                 heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS),
-               LighthouseServer(bind=f"[::]:{args.port + 1}", min_replicas=args.replica_groups,
+               LighthouseServer(bind=bind(args.port + 1), min_replicas=args.replica_groups,
                                 heartbeat_timeout_ms=GATE_HEARTBEAT_TIMEOUT_MS)]
     print(f"{_READY}{args.host}:{args.port}", flush=True)
     started = time.time()

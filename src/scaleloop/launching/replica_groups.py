@@ -10,7 +10,9 @@ then the groups, prints their output prefixed with ``[group I]``, and waits for 
 
 When nothing can go on it says so in one line: the lighthouse ended (the groups cannot meet), or
 every group failed. Resuming is as for one group: the same command with ``--out <out>``, each group
-from its own newest checkpoint (a group without one takes a live group's state).
+from its own newest checkpoint (a group without one takes a live group's state); the job's settings
+are kept in ``<out>/job.toml`` for it (``config.saved_settings.JOB_CONFIG``), and a group's own
+failure report names the job's command (:data:`CONTINUE_VAR`), not one that would start it alone.
 """
 from __future__ import annotations
 
@@ -24,9 +26,9 @@ from pathlib import Path
 from typing import IO, Optional, Sequence
 
 from scaleloop.config import TrainConfig, to_toml
+from scaleloop.config.saved_settings import JOB_CONFIG
 from scaleloop.errors import UsageError
-from scaleloop.launching import lifeline
-from scaleloop.launching import lighthouse as lighthouses
+from scaleloop.launching import lifeline, lighthouse as lighthouses
 from scaleloop.launching.failures import Failure
 
 LIGHTHOUSE_LOG = "lighthouse.log"
@@ -35,6 +37,9 @@ GROUP_PREFIX = "group-"
 _POLL_S = 0.2
 #: How long a group launcher has to end after SIGTERM before it is killed (:func:`_stop`).
 STOP_GRACE_S = 10.0
+#: Set for each group's launcher: the command that continues the whole job, which the group's own
+#: failure report names (``launching.launcher``): its lighthouse is this launcher's, gone with it.
+CONTINUE_VAR = "SCALELOOP_REPLICA_JOB_CONTINUE"
 
 
 def group_dir(out: Path, index: int) -> Path:
@@ -43,19 +48,22 @@ def group_dir(out: Path, index: int) -> Path:
 
 
 def launch_groups(cfg: TrainConfig) -> Optional[Failure]:
-    """Start the lighthouse and ``cfg.replica_groups`` group launchers of ``cfg.nproc / N`` processes each
+    """Start the lighthouse and ``cfg.launch.replica_groups`` group launchers of ``cfg.launch.nproc / N`` processes each
     on this machine, and wait for them; what went wrong when a group failed (None: all finished)."""
     from scaleloop.checkpoint.resume import run_dir_for
     from scaleloop.launching.preflight import preflight
     from scaleloop.output.rundir import default_run_dir, is_run_dir, write_atomic
 
     preflight(cfg)
-    out = run_dir_for(cfg) or default_run_dir(cfg.model, cfg.data)
+    out = run_dir_for(cfg) or default_run_dir(cfg.model_data.model, cfg.model_data.data)
     if is_run_dir(out):
         raise UsageError(f"--out {out} holds a run of one group of processes; replica groups keep theirs in "
                          f"{group_dir(out, 0)}, ...: choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    groups, per_group = cfg.replica_groups, cfg.nproc // cfg.replica_groups
+    groups, per_group = cfg.launch.replica_groups, cfg.launch.nproc // cfg.launch.replica_groups
+    # What `--out <out>` continues from (config.saved_settings); each group's own settings follow from it.
+    write_atomic(out / JOB_CONFIG, to_toml(cfg.replace(out=str(out))).encode())
+    continue_job = f"scaleloop train --replica-groups {groups} --nproc {cfg.launch.nproc} --out {shlex.quote(str(out))}"
     light = lighthouses.start(groups, out / LIGHTHOUSE_LOG)
     print(f"scaleloop: {groups} replica groups of {per_group} process(es) meeting at the torchft lighthouse "
           f"{light.endpoint} (its messages: {out / LIGHTHOUSE_LOG}); group I's run is in {group_dir(out, 0).parent}/"
@@ -69,7 +77,7 @@ def launch_groups(cfg: TrainConfig) -> Optional[Failure]:
             write_atomic(config, to_toml(group_cfg).encode())
             argv = ["train", "--config", str(config)]
             print(f"scaleloop: [group {index}] scaleloop {shlex.join(argv)}", flush=True)
-            launchers.append(_start_group(index, argv))
+            launchers.append(_start_group(index, argv, continue_job))
         codes = _wait(launchers, light)
     finally:
         _stop(launchers)
@@ -83,15 +91,15 @@ def launch_groups(cfg: TrainConfig) -> Optional[Failure]:
         line = f"every replica group failed (exit codes {', '.join(map(str, failed.values()))}): nothing can go on"
     else:
         line = f"replica group(s) {', '.join(map(str, failed))} failed; the others finished"
-    line += (f"; continue from the last checkpoints with: scaleloop train --replica-groups {groups} "
-             f"--nproc {cfg.nproc} --out {shlex.quote(str(out))}")
+    line += f"; continue from the last checkpoints with: {continue_job}"
     return Failure("failed", message=line, report=[f"scaleloop: {line}"])
 
 
-def _start_group(index: int, argv: Sequence[str]) -> "subprocess.Popen[str]":
+def _start_group(index: int, argv: Sequence[str], continue_job: str) -> "subprocess.Popen[str]":
     """One group's launcher, its output printed here line by line with ``[group I]`` in front."""
+    env = {**lifeline.child_env(os.environ), CONTINUE_VAR: continue_job}
     process = subprocess.Popen([sys.executable, "-m", __name__, *argv], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env=lifeline.child_env(os.environ))
+                               stderr=subprocess.STDOUT, text=True, env=env)
     assert process.stdout is not None
     threading.Thread(target=_relay, args=(process.stdout, f"[group {index}] "), daemon=True).start()
     return process

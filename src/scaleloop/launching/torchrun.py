@@ -208,11 +208,6 @@ def workers_env(cfg: TrainConfig, logs: Path, environ: Optional[Mapping[str, str
         env.update(REPLICA_GROUP_ID=str(cfg.launch.replica_group), NUM_REPLICA_GROUPS=str(cfg.launch.replica_groups),
                    TORCHFT_LIGHTHOUSE=f"http://{cfg.launch.lighthouse}")
         env.setdefault("RUST_LOG", "warn")   # torchft's manager logs every quorum and commit at info
-        # torchft's Manager finds its group's rank-0 manager through the store at MASTER_ADDR:MASTER_PORT,
-        # under keys of its own: in torchrun's shared store they outlive a restart, and a restarted rank
-        # other than 0 could take the dead manager's address and wait on it. Unshared, each attempt's
-        # rank 0 hosts a fresh store.
-        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if uses_cuda(cfg):
         for key, value in flight_recorder_env(logs).items():
             env.setdefault(key, value)

@@ -68,6 +68,10 @@ class _Tee:
     log keeps lines, not thousands of redraws.
     """
 
+    #: Its console is a ``console_stream`` already (:func:`main`): ``launching.console.kept_console``
+    #: leaves it in place rather than write past the log.
+    console_kept = True
+
     def __init__(self, console: IO[str], log: IO[str]) -> None:
         self._console: Optional[IO[str]] = console
         self._log: Optional[IO[str]] = log
@@ -99,6 +103,15 @@ class _Tee:
 
     def isatty(self) -> bool:
         return self._console is not None and self._console.isatty()
+
+    def log_only(self, text: str) -> None:
+        """Write ``text`` to the log alone: a library's chatter that the console need not show
+        (torchft's checkpoint server's requests: ``strategies.fault_tolerant``)."""
+        if self._log is not None:
+            try:
+                self._log.write(text)
+            except OSError:
+                self._lost_log()
 
     def mute(self) -> None:
         if self._console is not None:

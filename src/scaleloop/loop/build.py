@@ -270,15 +270,15 @@ def _make_strategy(cfg: TrainConfig, env: DistEnv) -> Strategy:
         # A config that names another strategy (verify's one-process reference, a bench row)
         # runs that one; the CLI rejects --mesh with another strategy.
         settings = dataclasses.replace(settings, mesh=None)
-    if cfg.launch.replica_groups > 1:   # DDP inside the group, torchft between the groups
+    if cfg.launch.replica_groups > 1:   # DDP or FSDP inside the group, torchft between the groups
         from scaleloop.config.sections import split_endpoint
-        from scaleloop.strategies.fault_tolerant import FaultTolerantDDP, ReplicaGroup
+        from scaleloop.strategies.fault_tolerant import ReplicaGroup, build_for
 
         assert cfg.launch.replica_group is not None and cfg.launch.lighthouse is not None, "a replica group's launcher sets both"
         host, port = split_endpoint(cfg.launch.lighthouse, "--lighthouse")
         group = ReplicaGroup(index=cfg.launch.replica_group, groups=cfg.launch.replica_groups, lighthouse=f"http://{host}:{port}",
                              gate=f"http://{host}:{port + 1}", timeout_s=cfg.launch.timeout)
-        return FaultTolerantDDP.build_for(settings, env, group)
+        return build_for(settings, env, group)
     return build_strategy(settings, env)
 
 

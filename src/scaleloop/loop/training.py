@@ -42,7 +42,7 @@ from scaleloop.runtime.dist import DistEnv, launched_by_torchrun, restart_count
 from scaleloop.runtime.frames import note_where
 from scaleloop.runtime.recovery import Recovery, last_worker_exit, take_faults
 from scaleloop.runtime.startwatch import startup_watch
-from scaleloop.strategies.fault_tolerant import FaultTolerantDDP
+from scaleloop.strategies.fault_tolerant import FaultTolerant
 
 
 __all__ = ["train", "RunResult", "STARTING_UP"]
@@ -153,7 +153,7 @@ def join_replica_groups(run: Run, resumed: Optional[Resumed]) -> Optional[Resume
     """Meet the other replica groups; what the loop continues from: a live group's place when this
     group took its state, else ``resumed`` (a checkpoint's, or None)."""
     strategy = run.strategy
-    if not isinstance(strategy, FaultTolerantDDP):
+    if not isinstance(strategy, FaultTolerant):
         return resumed
     at = resumed.progress if resumed is not None else Progress()
     taken = strategy.join(run.model, run.optimizer, run.scheduler, at)
@@ -171,7 +171,7 @@ def attach_replica_groups(run: Run, run_dir: Optional[Path], say: Log, recovery:
                           resumed: Optional[Resumed]) -> None:
     """Tell the strategy where to record short steps; name the group in a restarted group's recovery."""
     strategy = run.strategy
-    if not isinstance(strategy, FaultTolerantDDP):
+    if not isinstance(strategy, FaultTolerant):
         return
     strategy.attach(run_dir, say)
     if recovery is not None:

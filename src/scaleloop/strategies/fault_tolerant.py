@@ -1,8 +1,9 @@
-"""DDP inside each replica group, torchft between the groups (``--replica-groups N``).
+"""DDP or FSDP inside each replica group, torchft between the groups (``--replica-groups N``).
 
-Each group is an ordinary DDP job of its own processes (torchrun's group). Between the groups,
-torchft's ``Manager`` takes a quorum of the groups that are alive before every step
-(:meth:`FaultTolerantDDP.begin_step`), averages the gradients over those groups
+Each group is an ordinary DDP job of its own processes (torchrun's group), or an FSDP job that
+shards over them (:class:`FaultTolerantFSDP`: HSDP, whose replicas are the groups). Between the
+groups, torchft's ``Manager`` takes a quorum of the groups that are alive before every step
+(:meth:`FaultTolerant.begin_step`), averages the gradients over those groups
 (:meth:`sync_gradients`) and lets the optimizer step only where the step succeeded in every group of
 the quorum (:meth:`commit`). A group that was lost and restarted joins the next quorum and takes
 the weights, optimizer state, schedule and place in the data from a live group (:meth:`join`), so it
@@ -16,12 +17,22 @@ A step during which a group failed is not committed (torchft's ``should_commit``
 still present drop its gradients, take a new quorum and train the same step again
 (``loop.step.train_step``), so that no step is lost. Steps trained by fewer groups are written to
 ``replica-steps.jsonl`` in each group's run directory and said on the console. docs/fault-tolerance.md.
+
+With FSDP, rank r of every group holds the same shard r of each parameter (the groups have the
+same number of processes): FSDP reduce-scatters the gradients in the group, and torchft's
+all-reduce then averages each rank's gradient shards with rank r's of the other groups (its
+Manager joins the same rank of every group), as HSDP's replica dimension would. A rejoining
+group's rank r takes rank r's shards of the weights and optimizer state, as local tensors.
+torchft 0.2.0 ships no managed device mesh for this (``torchft.device_mesh`` and its
+``ft_init_device_mesh``, of earlier releases, are not in it): the mesh is the group's own
+(:class:`_GroupShards`), and the replica dimension is torchft's Manager.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -39,6 +50,7 @@ from scaleloop.errors import UsageError
 from scaleloop.runtime.dist import DistEnv, restart_count
 from scaleloop.runtime.mesh import MeshSpec
 from scaleloop.strategies.ddp import DDP
+from scaleloop.strategies.fsdp import FSDP
 from scaleloop.strategies.parallelize import Parallelism
 from scaleloop.strategies.precision import Precision
 
@@ -67,23 +79,68 @@ class ReplicaGroup:
     timeout_s: float           # --timeout: a quorum, and the gate, wait this long
 
 
+def requests_to_log(transport: Any) -> None:
+    """torchft's checkpoint server (``http.server``, in ``HTTPTransport``) writes a line to stderr for
+    each request it serves (``::ffff:127.0.0.1 - - [...] "GET /checkpoint/0/full HTTP/1.1" 200 -``):
+    on rank 0, whose stderr is the console too, a rejoin would print them among the run's lines. A
+    request served goes to this rank's log only (``launching.worker``); one answered with an error
+    (400 and above, and ``log_error``'s line) is still said on stderr."""
+    from http.server import BaseHTTPRequestHandler
+
+    handler = getattr(getattr(transport, "_server", None), "RequestHandlerClass", None)
+    if handler is None:   # another torchft: its requests are said as it says them
+        return
+
+    def log_request(self: BaseHTTPRequestHandler, code: Any = "-", size: Any = "-") -> None:
+        status = getattr(code, "value", code)
+        if isinstance(status, int) and status >= 400:
+            BaseHTTPRequestHandler.log_request(self, code, size)
+            return
+        line = f"torchft checkpoint server: {self.address_string()} \"{self.requestline}\" {status} {size}\n"
+        # Rank 0's stderr writes to the console and its log; another rank's is its log already.
+        getattr(sys.stderr, "log_only", sys.stderr.write)(line)
+
+    handler.log_request = log_request   # the class is this server's own (made in HTTPTransport.__init__)
+
+
 class FellBehind(RuntimeError):
     """A live group found itself behind the others' step (it was left out of their quorums): it
     cannot take their state in the middle of its loop, so it ends and its launcher restarts it."""
 
 
-class FaultTolerantDDP(DDP):
-    """DDP in the group; gradients averaged between replica groups and steps committed by torchft."""
+def build_for(settings: "ParallelSettings", env: DistEnv, group: ReplicaGroup) -> "FaultTolerant":
+    """The strategy of checked ``settings`` on one process of ``group``: FSDP inside the group for
+    ``--strategy fsdp``, else DDP; torchft between the groups."""
+    settings.check_layout(env.world_size)
+    kind = FaultTolerantFSDP if settings.strategy == "fsdp" else FaultTolerantDDP
+    return kind(env, Precision(settings.precision, env.device), settings, group)
+
+
+class _GroupShards(Parallelism):
+    """The job's layout for FSDP in replica groups: ``dp`` the groups, ``fsdp`` a group's processes
+    (rank r of group g trains data share g x P + r of N x P), but the device mesh of this group
+    alone: FSDP shards over the group's processes, and torchft, not a mesh dimension, replicates
+    between the groups."""
+
+    def device_mesh(self, env: DistEnv, dims: tuple[str, ...]) -> Any:
+        if self._mesh is None:
+            self._mesh = MeshSpec(fsdp=self.spec.fsdp).build(env.device.type, dims, timeout=env.group_timeout)
+        return self._mesh
+
+    def data_mesh(self, mesh: Any) -> Any:
+        return mesh["fsdp"]
+
+
+class FaultTolerant:
+    """Gradients averaged between replica groups and steps committed by torchft, around the
+    strategy inside each group (this class comes first in the bases, before DDP or FSDP)."""
 
     batch_split = "split evenly over the processes of every replica group present"
+    group: ReplicaGroup
+    env: DistEnv
 
-    def __init__(self, env: DistEnv, precision: Precision, settings: "ParallelSettings", group: ReplicaGroup) -> None:
+    def _init_replicas(self, group: ReplicaGroup) -> None:
         self.group = group
-        # Data ranks over all groups: group g's rank r trains share g * P + r of each global batch.
-        parallelism = Parallelism(MeshSpec(dp=env.world_size * group.groups), group.index * env.world_size + env.rank,
-                                  recompute=settings.activation_checkpointing)
-        super().__init__(env, precision, settings.accumulate, settings.sync_batchnorm, parallelism=parallelism,
-                         find_unused_parameters=settings.find_unused_parameters, static_graph=settings.static_graph)
         self.manager: Optional["Manager"] = None
         self._loader: Optional[Union[ShardedLoader, StreamingLoader]] = None
         self._state: Optional[Callable[[], dict[str, Any]]] = None   # the live state a healing peer takes
@@ -97,19 +154,23 @@ class FaultTolerantDDP(DDP):
         #: When fewer than all groups began to train (the step, the wall time), sent to a rejoining group.
         self._short_since: Optional[tuple[int, float]] = None
         self._record: Optional[Path] = None
-        self._params: list[nn.Parameter] = []
+        self._averaged: list[nn.Parameter] = []   # whose gradients torchft averages between the groups
         self._say: Callable[[str], None] = lambda _line: None
 
-    @classmethod
-    def build_for(cls, settings: "ParallelSettings", env: DistEnv, group: ReplicaGroup) -> "FaultTolerantDDP":
-        """This strategy for checked ``settings`` on one process of ``group``."""
-        settings.check_layout(env.world_size)
-        return cls(env, Precision(settings.precision, env.device), settings, group)
+    # --- the state a rejoining group takes (HTTP, torchft's transport) ------------------------
+    def _shared(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's live state as sent to the same rank of a rejoining group."""
+        return state
+
+    def _load_taken(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load the model and optimizer state taken from a live group's same rank."""
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
 
     # --- set-up ---------------------------------------------------------------------------
     def loader(self, *args: Any, **kwargs: Any) -> Union[ShardedLoader, StreamingLoader]:
         # Kept: its epoch is part of the place a rejoining group takes.
-        self._loader = super().loader(*args, **kwargs)
+        self._loader = super().loader(*args, **kwargs)  # type: ignore[misc]
         return self._loader
 
     def _check_stream(self) -> None:
@@ -117,7 +178,8 @@ class FaultTolerantDDP(DDP):
                          "takes its place in the data from a live one); a stream has none")
 
     def describe(self) -> str:
-        return f"{super().describe()} x {self.group.groups} replica groups (torchft; this is group {self.group.index})"
+        inside = super().describe()  # type: ignore[misc]
+        return f"{inside} x {self.group.groups} replica groups (torchft; this is group {self.group.index})"
 
     def join(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, at: Progress) -> Optional[Progress]:
         """Meet the other groups before the first step (every rank of the group calls it, after any
@@ -126,18 +188,18 @@ class FaultTolerantDDP(DDP):
         goes straight to the quorum. Returns the place taken from a live group when this group
         was behind (its weights, optimizer and schedule are loaded then), else None."""
         from torchft import Manager, ProcessGroupGloo
+        from torchft.checkpointing.http_transport import HTTPTransport
 
         self._place = Progress(**asdict(at))
-        self._state = lambda: {"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-                               "scheduler": scheduler.state_dict(), "place": asdict(self._place),
-                               "short_since": self._short_since}
+        self._state = lambda: self._shared({"model": self.unwrap(model).state_dict(),
+                                            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                                            "place": asdict(self._place), "short_since": self._short_since})
 
         def take(state: dict[str, Any]) -> None:
             if self._running:
                 raise FellBehind(f"replica group {self.group.index} fell behind the others (they left it out of "
                                  f"their quorum): it restarts to rejoin them")
-            self.unwrap(model).load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
+            self._load_taken(self.unwrap(model), optimizer, state)
             scheduler.load_state_dict(state["scheduler"])
             self._healed = state
 
@@ -147,8 +209,14 @@ class FaultTolerantDDP(DDP):
         warnings.filterwarnings("ignore", message="The given buffer is not writable")   # torchft's transfer
         timeout = timedelta(seconds=self.group.timeout_s)
         os.environ.setdefault("TORCHFT_LIGHTHOUSE", self.group.lighthouse)
+        if restart_count() > 0 and self.env.world_size > 1:
+            self._forget_dead_manager(timeout)
+        # torchft's own transport of a live group's state (its default), its requests kept off the console.
+        transport: HTTPTransport[dict[str, Any]] = HTTPTransport(timeout=timeout, num_chunks=0)
+        requests_to_log(transport)
         self.manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1, load_state_dict=take,
                                state_dict=self._live_state, replica_id=f"group{self.group.index}",
+                               checkpoint_transport=transport,
                                lighthouse_addr=self.group.lighthouse, use_async_quorum=False,
                                timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout)
         # The group with the most steps is the one the others take their state from: its steps are
@@ -169,6 +237,22 @@ class FaultTolerantDDP(DDP):
         self._short_since = healed.get("short_since")
         self._place = Progress(**healed["place"])
         return self._place
+
+    def _forget_dead_manager(self, timeout: timedelta) -> None:
+        """torchft's Manager finds its group's manager (rank 0's) through the store at MASTER_ADDR:
+        MASTER_PORT, under keys of its own; torchrun keeps that store, and so those keys, across its
+        restarts. A restarted rank other than 0 could read the address of the manager that died with
+        the last attempt and wait on it for --timeout: rank 0 removes the keys, and every rank waits
+        for that before it builds its Manager."""
+        import torch.distributed as torch_dist
+        from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+        if self.env.rank == 0:
+            store = torch_dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                        wait_for_workers=False, timeout=timeout)
+            for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+                store.delete_key(key)
+        torch_dist.barrier()
 
     def _live_state(self) -> dict[str, Any]:
         assert self._state is not None
@@ -213,17 +297,18 @@ class FaultTolerantDDP(DDP):
         self._place.samples += place.step_samples
 
     def sync_gradients(self) -> None:
-        super().sync_gradients()   # DDP's, inside the group
+        super().sync_gradients()  # type: ignore[misc]  # DDP's or FSDP's, inside the group
         assert self.manager is not None
-        grads = [p.grad for p in self._params if p.grad is not None]
+        # FSDP's are this rank's shards (DTensors): averaged in place with the same rank's of the other groups.
+        grads = [_local(p.grad) for p in self._averaged if p.grad is not None]
         # The mean over the groups in the quorum; torchft swallows a failed peer's error here and
         # has the step not committed (commit).
         for work in [self.manager.allreduce(g) for g in grads]:
             work.wait()
 
     def setup(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
-        placed, optim = super().setup(model, optimizer)
-        self._params = [p for p in placed.parameters() if p.requires_grad]   # whose gradients are averaged
+        placed, optim = super().setup(model, optimizer)  # type: ignore[misc]
+        self._averaged = [p for p in placed.parameters() if p.requires_grad]
         return placed, optim
 
     def commit(self) -> bool:
@@ -251,14 +336,15 @@ class FaultTolerantDDP(DDP):
         return False
 
     def close(self) -> None:
-        super().close()
+        super().close()  # type: ignore[misc]
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
 
     # --- the record ------------------------------------------------------------------------
     def _quorum(self) -> None:
-        assert self.manager is not None
+        assert self.manager is not None, ("the loop did not join the replica groups before the first step "
+                                          "(loop.training.join_replica_groups: any FaultTolerant strategy)")
         self.manager.start_quorum()
         if self.manager.errored() is not None:
             raise RuntimeError(f"replica group {self.group.index} could not form a quorum with the others "
@@ -291,3 +377,57 @@ class FaultTolerantDDP(DDP):
                 f.write(json.dumps(entry) + "\n")
         except OSError as exc:
             self._say(f"warning: {self._record} could not be written: {exc}")
+
+
+class FaultTolerantDDP(FaultTolerant, DDP):
+    """DDP in the group; gradients averaged between replica groups and steps committed by torchft."""
+
+    def __init__(self, env: DistEnv, precision: Precision, settings: "ParallelSettings", group: ReplicaGroup) -> None:
+        # Data ranks over all groups: group g's rank r trains share g * P + r of each global batch.
+        parallelism = Parallelism(MeshSpec(dp=env.world_size * group.groups), group.index * env.world_size + env.rank,
+                                  recompute=settings.activation_checkpointing)
+        DDP.__init__(self, env, precision, settings.accumulate, settings.sync_batchnorm, parallelism=parallelism,
+                     find_unused_parameters=settings.find_unused_parameters, static_graph=settings.static_graph)
+        self._init_replicas(group)
+
+
+class FaultTolerantFSDP(FaultTolerant, FSDP):
+    """FSDP over the group's processes (each rank a shard); torchft averages each rank's gradient
+    shards with the same rank's of the other groups and commits the steps: HSDP, the groups its replicas."""
+
+    def __init__(self, env: DistEnv, precision: Precision, settings: "ParallelSettings", group: ReplicaGroup) -> None:
+        parallelism = _GroupShards(MeshSpec(dp=group.groups, fsdp=env.world_size),
+                                   group.index * env.world_size + env.rank, recompute=settings.activation_checkpointing)
+        FSDP.__init__(self, env, precision, settings.accumulate, settings.sync_batchnorm, parallelism=parallelism,
+                      cpu_offload=settings.cpu_offload)
+        self._init_replicas(group)
+
+    def _shared(self, state: dict[str, Any]) -> dict[str, Any]:
+        # This rank's shards as plain tensors: the rejoining rank puts them into its own DTensors
+        # (a DTensor sent whole would carry this process's device mesh).
+        from torch.utils._pytree import tree_map
+
+        return tree_map(_local, state)
+
+    def _load_taken(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            for name, mine in model.state_dict().items():   # the parameters' own storage (FSDP2's shards)
+                _local(mine).copy_(state["model"][name])
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        taken = state["optimizer"]
+        for index, entry in taken["state"].items():
+            param = params[int(index)]
+            if not isinstance(param, DTensor):
+                continue
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.to_local().shape:
+                    entry[key] = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                                    shape=param.shape, stride=param.stride())
+        optimizer.load_state_dict(taken)
+
+
+def _local(t: Any) -> Any:
+    """This rank's shard of a DTensor; anything else as it is."""
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "device_mesh") else t

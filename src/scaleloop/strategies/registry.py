@@ -190,15 +190,16 @@ class ParallelSettings:
                              f"{world_size * self.accumulate}")
 
     def check_replica_groups(self, groups: int) -> None:
-        """``--replica-groups N``: torchft averages DDP's gradients between the groups and commits a step
-        only where every group's succeeded, so each group must be plain data parallel (ddp); fp16's
-        scaler would skip steps that torchft has committed."""
+        """``--replica-groups N``: torchft averages the gradients between the groups and commits a step
+        only where every group's succeeded, so each group must be data parallel: ddp, or fsdp (HSDP,
+        the groups its replicas: ``strategies.fault_tolerant``); fp16's scaler would skip steps that
+        torchft has committed."""
         if groups == 1:
             return
-        if self.mesh is not None or self.strategy not in ("auto", "ddp"):
+        if self.mesh is not None or self.strategy not in ("auto", "ddp", "fsdp"):
             which = f"--mesh {self.mesh}" if self.mesh is not None else f"--strategy {self.strategy}"
-            raise UsageError(f"--replica-groups {groups} runs ddp inside each group (torchft averages between "
-                             f"groups): {which} is not supported with it; use --strategy ddp")
+            raise UsageError(f"--replica-groups {groups} runs ddp or fsdp inside each group (torchft averages "
+                             f"between groups): {which} is not supported with it; use --strategy ddp or fsdp")
         if self.precision == "fp16":
             raise UsageError(f"--replica-groups {groups} does not take --precision fp16 (its gradient scaler skips "
                              "steps on its own): use bf16 or fp32")
