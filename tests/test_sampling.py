@@ -132,3 +132,31 @@ def test_a_model_returning_logits_and_loss_generates_with_its_context_cropped() 
     assert out.tolist() == [[3, 4, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 0, 1]]
     # vocab: ids the codec cannot write are never drawn, even when the model prefers them.
     assert generate_ids(NanoStyle(), torch.tensor([[3]]), 2, temperature=0, vocab=4).tolist()[0][1] != 4
+
+
+def test_a_local_tokenizer_directory_encodes_and_decodes(char_run: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tokenizer DIR``: a transformers tokenizer saved in a directory (built here, nothing
+    downloaded) over the corpus's characters, with the ids meta.pkl gives them, encodes the prompt
+    and decodes the samples; the same seed gives the same text."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    chars = sorted(set(TEXT))
+    vocab = {ch: i for i, ch in enumerate(chars)}
+    model = tokenizers.models.WordLevel(vocab, unk_token="h")
+    tok = tokenizers.Tokenizer(model)
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", behavior="isolated")   # one token per character
+    tok.decoder = tokenizers.decoders.Fuse()                                            # joined with no spaces
+    directory = tmp_path / "tokenizer"
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(directory)
+    argv = ["sample", str(char_run), "--prompt", "hello", "--tokenizer", str(directory), "--max-new-tokens", "20",
+            "--seed", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "hello" in out and set(out) - {"\n", "-"} <= set(chars) | set("0123456789 =:"), out
+    assert main(argv) == 0
+    assert capsys.readouterr().out == out
+    with_meta = scaleloop.sample(char_run, "hello", max_new_tokens=20, seed=3)
+    assert with_meta == scaleloop.sample(char_run, "hello", max_new_tokens=20, seed=3, tokenizer=str(directory))
+    assert main(["sample", str(char_run), "--prompt", "hi", "--tokenizer", str(tmp_path / "none")]) == 2
+    assert "--tokenizer" in capsys.readouterr().err
