@@ -37,8 +37,10 @@ def test_datapath_quick(tmp_path: Path) -> None:
 def test_fused_optimizer_is_scaleloops_and_the_tutorial_loop_keeps_its_own(tmp_path: Path, mode: str) -> None:
     """--fused-optimizer: in --mode loop both loops use it (the same work, bit for bit); in
     --mode datapath the tutorial's loop stays as written, so the weights differ by rounding only."""
+    # One timed repetition, not --quick's 3: the weights compared are the warm-up runs' (every mode
+    # trains each loop once before its timed repetitions), and nothing here reads a timing.
     argv = ["overhead", "--mode", mode, "--quick", "--threads", "1", "--data", "random", "--n-samples", "512",
-            "--batch-size", "128", "--fused-optimizer", "--out", str(tmp_path)]
+            "--batch-size", "128", "--fused-optimizer", "--repeats", "1", "--out", str(tmp_path)]
     assert bench_cli.main(argv) == 0
     data, md = _read(tmp_path, "datapath" if mode == "datapath" else "overhead")
     assert data["settings"]["fused_optimizer"] is True and "--fused-optimizer" in data["command"]
@@ -71,8 +73,9 @@ def test_keyword_batches_and_a_models_own_loss(tmp_path: Path, monkeypatch, mode
     """A model taking a mapping batch (input_ids, attention_mask, labels) and returning its own
     loss: both loops read it by the same input and output rules and end with the same weights."""
     monkeypatch.syspath_prepend(str(USERMODELS))
+    # One timed repetition (as above: the weights compared are the warm-up runs').
     argv = ["overhead", "--mode", mode, "--quick", "--threads", "1", "--model", "usermodels:Keywords",
-            "--data", "usermodels:keyword_data", "--batch-size", "32", "--out", str(tmp_path)]
+            "--data", "usermodels:keyword_data", "--batch-size", "32", "--repeats", "1", "--out", str(tmp_path)]
     assert bench_cli.main(argv) == 0
     data, _ = _read(tmp_path, "datapath" if mode == "datapath" else "overhead")
     assert data["data"]["final_weights_max_abs_diff"] <= 1e-6

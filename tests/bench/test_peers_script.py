@@ -7,8 +7,6 @@ timing is asserted, only that every row measured the same work and the report is
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,13 +14,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "peers" / "run.py"
+sys.path.insert(0, str(ROOT / "tests" / "distributed"))
+from procs import child_env, run  # noqa: E402
+
+
+def env() -> dict[str, str]:
+    """The script's environment; each run of it is a fork of the tests' fork server (procs.run), as
+    the suite's other runs are."""
+    return child_env({"PYTHONPATH": str(ROOT / "src")})
 
 
 def test_peers_quick(tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--workloads", "tutorial", "--steps", "3",
-                          "--warmup", "1", "--repeats", "1", "--out", str(tmp_path)],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    res = run([sys.executable, str(SCRIPT), "--quick", "--workloads", "tutorial", "--steps", "3",
+               "--warmup", "1", "--repeats", "1", "--out", str(tmp_path)], cwd=tmp_path, env=env(), timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     [path] = tmp_path.glob("*_peers-quick.json")
     data = json.loads(path.read_text())
@@ -49,15 +53,14 @@ def test_peers_quick(tmp_path: Path) -> None:
 
     # --render rebuilds the report from the saved measurements, measuring nothing.
     again = tmp_path / "again"
-    res = subprocess.run([sys.executable, str(SCRIPT), "--render", str(path), "--out", str(again)],
-                         env=env, capture_output=True, text=True, timeout=120)
+    res = run([sys.executable, str(SCRIPT), "--render", str(path), "--out", str(again)], cwd=tmp_path, env=env(),
+              timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     rendered = json.loads((again / path.name).read_text())
     assert rendered["data"] == data["data"] and rendered["command"] == data["command"]
 
 
 def test_peers_rejects_unknown_names(tmp_path: Path) -> None:
-    res = subprocess.run([sys.executable, str(SCRIPT), "--frameworks", "raw,keras", "--out", str(tmp_path)],
-                         env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), capture_output=True, text=True,
-                         timeout=120)
+    res = run([sys.executable, str(SCRIPT), "--frameworks", "raw,keras", "--out", str(tmp_path)], cwd=tmp_path,
+              env=env(), timeout=120)
     assert res.returncode == 2 and "keras" in res.stderr

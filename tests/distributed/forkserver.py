@@ -10,8 +10,8 @@ handlers of the server, its own environment, working directory, ``sys.argv`` and
 ``sys.path[0]``, its output in files, and ``__main__`` run by ``runpy``; at its end it joins its
 threads and runs its exit handlers as an interpreter does.
 
-``python -m torch.distributed.run ... SCRIPT`` goes one step further: torchrun's own parser,
-rendezvous and elastic agent run in the child, and the script's workers are forked from it
+``python -m torch.distributed.run ... SCRIPT`` (or ``... -m MODULE``) goes one step further: torchrun's own parser,
+rendezvous and elastic agent run in the child, and the script's (the module's) workers are forked from it
 (``_torchrun``); each starts as the fresh worker it stands
 for and ends with the exit status and traceback one would. ``SCALELOOP_TEST_FORK_TORCHRUN=0``
 leaves those workers fresh. And the torchrun agent that ``scaleloop train --nproc N`` (``verify``,
@@ -113,16 +113,21 @@ def _threads() -> None:
 
 
 def _torchrun(args: list[str]) -> None:
-    """``python -m torch.distributed.run ARGS SCRIPT ...`` with the script's workers forked from
-    here: torchrun's own parser, rendezvous and elastic agent; only the workers are not fresh
-    interpreters. (For users ``scaleloop train`` forks nothing: see ``forked_launch.py``.)"""
+    """``python -m torch.distributed.run ARGS SCRIPT ...`` (or ``-m MODULE ...``) with the script's
+    (the module's) workers forked from here: torchrun's own parser, rendezvous and elastic agent;
+    only the workers are not fresh interpreters. (For users ``scaleloop train`` forks nothing: see
+    ``forked_launch.py``.)"""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import record
     from torch.distributed.launcher.api import elastic_launch
 
     parsed = torchrun.parse_args(args)
-    if parsed.module or parsed.no_python or parsed.run_path:
+    if parsed.no_python or parsed.run_path:
         record(torchrun.run)(parsed)
+        return
+    if parsed.module:   # ``-m MODULE``: as the agent of ``scaleloop train --nproc N`` runs it (forked_launch.py)
+        record(lambda p: forked_launch.forked_torchrun(p, lambda q: forked_launch_config(q, with_args=True),
+                                                       _run_worker))(parsed)
         return
     config = forked_launch_config(parsed)
     collecting = gc.isenabled()

@@ -11,8 +11,9 @@ import tempfile
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -81,18 +82,27 @@ class ForkServer:
         return json.loads(line)
 
     def run(self, cmd: Sequence[str], *, cwd: Path, timeout: float, env: dict[str, str],
-            merge: bool = False, sweep: bool = True) -> subprocess.CompletedProcess:
+            merge: bool = False, sweep: bool = True, streams: Optional[tuple[str, str]] = None,
+            on_start: Optional[Callable[[int], None]] = None) -> subprocess.CompletedProcess:
         """``cmd`` (``python -m M ...``, ``python -c CODE`` or ``python SCRIPT ...``) in a fork: its
         status and output (``merge``: the standard error in the output, as ``2>&1``). Its session is
         ended after it, and (``sweep``) every other process this test session started: False for a
-        run that goes on beside one on another server (two machines at once), whose caller sweeps."""
+        run that goes on beside one on another server (two machines at once), whose caller sweeps.
+        ``streams``: the paths its standard output and error are opened at instead of files read back
+        (none is returned): a terminal (a pseudo-terminal's other end, ``os.ttyname``, which becomes
+        its controlling terminal, as ``pty.fork`` gives a child), a named pipe (a pipe's other end,
+        as ``Popen(stdout=PIPE)`` gives one; the fork opens it for writing, so the caller opens it
+        for reading), /dev/null. ``on_start(pid)``: called once the fork is there, with its pid."""
         with self._lock, tempfile.TemporaryDirectory(prefix="sl-fork-") as tmp:
             server = self._start()
-            out = Path(tmp) / "stdout"
+            out = Path(tmp) / "stdout"   # what is read back: nothing for ``streams`` (read at their other end)
             err = out if merge else Path(tmp) / "stderr"
+            to = streams or (str(out), str(err))
             server.stdin.write((json.dumps({"argv": list(cmd), "env": env, "cwd": str(cwd),  # type: ignore[union-attr]
-                                            "stdout": str(out), "stderr": str(err)}) + "\n").encode())
+                                            "stdout": to[0], "stderr": to[1]}) + "\n").encode())
             pid = self._reply(60)["pid"]
+            if on_start is not None:
+                on_start(pid)
             try:
                 code = self._reply(timeout)["code"]
             except subprocess.TimeoutExpired:
@@ -229,8 +239,70 @@ def run(cmd: Sequence[str], *, cwd: Path, timeout: float = 240, env: Optional[di
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def kill_group(proc: subprocess.Popen) -> None:
+class ForkedRun:
+    """``cmd`` (as :func:`run` takes it) as a fork of the tests' fork server that goes on while the
+    caller watches or signals it: what ``subprocess.Popen(cmd, start_new_session=True)`` gives, for
+    a command the fork server runs. ``pid`` is the run's (its session's leader); its output is
+    returned once it has ended (``communicate``). The server runs nothing else meanwhile.
+
+    For a launcher whose agent and workers must start as users' do, pass
+    ``SCALELOOP_TEST_FORK_LAUNCH=0`` in ``env`` (forked_launch.py): only the launcher is a fork."""
+
+    def __init__(self, cmd: Sequence[str], *, cwd: Path, env: dict[str, str], timeout: float,
+                 merge: bool = False, streams: Optional[tuple[str, str]] = None) -> None:
+        assert forkable(cmd), cmd
+        self.args = list(cmd)
+        self.returncode: Optional[int] = None
+        started: list[int] = []
+        ready = threading.Event()
+        self._pool = ThreadPoolExecutor(1)
+        self._done: Future = self._pool.submit(SERVER.run, cmd, cwd=cwd, timeout=timeout, env=env, merge=merge,
+                                               streams=streams,
+                                               on_start=lambda pid: (started.append(pid), ready.set()))
+        while not ready.wait(0.1):
+            if self._done.done():   # it could not start: say why
+                self._done.result()
+                raise RuntimeError(f"{cmd} ended before it started")
+        self.pid = started[0]
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None and self._done.done():
+            self.returncode = self._done.result().returncode
+        return self.returncode
+
+    def communicate(self, timeout: Optional[float] = None) -> tuple[str, Optional[str]]:
+        """Its output and standard error (None with ``merge``) once it has ended (subprocess's
+        TimeoutExpired after ``timeout`` seconds)."""
+        try:
+            res = self._done.result(timeout=timeout)
+        except TimeoutError:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
+        self.returncode = res.returncode
+        return res.stdout, res.stderr
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self.communicate(timeout)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def end(self) -> None:
+        """End it (its session) and every other process this test session started, and wait until
+        the server has said so."""
+        _kill_session(self.pid)
+        try:
+            self._done.result(timeout=60)
+        except Exception:   # a timeout, a failure: the caller's own check says what went wrong
+            pass
+        self._pool.shutdown(wait=False)
+
+
+def kill_group(proc: "subprocess.Popen | ForkedRun") -> None:
     """End ``proc``, its process group, and every other process this session started."""
+    if isinstance(proc, ForkedRun):
+        proc.end()
+        return
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -22,11 +22,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import ray
-import ray.train
-from ray.train import FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
-
 # One small run, the same in every form and in the torchrun runs it is compared with: 8 steps,
 # checkpoints after steps 3, 6 and 8.
 SETTINGS = dict(data="random", n_samples=512, hidden_dim=16, batch_size=64, epochs=1, checkpoint_every=3,
@@ -41,6 +36,8 @@ def flags(strategy: str) -> list[str]:
 
 def job(config: dict[str, Any]) -> None:
     """The train function (what it runs: the module's doc)."""
+    import ray.train
+
     import scaleloop.cli
     import scaleloop.ray
     from scaleloop.config import TrainConfig
@@ -72,6 +69,12 @@ def job(config: dict[str, Any]) -> None:
 
 
 def main(work: Path) -> None:
+    # Ray Train is imported here, not with this module: test_ray.py imports SETTINGS and flags from
+    # it, and every pytest worker collects that file (one runs it).
+    import ray
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
     started = time.perf_counter()
     ray.init(num_cpus=2, include_dashboard=False)
     try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from procs import SRC, child_env, kill_group, run
+from forked_launch import FORK_LAUNCH_VAR
+from procs import SRC, ForkedRun, child_env, kill_group, run
 from scaleloop.commands.doctor import diagnose
 
 from scaleloop.data.sampler import StepSampler
@@ -44,6 +44,14 @@ def env_for(record_dir: Path) -> dict[str, str]:
     return child_env({"PYTHONPATH": os.pathsep.join([str(SRC), str(SCRIPTS)]), "RECORD_DIR": str(record_dir)})
 
 
+def start(args: list[str], cwd: Path, env: dict[str, str]) -> ForkedRun:
+    """``scaleloop ARGS`` to be signalled or watched, its output and standard error together: the
+    launcher a fork of the tests' fork server; torchrun's agent and the workers it starts (and
+    restarts) fresh interpreters, as users' are (SCALELOOP_TEST_FORK_LAUNCH=0, forked_launch.py)."""
+    return ForkedRun([sys.executable, "-m", "scaleloop", *args], cwd=cwd, env={**env, FORK_LAUNCH_VAR: "0"},
+                     timeout=300, merge=True)
+
+
 def recorded(record_dir: Path, rank: int, restart: int) -> list[int]:
     path = record_dir / f"rank{rank}-restart{restart}.txt"
     return [int(line) for line in path.read_text().split()] if path.exists() else []
@@ -60,7 +68,7 @@ def sampled(rank: int, from_step: int = 0) -> list[int]:
     return out
 
 
-def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+def wait_for(path: Path, proc: ForkedRun, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
         assert proc.poll() is None, f"the run ended before {path.name} appeared:\n{proc.communicate()[0]}"
@@ -87,10 +95,7 @@ def assert_same_weights(reference: Path, run_dir: Path) -> None:
 
 def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path: Path, whole: Path) -> None:
     records = tmp_path / "records"
-    proc = subprocess.Popen([sys.executable, "-m", "scaleloop", *ARGS, "--max-restarts", "3",
-                             "--out", str(tmp_path / "run")],
-                            cwd=tmp_path, env=env_for(records), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = start([*ARGS, "--max-restarts", "3", "--out", str(tmp_path / "run")], tmp_path, env_for(records))
     try:
         wait_for(tmp_path / "run" / "checkpoints" / "step-00000008", proc)
         victim = int((records / "pid-rank1-restart0").read_text())
@@ -129,9 +134,7 @@ def test_sigterm_stops_after_a_step_with_a_checkpoint_and_continues_exactly(tmp_
     records = tmp_path / "records"
     env = env_for(records)
     env["RECORD_DELAY"] = "0.005"  # ~0.2 s a step: the run is still early on when the signal lands
-    proc = subprocess.Popen([sys.executable, "-m", "scaleloop", *ARGS, "--out", str(tmp_path / "run")],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = start([*ARGS, "--out", str(tmp_path / "run")], tmp_path, env)
     try:
         wait_for(tmp_path / "run" / "checkpoints" / "step-00000004", proc)
         proc.send_signal(signal.SIGTERM)   # to the launcher only, as `kill PID` or a scheduler does

@@ -31,6 +31,7 @@ from typing import Iterator
 import pytest
 import torch
 
+from forked_launch import FORK_LAUNCH_VAR
 from netns import Host, can_make_namespaces, cut, hosts, kill_inside, reconnect
 from procs import SRC, child_env, kill_group, run
 
@@ -302,24 +303,31 @@ def test_a_machine_comes_back_and_joins_at_the_next_restart(cluster: Cluster, re
 
 @pytest.mark.skipif(reason is not None, reason=reason or "")
 def test_a_shared_run_directory_is_detected_and_holds_one_copy(tmp_path: Path) -> None:
-    """Two machines given the same --out (one file system): found shared, nothing copied."""
+    """Two machines given the same --out (one file system): found shared, nothing copied.
+
+    Both launchers run to their end at once (a rendezvous of exactly 2): forks of one request of
+    the tests' fork server, each in its machine's namespace (forkgroup.py, as ``ip netns exec``
+    puts a command there); the torchrun agent each starts, and its worker, fresh interpreters, as
+    on users' machines (SCALELOOP_TEST_FORK_LAUNCH=0)."""
     with hosts(f"sf{os.getpid() % 10000}", 2) as machines:
-        procs = []
+        outs = [tmp_path / f"out{i}.txt" for i in (0, 1)]
+        spec, codes = tmp_path / "machines.json", tmp_path / "codes.json"
+        spec.write_text(json.dumps({"codes": str(codes), "runs": [
+            {"argv": [sys.executable, "-m", "scaleloop", *TRAIN, "--epochs", "1", "--nproc", "1", "--nnodes", "2",
+                      "--timeout", "60", "--rdzv-endpoint", f"{machines[0].address}:29400",
+                      "--out", str(tmp_path / "shared")],
+             "env": {**env_for(tmp_path / f"records{i}", host, delay="0"), FORK_LAUNCH_VAR: "0"},
+             "cwd": str(tmp_path), "stdout": str(outs[i]), "stderr": str(outs[i]), "netns": host.namespace}
+            for i, host in enumerate(machines)]}), encoding="utf-8")
         try:
-            for i, host in enumerate(machines):
-                procs.append(subprocess.Popen(
-                    ["ip", "netns", "exec", host.namespace, sys.executable, "-m", "scaleloop", *TRAIN,
-                     "--epochs", "1", "--nproc", "1", "--nnodes", "2", "--timeout", "60",
-                     "--rdzv-endpoint", f"{machines[0].address}:29400", "--out", str(tmp_path / "shared")],
-                    cwd=tmp_path, env=env_for(tmp_path / f"records{i}", host, delay="0"), stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT, text=True, start_new_session=True))
-            outputs = [p.communicate(timeout=180)[0] for p in procs]
+            group = run([sys.executable, str(Path(__file__).resolve().parent / "forkgroup.py"), str(spec)],
+                        cwd=tmp_path, timeout=180, merge=True)
         finally:
-            for p in procs:
-                kill_group(p)
             for host in machines:
                 kill_inside(host.namespace)
-    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
+        outputs = [out.read_text() if out.exists() else "" for out in outs]
+    assert group.returncode == 0 and codes.exists() and json.loads(codes.read_text()) == [0, 0], (
+        group.stdout + "\n".join(outputs))
     said = "\n".join(outputs)
     assert "every machine sees the run directory (a shared file system): one copy" in said, said
     assert "keeps a verified copy" not in said

@@ -18,14 +18,14 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
 
 import pytest
 
-from procs import SRC, child_env, kill_group, run
+from forked_launch import FORK_LAUNCH_VAR
+from procs import SRC, ForkedRun, child_env, kill_group, run
 from scaleloop.commands.doctor import diagnose
 
 pytestmark = pytest.mark.distributed
@@ -41,12 +41,14 @@ def env(tmp_path: Path) -> dict[str, str]:
                       "HOLD_REACHED": str(tmp_path / "reached"), "HOLD_RELEASE": str(tmp_path / "release")})
 
 
-def start(cmd: list[str], tmp_path: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=SCRIPTS, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+def start(cmd: list[str], tmp_path: Path) -> ForkedRun:
+    """``cmd`` to be watched and signalled: the launcher a fork of the tests' fork server (its own
+    session, as a terminal's job); torchrun's agent and the workers it starts (and restarts) fresh
+    interpreters, as users' are (SCALELOOP_TEST_FORK_LAUNCH=0, forked_launch.py)."""
+    return ForkedRun(cmd, cwd=SCRIPTS, env={**env(tmp_path), FORK_LAUNCH_VAR: "0"}, timeout=300)
 
 
-def wait_for(condition: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: float = 240) -> None:
+def wait_for(condition: Callable[[], bool], proc: ForkedRun, what: str, timeout: float = 240) -> None:
     """Wait for a file the run writes (polling it: the run is another process)."""
     import time
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from procs import SRC, child_env, kill_group, run, sigint_state
+from forked_launch import FORK_LAUNCH_VAR
+from procs import SRC, ForkedRun, child_env, kill_group, run, sigint_state
 from scaleloop.commands.doctor import diagnose
 
 pytestmark = pytest.mark.distributed
@@ -169,9 +170,11 @@ def test_a_failures_place_is_exact(tmp_path: Path, model: str, place: str) -> No
 def test_a_rank_that_dies_without_a_python_error_is_named(tmp_path: Path, model: str, said: str) -> None:
     out = tmp_path / "run"
     # Fresh workers: how a worker's death reaches the launcher is torchrun's subprocess handling
-    # (a forked worker's is multiprocessing's, which reports a signal differently).
-    res = run([*TRAIN, "--model", f"failing_models:{model}", "--out", str(out)], cwd=SCRIPTS, timeout=180, env=env(),
-              fresh=True)
+    # (a forked worker's is multiprocessing's, which reports a signal differently). The launcher
+    # is a fork (it imports the model's module, and torch, to check it); its agent and workers
+    # start fresh, as users' do (forked_launch.py).
+    res = run([*TRAIN, "--model", f"failing_models:{model}", "--out", str(out)], cwd=SCRIPTS, timeout=180,
+              env={**env(), FORK_LAUNCH_VAR: "0"})
     assert res.returncode == 1, res.stderr
     report = report_of(res.stderr)
     assert report[0].startswith(f"scaleloop: error: {said}"), res.stderr
@@ -305,12 +308,16 @@ def test_a_console_whose_reader_goes_away_does_not_stop_the_run(tmp_path: Path) 
     (launching.worker.Console); every rank trains on to the end, and the run's files are written.
     (A BrokenPipeError ended rank 0's run alone, and the other rank then waited for it.)"""
     out = tmp_path / "run"
-    proc = subprocess.Popen([*TRAIN, "--max-steps", "4", "--out", str(out)], cwd=SCRIPTS, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+    # The run's console is a pipe (a named one: the run is a fork of the tests' fork server, which
+    # opens it for writing as the run's standard output; its standard error goes to /dev/null).
+    console = tmp_path / "console"
+    os.mkfifo(console)
+    proc = ForkedRun([*TRAIN, "--max-steps", "4", "--out", str(out)], cwd=SCRIPTS, env=env(), timeout=180,
+                     streams=(str(console), os.devnull))
     try:
-        assert proc.stdout is not None
-        first = proc.stdout.readline()            # the launcher's first line: the run is starting
-        proc.stdout.close()                       # the reader goes away, as `head -1` does
+        with open(console, "rb") as reader:   # opened once the run has opened its end
+            first = reader.readline()         # the launcher's first line: the run is starting
+        # (closed: the reader goes away, as `head -1` does)
         assert first.startswith(b"scaleloop:")
         assert proc.wait(timeout=180) == 0
     finally:

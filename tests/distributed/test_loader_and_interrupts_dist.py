@@ -29,7 +29,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-from procs import SRC, child_env, kill_group, run
+from forked_launch import FORK_LAUNCH_VAR
+from procs import SRC, ForkedRun, child_env, kill_group, run
 
 pytestmark = pytest.mark.distributed
 
@@ -56,9 +57,10 @@ def _children(pid: int) -> list[int]:
 
 def _interrupt_below(cmd: list[str], tmp_path: Path, ready: Callable[[], bool], depth: int) -> tuple[int, str, str]:
     """Start ``cmd``; once ``ready()``, SIGINT its descendants ``depth`` levels down (1: torchrun, or
-    a worker started without it; 2: a fork of its agent), never the command itself."""
-    proc = subprocess.Popen(cmd, cwd=SCRIPTS, env=env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    a worker started without it; 2: a fork of its agent), never the command itself. The command is a
+    fork of the tests' fork server; what it starts, fresh interpreters, as users' are
+    (SCALELOOP_TEST_FORK_LAUNCH=0, forked_launch.py)."""
+    proc = ForkedRun(cmd, cwd=SCRIPTS, env={**env(tmp_path), FORK_LAUNCH_VAR: "0"}, timeout=300)
     try:
         deadline = time.monotonic() + 180
         while not ready():

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import re
 
+import json
 import os
 import socket
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
 from netns import can_make_namespaces, two_hosts
-from procs import SERVER, SRC, ForkServer, child_env, kill_group, scaleloop
+from procs import SRC, child_env, kill_group, run, scaleloop
 
 from scaleloop.commands.doctor import diagnose, format_diagnosis
 
@@ -61,19 +61,27 @@ def test_two_nodes_over_veth_match_one_process(tmp_path: Path) -> None:
     assert max((single[k] - multi[k]).abs().max().item() for k in single) <= 1e-5
 
 
-def two_machines(tmp_path: Path, servers: tuple[ForkServer, ForkServer], *argv: str) -> list[subprocess.CompletedProcess]:
+def two_machines(tmp_path: Path, *argv: str) -> list[subprocess.CompletedProcess]:
     """``scaleloop train ARGV`` on two "machines" of this host at once (loopback), each with its own
-    run directory ``machine<I>`` (``{out}`` in ``argv``) and node rank (``{rank}``); each one's outcome."""
+    run directory ``machine<I>`` (``{out}`` in ``argv``) and node rank (``{rank}``); each one's outcome
+    (its output and standard error together). Both are forks of one request of the tests' fork server
+    (forkgroup.py, as the pods of test_kubernetes.py), not of a second server (a fresh interpreter of
+    its own): the request ends once both machines have ended."""
     env = child_env({"PYTHONPATH": os.pathsep.join([str(SRC), str(SCRIPTS)]), "OMP_NUM_THREADS": "1"})
     commands = [[sys.executable, "-m", "scaleloop",
                  *(a.replace("{out}", str(tmp_path / f"machine{i}")).replace("{rank}", str(i)) for a in argv)]
                 for i in (0, 1)]
-    # Each run's session is ended after it, not every process of the tests (the other machine's would
-    # go too); anything left once the test ends is ended, and reported, by conftest's check.
-    with ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(server.run, cmd, cwd=tmp_path, timeout=180, env=env, merge=True, sweep=False)
-                for server, cmd in zip(servers, commands)]
-        return [r.result() for r in runs]
+    tag = len(list(tmp_path.glob("group-*.json")))
+    outputs = [tmp_path / f"group-{tag}-machine{i}.out" for i in (0, 1)]
+    spec, codes = tmp_path / f"group-{tag}.json", tmp_path / f"group-{tag}-codes.json"
+    spec.write_text(json.dumps({"runs": [{"argv": cmd, "env": env, "cwd": str(tmp_path), "stdout": str(out),
+                                          "stderr": str(out)} for cmd, out in zip(commands, outputs)],
+                                "codes": str(codes)}), encoding="utf-8")
+    group = run([sys.executable, str(Path(__file__).resolve().parent / "forkgroup.py"), str(spec)], cwd=tmp_path,
+                timeout=180, merge=True)
+    assert group.returncode == 0 and codes.exists(), f"the machines did not run ({group.returncode}):\n{group.stdout}"
+    return [subprocess.CompletedProcess(cmd, code, out.read_text(encoding="utf-8", errors="replace"))
+            for cmd, code, out in zip(commands, json.loads(codes.read_text()), outputs)]
 
 
 def free_port() -> int:
@@ -82,11 +90,9 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_doctor_reads_each_machines_directory_right_after_a_failure_and_its_continue(
-        tmp_path: Path, second_server: ForkServer) -> None:
-    servers = (SERVER, second_server)
+def test_doctor_reads_each_machines_directory_right_after_a_failure_and_its_continue(tmp_path: Path) -> None:
     # Rank 1 (machine 1's worker) raises at step 3, after the checkpoint of step 2 (copied to machine 1).
-    failed = two_machines(tmp_path, servers, "train", "--model", "failing_models:raises", "--epochs", "1",
+    failed = two_machines(tmp_path, "train", "--model", "failing_models:raises", "--epochs", "1",
                           "--batch-size", "64", "--checkpoint-every", "2", "--strategy", "ddp", "--no-progress",
                           "--no-tensorboard", "--nproc", "1", "--nnodes", "2", "--node-rank", "{rank}",
                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--shared-fs", "no",
@@ -94,7 +100,7 @@ def test_doctor_reads_each_machines_directory_right_after_a_failure_and_its_cont
     assert all(r.returncode == 1 for r in failed), "\n".join(r.stdout for r in failed)
     assert diagnose(tmp_path / "machine1").state == "failed"
     # The continue stops at step 4, before rank 1's model raises again (its third forward in this process).
-    done = two_machines(tmp_path, servers, "train", "--out", "{out}", "--max-steps", "4")
+    done = two_machines(tmp_path, "train", "--out", "{out}", "--max-steps", "4")
     assert all(r.returncode == 0 for r in done), "\n".join(r.stdout for r in done)
 
     machine0, machine1 = diagnose(tmp_path / "machine0"), diagnose(tmp_path / "machine1")

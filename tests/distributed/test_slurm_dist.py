@@ -80,8 +80,8 @@ def test_scaleloop_train_as_two_srun_tasks_matches_one_process(tmp_path: Path) -
     common = [sys.executable, "-m", "scaleloop", "train", "--data", "random", "--n-samples", "512",
               "--epochs", "1", "--max-steps", "5", "--batch-size", "64", "--optimizer", "sgd", "--lr", "0.1",
               "--no-progress", "--no-tensorboard", "--device", "cpu"]
-    single = subprocess.run([*common, "--out", str(tmp_path / "single")], cwd=tmp_path, env=child_env(),
-                            capture_output=True, text=True, timeout=120)
+    # The 1-process reference as a fork of the tests' fork server (procs.run); the srun tasks start fresh.
+    single = run([*common, "--out", str(tmp_path / "single")], cwd=tmp_path, timeout=120)
     assert single.returncode == 0, single.stderr
     job_id = free_job_id()
     procs = [subprocess.Popen([*common, "--strategy", "ddp", "--out", str(tmp_path / "srun")], cwd=tmp_path,

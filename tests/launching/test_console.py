@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import io
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 from scaleloop.launching.console import Console, console_stream, kept_console
 
 SRC = Path(__file__).resolve().parents[2] / "src"
+sys.path.insert(0, str(SRC.parent / "tests" / "distributed"))
+from procs import ForkedRun, child_env, kill_group  # noqa: E402
 
 
 def test_writes_after_the_reader_has_gone_go_nowhere() -> None:
@@ -62,17 +63,22 @@ def test_a_workers_streams_to_the_console_and_its_log_are_left_as_they_are() -> 
 
 def test_a_one_process_run_piped_into_head_trains_to_its_end(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
-    proc = subprocess.Popen([sys.executable, "-m", "scaleloop", "train", "--epochs", "3", "--no-progress",
-                             "--no-tensorboard", "--out", str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, env=env)
-    assert proc.stdout is not None
-    first = proc.stdout.readline()
-    while first.startswith(b"start-up:"):   # a slow start-up (a loaded machine) is said before the run's first line
-        first = proc.stdout.readline()
-    assert first.startswith(b"scaleloop:")
-    proc.stdout.close()                      # as `head -1` does
-    assert proc.wait(timeout=300) == 0
+    # Its standard output a pipe (a named one: the run is a fork of the tests' fork server, which opens
+    # it for writing), its standard error /dev/null.
+    console = tmp_path / "console"
+    os.mkfifo(console)
+    proc = ForkedRun([sys.executable, "-m", "scaleloop", "train", "--epochs", "3", "--no-progress",
+                      "--no-tensorboard", "--out", str(out)], cwd=tmp_path, env=child_env(), timeout=300,
+                     streams=(str(console), os.devnull))
+    try:
+        with open(console, "rb") as reader:  # opened once the run has opened its end
+            first = reader.readline()
+            while first.startswith(b"start-up:"):   # a slow start-up (a loaded machine) is said before the run's first line
+                first = reader.readline()
+        assert first.startswith(b"scaleloop:")   # (and the reader is gone, as `head -1` does)
+        assert proc.wait(timeout=300) == 0
+    finally:
+        kill_group(proc)
     epochs = [line for line in (out / "metrics.csv").read_text().splitlines() if line.startswith("epoch,")]
     assert [row.split(",")[1] for row in epochs] == ["1", "2", "3"]
     assert (out / "model.pt").is_file() and not (out / "failure.json").exists()

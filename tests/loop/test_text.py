@@ -1,4 +1,6 @@
-"""The progress bar as a person sees it: ``scaleloop train`` run in a real pseudo-terminal.
+"""The progress bar as a person sees it: ``scaleloop train`` run in a real pseudo-terminal (its
+standard output and error, and its controlling terminal; the run a fork of the tests' fork server,
+``tests/distributed/forkserver.py``, as the suite's other runs).
 
 The bar says which loss it shows (that of the last ``--log-every`` steps: the epoch line prints
 the epoch's mean), reads ``samples/s``, fits the terminal's width, and on a terminal that reports
@@ -10,9 +12,11 @@ import fcntl
 import os
 import pty
 import re
+import select
 import struct
 import sys
 import termios
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -21,6 +25,9 @@ import pytest
 from scaleloop.loop.text import BAR_FORMAT, UNSIZED_BAR_FORMAT, bar_postfix as _bar_postfix
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "distributed"))
+from procs import SERVER, child_env, forkable  # noqa: E402
+
 BAR = re.compile(r"epoch 1/1: +\d+%\|")
 
 
@@ -29,11 +36,13 @@ def run_in_terminal(tmp_path: Path, columns: int, env_columns: Optional[str] = N
     argv = [sys.executable, "-m", "scaleloop", "train", "--data", "random", "--n-samples", "640", "--epochs", "1",
             "--batch-size", "32", "--log-every", "4", "--device", "cpu", "--no-checkpoints", "--tracker", "none",
             "--out", str(tmp_path / "run")]
-    env = {k: v for k, v in os.environ.items()
+    env = {k: v for k, v in (child_env() if forkable(argv) else os.environ).items()
            if k not in ("COLUMNS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
     env["PYTHONPATH"] = str(ROOT / "src")
     if env_columns is not None:
         env["COLUMNS"] = env_columns
+    if forkable(argv):
+        return _forked_in_terminal(argv, env, tmp_path, columns)
     pid, fd = pty.fork()
     if pid == 0:  # the child: its stdin, stdout and stderr are the terminal
         try:
@@ -54,6 +63,40 @@ def run_in_terminal(tmp_path: Path, columns: int, env_columns: Optional[str] = N
     _, status = os.waitpid(pid, 0)
     text = shown.decode("utf-8", errors="replace")
     assert os.waitstatus_to_exitcode(status) == 0, text
+    return text
+
+
+def _forked_in_terminal(argv: list[str], env: dict[str, str], cwd: Path, columns: int) -> str:
+    """``argv`` as a fork of the tests' fork server, on a new pseudo-terminal ``columns`` wide; what
+    it showed. This end of the terminal stays open until the run has ended, so that every read
+    waits for output (none fails for want of a writer)."""
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    shown = b""
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            ran = pool.submit(SERVER.run, argv, cwd=cwd, timeout=120, env=env,
+                              streams=(os.ttyname(slave), os.ttyname(slave)))
+            while not ran.done():
+                if select.select([master], [], [], 0.1)[0]:
+                    shown += os.read(master, 65536)
+            code = ran.result().returncode
+        os.close(slave)
+        slave = -1
+        while True:   # what is left, up to the terminal's end (EIO: no writer is left)
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        if slave >= 0:
+            os.close(slave)
+        os.close(master)
+    text = shown.decode("utf-8", errors="replace")
+    assert code == 0, text
     return text
 
 
