@@ -100,10 +100,10 @@ def test_every_strategy_reads_its_layout_from_its_parallelism() -> None:
     for name, spec in (("single", MeshSpec(dp=1)), ("fsdp", MeshSpec(fsdp=1)), ("mesh", MeshSpec(tp=1))):
         strategy = scaleloop.strategy(name, env, mesh="tp=1" if name == "mesh" else None, activation_checkpointing=True)
         assert strategy.layout == strategy.parallelism.spec == spec
-        assert strategy.recompute
+        assert strategy.parallelism.recompute
         model, _ = strategy.setup(TinyGPT(vocab_size=16, seq_len=8, d_model=16, n_layers=2, n_heads=2),
                                   lambda p: torch.optim.SGD(p, lr=0.1))
-        assert strategy.recomputed_blocks == 2
+        assert strategy.parallelism.recomputed_blocks == 2
         strategy.close()
 
 

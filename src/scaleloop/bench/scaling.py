@@ -32,7 +32,6 @@ from scaleloop.bench.report import (BenchReport, Column, Table, fmt_bytes, fmt_f
                                     fmt_rate, fmt_ratio)
 from scaleloop.bench.workload import RunSpec, Workload
 from scaleloop.errors import UsageError
-from scaleloop.strategies.factory import strategy_class
 from scaleloop.strategies.registry import REGISTRY
 
 Say = Callable[[str], None]
@@ -255,7 +254,7 @@ def _model(points: Sequence[dict[str, Any]], opts: ScalingOptions, device: torch
     if multi and multi[-1]["comm"].get("allreduce_equivalent_bytes"):
         nbytes = multi[-1]["comm"]["allreduce_equivalent_bytes"]   # FSDP: 1.5 x the gradient bytes
     # A strategy that all-reduces by hand is timed as one call per step (bench/worker.py).
-    one_call = strategy_class(opts.strategy).reduces_in_sync_gradients
+    one_call = REGISTRY[opts.strategy].reduces_in_sync_gradients
     buckets = costmodel.buckets_for(nbytes, 1 if one_call else measured_buckets)
     projection = costmodel.project(compute, nbytes, buckets)
     fabric = None
@@ -384,7 +383,7 @@ def _notes(opts: ScalingOptions, device: torch.device, peak: Any, fabric: Option
     notes.append("Ring all-reduce: 2(N-1)/N x bytes / bandwidth + 2(N-1) x latency x calls; NCCL uses trees at "
                  "large N, so the latency term is pessimistic there. Overlap hides communication behind "
                  "backward only.")
-    factor = strategy_class(opts.strategy).allreduce_equivalents
+    factor = REGISTRY[opts.strategy].allreduce_equivalents
     if factor:
         notes.append(f"FSDP all-gathers parameters in forward and backward and reduce-scatters gradients: {factor:g}x "
                      "an all-reduce's bytes, 3 collectives per unit. Its bytes and calls are given in all-reduce "

@@ -27,6 +27,7 @@ from scaleloop.loop.step import Observer, steps_of, train_step
 from scaleloop.runtime.collectives import barrier, gather_object
 from scaleloop.runtime.dist import DistEnv, end_process_group, init_process_group
 from scaleloop.runtime.frames import note_where
+from scaleloop.strategies.registry import REGISTRY
 from scaleloop.errors import UsageError
 
 PROGRESS_PREFIX = "bench-worker:"
@@ -108,7 +109,7 @@ class CommRecorder:
 
     def wrap_gradient_sync(self, strategy: Any, model: torch.nn.Module) -> None:
         """Time the explicit all-reduce that ``allreduce`` runs after backward
-        (``Strategy.reduces_in_sync_gradients``)."""
+        (``Registered.reduces_in_sync_gradients``)."""
         inner = strategy.sync_gradients
         nbytes = grad_bytes(model)
 
@@ -228,7 +229,7 @@ def _attach_comm_recorder(built: Any, run: RunSpec, env: DistEnv, recorder: Comm
         built.model.register_comm_hook(state=None, hook=recorder.ddp_hook)
         recorder.attached = True
         return "DDP communication hook"
-    if built.strategy.reduces_in_sync_gradients:
+    if REGISTRY[run.strategy.partition(':')[0]].reduces_in_sync_gradients:
         recorder.wrap_gradient_sync(built.strategy, built.model)
         recorder.attached = env.is_distributed
         return "timed gradient all-reduce (explicit, after backward)"
@@ -276,10 +277,10 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
             "reduced_bytes_per_step": ranks[0]["reduced_bytes_per_step"],
             "buckets_per_step": ranks[0]["buckets_per_step"]}
     units = getattr(built.strategy, "units", None)
-    factor = built.strategy.allreduce_equivalents
+    factor = REGISTRY[run.strategy.partition(':')[0]].allreduce_equivalents
     if factor and env.is_distributed and units:
         # Collectives other than all-reduces (FSDP's all-gathers and reduce-scatters), untimed during
-        # training: their bytes and calls per step in all-reduce equivalents (Strategy.allreduce_equivalents).
+        # training: their bytes and calls per step in all-reduce equivalents (Registered.allreduce_equivalents).
         comm.update(allreduce_equivalent_bytes=factor * nbytes, buckets_per_step=factor * units)
     built.strategy.close()
     return _combine(ranks, workload, run, env, comm, bench, built.strategy.describe())

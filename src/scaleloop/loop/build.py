@@ -222,9 +222,9 @@ def build_run(cfg: TrainConfig, env: DistEnv, *,
     # The optimizer is made after that, from ``placed``'s modules as they then are.
     placed = model
     model, optimizer = strategy.setup(model, lambda params: build_optimizer(cfg, params, lr.peak, model=placed))
-    if strategy.recompute:
+    if strategy.parallelism.recompute:
         what = strategy.parallelism.recomputed_what   # which blocks, and how they were found
-        blocks = f"{strategy.recomputed_blocks} blocks" + (f" ({what})" if what else "")
+        blocks = f"{strategy.parallelism.recomputed_blocks} blocks" + (f" ({what})" if what else "")
         notes.append(f"activation checkpointing: {blocks} keep only their input and recompute their activations "
                      "in the backward")
     if cfg.parallel.compile:

@@ -28,7 +28,6 @@ class ManualAllReduce(HandWrittenLoop, ProcessGroupStrategy):
     """A plain model plus an explicit gradient all-reduce after backward."""
 
     name = "allreduce"
-    reduces_in_sync_gradients = True
 
     def _data_parallel(self, model: nn.Module) -> nn.Module:
         self._model = model

@@ -61,14 +61,7 @@ class Strategy:
     #: How a step's global batch reaches the ranks, in words for summaries and notes.
     batch_split = "split evenly over workers"
     #: The mesh dimensions this strategy builds a ``DeviceMesh`` over (none: the default group).
-    mesh_dims: tuple[str, ...] = ()
-    #: For ``scaleloop bench``: :meth:`sync_gradients` is where the gradients are all-reduced (by
-    #: hand: ``allreduce``), so timing that call times the step's communication.
-    reduces_in_sync_gradients = False
-    #: For ``scaleloop bench``: what each rank sends per step, counted in all-reduces of its gradients,
-    #: and its collectives per unit, counted in all-reduces (FSDP: 1.5); None where its communication
-    #: is the all-reduces that bench times, or is not modelled.
-    allreduce_equivalents: Optional[float] = None
+    _mesh_dims: tuple[str, ...] = ()
 
     def __init__(self, env: DistEnv, precision: Optional[Precision] = None, accumulate: int = 1,
                  sync_batchnorm: bool = False, *, parallelism: Optional[Parallelism] = None) -> None:
@@ -90,21 +83,6 @@ class Strategy:
     def _default_parallelism(self) -> Parallelism:
         """The parallelism of a strategy built without one: every rank a data replica."""
         return default_parallelism(self.env.world_size, self.env.rank)
-
-    @property
-    def recompute(self) -> bool:
-        """``--activation-checkpointing``: each block keeps only its input and recomputes its
-        activations in the backward (``parallelism.recompute``; ``setup`` counts the blocks)."""
-        return self.parallelism.recompute
-
-    @recompute.setter
-    def recompute(self, on: bool) -> None:
-        self.parallelism.recompute = on
-
-    @property
-    def recomputed_blocks(self) -> int:
-        """How many blocks ``setup`` checkpointed."""
-        return self.parallelism.recomputed_blocks
 
     @property
     def writes_sharded(self) -> bool:

@@ -41,11 +41,7 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
     """Parameters, gradients and optimizer state sharded over ranks with FSDP2's ``fully_shard``."""
 
     name = "fsdp"
-    # An all-gather of each unit's parameters in forward and again in backward, and a reduce-scatter of
-    # its gradients: 3 x (N-1)/N x S bytes per rank, 1.5 times an all-reduce's 2(N-1)/N x S, in 3
-    # collectives per unit.
-    allreduce_equivalents = 1.5
-    mesh_dims: tuple[str, ...] = ("fsdp",)
+    _mesh_dims: tuple[str, ...] = ("fsdp",)
     _shards_what = "--strategy fsdp shards"
 
     @classmethod
@@ -149,14 +145,14 @@ class FSDP(HandWrittenLoop, ProcessGroupStrategy):
         if self.parallelism.spec.tp == 1:
             return
         self._prepare(model)   # the units are found before TP replaces their parameters
-        mesh = self.parallelism.device_mesh(self.env, self.mesh_dims)
+        mesh = self.parallelism.device_mesh(self.env, self._mesh_dims)
         self.tp_layers = apply_tensor_parallel(model, mesh["tp"])
 
     def _data_parallel(self, model: nn.Module) -> nn.Module:
         """FSDP2 over the mesh's data dimensions (``fsdp``, or ``(dp, fsdp)``: HSDP)."""
         if self._blocks is None:
             model = self._prepare(model)
-        mesh = self.parallelism.data_mesh(self.parallelism.device_mesh(self.env, self.mesh_dims))
+        mesh = self.parallelism.data_mesh(self.parallelism.device_mesh(self.env, self._mesh_dims))
         # BatchNorm's parameters stay in full precision under a low-precision policy.
         mixed = self.precision.dtype is not None
         norms = [m for m in model.modules()

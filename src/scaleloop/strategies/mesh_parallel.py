@@ -36,9 +36,8 @@ class MeshParallel(FSDP):
 
     name = "mesh"
     batch_split = "split evenly over the dp x fsdp ranks (tp ranks share theirs)"
-    mesh_dims = DIMS   # every dimension named (size 1 too): mesh["dp", "fsdp"] exists in every layout
+    _mesh_dims = DIMS   # every dimension named (size 1 too): mesh["dp", "fsdp"] exists in every layout
     _shards_what = "--mesh shards and splits"
-    allreduce_equivalents = None   # its collectives depend on the mesh's dimensions: not modelled
 
     @classmethod
     def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings",

@@ -23,7 +23,7 @@ stages then talk and average gradients in. So cutting last gives the same stages
 made from the whole model, whose parameter names every stage keeps for whole-model checkpoints.
 
 A strategy supplies the steps (``_tensor_parallel``, ``_data_parallel``, ``_pipeline_split``) and
-names the mesh dimensions it builds a ``DeviceMesh`` over (``mesh_dims``); pipeline x dp and
+names the mesh dimensions it builds a ``DeviceMesh`` over (``_mesh_dims``); pipeline x dp and
 fsdp x tp go through the same :class:`Parallelism` and the same order. docs/architecture.md,
 "The flow of one run", step 8.
 """

@@ -253,7 +253,7 @@ class PipelineParallel(ProcessGroupStrategy):
     name = "pipeline"
     batch_split = "seen whole by every stage"
 
-    mesh_dims = ("pp", "dp")
+    _mesh_dims = ("pp", "dp")
 
     @classmethod
     def build(cls, env: DistEnv, precision: Precision, settings: "ParallelSettings",
@@ -354,7 +354,7 @@ class PipelineParallel(ProcessGroupStrategy):
         position (its copies average their gradients in it after each step), from the
         ``(pp, dp)`` device mesh. The model is cut into stages in the next step."""
         if self.replicas > 1 and self._pp_group is None:
-            mesh = self.parallelism.device_mesh(self.env, self.mesh_dims)
+            mesh = self.parallelism.device_mesh(self.env, self._mesh_dims)
             self._pp_group, self._dp_group = mesh.get_group("pp"), mesh.get_group("dp")
         return model
 

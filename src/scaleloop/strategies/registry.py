@@ -56,6 +56,13 @@ class Registered:
     #: A row of ``scaleloop bench strategies``; one that runs ``processes="many"`` is also one that
     #: ``bench scaling`` runs at every worker count.
     bench: bool = False
+    #: For ``scaleloop bench``: the strategy's ``sync_gradients`` is where the gradients are all-reduced
+    #: (by hand: ``allreduce``), so timing that call times the step's communication.
+    reduces_in_sync_gradients: bool = False
+    #: For ``scaleloop bench``: what each rank sends per step, counted in all-reduces of its gradients,
+    #: and its collectives per unit, counted in all-reduces (FSDP: 1.5); None where its communication
+    #: is the all-reduces that bench times, or is not modelled (``--mesh``: it depends on the mesh).
+    allreduce_equivalents: Optional[float] = None
 
     def one_process_error(self, world_size: int) -> str:
         """Why a job of ``world_size`` processes cannot run this one-process strategy."""
@@ -76,12 +83,16 @@ REGISTRY: dict[str, Registered] = {r.name: r for r in (
                needs=Needs(cuda=True, caveat="with one GPU it is a no-op wrapper"), bench=True),
     Registered("ddp", "scaleloop.strategies.ddp:DDP", "many",
                takes=_DATA_PARALLEL | {"find_unused_parameters", "static_graph"}, bench=True),
-    Registered("allreduce", "scaleloop.strategies.allreduce:ManualAllReduce", "many", takes=_DATA_PARALLEL, bench=True),
+    Registered("allreduce", "scaleloop.strategies.allreduce:ManualAllReduce", "many", takes=_DATA_PARALLEL, bench=True,
+               reduces_in_sync_gradients=True),
     Registered("fsdp", "scaleloop.strategies.fsdp:FSDP", "many", what="FSDP2 fully_shard",
                takes=_DATA_PARALLEL | {"cpu_offload", "sharded_checkpoints"},
                needs=Needs(apis=("torch.distributed.fsdp:fully_shard",),
                            missing="needs torch.distributed.fsdp.fully_shard (FSDP2), missing from this torch"),
-               bench=True),
+               # An all-gather of each unit's parameters in forward and again in backward, and a reduce-scatter
+               # of its gradients: 3 x (N-1)/N x S bytes per rank, 1.5 times an all-reduce's 2(N-1)/N x S, in
+               # 3 collectives per unit.
+               bench=True, allreduce_equivalents=1.5),
     Registered("pipeline", "scaleloop.strategies.pipeline:PipelineParallel", "many",
                what="torch.distributed.pipelining stages",
                needs=Needs(apis=("torch.distributed.pipelining",),
