@@ -259,7 +259,7 @@ def test_an_evaluation_inside_an_epoch_draws_none_of_the_trainings_random_number
     before = torch.get_rng_state()
     with own_rng(CPU.device):
         torch.rand(3)
-    assert evals.test(isolated=True) is not None and evals.train() is not None
+    assert evals.of_test_set(isolated=True) is not None and evals.of_training_set() is not None
     assert torch.equal(before, torch.get_rng_state())
 
 
@@ -276,13 +276,13 @@ def test_resume_continues_the_evaluations_at_multiples(tmp_path: Path) -> None:
 
 
 def test_a_failing_evaluation_is_placed_at_its_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = Evaluations.test
+    real = Evaluations.of_test_set
 
     def failing(self, *, isolated: bool = False):
         if isolated:
             raise RuntimeError("boom")
         return real(self, isolated=isolated)
-    monkeypatch.setattr(Evaluations, "test", failing)
+    monkeypatch.setattr(Evaluations, "of_test_set", failing)
     with pytest.raises(RuntimeError, match="boom") as caught:
         train(small(tmp_path, eval_every=3), CPU, log=quiet)
     assert where_of(caught.value)["during"] == "the evaluation at step 3"

@@ -338,7 +338,7 @@ class Evaluations:
         """Whether global step ``step`` has an evaluation of its own (a multiple of ``--eval-every``)."""
         return self.every is not None and step % self.every == 0
 
-    def test(self, *, isolated: bool = False) -> Optional[EvalResult]:
+    def of_test_set(self, *, isolated: bool = False) -> Optional[EvalResult]:
         """The test set's (or its sample's) loss, accuracy and metrics; None without a test set.
         ``isolated``: drawing none of the training's random numbers (inside an epoch)."""
         if not has_samples(self.data.test):
@@ -346,7 +346,7 @@ class Evaluations:
         with own_rng(self.strategy.env.device) if isolated else contextlib.nullcontext():
             return self._evaluate("test", metrics=self._metrics)
 
-    def train(self) -> Optional[EvalResult]:
+    def of_training_set(self) -> Optional[EvalResult]:
         """With ``--eval-train``: the training set's (or its sample's) loss in evaluation mode,
         drawing none of the training's random numbers; None without it."""
         if not self.settings.eval_train or not has_samples(self.data.train):

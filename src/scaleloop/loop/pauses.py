@@ -103,7 +103,7 @@ class Pauses:
         result.train_loss_over = (f"epoch {epoch + 1}{'' if finished else ' so far'}, "
                                   f"steps {result.steps - in_epoch + 1}-{result.steps}")
         self.doing = f"the evaluation after epoch {epoch + 1}"
-        test = result.test = self.evals.test()
+        test = result.test = self.evals.of_test_set()
         train = self._eval_train()
         self.doing = None
         if self.evals.due(result.steps) and result.eval_row_step != result.steps:
@@ -188,7 +188,7 @@ class Pauses:
         row and line; returns the seconds it took."""
         pause = device_clock(self.run.env.device)  # queued steps are training time, not the evaluation's
         self.doing = f"the evaluation at step {self.result.steps}"
-        test = self.evals.test(isolated=True)
+        test = self.evals.of_test_set(isolated=True)
         train = self._eval_train()
         self.doing = None
         self._emit_eval(epoch, test, train)
@@ -196,7 +196,7 @@ class Pauses:
 
     def _eval_train(self) -> Optional[EvalResult]:
         """With ``--eval-train``: the training loss in evaluation mode, kept for the summary."""
-        train = self.evals.train()
+        train = self.evals.of_training_set()
         if train is not None:
             self.result.train_eval, self.result.train_eval_step = train, self.result.steps
         return train

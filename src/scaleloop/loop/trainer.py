@@ -139,7 +139,7 @@ class Trainer(Observer):
         if self.profiler is not None and not result.nothing_left:   # every rank's numbers to rank 0: the summary
             self.profiler.report()
         if result.test is None:
-            result.test = self.pauses.evals.test()  # nothing trained: the checkpoint's model
+            result.test = self.pauses.evals.of_test_set()  # nothing trained: the checkpoint's model
         return finish(self.run, result, self.checkpointer, self.resumed, self.gradient_bytes)
 
     def train_epoch(self, epoch: int, first_step: int) -> bool:
