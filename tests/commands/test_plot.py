@@ -9,7 +9,7 @@ import pytest
 from scaleloop.cli import main
 from scaleloop.commands.plot import label_of
 from scaleloop.output import profile_summary
-from scaleloop.output.compare import END_ROWS, Curves
+from scaleloop.output.plot_runs import END_ROWS, Curves
 from scaleloop.output.profile_trace import analyse
 
 HEADER = "kind,epoch,step,samples,train_loss,test_loss,test_acc,lr,samples_per_s,wall_s\n"

@@ -16,7 +16,7 @@ import torch
 
 from scaleloop.config import TrainConfig
 from scaleloop.loop.training import RunResult, train
-from scaleloop.output.memory import reset_peak
+from scaleloop.output.footprint import reset_peak
 from scaleloop.runtime.dist import DistEnv
 
 HAS_CUDA = torch.cuda.is_available()

@@ -20,7 +20,7 @@ from scaleloop.config import TrainConfig
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.errors import UsageError
 from scaleloop.loop.training import train
-from scaleloop.output.memory import RankMemory, format_table, summary_line
+from scaleloop.output.footprint import RankMemory, format_table, summary_line
 from scaleloop.models import BiggerNet, ConvNet, SimpleNet, TinyGPT
 import scaleloop
 from scaleloop.strategies import FSDP

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from scaleloop.errors import UsageError
 
 if TYPE_CHECKING:
-    from scaleloop.output.compare import Curves
+    from scaleloop.output.plot_runs import Curves
 
 
 def register(subparsers: Any) -> None:
@@ -46,7 +46,7 @@ def curves_of(name: str) -> tuple["Curves", Optional[str]]:
     """Run ``name``'s curves, and a note when they are not its log rows: a finished run of fewer
     steps than its ``--log-every`` has no log row, and is drawn from the loss at each epoch's end
     (or where it stopped). One line, exit 2, for a directory with neither."""
-    from scaleloop.output.compare import END_ROWS, Curves
+    from scaleloop.output.plot_runs import END_ROWS, Curves
 
     run_dir = Path(name)
     metrics = run_dir / "metrics.csv"
@@ -69,7 +69,7 @@ def curves_of(name: str) -> tuple["Curves", Optional[str]]:
 
 def run(args: argparse.Namespace) -> int:
     from scaleloop.output import profile_summary
-    from scaleloop.output.compare import plot_runs
+    from scaleloop.output.plot_runs import plot_runs
 
     read = [curves_of(name) for name in args.runs]
     try:

@@ -49,7 +49,7 @@ from scaleloop.loop.evaluation import MetricFn, check_eval_data, resolve_metrics
 from scaleloop.loop.losses import LossFn, StepCount, counting_for, resolve_loss
 from scaleloop.loop.rows import Throughput, throughput_of
 from scaleloop.models import build_model, count_parameters
-from scaleloop.output.memory import parameter_bytes
+from scaleloop.output.footprint import parameter_bytes
 from scaleloop.runtime.dist import DistEnv
 from scaleloop.strategies.base import Strategy
 from scaleloop.strategies.factory import build_strategy

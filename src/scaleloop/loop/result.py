@@ -33,7 +33,7 @@ from scaleloop.hfconfig import is_config_path, save_causal_lm
 from scaleloop.loop.build import Run, describe_schedule
 from scaleloop.loop.evaluation import EvalResult
 from scaleloop.loop.rows import Stragglers
-from scaleloop.output.memory import RankMemory, measure, write_json
+from scaleloop.output.footprint import RankMemory, measure, write_json
 from scaleloop.output.metrics import plot_curves
 from scaleloop.output.rundir import RunDirWriteError, unwritable, write_atomic
 from scaleloop.runtime.collectives import gather_object

@@ -18,7 +18,7 @@ from scaleloop.loop.build import Run, describe_schedule
 from scaleloop.loop.evaluation import EvalResult
 from scaleloop.loop.losses import describe_task
 from scaleloop.loop.result import RunResult
-from scaleloop.output.memory import format_table, summary_line
+from scaleloop.output.footprint import format_table, summary_line
 from scaleloop.output.metrics import format_rate, format_seconds, format_summary
 from scaleloop.runtime.devices import describe_device
 from scaleloop.runtime.dist import restart_count

@@ -22,7 +22,7 @@ from scaleloop.loop.result import RunResult, RunningLoss, finish
 from scaleloop.loop.rows import Row, check_health, reduce_window
 from scaleloop.loop.step import Observer, steps_of, train_step
 from scaleloop.loop.text import Log, announce, bar_postfix, nothing_left, progress_bar
-from scaleloop.output.memory import gradient_bytes
+from scaleloop.output.footprint import gradient_bytes
 from scaleloop.output.metrics import MetricsLogger
 from scaleloop.output.rundir import RunDirWriteError
 from scaleloop.runtime.devices import device_clock

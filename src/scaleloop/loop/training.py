@@ -34,7 +34,7 @@ from scaleloop.loop.pauses import record_ending
 from scaleloop.loop.result import RunResult, RunningLoss
 from scaleloop.loop.text import Log
 from scaleloop.loop.trainer import Trainer
-from scaleloop.output.memory import reset_peak
+from scaleloop.output.footprint import reset_peak
 from scaleloop.output.rundir import LOGS_DIR, refuse_if_in_use, write_atomic
 from scaleloop.runtime.collectives import gather_object
 from scaleloop.runtime.collector import collection_paused

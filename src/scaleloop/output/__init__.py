@@ -6,9 +6,9 @@
 - ``lock``: the lock a run holds on its run directory (host, pid; stale ones taken over).
 - ``endings``: ``failure.json``, the record of how a run ended when it did not finish.
 - ``metrics``: ``metrics.csv``, ``curves.png``, number formatting.
-- ``compare``: several runs' curves on one picture (``scaleloop plot``).
+- ``plot_runs``: several runs' curves on one picture (``scaleloop plot``).
 - ``trackers``: where metrics go besides ``metrics.csv`` (``--tracker``): TensorBoard, W&B, MLflow.
-- ``memory``: parameter, gradient and optimizer-state bytes per rank (``memory.json``).
+- ``footprint``: parameter, gradient and optimizer-state bytes per rank (``memory.json``).
 - ``profile_trace``: one rank's profiled steps read from its trace (the parts of a step,
   communication exposed and overlapped, top operators).
 - ``profile_summary``: ``profile/summary.json``, the slowest rank and why, the printed table.
