@@ -9,9 +9,6 @@ One process's side of the same (and the tied output layer): tests/checkpoint/tes
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +18,7 @@ import torch
 pytest.importorskip("safetensors")
 transformers = pytest.importorskip("transformers")
 
+from procs import child_env, run  # noqa: E402
 from scaleloop.checkpoint.weights import read_weights  # noqa: E402
 
 #: A GPT-2 of two narrow layers over 32 tokens (its output layer tied to the token embedding), without
@@ -34,18 +32,12 @@ TIMEOUT_S = 300
 STRATEGIES = {"fsdp": ["--strategy", "fsdp"], "pipeline": ["--strategy", "pipeline", "--microbatches", "2"]}
 
 
-def train(args: list[str]) -> None:
-    """``scaleloop train ARGS`` as a user runs it; its whole process group ended if it overruns."""
-    proc = subprocess.Popen([sys.executable, "-m", "scaleloop", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, out
+def train(args: list[str], cwd: Path) -> None:
+    """``scaleloop train ARGS``: a fork of the tests' fork server, as are the torchrun agent and workers
+    it starts (``procs.run``; a fresh start of each strategy: test_users_launch.py)."""
+    res = run([sys.executable, "-m", "scaleloop", "train", *args], cwd=cwd, timeout=TIMEOUT_S, merge=True,
+              env=child_env({"OMP_NUM_THREADS": "1"}))
+    assert res.returncode == 0, res.stdout
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +52,7 @@ def runs(config: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pa
     """A 2-step run on two processes under each sharded strategy."""
     root = tmp_path_factory.mktemp("runs")
     for name, flags in STRATEGIES.items():
-        train(["--model", str(config), *COMMON, "--max-steps", "2", "--nproc", "2", *flags, "--out", str(root / name)])
+        train(["--model", str(config), *COMMON, "--max-steps", "2", "--nproc", "2", *flags, "--out", str(root / name)], root)
     return {name: root / name for name in STRATEGIES}
 
 
@@ -84,7 +76,7 @@ def test_init_from_on_two_processes_starts_where_one_process_does(runs: dict[str
     # SGD: Adam's first step is lr x the gradient's sign, which rounding flips where a gradient is ~0.
     for name, nproc in (("one", ["--strategy", "single"]), ("two", ["--nproc", "2", "--strategy", "fsdp"])):
         train(["--model", str(config), *COMMON, "--optimizer", "sgd", "--init-from", str(start), "--max-steps", "1", *nproc,
-               "--out", str(tmp_path / name)])
+               "--out", str(tmp_path / name)], tmp_path)
     one = torch.load(tmp_path / "one" / "model.pt", weights_only=True)
     two = torch.load(tmp_path / "two" / "model.pt", weights_only=True)
     began = torch.load(runs["fsdp"] / "model.pt", weights_only=True)
