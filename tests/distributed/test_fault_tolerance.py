@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from listening import listening
-from procs import SERVER, SRC, ForkServer, child_env, kill_group, owned_pids, run
+from procs import SERVER, SRC, ForkedRun, ForkServer, child_env, kill_group, owned_pids, run
 from scaleloop.data.sampler import StepSampler
 from scaleloop.launching.lighthouse import free_port_pair
 
@@ -363,9 +363,10 @@ def test_an_fsdp_group_killed_rejoins_with_a_live_groups_shards(tmp_path: Path) 
                   REPLICA_REJOIN="1")
     command = [arg.replace("simplenet", "replica_data:model").replace("ddp", "fsdp").replace("sgd", "adam")
                for arg in COMMON]
-    proc = subprocess.Popen([sys.executable, "-m", "scaleloop", *command, "--nproc", "4", "--replica-groups", "2",
-                             "--max-restarts", "2", "--out", str(tmp_path / "run")], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # A fork of the tests' fork server, as are the groups' launchers, agents and workers (forked_launch.py);
+    # the killed group's restart and rejoin as users start it, fresh: the test above.
+    proc = ForkedRun([sys.executable, "-m", "scaleloop", *command, "--nproc", "4", "--replica-groups", "2",
+                      "--max-restarts", "2", "--out", str(tmp_path / "run")], cwd=tmp_path, env=env, timeout=300, merge=True)
     try:
         deadline = time.monotonic() + 240
         while not (records / "in-step-3").exists():
