@@ -8,7 +8,6 @@ loopback, this test fails, and the page (and this test) should say the better ne
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from listening import descendants, listening
-from procs import SRC, child_env, kill_group
+from procs import SRC, ForkedRun, child_env, kill_group
 
 pytestmark = pytest.mark.distributed
 
@@ -27,14 +26,15 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 def test_a_single_machine_run_listens_where_the_security_section_says(tmp_path: Path) -> None:
     env = child_env({"PYTHONPATH": os.pathsep.join([str(SRC), str(SCRIPTS)]),
                      "HOLD_REACHED": str(tmp_path / "reached"), "HOLD_RELEASE": str(tmp_path / "release")})
-    proc = subprocess.Popen([sys.executable, "-m", "scaleloop", "train", "--nproc", "2", "--no-progress",
-                             "--no-tensorboard", "--model", "slow_models:held", "--max-steps", "10",
-                             "--out", str(tmp_path / "run")], cwd=SCRIPTS, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # A fork of the tests' fork server, as are the agent and workers it starts (forked_launch.py): the
+    # sockets are torch's and Gloo's, bound as in a fresh process.
+    proc = ForkedRun([sys.executable, "-m", "scaleloop", "train", "--nproc", "2", "--no-progress",
+                      "--no-tensorboard", "--model", "slow_models:held", "--max-steps", "10",
+                      "--out", str(tmp_path / "run")], cwd=SCRIPTS, env=env, timeout=240)
     try:
         deadline = time.monotonic() + 240
         while not (tmp_path / "reached").exists():   # the file the held rank writes
-            assert proc.poll() is None, f"the run ended ({proc.returncode}) before it was held: {proc.stderr.read()}"
+            assert proc.poll() is None, f"the run ended ({proc.returncode}) before it was held: {proc.communicate()[1]}"
             assert time.monotonic() < deadline, "the run was not held within 240 s"
             time.sleep(0.02)
         bound = listening(descendants(proc.pid))
