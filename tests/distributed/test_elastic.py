@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from forked_launch import FORK_LAUNCH_VAR
 from procs import SRC, ForkedRun, child_env, kill_group, run
 from scaleloop.commands.doctor import diagnose
 
@@ -45,11 +44,11 @@ def env_for(record_dir: Path) -> dict[str, str]:
 
 
 def start(args: list[str], cwd: Path, env: dict[str, str]) -> ForkedRun:
-    """``scaleloop ARGS`` to be signalled or watched, its output and standard error together: the
-    launcher a fork of the tests' fork server; torchrun's agent and the workers it starts (and
-    restarts) fresh interpreters, as users' are (SCALELOOP_TEST_FORK_LAUNCH=0, forked_launch.py)."""
-    return ForkedRun([sys.executable, "-m", "scaleloop", *args], cwd=cwd, env={**env, FORK_LAUNCH_VAR: "0"},
-                     timeout=300, merge=True)
+    """``scaleloop ARGS`` to be signalled or watched, its output and standard error together: a fork of
+    the tests' fork server, as are torchrun's agent and the workers it starts and restarts
+    (forked_launch.py). A killed rank restarted in fresh interpreters, as users' are:
+    test_endings_dist.py, and across machines test_elastic_nodes.py."""
+    return ForkedRun([sys.executable, "-m", "scaleloop", *args], cwd=cwd, env=env, timeout=300, merge=True)
 
 
 def recorded(record_dir: Path, rank: int, restart: int) -> list[int]:
