@@ -55,12 +55,14 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _interrupt_below(cmd: list[str], tmp_path: Path, ready: Callable[[], bool], depth: int) -> tuple[int, str, str]:
+def _interrupt_below(cmd: list[str], tmp_path: Path, ready: Callable[[], bool], depth: int,
+                     fresh: bool = False) -> tuple[int, str, str]:
     """Start ``cmd``; once ``ready()``, SIGINT its descendants ``depth`` levels down (1: torchrun, or
     a worker started without it; 2: a fork of its agent), never the command itself. The command is a
-    fork of the tests' fork server; what it starts, fresh interpreters, as users' are
-    (SCALELOOP_TEST_FORK_LAUNCH=0, forked_launch.py)."""
-    proc = ForkedRun(cmd, cwd=SCRIPTS, env={**env(tmp_path), FORK_LAUNCH_VAR: "0"}, timeout=300)
+    fork of the tests' fork server, and so is what it starts (forked_launch.py); ``fresh``: what it
+    starts is fresh interpreters, as users' are (SCALELOOP_TEST_FORK_LAUNCH=0)."""
+    proc = ForkedRun(cmd, cwd=SCRIPTS, env={**env(tmp_path), **({FORK_LAUNCH_VAR: "0"} if fresh else {})},
+                     timeout=300)
     try:
         deadline = time.monotonic() + 180
         while not ready():
@@ -89,7 +91,7 @@ def check_interrupted(code: int, out: str, err: str, tmp_path: Path) -> None:
 
 def test_verify_interrupted_in_its_workers_says_so(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "scaleloop", "verify", "--steps", "3", "--model", "held_workers:held"]
-    check_interrupted(*_interrupt_below(cmd, tmp_path, (tmp_path / "reached").exists, 1), tmp_path)
+    check_interrupted(*_interrupt_below(cmd, tmp_path, (tmp_path / "reached").exists, 1, fresh=True), tmp_path)
 
 
 def test_bench_interrupted_in_its_workers_says_so(tmp_path: Path) -> None:
