@@ -41,11 +41,13 @@ def env(tmp_path: Path) -> dict[str, str]:
                       "HOLD_REACHED": str(tmp_path / "reached"), "HOLD_RELEASE": str(tmp_path / "release")})
 
 
-def start(cmd: list[str], tmp_path: Path) -> ForkedRun:
+def start(cmd: list[str], tmp_path: Path, fresh: bool = False) -> ForkedRun:
     """``cmd`` to be watched and signalled: the launcher a fork of the tests' fork server (its own
-    session, as a terminal's job); torchrun's agent and the workers it starts (and restarts) fresh
-    interpreters, as users' are (SCALELOOP_TEST_FORK_LAUNCH=0, forked_launch.py)."""
-    return ForkedRun(cmd, cwd=SCRIPTS, env={**env(tmp_path), FORK_LAUNCH_VAR: "0"}, timeout=300)
+    session, as a terminal's job), and so are torchrun's agent and its workers (forked_launch.py);
+    ``fresh``: the agent and the workers it starts and restarts are fresh interpreters, as users'
+    are (SCALELOOP_TEST_FORK_LAUNCH=0)."""
+    return ForkedRun(cmd, cwd=SCRIPTS, env={**env(tmp_path), **({FORK_LAUNCH_VAR: "0"} if fresh else {})},
+                     timeout=300)
 
 
 def wait_for(condition: Callable[[], bool], proc: ForkedRun, what: str, timeout: float = 240) -> None:
@@ -91,7 +93,7 @@ def test_a_restart_after_a_killed_rank_is_said_recorded_and_read(tmp_path: Path)
     collective fails, so no process leaves a record of the fault (on main: no word of it at all)."""
     out = tmp_path / "run"
     proc = start([*TRAIN, "--model", "slow_models:held", "--max-steps", "12", "--max-restarts", "2",
-                  "--out", str(out)], tmp_path)
+                  "--out", str(out)], tmp_path, fresh=True)
     try:
         wait_for((tmp_path / "reached").exists, proc, f"step {HELD_AT}")
         rank1 = int(re.search(r"pid (\d+)", (out / "logs" / "rank-1.log").read_text()).group(1))
