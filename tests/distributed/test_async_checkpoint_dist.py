@@ -1,6 +1,4 @@
-"""``--async-checkpoint`` on real multi-process runs (issues 43.2, 53.7): the two machines started as
-users start them (fresh interpreters), the other runs forks of the tests' fork server, whose agents
-and workers fork too (forked_launch.py; each strategy's fresh start: test_users_launch.py).
+"""``--async-checkpoint`` on real multi-process runs, started as users start them (issues 43.2, 53.7).
 
 - ddp, fsdp, pipeline (SimpleNet in 2 stages) and ``--mesh dp=2``: every process SIGKILLed while
   the checkpoint of step 8 is being written in the background (its ``.tmp-step-00000008-*``
@@ -37,7 +35,7 @@ from typing import Callable
 import pytest
 import torch
 
-from procs import ForkedRun, child_env, kill_group, kill_owned, run
+from procs import child_env, kill_group, kill_owned, run
 from scaleloop.checkpoint.store import list_checkpoints, newest_valid, verify_checkpoint
 
 pytestmark = pytest.mark.distributed
@@ -66,19 +64,12 @@ def train(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return res
 
 
-def start(args: list[str], cwd: Path) -> ForkedRun:
-    """``scaleloop train ARGS`` to be watched and killed: a fork of the tests' fork server, as are the
-    torchrun agent and workers it starts (forked_launch.py)."""
-    return ForkedRun([sys.executable, "-m", "scaleloop", "train", *args], cwd=cwd, env=child_env(ENV), timeout=RUN_S)
-
-
-def start_fresh(args: list[str], cwd: Path) -> subprocess.Popen:
-    """``scaleloop train ARGS`` as users start it (a fresh interpreter, and so its agent and workers)."""
+def start(args: list[str], cwd: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "scaleloop", "train", *args], cwd=cwd, env=child_env(ENV),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def wait_until(ready: Callable[[], bool], proc: "subprocess.Popen | ForkedRun", what: str) -> None:
+def wait_until(ready: Callable[[], bool], proc: subprocess.Popen, what: str) -> None:
     """Poll the run directory (another process writes it) until ``ready``."""
     deadline = time.monotonic() + RUN_S
     while not ready():
@@ -189,17 +180,16 @@ def free_port() -> int:
 
 
 def machines(args_of: Callable[[int], list[str]], cwd: Path) -> list[subprocess.Popen]:
-    """Both machines' launchers at once, machine ``i`` with ``args_of(i)``, on a master port free now
-    (fresh: the fork server runs one command at a time)."""
+    """Both machines' launchers at once, machine ``i`` with ``args_of(i)``, on a master port free now."""
     port = str(free_port())
-    return [start_fresh([*args_of(i), "--master-port", port], cwd) for i in (0, 1)]
+    return [start([*args_of(i), "--master-port", port], cwd) for i in (0, 1)]
 
 
 def continue_together(dirs: list[Path], cwd: Path) -> list[tuple[int, str, str]]:
     """Each machine's ``scaleloop train --out DIR`` (its saved settings) at once, on a master port free
     now (the old one may linger): forks of one request of the tests' fork server (forkgroup.py, as
     test_kubernetes.py's pods), whose agents and workers fork too (forked_launch.py); the killed
-    runs above were started as users start them. Each machine's (exit code, output, error)."""
+    runs above started as users start them. Each machine's (exit code, output, error)."""
     port = str(free_port())
     runs = [{"argv": [sys.executable, "-m", "scaleloop", "train", "--out", str(d), "--master-port", port],
              "env": child_env(ENV), "cwd": str(cwd), "stdout": str(cwd / f"continued{i}.out"),
