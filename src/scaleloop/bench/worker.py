@@ -27,7 +27,7 @@ from scaleloop.loop.step import Observer, steps_of, train_step
 from scaleloop.runtime.collectives import barrier, gather_object
 from scaleloop.runtime.dist import DistEnv, end_process_group, init_process_group
 from scaleloop.runtime.frames import note_where
-from scaleloop.strategies.registry import REGISTRY
+from scaleloop.strategies.registry import REGISTRY, Registered
 from scaleloop.errors import UsageError
 
 PROGRESS_PREFIX = "bench-worker:"
@@ -223,13 +223,18 @@ def _phases(t0: float, timer: _PhaseTimer) -> dict[str, Any]:
             "marks": (t2, t3, launch[0] if launch is not None else None)}
 
 
+def _registered(run: RunSpec) -> Registered:
+    """The registry's entry for ``run``'s strategy (``mesh:fsdp=2,tp=2``: the mesh strategy's)."""
+    return REGISTRY[run.strategy.partition(":")[0]]
+
+
 def _attach_comm_recorder(built: Any, run: RunSpec, env: DistEnv, recorder: CommRecorder) -> str:
     """Put the recorder where this strategy's gradient all-reduce happens; returns how it is timed."""
     if isinstance(built.model, torch.nn.parallel.DistributedDataParallel):
         built.model.register_comm_hook(state=None, hook=recorder.ddp_hook)
         recorder.attached = True
         return "DDP communication hook"
-    if REGISTRY[run.strategy.partition(':')[0]].reduces_in_sync_gradients:
+    if _registered(run).reduces_in_sync_gradients:
         recorder.wrap_gradient_sync(built.strategy, built.model)
         recorder.attached = env.is_distributed
         return "timed gradient all-reduce (explicit, after backward)"
@@ -277,7 +282,7 @@ def measure_run(workload: Workload, run: RunSpec, env: DistEnv, say: Say,
             "reduced_bytes_per_step": ranks[0]["reduced_bytes_per_step"],
             "buckets_per_step": ranks[0]["buckets_per_step"]}
     units = getattr(built.strategy, "units", None)
-    factor = REGISTRY[run.strategy.partition(':')[0]].allreduce_equivalents
+    factor = _registered(run).allreduce_equivalents
     if factor and env.is_distributed and units:
         # Collectives other than all-reduces (FSDP's all-gathers and reduce-scatters), untimed during
         # training: their bytes and calls per step in all-reduce equivalents (Registered.allreduce_equivalents).
