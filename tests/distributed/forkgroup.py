@@ -4,8 +4,10 @@ The fork server (``forkserver.py``) runs one request at a time, but the machines
 Kubeflow job's pods, a SLURM job's tasks, the launchers of ``--nnodes 2``) must all be running
 for any of them to get past the rendezvous. Started as one request of the server, this script
 forks every run of ``SPEC`` (a JSON object: ``runs``, a list of the server's requests, each with
-an optional ``delay`` in seconds and an optional ``netns``; ``codes``, the file that gets their
-exit codes) and turns each fork into its run exactly as the server does (``forkserver._child``):
+an optional ``delay`` in seconds, an optional ``after`` (a path: the run starts once it exists, as a
+machine that comes back once the others have checkpointed), an optional ``code`` (a path that gets
+its exit code as soon as it ends, while the others may go on) and an optional ``netns``; ``codes``,
+the file that gets all their exit codes) and turns each fork into its run exactly as the server does (``forkserver._child``):
 this process, like the server, has only imported modules, so its forks are as clean as the
 server's. A run with ``netns`` first joins that network namespace as ``ip netns exec NETNS``
 would (:func:`enter_network_namespace`): a pod of tests/distributed/test_kubernetes.py. It ends
@@ -61,11 +63,29 @@ def enter_network_namespace(name: str) -> None:
 
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text(encoding="utf-8"))
+    running: dict[int, dict] = {}   # pid: its request
+    ended: dict[int, int] = {}      # pid: its exit code
     pids = []
+
+    def reap(block: bool) -> None:
+        """Collect the runs that have ended (``block``: wait for one), writing each one's ``code``."""
+        while running:
+            pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
+            if pid == 0:
+                return
+            ended[pid] = os.waitstatus_to_exitcode(status)
+            request = running.pop(pid, {})
+            if request.get("code"):
+                Path(request["code"]).write_text(str(ended[pid]), encoding="utf-8")
+            block = False
+
     started = time.monotonic()
     for request in spec["runs"]:
         # A later start (the second pod of a job) is part of what some runs check.
         time.sleep(max(0.0, float(request.get("delay", 0)) - (time.monotonic() - started)))
+        while request.get("after") and not os.path.exists(request["after"]):
+            reap(block=False)
+            time.sleep(0.02)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         pid = os.fork()
@@ -78,8 +98,10 @@ def main(spec_path: str) -> int:
                     os._exit(1)
             forkserver._child(request)   # never returns
         pids.append(pid)
-    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
-    Path(spec["codes"]).write_text(json.dumps(codes), encoding="utf-8")
+        running[pid] = request
+    while running:
+        reap(block=True)
+    Path(spec["codes"]).write_text(json.dumps([ended[pid] for pid in pids]), encoding="utf-8")
     return 0
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 
 from forked_launch import FORK_LAUNCH_VAR
 from netns import Host, can_make_namespaces, cut, hosts, kill_inside, reconnect
-from procs import SRC, child_env, kill_group, run
+from procs import SRC, ForkedRun, child_env, kill_group, run
 
 from scaleloop.commands.doctor import diagnose, format_diagnosis
 from scaleloop.data.sampler import StepSampler
@@ -42,6 +41,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 reason = can_make_namespaces()
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+FORKGROUP = Path(__file__).resolve().parent / "forkgroup.py"
 BATCH, EPOCHS, N = 66, 3, 1000          # 66: splits evenly over 2 and 3 (the references need it)
 TRAIN = ["train", "--data", "recording_data:build", "--model", "simplenet", "--epochs", str(EPOCHS),
          "--batch-size", str(BATCH), "--optimizer", "sgd", "--lr", "0.05", "--strategy", "ddp",
@@ -49,8 +49,11 @@ TRAIN = ["train", "--data", "recording_data:build", "--model", "simplenet", "--e
          "--log-every", "1"]
 ELASTIC = ["--nproc", "1", "--nnodes", "2:3", "--max-restarts", "3", "--timeout", "15",
            # Fast enough to test: a lost machine is dropped from the rendezvous after 3 missed
-           # heartbeats of 1 s, and a round closes 1 s after the minimum has joined.
-           "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1"]
+           # heartbeats of 1 s. A round closes at once when all 3 machines have joined, else 10 s
+           # after the minimum (2) has: the machines the test starts together must all be in the
+           # first round, and on a loaded machine one joined more than 1 s after the others (a
+           # first group of 2, and weights unlike the reference's).
+           "--rdzv-conf", "last_call_timeout=10,keep_alive_interval=1"]
 RESUMED = re.compile(r"resuming from \S*step-(\d+)")
 
 
@@ -110,26 +113,39 @@ def assert_every_sample_once(before: int, after: int, step: int) -> None:
 
 
 class Cluster:
-    """Three machines' launchers, each in its namespace with its own run and record directories."""
+    """Three machines' launchers, each in its namespace with its own run and record directories.
+
+    The machines are forks of one request of the tests' fork server (``forkgroup.py``), each of
+    which joins its namespace as ``ip netns exec`` would; their torchrun agents and workers are forks
+    too (``forked_launch.py``). Fresh interpreters, as users start them, took this file's runs 95
+    CPU-seconds; the launch of several machines that way is tested fresh in
+    tests/distributed/test_users_launch.py and by the shared run directory below."""
 
     def __init__(self, base: Path, machines: list[Host]) -> None:
         self.base, self.machines = base, machines
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.group: ForkedRun | None = None
         self.endpoint = f"{machines[2].address}:29400"
 
-    def start(self, i: int, *, delay: str | None = None, hold: str | None = None) -> None:
-        """Machine ``i``'s launcher. ``delay``: RECORD_DELAY (s per sample); ``hold``: RECORD_HOLD
-        (``W:K``, see scripts/recording_data.py)."""
+    def machine(self, i: int, *, delay: str | None = None, hold: str | None = None,
+                after: Path | None = None) -> dict:
+        """Machine ``i``'s launcher, as a request of ``forkgroup.py``. ``delay``: RECORD_DELAY (s per
+        sample); ``hold``: RECORD_HOLD (``W:K``, see scripts/recording_data.py); ``after``: it starts
+        once that path exists."""
         host = self.machines[i]
         extra = {"RECORD_HOLD": hold} if hold else {}
-        out = open(self.base / f"out{i}-{len(self.procs)}.txt", "w")
-        self.procs[i] = subprocess.Popen(
-            ["ip", "netns", "exec", host.namespace, sys.executable, "-m", "scaleloop", *TRAIN, *ELASTIC,
-             "--rdzv-endpoint", self.endpoint, "--out", str(self.run_dir(i))],
-            cwd=self.base, env={**env_for(self.records(i), host, **({"delay": delay} if delay else {})), **extra},
-            stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True)
-        out.close()
+        out = str(self.base / f"out{i}.txt")
+        return {"argv": [sys.executable, "-m", "scaleloop", *TRAIN, *ELASTIC, "--rdzv-endpoint", self.endpoint,
+                         "--out", str(self.run_dir(i))],
+                "env": {**env_for(self.records(i), host, **({"delay": delay} if delay else {})), **extra},
+                "cwd": str(self.base), "stdout": out, "stderr": out, "netns": host.namespace,
+                "code": str(self.code_file(i)), **({"after": str(after)} if after else {})}
+
+    def start(self, *machines: dict) -> None:
+        """The launchers of ``machines`` (:meth:`machine`), in that order, in the background."""
+        spec = self.base / "machines.json"
+        spec.write_text(json.dumps({"runs": list(machines), "codes": str(self.base / "codes.json")}), encoding="utf-8")
+        self.group = ForkedRun([sys.executable, str(FORKGROUP), str(spec)], cwd=self.base, env=child_env(),
+                               timeout=600, merge=True)
 
     def run_dir(self, i: int) -> Path:
         return self.base / f"machine{i}"
@@ -137,27 +153,44 @@ class Cluster:
     def records(self, i: int) -> Path:
         return self.base / f"records{i}"
 
+    def code_file(self, i: int) -> Path:
+        return self.base / f"code{i}"
+
+    def checkpoint(self, i: int, step: int) -> Path:
+        return self.run_dir(i) / "checkpoints" / f"step-{step:08d}"
+
     def output(self, i: int) -> str:
-        return "\n".join(p.read_text() for p in sorted(self.base.glob(f"out{i}-*.txt")))
+        path = self.base / f"out{i}.txt"
+        return path.read_text() if path.exists() else ""
+
+    def ended(self) -> dict[int, int]:
+        """The machines that have ended, with their exit codes."""
+        return {i: int(self.code_file(i).read_text()) for i in range(len(self.machines)) if self.code_file(i).exists()}
 
     def wait_for_checkpoint(self, i: int, step: int, timeout: float = 150) -> None:
-        path = self.run_dir(i) / "checkpoints" / f"step-{step:08d}"
+        path = self.checkpoint(i, step)
         deadline = time.monotonic() + timeout
         while not path.exists():
-            ended = {j: p.returncode for j, p in self.procs.items() if p.poll() is not None}
+            ended = self.ended()
             assert not ended, f"machines ended before {path} appeared: {ended}\n" + self.output(i)
             assert time.monotonic() < deadline, f"{path} did not appear in {timeout} s\n" + self.output(i)
             time.sleep(0.02)
 
     def wait(self, i: int, timeout: float = 200) -> int:
-        try:
-            return self.procs[i].wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"machine {i} did not end in {timeout} s:\n{self.output(i)}")
+        """Machine ``i``'s exit code, once it has ended."""
+        deadline = time.monotonic() + timeout
+        while not self.code_file(i).exists():
+            if self.group is not None and self.group.poll() is not None:
+                pytest.fail(f"the machines' group ended ({self.group.returncode}) without machine {i}:\n"
+                            + self.group.communicate()[0] + self.output(i))
+            if time.monotonic() > deadline:
+                pytest.fail(f"machine {i} did not end in {timeout} s:\n{self.output(i)}")
+            time.sleep(0.02)
+        return int(self.code_file(i).read_text())
 
     def stop_all(self) -> None:
-        for p in self.procs.values():
-            kill_group(p)
+        if self.group is not None:
+            kill_group(self.group)
         for host in self.machines:
             kill_inside(host.namespace)
 
@@ -226,8 +259,7 @@ def assert_a_finished_copy(machine: Path, rank0: Path) -> None:
 
 @pytest.mark.skipif(reason is not None, reason=reason or "")
 def test_machine_zero_dies_and_the_others_finish_from_their_copies(cluster: Cluster, references: dict[int, Path]) -> None:
-    for i in range(3):
-        cluster.start(i)
+    cluster.start(*(cluster.machine(i) for i in range(3)))
     cluster.wait_for_checkpoint(1, 8)       # machine 1's copy of step 8 (rank 0 wrote its own first)
     killed = kill_inside(cluster.machines[0].namespace)
     assert killed, "machine 0 had no processes to kill"
@@ -252,8 +284,7 @@ def test_machine_zero_dies_and_the_others_finish_from_their_copies(cluster: Clus
 
 @pytest.mark.skipif(reason is not None, reason=reason or "")
 def test_machine_cut_off_and_the_others_finish(cluster: Cluster, references: dict[int, Path]) -> None:
-    for i in range(3):
-        cluster.start(i)
+    cluster.start(*(cluster.machine(i) for i in range(3)))
     cluster.wait_for_checkpoint(1, 8)
     cut(cluster.machines[1])
     assert cluster.wait(0) == 0, cluster.output(0)
@@ -279,10 +310,9 @@ def test_machine_cut_off_and_the_others_finish(cluster: Cluster, references: dic
 def test_a_machine_comes_back_and_joins_at_the_next_restart(cluster: Cluster, references: dict[int, Path]) -> None:
     # A run of 2 machines (the minimum) trains 9 steps (33 samples a step each) and waits there,
     # with its step-8 checkpoint written, until machine 0 joins and the group restarts with 3.
-    for i in (1, 2):
-        cluster.start(i, delay="0", hold=f"2:{9 * BATCH // 2}")
-    cluster.wait_for_checkpoint(1, 8)
-    cluster.start(0, delay="0")             # machine 0 comes (back): the group restarts with 3
+    # Machine 0 comes (back) once machine 1 holds its copy of step 8: the group restarts with 3.
+    cluster.start(*(cluster.machine(i, delay="0", hold=f"2:{9 * BATCH // 2}") for i in (1, 2)),
+                  cluster.machine(0, delay="0", after=cluster.checkpoint(1, 8)))
     assert cluster.wait(0) == 0, cluster.output(0)
     assert cluster.wait(1) == 0, cluster.output(1)
     assert cluster.wait(2) == 0, cluster.output(2)
