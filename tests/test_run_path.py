@@ -5,7 +5,8 @@ The path is the functions a ``scaleloop train --nproc N`` run goes through, in o
 "met" on the path when one of those functions names it in its code (constructs it, calls it,
 checks against it; annotations and exceptions aside), as resolved through the function's
 module and its own imports. The doc must list exactly those types, in the order the path first
-meets them, and no more than 15.
+meets them, and no more than 16. (15 until the loop's own bookkeeping left ``RunResult``: the
+straggler watch it carried unseen, ``Stragglers``, is now named where the trainer makes it.)
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-LIMIT = 15
+LIMIT = 16
 
 #: (module, function) from ``scaleloop train`` to ``optimizer.step()``.
 PATH = (

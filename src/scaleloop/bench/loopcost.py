@@ -177,12 +177,12 @@ def _bookkeeping_cost(run: Any, rounds: Optional[int] = None) -> dict[str, float
         # The loop's own log row: the all-reduce, the metrics.csv row and the health checks.
         checkpointer = Checkpointer(run.strategy, run.cfg.checkpointing, {}, seed=run.cfg.optim.seed, say=silent)
         trainer = Trainer(run, checkpointer, silent, time.perf_counter(), run_dir=Path(tmp))
-        result, running = trainer.result, trainer.running
+        progress, running = trainer.progress, trainer.running
 
         def log_rows(n: int) -> None:
             for _ in range(n):
                 running.add(loss, 64)
-                result.steps += 1
+                progress.global_step += 1
                 trainer.log_row(0, 64, time.perf_counter())
 
         pieces[f"log row (every {run.cfg.output.log_every} steps)"] = _best_us(log_rows, 500, rounds or 7) / run.cfg.output.log_every

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -56,12 +57,19 @@ from scaleloop.runtime.slurm import in_slurm_job, requeue
 
 
 class Pauses:
-    """The evaluations and checkpoints of one run, and what it is doing while paused."""
+    """The evaluations and checkpoints of one run, and what it is doing while paused.
 
-    def __init__(self, run: Run, result: RunResult, running: RunningLoss, checkpointer: Checkpointer,
-                 emit: Callable[[Row], None], metrics: Optional[MetricsLogger], say: Log) -> None:
-        self.run, self.result, self.running, self.checkpointer = run, result, running, checkpointer
+    It reads where the run stands from the trainer's ``progress`` (and ``start``, where this
+    process began), writes the losses and evaluations into its ``result``; ``started`` is
+    ``perf_counter()`` when the process group formed, ``out`` the run directory as every rank knows it."""
+
+    def __init__(self, run: Run, result: RunResult, progress: Progress, running: RunningLoss,
+                 checkpointer: Checkpointer, emit: Callable[[Row], None], metrics: Optional[MetricsLogger], say: Log,
+                 *, started: float, start: Progress, out: Path) -> None:
+        self.run, self.result, self.progress, self.running, self.checkpointer = run, result, progress, running, checkpointer
         self.emit, self.metrics, self.say = emit, metrics, say   # emit: the trainer's, which writes and checks a row
+        self.started, self.start, self.out = started, start, out
+        self.eval_row_step = -1   # the step of the last ``eval`` row (one per step at most)
         self.evals = Evaluations(run.model, run.cfg.evaluation, run.data, run.strategy,
                                  batch_size=run.cfg.optim.batch_size, seed=run.cfg.optim.seed,
                                  loss_fn=run.loss_fn if run.user_loss else None,
@@ -86,41 +94,43 @@ class Pauses:
         if cfg.evaluation.eval_every and done_steps % cfg.evaluation.eval_every == 0:
             paused += self._eval_inside(epoch)
         if cfg.checkpointing.checkpoint_every and done_steps % cfg.checkpointing.checkpoint_every == 0:
-            train_s = self.result.train_s + time.perf_counter() - (epoch_start + paused)
-            paused += self._checkpoint(Progress(epoch, in_epoch), train_s)
+            train_s = self.progress.train_s + time.perf_counter() - (epoch_start + paused)
+            paused += self._checkpoint(epoch, train_s)
         return paused
 
-    def end_epoch(self, epoch: int, in_epoch: int, finished: bool) -> None:
+    def end_epoch(self, epoch: int, in_epoch: int, finished: bool, lr: float) -> None:
         """The epoch's global loss, the test set, the epoch's row and line, and a checkpoint.
 
         Where the run stopped inside the epoch (``finished`` False: ``--max-steps``, a stop vote),
-        the row is a ``stop`` row: the run that resumes it writes the epoch's row, once.
+        the row is a ``stop`` row: the run that resumes it writes the epoch's row, once. ``lr``: the
+        learning rate of its last step.
         """
-        run, result = self.run, self.result
+        run, result, progress = self.run, self.result, self.progress
         result.epochs = epoch + 1
+        if finished:   # the next step is the next epoch's first
+            progress.epoch, progress.step_in_epoch = epoch + 1, 0
         total = self.check_finite(epoch, self.running.epoch_sums(torch.device("cpu")).tolist())
         result.train_loss = total[0] / total[1] if total[1] > 0 else float("nan")
         result.train_loss_over = (f"epoch {epoch + 1}{'' if finished else ' so far'}, "
-                                  f"steps {result.steps - in_epoch + 1}-{result.steps}")
+                                  f"steps {progress.global_step - in_epoch + 1}-{progress.global_step}")
         self.doing = f"the evaluation after epoch {epoch + 1}"
         test = result.test = self.evals.of_test_set()
         train = self._eval_train()
         self.doing = None
-        if self.evals.due(result.steps) and result.eval_row_step != result.steps:
+        if self.evals.due(progress.global_step) and self.eval_row_step != progress.global_step:
             self._emit_eval(epoch, test, train)   # the step's --eval-every row, from the same evaluation
         skipped = self.skipped()
-        self.emit(Row("epoch" if finished else "stop", epoch + 1, result.steps, result.samples, dict(
+        self.emit(Row("epoch" if finished else "stop", epoch + 1, progress.global_step, progress.samples, dict(
             train_loss=result.train_loss, test_loss=test.loss if test else None,
-            test_acc=test.accuracy if test else None, lr=result.step_lr,
-            samples_per_s=result.samples / max(result.train_s, 1e-9), wall_s=time.perf_counter() - result.started,
+            test_acc=test.accuracy if test else None, lr=lr,
+            samples_per_s=progress.samples / max(progress.train_s, 1e-9), wall_s=time.perf_counter() - self.started,
             skipped_steps=skipped if run.strategy.precision.skipped is not None else None,
             train_eval_loss=train.loss if train else None)))
         self.say(f"epoch {epoch + 1}: train loss {result.train_loss:.4f}"
                  + "".join(f", {part}" for part in describe_evals(test, train)))
         # At the epoch's end (or where the run stopped inside it): the next run starts after it.
-        self.doing = f"writing the checkpoint of step {result.steps}"
-        self._save(Progress(epoch + 1 if finished else epoch, 0 if finished else in_epoch,
-                            result.steps, result.samples, result.train_s, skipped))
+        self.doing = f"writing the checkpoint of step {progress.global_step}"
+        self._save(replace(progress, skipped_steps=skipped))
         self.doing = None
 
     def check_finite(self, epoch: int, head: list[float]) -> list[float]:
@@ -132,35 +142,35 @@ class Pauses:
         if first is not None or ranks:
             what = ("the training loss became non-finite" if first is not None
                     else "the weights were no longer finite (inf or NaN) after")
-            raise stopped_on_nonfinite(what, first or self.result.steps, epoch + 1, self.result.out,
+            raise stopped_on_nonfinite(what, first or self.progress.global_step, epoch + 1, self.out,
                                        self.checkpointer.last_step, ranks, env.world_size, self.run.loader)
         return sums
 
     def skipped(self) -> int:
         """fp16 steps the scaler skipped, this process's and before it (reads the device)."""
-        return self.result.skipped_before + self.run.strategy.precision.skipped_steps()
+        return self.start.skipped_steps + self.run.strategy.precision.skipped_steps()
 
-    def _checkpoint(self, where: Progress, train_s: float) -> float:
-        """A checkpoint inside an epoch (``where``: epoch and step in it); returns the seconds it took."""
-        run, result = self.run, self.result
+    def _checkpoint(self, epoch: int, train_s: float) -> float:
+        """A checkpoint inside epoch ``epoch``, with ``train_s`` seconds trained; returns the seconds it took."""
+        run, progress = self.run, self.progress
         pause = device_clock(run.env.device)  # queued steps are training time, not the checkpoint's
         if self.metrics is not None:
             self.metrics.flush()   # the rows up to the checkpoint, on disk with it
         if run.cfg.checkpointing.checkpoints:   # one small all-reduce per checkpoint: no checkpoint of a diverged run
-            self.check_finite(where.epoch, [])
-        self.doing = f"writing the checkpoint of step {result.steps}"
-        self._save(Progress(where.epoch, where.step_in_epoch, result.steps, result.samples, train_s, self.skipped()))
+            self.check_finite(epoch, [])
+        self.doing = f"writing the checkpoint of step {progress.global_step}"
+        self._save(replace(progress, train_s=train_s, skipped_steps=self.skipped()))
         self.doing = None
         return time.perf_counter() - pause
 
     def _save(self, progress: Progress) -> None:
-        """Write the checkpoint of ``progress`` and hand it to ``on_checkpoint`` (when one was written:
-        ``written`` counts on every rank alike, the path is known on the writing rank only).
+        """Write the checkpoint of ``progress`` (a copy of where the run stands) and hand it to
+        ``on_checkpoint`` (when one was written: ``written`` counts on every rank alike, the path is
+        known on the writing rank only).
 
         With ``--async-checkpoint`` the write in flight is completed first, and this one goes on in
         the background; a run that hands its checkpoints on waits for it at once (it hands on whole ones)."""
         run, written = self.run, self.checkpointer.written
-        progress.window_from = self.result.window_from   # where the log window in the saved sums began
         doing, self.doing = self.doing, None
         self.finish_write()
         self.doing = doing
@@ -169,7 +179,7 @@ class Pauses:
         if self.on_checkpoint is not None:
             path = self.finish_write() or path
             if self.checkpointer.written > written:
-                self.on_checkpoint(path, self.result)
+                self.on_checkpoint(path, self.result.counted(self.progress))
 
     def finish_write(self) -> Optional[Path]:
         """Complete the checkpoint being written in the background, if any (every rank at the same
@@ -187,7 +197,7 @@ class Pauses:
         """The evaluation at this step inside epoch ``epoch`` (every ``--eval-every`` steps): its
         row and line; returns the seconds it took."""
         pause = device_clock(self.run.env.device)  # queued steps are training time, not the evaluation's
-        self.doing = f"the evaluation at step {self.result.steps}"
+        self.doing = f"the evaluation at step {self.progress.global_step}"
         test = self.evals.of_test_set(isolated=True)
         train = self._eval_train()
         self.doing = None
@@ -198,17 +208,17 @@ class Pauses:
         """With ``--eval-train``: the training loss in evaluation mode, kept for the summary."""
         train = self.evals.of_training_set()
         if train is not None:
-            self.result.train_eval, self.result.train_eval_step = train, self.result.steps
+            self.result.train_eval, self.result.train_eval_step = train, self.progress.global_step
         return train
 
     def _emit_eval(self, epoch: int, test: Optional[EvalResult], train: Optional[EvalResult]) -> None:
         """The ``eval`` row of an evaluation at this step, and its line."""
-        result = self.result
-        result.eval_row_step = result.steps
-        self.emit(Row("eval", epoch + 1, result.steps, result.samples, dict(
+        progress = self.progress
+        self.eval_row_step = progress.global_step
+        self.emit(Row("eval", epoch + 1, progress.global_step, progress.samples, dict(
             test_loss=test.loss if test else None, test_acc=test.accuracy if test else None,
-            train_eval_loss=train.loss if train else None, wall_s=time.perf_counter() - result.started)))
-        self.say(f"step {result.steps}: " + ", ".join(describe_evals(test, train)))
+            train_eval_loss=train.loss if train else None, wall_s=time.perf_counter() - self.started)))
+        self.say(f"step {progress.global_step}: " + ", ".join(describe_evals(test, train)))
 
 
 # --- stopping on a preemption signal, every rank at the same step ---------------------------------

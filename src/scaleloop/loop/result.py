@@ -1,5 +1,7 @@
-"""A run's result (:class:`RunResult`), kept by the loop as it goes, and :func:`finish`: the
-final weights and outputs, and the result completed.
+"""A run's result (:class:`RunResult`), the report it ends with, and :func:`finish`: the final
+weights and outputs, and the result completed. Where the run stands while it goes (its step,
+samples, training time) is the checkpoint's :class:`~scaleloop.checkpoint.manager.Progress`,
+which the trainer keeps and :func:`finish` copies in.
 
 The training loss a run reports: loss x samples and samples, summed over the epoch and over
 the current log window, in float64.
@@ -19,20 +21,19 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch.utils.data import IterableDataset
 
-from scaleloop.checkpoint.manager import Checkpointer, Resumed
+from scaleloop.checkpoint.manager import Checkpointer, Progress, Resumed
 from scaleloop.checkpoint.weights import (SAFETENSORS_FILE, TORCH_FILE, safetensors_available,
                                           safetensors_bytes)
 from scaleloop.hfconfig import is_config_path, save_causal_lm
 from scaleloop.loop.build import Run, describe_schedule
 from scaleloop.loop.evaluation import EvalResult
-from scaleloop.loop.rows import Stragglers
 from scaleloop.output.footprint import RankMemory, measure, write_json
 from scaleloop.output.metrics import plot_curves
 from scaleloop.output.rundir import RunDirWriteError, unwritable, write_atomic
@@ -42,9 +43,9 @@ from scaleloop.runtime.devices import describe_device, to_cpu
 
 @dataclass
 class RunResult:
-    """What a run reports (the numbers are reduced over all ranks). The loop keeps it as it goes
-    (steps, samples, losses, evaluations: rank 0's copy is the one returned), and :func:`finish`
-    completes it (the run's facts, memory, checkpoints, wall time)."""
+    """What a run reports (the numbers are reduced over all ranks; rank 0's copy is the one
+    returned). The loop fills in the losses and evaluations as it reaches them, and :func:`finish`
+    the rest (the counts from the run's progress, its facts, memory, checkpoints, wall time)."""
 
     run_dir: Optional[Path] = None
     device: str = ""
@@ -83,27 +84,24 @@ class RunResult:
     train_eval_step: int = 0         # ... and the global step it was taken at
     nothing_left: bool = False       # the checkpoint had already reached the run's end: no step was taken
 
-    # The loop's own bookkeeping while it runs (not part of the report).
-    started: float = field(default=0.0, repr=False)       # perf_counter() when the process group formed
-    step_lr: float = field(default=0.0, repr=False)       # the learning rate of the last step
-    skipped_before: int = field(default=0, repr=False)    # fp16 steps skipped before this process
-    window_from: int = field(default=0, repr=False)       # the global step the current log window started after
-    out: Optional[Path] = field(default=None, repr=False)  # the run directory, as every rank knows it (for messages)
-    stragglers: Stragglers = field(default_factory=Stragglers, repr=False)
-    eval_row_step: int = field(default=-1, repr=False)    # the step of the last ``eval`` row (one per step at most)
+    def counted(self, progress: Progress) -> RunResult:
+        """This result with the counts of ``progress`` (where the run stands): the steps, samples,
+        training seconds and fp16 skipped steps."""
+        return replace(self, steps=progress.global_step, samples=progress.samples, train_s=progress.train_s,
+                       skipped_steps=progress.skipped_steps)
 
 
 def finish(run: Run, result: RunResult, checkpointer: Checkpointer, resumed: Optional[Resumed],
-           gradient_bytes: Optional[int]) -> RunResult:
+           gradient_bytes: Optional[int], started: float) -> RunResult:
     """The end of a run: final weights (the user's own module, unsharded: a collective for a
     sharded strategy), memory per rank; rank 0 writes ``model.pt``, ``memory.json`` and
-    ``curves.png`` into ``result.run_dir``. Returns ``result``, completed."""
+    ``curves.png`` into ``result.run_dir``. Returns ``result`` (its counts already in:
+    :meth:`RunResult.counted`), completed; ``started``: ``perf_counter()`` when the process group formed."""
     env, strategy, sampler = run.env, run.strategy, run.loader.sampler
     final_weights = strategy.full_state_dict(run.model)
     memory = tuple(gather_object(measure(run.model, run.optimizer, env.rank, env.device, gradient_bytes,
                                          run.model_bytes), env))
     strategy.close()
-    result.skipped_steps = result.skipped_before + strategy.precision.skipped_steps()
     try:
         if result.run_dir is not None:
             _write_outputs(run, result.run_dir, checkpointer, final_weights, memory)
@@ -114,7 +112,7 @@ def finish(run: Run, result: RunResult, checkpointer: Checkpointer, resumed: Opt
     result.device, result.strategy, result.world_size = describe_device(env.device), strategy.describe(), env.world_size
     result.precision, result.parameters, result.memory = run.cfg.parallel.precision, run.parameters, memory
     result.samples_per_s = result.samples / max(result.train_s, 1e-9)
-    result.wall_s = time.perf_counter() - result.started
+    result.wall_s = time.perf_counter() - started
     result.dropped_per_epoch, result.in_memory_data = sampler.dropped_per_epoch, run.loader.in_memory
     result.train_samples, result.steps_per_epoch = sampler.n or 0, sampler.steps_per_epoch or 0
     result.last_step_samples = (len(sampler.step_indices(0, sampler.steps_per_epoch - 1))
@@ -126,8 +124,6 @@ def finish(run: Run, result: RunResult, checkpointer: Checkpointer, resumed: Opt
     result.last_checkpoint = checkpointer.last_path
     result.resumed_from = resumed.source if resumed is not None else None
     result.streamed = isinstance(run.data.train, IterableDataset)
-    worst = result.stragglers.worst
-    result.straggler = worst.describe() if worst is not None else ""
     return result
 
 

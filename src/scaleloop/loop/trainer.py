@@ -19,7 +19,7 @@ from scaleloop.data.loader import Batch
 from scaleloop.loop.build import Run
 from scaleloop.loop.pauses import Pauses, StopVote
 from scaleloop.loop.result import RunResult, RunningLoss, finish
-from scaleloop.loop.rows import Row, check_health, reduce_window
+from scaleloop.loop.rows import Row, Stragglers, check_health, reduce_window
 from scaleloop.loop.step import Observer, steps_of, train_step
 from scaleloop.loop.text import Log, announce, bar_postfix, nothing_left, progress_bar
 from scaleloop.output.footprint import gradient_bytes
@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 
 
 class Trainer(Observer):
-    """One run's loop and what it carries from step to step: the run, its checkpointer, the
-    result kept as it goes (:class:`~scaleloop.loop.result.RunResult`), the running loss and the pauses.
+    """One run's loop and what it carries from step to step: the run, its checkpointer, where it
+    stands (``progress``: the :class:`~scaleloop.checkpoint.manager.Progress` a checkpoint saves), the
+    running loss, the pauses, and the result it will report (:class:`~scaleloop.loop.result.RunResult`).
 
     It watches its own steps (an :class:`~scaleloop.loop.step.Observer`): the gradients' bytes at
     the first step (they exist only between the backward and the optimizer step), and with several
@@ -57,15 +58,21 @@ class Trainer(Observer):
         cfg = self.cfg = run.cfg
         self.run, self.env, self.checkpointer, self.say = run, run.env, checkpointer, say
         self.run_dir, self.resumed = run_dir, resumed
+        #: Where the run started (a checkpoint's place, or the beginning) ...
         at = self.at = resumed.progress if resumed is not None else Progress()
         self.metrics: Optional[MetricsLogger] = (
             MetricsLogger(run_dir, tensorboard=cfg.output.tensorboard, tracker=cfg.output.tracker, config=cfg,
                           keep_until_step=at.global_step if resumed is not None or restart_count() > 0 else None)
             if run_dir is not None else None)
-        self.result = RunResult(run_dir=run_dir, steps=at.global_step, samples=at.samples, train_s=at.train_s,
-                                epochs=at.epoch, skipped_steps=at.skipped_steps, started=started,
-                                step_lr=run.optimizer.param_groups[0]["lr"], skipped_before=at.skipped_steps,
-                                window_from=at.log_window_from(cfg.output.log_every), out=run_dir or run_dir_for(cfg))
+        #: ... and where it stands: the next step, the samples and training seconds so far, the step
+        #: the log window began after. Its fp16 skipped steps are counted when read (Pauses.skipped).
+        self.progress = Progress(at.epoch, at.step_in_epoch, at.global_step, at.samples, at.train_s,
+                                 at.skipped_steps, window_from=at.log_window_from(cfg.output.log_every))
+        self.result = RunResult(run_dir=run_dir, epochs=at.epoch)
+        self.started = started   # perf_counter() when the process group formed
+        self.out = run_dir or run_dir_for(cfg)   # the run directory, as every rank knows it (for messages)
+        self.stragglers = Stragglers()
+        self.step_lr: float = run.optimizer.param_groups[0]["lr"]   # the learning rate of the last step
         self.running = RunningLoss()  # loss x samples and samples, of the epoch and of the log window
         if resumed is not None:
             self.running.load(resumed.sums)
@@ -77,7 +84,8 @@ class Trainer(Observer):
         self.grad_norm: Optional[torch.Tensor] = None
         #: ``time.perf_counter()`` when the loop last moved on: the last step's end, or a restart.
         self.last_progress = self._loss_known = time.perf_counter()
-        self.pauses = Pauses(run, self.result, self.running, checkpointer, self.emit, self.metrics, say)
+        self.pauses = Pauses(run, self.result, self.progress, self.running, checkpointer, self.emit, self.metrics,
+                             say, started=started, start=at, out=self.out)
         self.pauses.on_checkpoint = on_checkpoint
         self.recovery: Optional[Recovery] = None   # a fault's recovery, reported after the first step
         self.vote: Optional[StopVote] = None       # the preemption stop vote (loop/pauses.py), from fit on
@@ -87,7 +95,7 @@ class Trainer(Observer):
         self.profiler: Optional["Profiler"] = None
         if cfg.output.profile:
             from scaleloop.loop.profiler import profiler_for
-            self.profiler = profiler_for(self, run, run_dir or self.result.out, say, start_step=at.global_step)
+            self.profiler = profiler_for(self, run, self.out, say, start_step=at.global_step)
             self.watch = self.profiler
 
     def emit(self, row: Row) -> None:
@@ -96,14 +104,14 @@ class Trainer(Observer):
         if self.metrics is not None:
             self.metrics.write(row.kind, epoch=row.epoch, step=row.step, samples=row.samples, **row.values)
         if row.totals is not None:
-            check_health(row, row.totals, self.result.stragglers, self.result.out, self.checkpointer, self.run.loader)
+            check_health(row, row.totals, self.stragglers, self.out, self.checkpointer, self.run.loader)
 
     def fit(self, recovery: Optional[Recovery] = None) -> RunResult:
         """The epochs from the checkpoint's place on; then the final weights and the result.
 
         ``recovery``: what the attempt before a fault left, reported after the first step.
         """
-        cfg, result, at = self.cfg, self.result, self.at
+        cfg, result, at, progress = self.cfg, self.result, self.at, self.progress
         announce(self.run, self.resumed, self.say)
         evaluations = self.pauses.evals.describe()
         if evaluations is not None:
@@ -119,17 +127,17 @@ class Trainer(Observer):
                 done = self.train_epoch(epoch, at.step_in_epoch if epoch == at.epoch else 0)
             self.pauses.finish_write()   # the last checkpoint, if written in the background, is whole
             if vote.stopped_after is not None:  # the checkpoint is written: end with how to continue
-                raise vote.preempted(result.out, self.checkpointer.last_step, checkpoints=cfg.checkpointing.checkpoints,
+                raise vote.preempted(self.out, self.checkpointer.last_step, checkpoints=cfg.checkpointing.checkpoints,
                                      machines=cfg.launch.nnodes, requeue_job=cfg.launch.requeue)
         except RunDirWriteError as exc:  # rank 0's own files (metrics.csv): add where the run can go on from
             self.checkpointer.wait_alone()
-            note_where(exc, epoch=result.epochs + 1, step=result.steps + 1, during=self.pauses.doing)
+            note_where(exc, epoch=progress.epoch + 1, step=progress.global_step + 1, during=self.pauses.doing)
             raise exc.with_hint(self.checkpointer.continue_hint(exc.once)) from None
         except BaseException as exc:  # where the loop was, for the launcher's failure report
             if self.profiler is not None:   # the trace so far; a CUDA out-of-memory's snapshot
                 self.profiler.abandon(exc)
             self.checkpointer.wait_alone()   # a background write in flight ends first (no collective)
-            note_where(exc, epoch=result.epochs + 1, step=result.steps + 1,
+            note_where(exc, epoch=progress.epoch + 1, step=progress.global_step + 1,
                        last_progress=time.time() - (time.perf_counter() - self.last_progress),
                        during=self.pauses.doing)
             raise
@@ -140,13 +148,18 @@ class Trainer(Observer):
             self.profiler.report()
         if result.test is None:
             result.test = self.pauses.evals.of_test_set()  # nothing trained: the checkpoint's model
-        return finish(self.run, result, self.checkpointer, self.resumed, self.gradient_bytes)
+        progress.skipped_steps = self.pauses.skipped()
+        worst = self.stragglers.worst
+        result.straggler = worst.describe() if worst is not None else ""
+        return finish(self.run, result.counted(progress), self.checkpointer, self.resumed, self.gradient_bytes,
+                      self.started)
 
     def train_epoch(self, epoch: int, first_step: int) -> bool:
         """Epoch ``epoch`` from its step ``first_step`` on, then its end; True when the run stops
         in it (``--max-steps``, or the stop vote)."""
-        cfg, run, result, pauses = self.cfg, self.run, self.result, self.pauses
+        cfg, run, progress, pauses = self.cfg, self.run, self.progress, self.pauses
         sampler = run.loader.sampler
+        progress.epoch, progress.step_in_epoch = epoch, first_step
         run.loader.set_epoch(epoch, first_step)
         if first_step == 0:
             self.running.new_epoch()
@@ -159,40 +172,40 @@ class Trainer(Observer):
         window_samples = 0
         self.restart_clock()
         for micro_batches in steps_of(run.loader):
-            result.step_lr = run.optimizer.param_groups[0]["lr"]   # the learning rate this step uses
-            logs = (result.steps + 1) % cfg.output.log_every == 0   # a log row after this step: it shows the norm
+            self.step_lr = run.optimizer.param_groups[0]["lr"]   # the learning rate this step uses
+            logs = (progress.global_step + 1) % cfg.output.log_every == 0   # a log row after this step: it shows the norm
             losses, grad_norm = train_step(run, micro_batches, self.watch, norm=logs)   # watched (below)
-            result.steps += 1
+            progress.global_step += 1
             if grad_norm is not None:
                 self.grad_norm = grad_norm
             for batch, loss in zip(micro_batches, losses):
                 if loss is not None:  # None: this rank computes no loss (a pipeline's earlier stage)
-                    self.running.add(loss, len(batch), result.steps)
+                    self.running.add(loss, len(batch), progress.global_step)
             if self.recovery is not None:
                 self._report_recovery(epoch)
             where = micro_batches[-1].place
-            in_epoch = where.step + 1
-            result.samples += where.step_samples
+            in_epoch = progress.step_in_epoch = where.step + 1
+            progress.samples += where.step_samples
             window_samples += where.step_samples
             if bar is not None:
                 bar.update(1)
-            if result.steps % cfg.output.log_every == 0:
+            if progress.global_step % cfg.output.log_every == 0:
                 window_start = self.log_row(epoch, window_samples, window_start, bar)
                 window_samples = 0
             # Every rank ends at --max-steps, or where the stop vote says so (the same step on all).
-            if ((cfg.optim.max_steps is not None and result.steps >= cfg.optim.max_steps)
-                    or (self.vote is not None and self.vote.after_step(result.steps))):
+            if ((cfg.optim.max_steps is not None and progress.global_step >= cfg.optim.max_steps)
+                    or (self.vote is not None and self.vote.after_step(progress.global_step))):
                 done = True
                 break
-            if pauses.due(result.steps) and not _epoch_complete(sampler, in_epoch):
-                paused = pauses.inside(epoch, in_epoch, result.steps, epoch_start)
+            if pauses.due(progress.global_step) and not _epoch_complete(sampler, in_epoch):
+                paused = pauses.inside(epoch, in_epoch, progress.global_step, epoch_start)
                 self.restart_clock()
                 epoch_start += paused   # not training time, as at the epoch's end
                 window_start += paused
-        result.train_s += device_clock(self.env.device) - epoch_start
+        progress.train_s += device_clock(self.env.device) - epoch_start
         if bar is not None:
             bar.close()
-        pauses.end_epoch(epoch, in_epoch, finished=_epoch_complete(sampler, in_epoch))
+        pauses.end_epoch(epoch, in_epoch, finished=_epoch_complete(sampler, in_epoch), lr=self.step_lr)
         return done
 
     def log_row(self, epoch: int, window_samples: int, window_start: float, bar: Any = None) -> float:
@@ -202,16 +215,16 @@ class Trainer(Observer):
         The same all-reduce gathers each rank's own time, first non-finite step and fp16 skipped
         steps (``scaleloop.loop.rows``), which the health checks read (``loop.rows``).
         """
-        run, result, running = self.run, self.result, self.running
+        run, result, progress, running = self.run, self.result, self.progress, self.running
         # The window's loss began after window_from, before a resume perhaps; its clock, in this process.
-        steps = result.steps - max(result.window_from, self.at.global_step)
+        steps = progress.global_step - max(progress.window_from, self.at.global_step)
         skipped = run.strategy.precision.skipped
         totals = reduce_window(run.env, running.window_values(), self.take_own_s(),
                                running.first_nonfinite_step(), skipped)
         now = device_clock(run.env.device)
         rate, loss = window_samples / max(now - window_start, 1e-9), totals.loss
-        values: dict[str, Any] = {"train_loss": loss, "lr": result.step_lr, "samples_per_s": rate,
-                                  "wall_s": now - result.started, **totals.skew(steps)}
+        values: dict[str, Any] = {"train_loss": loss, "lr": self.step_lr, "samples_per_s": rate,
+                                  "wall_s": now - self.started, **totals.skew(steps)}
         if self.grad_norm is not None:   # the last step's, before clipping (the same on every rank)
             values["grad_norm"] = float(self.grad_norm)
             self.grad_norm = None
@@ -219,14 +232,14 @@ class Trainer(Observer):
         counted = run.count.take_targets() if run.count is not None else None
         values.update(run.throughput.values(run.throughput.tokens(window_samples, counted), now - window_start))
         if skipped is not None:
-            result.skipped_steps = values["skipped_steps"] = result.skipped_before + totals.skipped
+            values["skipped_steps"] = self.at.skipped_steps + totals.skipped
         if bar is not None:
             bar.set_postfix_str(bar_postfix(loss, steps, rate, values.get("grad_norm"),
                                             values.get("tokens_per_s"), values.get("mfu")))
         running.new_window()
-        result.window_loss, result.window_steps = loss, (result.window_from + 1, result.steps)
-        result.window_from = result.steps
-        self.emit(Row("step", epoch + 1, result.steps, result.samples, values, totals, steps,
+        result.window_loss, result.window_steps = loss, (progress.window_from + 1, progress.global_step)
+        progress.window_from = progress.global_step
+        self.emit(Row("step", epoch + 1, progress.global_step, progress.samples, values, totals, steps,
                       (now - window_start) / max(steps, 1)))
         self.restart_clock()  # the wait in this all-reduce is no rank's own work
         return time.perf_counter()
@@ -240,7 +253,7 @@ class Trainer(Observer):
         self.say(f"scaleloop: {recovery.describe()}")
         # The row's samples are those trained before the fault's restart, as metrics.csv has always
         # recorded them (this step's are counted after it).
-        self.emit(Row("recovery", epoch + 1, self.result.steps, self.result.samples,
+        self.emit(Row("recovery", epoch + 1, self.progress.global_step, self.progress.samples,
                       dict(world_size=recovery.world_after, recovery_s=recovery.phases["total_s"])))
         if self.run_dir is not None:
             try:

@@ -85,7 +85,7 @@ def train(cfg: TrainConfig, env: DistEnv, log: Optional[Log] = None,
         try:
             return trainer.fit(recovery)
         except BaseException as exc:
-            record_ending(run_dir, exc, trainer.result.steps)  # for scaleloop doctor, while the lock is held
+            record_ending(run_dir, exc, trainer.progress.global_step)  # for scaleloop doctor, while the lock is held
             raise
 
 
