@@ -4,8 +4,8 @@ The fork server (``forkserver.py``) runs one request at a time, but the machines
 Kubeflow job's pods, a SLURM job's tasks, the launchers of ``--nnodes 2``) must all be running
 for any of them to get past the rendezvous. Started as one request of the server, this script
 forks every run of ``SPEC`` (a JSON object: ``runs``, a list of the server's requests, each with
-an optional ``delay`` in seconds, an optional ``after`` (a path: the run starts once it exists, as a
-machine that comes back once the others have checkpointed), an optional ``code`` (a path that gets
+an optional ``delay`` in seconds, an optional ``after`` (paths: the run starts once they all exist,
+as a machine that comes back once the others wait for it), an optional ``code`` (a path that gets
 its exit code as soon as it ends, while the others may go on) and an optional ``netns``; ``codes``,
 the file that gets all their exit codes) and turns each fork into its run exactly as the server does (``forkserver._child``):
 this process, like the server, has only imported modules, so its forks are as clean as the
@@ -83,7 +83,7 @@ def main(spec_path: str) -> int:
     for request in spec["runs"]:
         # A later start (the second pod of a job) is part of what some runs check.
         time.sleep(max(0.0, float(request.get("delay", 0)) - (time.monotonic() - started)))
-        while request.get("after") and not os.path.exists(request["after"]):
+        while not all(os.path.exists(path) for path in request.get("after", [])):
             reap(block=False)
             time.sleep(0.02)
         for stream in (sys.stdout, sys.stderr):

@@ -25,7 +25,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import pytest
 import torch
@@ -127,10 +127,10 @@ class Cluster:
         self.endpoint = f"{machines[2].address}:29400"
 
     def machine(self, i: int, *, delay: str | None = None, hold: str | None = None,
-                after: Path | None = None) -> dict:
+                after: Sequence[Path] = ()) -> dict:
         """Machine ``i``'s launcher, as a request of ``forkgroup.py``. ``delay``: RECORD_DELAY (s per
         sample); ``hold``: RECORD_HOLD (``W:K``, see scripts/recording_data.py); ``after``: it starts
-        once that path exists."""
+        once those paths exist."""
         host = self.machines[i]
         extra = {"RECORD_HOLD": hold} if hold else {}
         out = str(self.base / f"out{i}.txt")
@@ -138,7 +138,7 @@ class Cluster:
                          "--out", str(self.run_dir(i))],
                 "env": {**env_for(self.records(i), host, **({"delay": delay} if delay else {})), **extra},
                 "cwd": str(self.base), "stdout": out, "stderr": out, "netns": host.namespace,
-                "code": str(self.code_file(i)), **({"after": str(after)} if after else {})}
+                "code": str(self.code_file(i)), "after": [str(path) for path in after]}
 
     def start(self, *machines: dict) -> None:
         """The launchers of ``machines`` (:meth:`machine`), in that order, in the background."""
@@ -310,9 +310,11 @@ def test_machine_cut_off_and_the_others_finish(cluster: Cluster, references: dic
 def test_a_machine_comes_back_and_joins_at_the_next_restart(cluster: Cluster, references: dict[int, Path]) -> None:
     # A run of 2 machines (the minimum) trains 9 steps (33 samples a step each) and waits there,
     # with its step-8 checkpoint written, until machine 0 joins and the group restarts with 3.
-    # Machine 0 comes (back) once machine 1 holds its copy of step 8: the group restarts with 3.
+    # Machine 0 comes (back) once both wait there (a machine that joined in the middle of a step
+    # found one of the two agents 20 s late to restart its group, on a loaded machine).
     cluster.start(*(cluster.machine(i, delay="0", hold=f"2:{9 * BATCH // 2}") for i in (1, 2)),
-                  cluster.machine(0, delay="0", after=cluster.checkpoint(1, 8)))
+                  cluster.machine(0, delay="0", after=[cluster.records(1) / "holding", cluster.records(2) / "holding",
+                                                       cluster.checkpoint(1, 8)]))
     assert cluster.wait(0) == 0, cluster.output(0)
     assert cluster.wait(1) == 0, cluster.output(1)
     assert cluster.wait(2) == 0, cluster.output(2)

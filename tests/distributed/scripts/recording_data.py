@@ -8,7 +8,8 @@ enough to be interrupted.
 
 ``RECORD_HOLD=W:K``: a worker of a group of world size W waits before loading more than K
 samples, until its group is stopped (a machine joins) or ``$RECORD_DIR/release`` appears: a
-test then knows the run is still going when it acts, on any machine's speed.
+test then knows the run is still going when it acts, on any machine's speed. While it waits,
+``$RECORD_DIR/holding`` is there: a test acts once every machine's worker waits.
 """
 from __future__ import annotations
 
@@ -44,8 +45,11 @@ class Recording(Dataset):
     def __getitem__(self, i: int):
         if self.hold_after is not None and self.loaded >= self.hold_after:
             deadline = time.monotonic() + 600   # a bound for a test that failed without stopping it
+            holding = self.release.with_name("holding")
+            holding.touch()
             while not self.release.exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
+            holding.unlink(missing_ok=True)
             self.hold_after = None
         self.loaded += 1
         if self.log is not None:
