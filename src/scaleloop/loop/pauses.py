@@ -179,7 +179,7 @@ class Pauses:
         if self.on_checkpoint is not None:
             path = self.finish_write() or path
             if self.checkpointer.written > written:
-                self.on_checkpoint(path, self.result.counted(self.progress))
+                self.on_checkpoint(path, self.result.counted(progress))   # the counts this checkpoint holds
 
     def finish_write(self) -> Optional[Path]:
         """Complete the checkpoint being written in the background, if any (every rank at the same

@@ -8,6 +8,7 @@ epoch's end the loss reduced over ranks, the test set, the epoch's row and a che
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -66,8 +67,7 @@ class Trainer(Observer):
             if run_dir is not None else None)
         #: ... and where it stands: the next step, the samples and training seconds so far, the step
         #: the log window began after. Its fp16 skipped steps are counted when read (Pauses.skipped).
-        self.progress = Progress(at.epoch, at.step_in_epoch, at.global_step, at.samples, at.train_s,
-                                 at.skipped_steps, window_from=at.log_window_from(cfg.output.log_every))
+        self.progress = replace(at, window_from=at.log_window_from(cfg.output.log_every))
         self.result = RunResult(run_dir=run_dir, epochs=at.epoch)
         self.started = started   # perf_counter() when the process group formed
         self.out = run_dir or run_dir_for(cfg)   # the run directory, as every rank knows it (for messages)
