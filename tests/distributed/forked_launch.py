@@ -23,7 +23,8 @@ imported torch once, in the server), makes both forks:
 
 What is not the users' path: the launcher's other descriptors stay open in the agent (``exec``
 would close them), the workers are forks, and a worker killed by a signal reaches the agent as
-multiprocessing reports it (without the signal's name). So a test of the launch itself, a test of
+multiprocessing reports it (without the signal's name), and torch's rendezvous names its events
+without ``inspect.stack()`` (:func:`_name_rendezvous_events_cheaply`). So a test of the launch itself, a test of
 how a dying worker is reported, and at least one
 test of each strategy and each launcher, runs fresh: ``procs.run(..., fresh=True)``, or
 ``SCALELOOP_TEST_FORK_LAUNCH=0`` in the run's environment. ``SCALELOOP_TEST_FRESH=1`` makes
@@ -168,6 +169,7 @@ def forked_torchrun(parsed: Any, launch_config: Callable[[Any], tuple[Any, list[
     from torch.distributed.launcher.api import elastic_launch
 
     config, cmd_args = launch_config(parsed)
+    _name_rendezvous_events_cheaply()
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -175,6 +177,25 @@ def forked_torchrun(parsed: Any, launch_config: Callable[[Any], tuple[Any, list[
     finally:
         if collecting:
             gc.enable()
+
+
+def _name_rendezvous_events_cheaply() -> None:
+    """torch's rendezvous names each event it records after the calling method, which it finds with
+    ``inspect.stack()``: the source lines of every frame on the stack, twice an event. In this agent,
+    a fork many frames below the fork server's (scripts run by path, runpy's frozen frames), each
+    call took 0.25-0.8 s on the test machine: 20-25 CPU-seconds of one agent's rendezvous in
+    tests/distributed/test_elastic_nodes.py, so that on the loaded machine an agent joined its first
+    round after the others had closed it. The same name, read from the frame itself (a fresh agent,
+    as users start it, keeps torch's: its stack is short)."""
+    import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic_rendezvous
+
+    def method_name(depth: int = 2) -> str:
+        try:
+            return sys._getframe(depth).f_code.co_name   # inspect.stack()[depth].function
+        except ValueError:
+            return "no_method_name"
+
+    dynamic_rendezvous.get_method_name = method_name
 
 
 def _worker_entry(run_worker: Callable[[list[str]], int], *cmd_args: str) -> None:

@@ -76,7 +76,10 @@ def main(spec_path: str) -> int:
             ended[pid] = os.waitstatus_to_exitcode(status)
             request = running.pop(pid, {})
             if request.get("code"):
-                Path(request["code"]).write_text(str(ended[pid]), encoding="utf-8")
+                # Written whole, then renamed: a test that polls for the file never reads it empty.
+                code = Path(request["code"])
+                code.with_name(code.name + ".part").write_text(str(ended[pid]), encoding="utf-8")
+                code.with_name(code.name + ".part").replace(code)
             block = False
 
     started = time.monotonic()
