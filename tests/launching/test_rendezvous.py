@@ -73,3 +73,18 @@ def test_bad_min_max_is_one_line(value: str, capsys: pytest.CaptureFixture[str])
     assert main(["train", "--nnodes", value]) == EXIT_USAGE
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "MIN:MAX" in err[0], err
+
+
+def test_a_group_smaller_than_the_elastic_minimum_is_refused_not_trained() -> None:
+    """torchrun's rendezvous once gave a worker of ``--nnodes 2:3`` a group of one machine (it
+    dropped the other, whose heartbeats were late, from the round it had just closed): the worker
+    stops before its first collective, so that the agents meet again, instead of training alone."""
+    from scaleloop.launching.launcher import check_group_size
+
+    cfg = resolve({}, {"nnodes": "2:3", "nproc": 2, "rdzv_endpoint": "192.0.2.1:29400", "strategy": "ddp"})
+    for world_size in (4, 5, 6):
+        check_group_size(cfg, world_size)
+    with pytest.raises(RuntimeError, match=r"a group of 2 process\(es\), fewer than --nnodes 2:3 allows "
+                                           r"\(2 machine\(s\) x --nproc 2 = 4\).*keep_alive_max_attempt"):
+        check_group_size(cfg, 2)
+    check_group_size(resolve({}, {"nproc": 2}), 1)   # not elastic: nothing to check here

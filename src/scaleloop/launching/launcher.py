@@ -121,6 +121,7 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
     from scaleloop.runtime import dist
 
     env = dist.DistEnv.from_env(device=cfg.launch.device, backend=cfg.launch.backend, timeout_s=cfg.launch.timeout)
+    check_group_size(cfg, env.world_size)
     if started_by_ray_worker():   # Ray's MASTER_PORT is its parent's: meet in a group of its own
         from scaleloop.ray import join_beside_ray
 
@@ -162,6 +163,23 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
     finally:
         dist.end_process_group(failed=failed)   # after a failure, maybe once its error is recorded
     return result if env.is_main else None
+
+
+def check_group_size(cfg: TrainConfig, world_size: int) -> None:
+    """Refuse a group smaller than ``--nnodes MIN:MAX`` allows (MIN machines of ``--nproc``).
+
+    torchrun's c10d rendezvous can hand one out: a machine whose heartbeats come late (an agent
+    starved for ``keep_alive_interval x keep_alive_max_attempt`` seconds) is dropped from the
+    round it has just closed, and an agent that reads the round after that starts its workers in
+    a group without it, down to one machine. This attempt then ends, before its first collective,
+    and torchrun's agents meet again, instead of training on fewer machines than asked."""
+    fewest = cfg.launch.min_nnodes * cfg.launch.nproc
+    if cfg.launch.elastic and cfg.launch.replica_groups <= 1 and world_size < fewest:
+        raise RuntimeError(f"torchrun formed a group of {world_size} process(es), fewer than --nnodes "
+                           f"{cfg.launch.elastic_nodes} allows ({cfg.launch.min_nnodes} machine(s) x --nproc "
+                           f"{cfg.launch.nproc} = {fewest}): its rendezvous dropped a machine whose heartbeats came "
+                           "late; this attempt stops and the machines meet again (a longer --rdzv-conf "
+                           "keep_alive_interval x keep_alive_max_attempt avoids it on a loaded machine)")
 
 
 def _meet_srun_tasks(env: "DistEnv") -> None:
