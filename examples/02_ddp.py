@@ -36,7 +36,7 @@ for epoch in range(100):
     loader.set_epoch(epoch)
     for batch in loader:
         x, y = batch
-        with strategy.accumulate(model, batch):
+        with strategy.micro_step(model, batch):
             loss = criterion(model(x), y)
             strategy.backward(loss, batch)
         if batch.last_micro:

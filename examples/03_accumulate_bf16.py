@@ -51,7 +51,7 @@ for epoch in range(100):
     loader.set_epoch(epoch)
     for batch in loader:
         x, y = batch
-        with strategy.accumulate(model, batch):       # no_sync on all but the last micro-step
+        with strategy.micro_step(model, batch):       # no_sync on all but the last micro-step
             with strategy.autocast():                                       # new
                 loss = criterion(model(x), y)
             strategy.backward(loss, batch)            # weighted by the micro-batch's share

@@ -104,7 +104,7 @@ for epoch in range(start_epoch, 100):
         if step == args.steps:
             break
         x, y = batch
-        with strategy.accumulate(model, batch):
+        with strategy.micro_step(model, batch):
             with strategy.autocast():
                 loss = criterion(model(x), y)
             strategy.backward(loss, batch)

@@ -52,7 +52,7 @@ def train(strategy_name: str) -> dict:                                  # new: t
         loader.set_epoch(epoch)
         for batch in loader:
             x, y = batch
-            with strategy.accumulate(model, batch):
+            with strategy.micro_step(model, batch):
                 loss = criterion(model(x), y)
                 strategy.backward(loss, batch)
             step_loss += loss.detach() * len(batch) / batch.place.step_samples

@@ -46,7 +46,7 @@ for epoch in range(100):
     loader.set_epoch(epoch)
     for batch in loader:
         x, labels = batch                     # x: {"input_ids", "attention_mask"}; labels: the "labels" entry
-        with strategy.accumulate(model, batch):
+        with strategy.micro_step(model, batch):
             loss = model(**x, labels=labels).loss   # the model shifts the labels, averages per token
             strategy.backward(loss, batch)
         if batch.last_micro:

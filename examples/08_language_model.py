@@ -104,7 +104,7 @@ while step < args.steps:
     loader.set_epoch(epoch)
     for batch in loader:
         x, y = batch
-        with strategy.accumulate(model, batch):
+        with strategy.micro_step(model, batch):
             logits = model(x)
             loss = criterion(logits.flatten(0, 1), y.flatten())
             strategy.backward(loss, batch)

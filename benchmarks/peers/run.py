@@ -202,7 +202,7 @@ def setup_scaleloop(workload: Workload, ddp: bool) -> Trainer:
 
     def step(batch: Any) -> torch.Tensor:
         x, y = batch
-        with strategy.accumulate(model, batch):
+        with strategy.micro_step(model, batch):
             loss = criterion(model(x), y)
             strategy.backward(loss, batch)
         strategy.optimizer_step(optimizer)

@@ -43,7 +43,7 @@ def train(steps: int = 6, lr: float = 0.1) -> dict[str, Any]:
             if step == steps:
                 break
             x, y = batch
-            with strategy.accumulate(model, batch):
+            with strategy.micro_step(model, batch):
                 strategy.backward(criterion(model(x), y), batch)
             strategy.optimizer_step(optimizer)
         net = strategy.unwrap(model)

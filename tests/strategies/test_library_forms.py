@@ -270,3 +270,29 @@ def test_keywords_that_contradict_the_dataloader_and_a_dataset_without_batch_siz
     with pytest.raises(UsageError, match=r"needs the global batch_size"):
         strategy.loader(data())
     assert strategy.loader(DataLoader(data(), batch_size=16), 16, shuffle=False).sampler.global_batch == 16
+
+
+def test_a_loop_written_with_the_old_name_accumulate_trains_the_same_and_is_told_the_new_one() -> None:
+    """``strategy.accumulate(model, batch)`` was the micro-step's context; it is ``micro_step`` now
+    (``accumulate`` is the number of micro-steps). A loop written with the old name still runs, the
+    same bit for bit, and hears the new name (issue 54: one meaning per name)."""
+    def hand_written(old_name: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = net()
+        strategy = sl.strategy("single", CPU, accumulate=2)
+        model, opt = strategy.setup(model, lambda params: torch.optim.SGD(params, lr=0.05))
+        context = strategy.accumulate if old_name else strategy.micro_step
+        for batch in strategy.loader(data(), 16, seed=0):
+            x, y = batch
+            with context(model, batch):
+                with strategy.autocast():
+                    loss = F.mse_loss(model(x), y)
+                strategy.backward(loss, batch)
+            if batch.last_micro:
+                strategy.optimizer_step(opt)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    new = hand_written(old_name=False)
+    with pytest.warns(FutureWarning, match=r"strategy\.micro_step\(model, batch\)"):
+        old = hand_written(old_name=True)
+    assert new.keys() == old.keys() and all(torch.equal(new[k], old[k]) for k in new)

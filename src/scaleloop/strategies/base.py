@@ -3,7 +3,7 @@
 A strategy owns what changes between "one process" and "many": how the model is placed,
 which samples this rank loads, how gradients are synchronised, and how checkpoints are
 written and read. The training step (``scaleloop.loop.step``) and the loop only talk to
-:class:`Strategy`; the hand-written-loop calls (``accumulate``, ``autocast``, ``backward``)
+:class:`Strategy`; the hand-written-loop calls (``micro_step``, ``autocast``, ``backward``)
 are :class:`HandWrittenLoop`'s, which every strategy but the pipeline is. The contract, and
 how a new strategy plugs in (its module and one registry entry, the hooks it may override):
 docs/strategies.md, "The strategy contract" and "Adding a strategy".
@@ -15,6 +15,7 @@ Collectives over ranks are not strategy methods: they are the functions of
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Union
 
@@ -377,7 +378,7 @@ class HandWrittenLoop(Strategy):
     """The calls of a hand-written training loop (README, examples/), for every strategy whose
     ranks each run the whole model; ``forward_backward`` is made of them::
 
-        with strategy.accumulate(model, batch):
+        with strategy.micro_step(model, batch):
             with strategy.autocast():
                 loss = loss_fn(model(x), y)
             strategy.backward(loss, batch)
@@ -387,9 +388,17 @@ class HandWrittenLoop(Strategy):
     (``scaleloop train``'s step, ``loop.step.train_step``, is written with the same hooks.)
     """
 
-    def accumulate(self, model: nn.Module, batch: Union[Batch, int]) -> contextlib.AbstractContextManager:
-        """A hand-written loop's :meth:`no_sync` for ``batch`` (a ``Batch``, or a micro-step's index)."""
+    def micro_step(self, model: nn.Module, batch: Union[Batch, int]) -> contextlib.AbstractContextManager:
+        """The context of one micro-step of a hand-written loop: :meth:`no_sync` for ``batch`` (a
+        ``Batch``, or a micro-step's index), so gradients are synchronised after the last only."""
         return self.no_sync(model, last=self.is_sync_step(batch))
+
+    def accumulate(self, model: nn.Module, batch: Union[Batch, int]) -> contextlib.AbstractContextManager:
+        """The old name of :meth:`micro_step`, kept so that loops written with it still run; it says
+        so once. (``accumulate`` is the number of micro-steps in an optimizer step.)"""
+        warnings.warn("strategy.accumulate(model, batch) is now strategy.micro_step(model, batch); the old name "
+                      "will be removed (accumulate is the number of micro-steps a step has)", FutureWarning, stacklevel=2)
+        return self.micro_step(model, batch)
 
     def is_sync_step(self, batch: Union[Batch, int]) -> bool:
         """True on the micro-step after which gradients are synchronised and the optimizer steps."""
@@ -411,7 +420,7 @@ class HandWrittenLoop(Strategy):
 
     def forward_backward(self, model: nn.Module, batch: Batch, loss_fn: LossFn) -> Optional[torch.Tensor]:
         x, y = batch
-        with self.accumulate(model, batch):
+        with self.micro_step(model, batch):
             with self.autocast():
                 loss = loss_fn(call_model(model, x), y)
             self.backward(loss, batch)

@@ -247,7 +247,7 @@ class PipelineParallel(ProcessGroupStrategy):
 
     A rank runs only its stages, so ``model(x)`` is not the model's output: a step goes through
     ``forward_backward`` (the step contract), and there are no hand-written-loop calls
-    (``accumulate``, ``autocast``, ``backward``: ``HandWrittenLoop``'s).
+    (``micro_step``, ``autocast``, ``backward``: ``HandWrittenLoop``'s).
     """
 
     name = "pipeline"

@@ -47,10 +47,10 @@ torch.manual_seed(0)
 strategy = scaleloop.strategy("fsdp", env, precision="fp32", accumulate=2)
 model, opt = strategy.setup(SimpleNet(6, 8, 3), lambda ps: torch.optim.SGD(ps, lr=0.1))
 x = torch.randn(4, 6) + rank
-with strategy.accumulate(model, 0):
+with strategy.micro_step(model, 0):
     strategy.backward(model(x).pow(2).mean())
 after_first = [p.grad is None for p in model.parameters()]
-with strategy.accumulate(model, 1):
+with strategy.micro_step(model, 1):
     strategy.backward(model(x).pow(2).mean())
 after_last = [p.grad is not None for p in model.parameters()]
 assert all(after_first), f"rank {rank}: a sharded gradient exists after a non-final micro-step"

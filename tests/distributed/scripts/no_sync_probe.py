@@ -30,7 +30,7 @@ loader.set_epoch(0)
 for batch in loader:
     x, y = batch
     current["micro"] = batch.place.micro
-    with strategy.accumulate(model, batch):
+    with strategy.micro_step(model, batch):
         strategy.backward(torch.nn.functional.mse_loss(model(x), y), batch)
     if batch.last_micro:
         strategy.optimizer_step(optimizer)

@@ -22,7 +22,7 @@ loader = strategy.loader(data, batch_size=32, shuffle=False)
 loader.set_epoch(0)
 for batch in loader:  # 2 steps: 16 samples per rank each
     x, y = batch
-    with strategy.accumulate(model, batch):
+    with strategy.micro_step(model, batch):
         strategy.backward(nn.functional.binary_cross_entropy_with_logits(model(x), y), batch)
     strategy.optimizer_step(optimizer)
 after = torch.cat([p.detach().flatten() for p in model.parameters()])
