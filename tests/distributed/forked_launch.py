@@ -183,7 +183,7 @@ def _name_rendezvous_events_cheaply() -> None:
     """torch's rendezvous names each event it records after the calling method, which it finds with
     ``inspect.stack()``: the source lines of every frame on the stack, twice an event. In this agent,
     a fork many frames below the fork server's (scripts run by path, runpy's frozen frames), each
-    call took 0.25-0.8 s on the test machine: 20-25 CPU-seconds of one agent's rendezvous in
+    call took 0.25-0.8 s on the test machine: 20-25 s of one agent's rendezvous in
     tests/distributed/test_elastic_nodes.py, so that on the loaded machine an agent joined its first
     round after the others had closed it. The same name, read from the frame itself (a fresh agent,
     as users start it, keeps torch's: its stack is short)."""

@@ -168,9 +168,9 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
 def check_group_size(cfg: TrainConfig, world_size: int) -> None:
     """Refuse a group smaller than ``--nnodes MIN:MAX`` allows (MIN machines of ``--nproc``).
 
-    torchrun's c10d rendezvous can hand one out: a machine whose heartbeats come late (an agent
-    starved for ``keep_alive_interval x keep_alive_max_attempt`` seconds) is dropped from the
-    round it has just closed, and an agent that reads the round after that starts its workers in
+    torchrun's c10d rendezvous can hand one out: a machine whose heartbeats come late (its agent
+    busy or starved for longer than ``keep_alive_interval x keep_alive_max_attempt``) is dropped
+    from the round it has just closed, and an agent that reads the round after that starts its workers in
     a group without it, down to one machine. This attempt then ends, before its first collective,
     and torchrun's agents meet again, instead of training on fewer machines than asked."""
     fewest = cfg.launch.min_nnodes * cfg.launch.nproc
