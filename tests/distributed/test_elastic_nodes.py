@@ -135,8 +135,7 @@ class Cluster:
         sample); ``hold``: RECORD_HOLD (``W:K``, see scripts/recording_data.py); ``after``: it starts
         once those paths exist; ``timeout``: ``--timeout``, how long a collective waits for a peer.
         Only the test of a link cut waits for it to pass; elsewhere it is long, so that a worker slowed
-        on a loaded machine is not taken for a lost one, which would be a
-        second recovery that the reference does not have."""
+        on a loaded machine is not taken for a lost one (a second recovery the reference lacks)."""
         host = self.machines[i]
         extra = {"RECORD_HOLD": hold} if hold else {}
         out = str(self.base / f"out{i}.txt")
