@@ -16,5 +16,11 @@ class UsageError(Exception):
     shown = False   # True once printed (rank 0 of ``--nproc`` workers): the CLI then does not repeat it
 
 
+class StoppedOnEveryRank(UsageError):
+    """An ending that every rank of a run raises alike, at the same step, from one collective's
+    result (a loss or data that is not finite). Rank 0 records and says it; the other ranks wait
+    for that before they exit, since torchrun ends every worker once one has exited."""
+
+
 class CheckpointError(UsageError):
     """A checkpoint that cannot be used; the message names the file and what is wrong."""

@@ -146,12 +146,14 @@ def _text(path: Path) -> str:
 
 
 def _kill_session(pid: int, sweep: bool = True) -> None:
+    # Listed before the signal: a killed process soon cannot be recognised (kill_owned says why).
+    listed = owned_pids() if sweep else []
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     if sweep:
-        kill_owned()
+        kill_owned(also=listed)
 
 
 SERVER = ForkServer()
@@ -179,12 +181,16 @@ def owned_pids() -> list[int]:
     return found
 
 
-def kill_owned(wait_s: float = 30) -> None:
-    """SIGKILL every process this test session started that is still alive, and wait until each
-    has ended (gone, or a zombie: its files, and so its flocks on a run directory, are closed).
+def kill_owned(wait_s: float = 30, also: Sequence[int] = ()) -> None:
+    """SIGKILL every process this test session started that is still alive, and wait until each of
+    them (and of ``also``: listed by :func:`owned_pids` before they were signalled) has ended (gone,
+    or a zombie: its files, and so its flocks on a run directory, are closed).
 
     Why wait: a signal is delivered, not obeyed, by the time ``kill`` returns; a test that starts
-    the next run at once could still find the killed one holding its run directory.
+    the next run at once could still find the killed one holding its run directory. Why ``also``:
+    a process that is ending has given up its memory, and with it the environment that
+    :func:`owned_pids` recognises, before it closes its files (torchrun's agent, killed with its
+    launcher's process group, can hold the run directory's lock a while longer).
     """
     killed = owned_pids()
     for pid in killed:
@@ -193,7 +199,7 @@ def kill_owned(wait_s: float = 30) -> None:
         except (ProcessLookupError, PermissionError):
             pass
     deadline = time.monotonic() + wait_s
-    for pid in killed:
+    for pid in dict.fromkeys([*also, *killed]):
         while not _ended(pid) and time.monotonic() < deadline:
             time.sleep(0.01)
 
@@ -303,11 +309,12 @@ def kill_group(proc: "subprocess.Popen | ForkedRun") -> None:
     if isinstance(proc, ForkedRun):
         proc.end()
         return
+    listed = owned_pids()   # before the signal (kill_owned says why)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    kill_owned()
+    kill_owned(also=listed)
     try:
         proc.communicate(timeout=10)
     except (subprocess.TimeoutExpired, ValueError):

@@ -122,6 +122,25 @@ def test_a_nonfinite_loss_on_one_rank_names_it_and_doctor_reads_the_record(tmp_p
     assert told.what == "diverged: the training loss became nan at step 3 (epoch 1) on rank 1"
 
 
+def test_the_record_of_a_divergence_is_rank_0_s_even_when_another_rank_is_done_first(tmp_path: Path) -> None:
+    # Every rank stops alike on a non-finite loss; torchrun ends the others once one has exited.
+    # Rank 1 waits until rank 0 has recorded and said the ending (before, on a busy machine, rank 0
+    # could be ended first: the launcher then recorded a bare usage error, with no rank or step).
+    out = tmp_path / "run"
+    res = run([*TRAIN, "--model", "failing_models:nan_on_rank_1_recorded_late", "--log-every", "1",
+               "--checkpoint-every", "2", "--out", str(out)], cwd=SCRIPTS, timeout=180,
+              env={**env(), "FAILING_MODELS_WAITING": str(tmp_path / "rank-1-waits")})
+    assert res.returncode == 2, res.stderr
+    assert [line for line in res.stderr.splitlines() if line.startswith("scaleloop: error:")] == [
+        "scaleloop: error: the run diverged: the training loss became nan at step 3 (epoch 1) on rank 1; stopped "
+        f"there and wrote no checkpoint of it; the newest valid checkpoint is {str(out / 'checkpoints' / 'step-00000002')!r} "
+        f"(step 2); continue from it with gradient clipping: scaleloop train --out {out} --clip-grad 1.0, or start "
+        "over with a lower --lr"], res.stderr
+    saved = json.loads((out / "failure.json").read_text())
+    assert (saved["kind"], saved["rank"], saved["epoch"], saved["step"]) == ("diverged", 1, 1, 3), saved
+    assert not list(out.glob("usage-error-rank-*.txt"))
+
+
 def test_a_stalled_rank_is_named_with_where_it_is_stuck(tmp_path: Path) -> None:
     out = tmp_path / "run"
     # Bounded by run()'s own timeout (180 s, far under the 30-minute default a lost --timeout would

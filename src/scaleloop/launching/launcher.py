@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 from scaleloop.config import TrainConfig, to_toml
-from scaleloop.errors import EXIT_INTERRUPTED, UsageError
+from scaleloop.errors import EXIT_INTERRUPTED, StoppedOnEveryRank, UsageError
 from scaleloop.launching.failures import (LOGS_DIR, Failure, leave_unrecorded, quiet_loader_workers,
                                          remove_partial_records, take_unrecorded, usage_error_in_logs)
 from scaleloop.launching.supervisor import LaunchOutcome, supervise
@@ -148,6 +148,10 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
                     print(f"scaleloop: error: {exc}", file=sys.stderr, flush=True)
                     exc.shown = True
                 _leave_usage_error(Path(cfg.checkpointing.out), env.rank, str(exc))
+            if isinstance(exc, StoppedOnEveryRank):
+                # Every rank stops here alike: the others wait until rank 0 has recorded the ending
+                # (failure.json) and said it; its words name the run's checkpoints, theirs cannot.
+                _meet_before_exit(env)
         raise
     except KeyboardInterrupt:
         raise Interrupted(Path(cfg.checkpointing.out) if cfg.checkpointing.out and env.is_main else None) from None
@@ -456,6 +460,16 @@ def _termination_held() -> Iterator[None]:
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
         for sig in dict.fromkeys(arrived):
             signal.raise_signal(sig)
+
+
+def _meet_before_exit(env: DistEnv) -> None:
+    """A barrier of the run's ranks; a group already broken (a rank gone) lets this one exit."""
+    from scaleloop.runtime.collectives import barrier
+
+    try:
+        barrier(env)
+    except Exception:   # noqa: BLE001 - the rank's own error is what it reports
+        pass
 
 
 def _leave_usage_error(run_dir: Path, rank: int, message: str) -> None:

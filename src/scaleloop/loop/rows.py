@@ -59,7 +59,7 @@ from torch import nn
 
 from scaleloop.data.batch import split
 from scaleloop.data.info import DataInfo
-from scaleloop.errors import UsageError
+from scaleloop.errors import StoppedOnEveryRank
 from scaleloop.models import TinyGPT
 from scaleloop.runtime.collectives import sum_over_ranks
 from scaleloop.runtime.devices import datasheet_peak
@@ -70,7 +70,7 @@ if TYPE_CHECKING:   # named in annotations only
     from scaleloop.checkpoint.manager import Checkpointer
 
 
-class Diverged(UsageError):
+class Diverged(StoppedOnEveryRank):
     """The global loss (or the weights) stopped being finite: the run stops, writing no checkpoint of it.
 
     ``what`` is the first clause of the message ("the training loss became nan at step 12 (epoch
@@ -213,14 +213,14 @@ def diverged(what: str, step: int, epoch: int, run_dir: Optional[Path], checkpoi
 
 
 def stopped_on_nonfinite(what: str, step: int, epoch: int, run_dir: Optional[Path], checkpoint_step: Optional[int],
-                         ranks: Sequence[int], world: int, loader: Any) -> UsageError:
+                         ranks: Sequence[int], world: int, loader: Any) -> StoppedOnEveryRank:
     """The error that stops a run whose loss (``what``, from step ``step`` on) is not finite: the
     data's fault when a sample of that step holds inf or NaN (:func:`nonfinite_sample`, read only
     now), else :func:`diverged`. Every rank reads the same samples and says the same."""
     cause = nonfinite_sample(loader, step) if what.startswith("the training loss") else None
     if cause is None:
         return diverged(what, step, epoch, run_dir, checkpoint_step, ranks, world)
-    return UsageError(f"the training data is not finite: {cause} (step {step}, epoch {epoch}, where {what}); "
+    return StoppedOnEveryRank(f"the training data is not finite: {cause} (step {step}, epoch {epoch}, where {what}); "
                       "stopped there and wrote no checkpoint of it; "
                       f"{continue_line(run_dir, checkpoint_step)}; repair or leave out that sample "
                       "(a lower --lr or --clip-grad does not help)")

@@ -5,6 +5,8 @@
 ``--model failing_models:exits`` / ``:killed``: rank 1 ends at its third forward without a Python
 error: ``os._exit(3)``, or SIGKILL (as from the out-of-memory killer).
 ``--model failing_models:bad_output``: every rank's forward returns a string (bad input: a usage error).
+``--model failing_models:nan_on_rank_1`` (``:nan_on_rank_1_recorded_late``): rank 1's loss becomes
+NaN at its third forward (and rank 0 records the ending only once rank 1 waits for it).
 The rank is read as a user would, from torch.distributed.
 """
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -112,4 +115,38 @@ class _NaNOnRank1(nn.Module):
 
 def nan_on_rank_1(info: Any = None) -> nn.Module:
     """Rank 1's loss becomes NaN at its third forward (a bad batch of its own); rank 0's stays finite."""
+    return _NaNOnRank1()
+
+
+def nan_on_rank_1_recorded_late(info: Any = None) -> nn.Module:
+    """As :func:`nan_on_rank_1`, and rank 0 records the run's ending only once rank 1 waits for it
+    (the file ``$FAILING_MODELS_WAITING`` says so): a rank 1 that exits instead has torchrun end
+    rank 0 before its record, as a busy machine can have it happen.
+
+    Not a user's path: the loop's ``record_ending`` (rank 0) and the launcher's wait (rank 1) are
+    wrapped.
+    """
+    import scaleloop.launching.launcher as launcher
+    import scaleloop.loop.training as training
+
+    waiting = Path(os.environ["FAILING_MODELS_WAITING"])
+    if dist.get_rank() == 1:
+        meet = getattr(launcher, "_meet_before_exit", None)   # (None: a scaleloop without the wait)
+
+        def announced(env: Any) -> None:
+            waiting.touch()
+            if meet is not None:
+                meet(env)
+
+        launcher._meet_before_exit = announced
+    else:
+        recorded = training.record_ending
+
+        def late(run_dir: Any, exc: BaseException, step: int) -> None:
+            deadline = time.monotonic() + 120
+            while not waiting.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            recorded(run_dir, exc, step)
+
+        training.record_ending = late
     return _NaNOnRank1()
