@@ -35,7 +35,7 @@ from typing import Callable
 import pytest
 import torch
 
-from procs import child_env, kill_group, kill_owned, run
+from procs import child_env, kill_group, kill_owned, owned_pids, run
 from scaleloop.checkpoint.store import list_checkpoints, newest_valid, verify_checkpoint
 
 pytestmark = pytest.mark.distributed
@@ -81,6 +81,21 @@ def wait_until(ready: Callable[[], bool], proc: subprocess.Popen, what: str) -> 
 def writing(out: Path, step: int) -> Callable[[], bool]:
     """Whether the checkpoint of ``step`` is being written (its temporary directory is there)."""
     return lambda: bool(list((out / "checkpoints").glob(f".tmp-step-{step:08d}-*")))
+
+
+def kill_mid_write(out: Path, proc: subprocess.Popen, what: str) -> None:
+    """SIGKILL every process of the run(s) this test started once ``out``'s checkpoint of step 8 is
+    being written: they are listed when step 4's is done (all have started by then), so that the
+    kill is one system call each as soon as the write is seen, not a scan of /proc first."""
+    wait_until(lambda: (out / "checkpoints" / "step-00000004").is_dir(), proc, f"{what}: the checkpoint of step 4")
+    listed = owned_pids()
+    wait_until(writing(out, 8), proc, f"{what}: the background write of step 8")
+    for pid in listed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:   # one that ended on its own meanwhile (a data loader's worker)
+            pass
+    kill_owned(also=listed)   # any started since, and wait until each has ended
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -133,8 +148,7 @@ def killed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     out = base / "killed"
     proc = start([*SETTINGS, *STRATEGIES[strategy], "--async-checkpoint", "--out", str(out)], base)
     try:
-        wait_until(writing(out, 8), proc, "the background write of step 8")
-        kill_owned()   # every process of the run at once: launcher, torchrun and both workers
+        kill_mid_write(out, proc, "the run")   # every process: launcher, torchrun and both workers
         proc.wait(timeout=60)
     finally:
         kill_group(proc)
@@ -210,8 +224,7 @@ def test_two_machines_without_a_shared_disk_killed_mid_background_write_both_res
     procs = machines(lambda i: [*RUN, *MACHINES, "--node-rank", str(i), "--async-checkpoint", "--out", str(dirs[i])],
                      tmp_path)
     try:
-        wait_until(writing(dirs[0], 8), procs[0], "machine 0's background write of step 8")
-        kill_owned()   # both machines' launchers, torchruns and workers at once
+        kill_mid_write(dirs[0], procs[0], "machine 0")   # both machines' launchers, torchruns and workers
         for proc in procs:
             proc.wait(timeout=60)
     finally:
