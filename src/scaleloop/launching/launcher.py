@@ -140,18 +140,7 @@ def launch_train(cfg: TrainConfig, given: Optional[Mapping[str, Any]] = None) ->
             # The loop's own record found no room on a full disk; its lock, released now, leaves some.
             _record_unwritable(Path(cfg.checkpointing.out), str(exc), since=started, where=where_of(exc))
         if env.is_distributed and cfg.checkpointing.out:
-            # torchrun ends the other ranks as soon as one has exited: held off until this rank's
-            # message is both said and left, so that the launcher never says it a second time.
-            with _termination_held():
-                if env.is_main:
-                    # Rank 0's console is the launcher's: said here, once; the launcher then stays quiet.
-                    print(f"scaleloop: error: {exc}", file=sys.stderr, flush=True)
-                    exc.shown = True
-                _leave_usage_error(Path(cfg.checkpointing.out), env.rank, str(exc))
-            if isinstance(exc, StoppedOnEveryRank):
-                # Every rank stops here alike: the others wait until rank 0 has recorded the ending
-                # (failure.json) and said it; its words name the run's checkpoints, theirs cannot.
-                _meet_before_exit(env)
+            _say_and_leave(exc, Path(cfg.checkpointing.out), env)
         raise
     except KeyboardInterrupt:
         raise Interrupted(Path(cfg.checkpointing.out) if cfg.checkpointing.out and env.is_main else None) from None
@@ -460,6 +449,23 @@ def _termination_held() -> Iterator[None]:
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
         for sig in dict.fromkeys(arrived):
             signal.raise_signal(sig)
+
+
+def _say_and_leave(exc: UsageError, run_dir: Path, env: DistEnv) -> None:
+    """A worker's usage error: said on rank 0 (whose console is the launcher's: said once, and the
+    launcher then stays quiet) and left in ``run_dir`` for the launcher on every rank.
+
+    torchrun ends the other ranks as soon as one has exited: held off until this rank's message is
+    both said and left. An ending that every rank raises alike (:class:`StoppedOnEveryRank`) waits,
+    on every rank, until rank 0 has recorded it (failure.json, in the loop) and said it.
+    """
+    with _termination_held():
+        if env.is_main:
+            print(f"scaleloop: error: {exc}", file=sys.stderr, flush=True)
+            exc.shown = True
+        _leave_usage_error(run_dir, env.rank, str(exc))
+    if isinstance(exc, StoppedOnEveryRank):
+        _meet_before_exit(env)
 
 
 def _meet_before_exit(env: DistEnv) -> None:

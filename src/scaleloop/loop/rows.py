@@ -221,9 +221,9 @@ def stopped_on_nonfinite(what: str, step: int, epoch: int, run_dir: Optional[Pat
     if cause is None:
         return diverged(what, step, epoch, run_dir, checkpoint_step, ranks, world)
     return StoppedOnEveryRank(f"the training data is not finite: {cause} (step {step}, epoch {epoch}, where {what}); "
-                      "stopped there and wrote no checkpoint of it; "
-                      f"{continue_line(run_dir, checkpoint_step)}; repair or leave out that sample "
-                      "(a lower --lr or --clip-grad does not help)")
+                              "stopped there and wrote no checkpoint of it; "
+                              f"{continue_line(run_dir, checkpoint_step)}; repair or leave out that sample "
+                              "(a lower --lr or --clip-grad does not help)")
 
 
 def nonfinite_sample(loader: Any, step: int) -> Optional[str]:
